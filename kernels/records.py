@@ -1,0 +1,102 @@
+"""Record layout, reason bits, launch tags and the violation-row layout shared by kernels and host.
+
+A record is 4 x int64 per slot: token, position, prev_hash, real_kv_hash. Hashes are stored as the
+int64 bit pattern of a uint64 splitmix64 value.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+RECORD_WIDTH = 4
+FIELD_TOKEN = 0
+FIELD_POSITION = 1
+FIELD_PREV_HASH = 2
+FIELD_REAL_KV_HASH = 3
+
+# "KVCANARY" in ASCII: the value a chain head (position 0) hashes as its predecessor.
+ANCHOR = 0x4B5643414E415259
+
+# prev_slots entries in a verify plan that are not slots.
+PREV_CHAIN_HEAD = -1  # position 0: expect prev_hash == mix(ANCHOR)
+PREV_SKIP = -2  # window start whose predecessor is outside the window: chain not checked
+# tokens / expected values that are not known.
+UNKNOWN = -1
+
+
+class Reason(IntEnum):
+    """Fail-reason bits of a violation row; the name is the label users assert on."""
+
+    VERIFY_CHAIN_HASH = 1
+    VERIFY_POSITION = 2
+    VERIFY_REAL_KV_HASH = 4
+    VERIFY_TOKEN = 8
+    WRITE_TOKEN = 16
+    WRITE_POSITION = 32
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+# Order in which a row's stored/expected pair is chosen when several reasons fail.
+PRIMARY_REASON_ORDER = (
+    Reason.VERIFY_POSITION,
+    Reason.VERIFY_TOKEN,
+    Reason.VERIFY_CHAIN_HASH,
+    Reason.VERIFY_REAL_KV_HASH,
+    Reason.WRITE_POSITION,
+    Reason.WRITE_TOKEN,
+)
+
+
+def reasons_from_bits(bits: int) -> tuple[Reason, ...]:
+    return tuple(r for r in Reason if bits & r)
+
+
+class Phase(IntEnum):
+    HEAD = 0
+    TAIL = 1
+    SWEEP = 2
+
+
+class Half(IntEnum):
+    K = 0
+    V = 1
+
+
+class GroupKind(IntEnum):
+    FULL = 0
+    SWA = 1
+
+
+NUM_TAGS = len(Phase) * len(Half) * len(GroupKind)
+
+
+def launch_tag(phase: Phase, half: Half, group: GroupKind) -> int:
+    return (int(phase) * len(Half) + int(half)) * len(GroupKind) + int(group)
+
+
+def split_tag(tag: int) -> tuple[Phase, Half, GroupKind]:
+    if not 0 <= tag < NUM_TAGS:
+        raise ValueError(f"launch tag must be in [0, {NUM_TAGS}), got {tag}")
+    phase, rest = divmod(tag, len(Half) * len(GroupKind))
+    half, group = divmod(rest, len(GroupKind))
+    return Phase(phase), Half(half), GroupKind(group)
+
+
+def tag_name(tag: int) -> str:
+    phase, half, group = split_tag(tag)
+    return f"{phase.name}/{half.name}/{group.name}"
+
+
+# Violation ring row: 8 x int64.
+ROW_WIDTH = 8
+COL_REASONS = 0  # Reason bitmask
+COL_TAG = 1  # launch tag
+COL_STEP = 2  # ring.step at the time of the launch (forward index)
+COL_SLOT = 3  # slot in the group's pool
+COL_POSITION = 4  # expected position
+COL_ROW = 5  # request row (req_to_token row), -1 for sweep entries
+COL_STORED = 6  # stored value of the primary reason's field
+COL_EXPECTED = 7  # expected value of the primary reason's field

@@ -1,0 +1,85 @@
+"""Frozen configuration objects: what the canary does and which faults are injected.
+
+Pure Python (no torch): the plugin builds these from CLI > marker > ini before any engine exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+CANARY_MODES = ("off", "log", "raise")
+REAL_DATA_MODES = ("none", "partial", "all")
+PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward")
+SIDES = ("prefill", "decode")
+TARGET_GROUPS = ("full", "swa")
+ATTENTION_KINDS = ("mha", "swa")
+
+
+def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _int_at_least(field: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{field} must be an integer >= {lo}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """mode: off / log (warn and record) / raise (the engine raises on a violation).
+    real_data: none / partial (first 16 bytes of each slot) / all. sweep_interval: forwards
+    between radix sweeps, 0 = never. ring_capacity: violation rows kept (the total keeps
+    counting). check_tokens: verify stored tokens against the engine's. check_write_inputs: log
+    write_* reasons when a forward's tokens/positions disagree with the engine's bookkeeping."""
+
+    mode: str = "log"
+    real_data: str = "partial"
+    sweep_interval: int = 4
+    ring_capacity: int = 4096
+    check_tokens: bool = True
+    check_write_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("mode", self.mode, CANARY_MODES)
+        _choice("real_data", self.real_data, REAL_DATA_MODES)
+        _int_at_least("sweep_interval", self.sweep_interval, 0)
+        _int_at_least("ring_capacity", self.ring_capacity, 1)
+        for name in ("check_tokens", "check_write_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def with_overrides(self, **overrides: Any) -> "CanaryConfig":
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown canary setting {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+        return replace(self, **overrides)
+
+
+@dataclass(frozen=True)
+class PerturbSpec:
+    """One fault to inject. prob: chance per eligible forward; side: prefill / decode (PD only,
+    None = every engine); target_group: full / swa (required when the model has both);
+    warmup_steps: forwards to run clean first."""
+
+    mode: str
+    prob: float = 1.0
+    side: str | None = None
+    target_group: str | None = None
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("kv_perturb mode", self.mode, PERTURB_MODES)
+        if isinstance(self.prob, bool) or not isinstance(self.prob, (int, float)) or not 0.0 <= self.prob <= 1.0:
+            raise ValueError(f"prob must be a number in [0, 1]; got {self.prob!r}")
+        if self.side is not None:
+            _choice("side", self.side, SIDES)
+        if self.target_group is not None:
+            _choice("target_group", self.target_group, TARGET_GROUPS)
+        _int_at_least("warmup_steps", self.warmup_steps, 0)
