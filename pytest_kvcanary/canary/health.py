@@ -1,0 +1,61 @@
+"""Run statistics and the kernel-run-counter health check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcanary_kernels import ViolationRing
+from kvcanary_kernels.records import NUM_TAGS, Phase, split_tag, tag_name
+
+
+class KvCanaryHealthError(RuntimeError):
+    """An active launch tag stopped running: the canary is no longer guarding what it claims."""
+
+
+@dataclass(frozen=True)
+class CanaryStats:
+    forwards: int
+    protected_tokens: int
+    sweeps: int
+    violations: int
+    dropped: int
+    health: str
+
+    def line(self) -> str:
+        extra = f" ({self.dropped} dropped)" if self.dropped else ""
+        return (
+            f"forwards={self.forwards} protected_tokens={self.protected_tokens} sweeps={self.sweeps} "
+            f"violations={self.violations}{extra} health={self.health}"
+        )
+
+
+class LaunchCounter:
+    """Host-side count of launches per tag, checked against the device's kernel-run counters."""
+
+    def __init__(self) -> None:
+        self.launched = [0] * NUM_TAGS
+
+    def record(self, tag: int) -> None:
+        self.launched[tag] += 1
+
+    def reset(self) -> None:
+        self.launched = [0] * NUM_TAGS
+
+    def problems(self, ring: ViolationRing, forwards: int, heads: int) -> list[str]:
+        """Why the canary is not healthy (empty when it is).
+
+        Every launch the runtime made must have run on the device, and every per-forward tag that
+        ever ran must have run once per forward: a HEAD that lags TAIL means before_forward was
+        skipped for some forwards."""
+        ran = ring.kernel_runs.tolist()
+        out = []
+        for tag in range(NUM_TAGS):
+            if ran[tag] != self.launched[tag]:
+                out.append(f"{tag_name(tag)} ran {ran[tag]} of {self.launched[tag]} launches")
+            phase = split_tag(tag)[0]
+            want = {Phase.HEAD: heads, Phase.TAIL: forwards}.get(phase)
+            if want is not None and 0 < self.launched[tag] != want:
+                out.append(f"{tag_name(tag)} ran in {self.launched[tag]} of {want} forwards")
+        if heads != forwards:
+            out.append(f"before_forward was called {heads} times for {forwards} forwards")
+        return out

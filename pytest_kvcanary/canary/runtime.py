@@ -1,0 +1,119 @@
+"""CanaryRuntime: the engine-agnostic canary. An engine calls before_forward / after_forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvcanary_kernels import RealDataMode, ViolationRing, stamp_records, verify_records
+from kvcanary_kernels.records import Half, Phase, launch_tag
+
+from ..config import CanaryConfig
+from .groups import GroupState
+from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
+from .host import CanaryHost, ForwardView
+from .log import ViolationLog
+from .plans import sweep_entries, verify_entries, write_entries
+
+
+class CanaryRuntime:
+    """Guards one engine's KV pools.
+
+    Call order per forward: before_forward(view) once the batch's slots are allocated and mapped
+    (HEAD: verify every prefix slot the forward will read), the forward, after_forward(view) (TAIL:
+    stamp the written slots; every sweep_interval forwards SWEEP the radix cache; pump the log).
+    In raise mode after_forward raises KvCanaryViolationError when new violations appeared.
+    """
+
+    def __init__(
+        self,
+        config: CanaryConfig,
+        host: CanaryHost,
+        *,
+        side: str = "single",
+        device: torch.device | str | None = None,
+        jsonl_path: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.host = host
+        self.side = side
+        pools = list(host.canary_groups())
+        self.device = torch.device(device) if device is not None else pools[0].k_layers[0].device
+        mode = RealDataMode.parse(config.real_data)
+        self.groups = [GroupState.create(pool, mode, self.device) for pool in pools]
+        self.ring = ViolationRing(config.ring_capacity, self.device)
+        self.log = ViolationLog(self.ring, side, config.mode, jsonl_path)
+        self.launches = LaunchCounter()
+        self.forwards = 0
+        self.heads = 0
+        self.sweeps = 0
+
+    def before_forward(self, view: ForwardView) -> None:
+        req_to_token = self.host.req_to_token()
+        for group in self.groups:
+            entries = verify_entries(view, req_to_token, group)
+            self._verify(group, entries, Phase.HEAD)
+        self.heads += 1
+
+    def after_forward(self, view: ForwardView) -> None:
+        req_to_token = self.host.req_to_token()
+        for group in self.groups:
+            entries = write_entries(view, req_to_token, group)
+            for half in Half:
+                tag = launch_tag(Phase.TAIL, half, group.pool.kind)
+                stamp_records(group.records[half], entries, group.sources[half], self.ring, tag,
+                              check_tokens=self.config.check_tokens,
+                              check_write_inputs=self.config.check_write_inputs)
+                self.launches.record(tag)
+        self.forwards += 1
+        if self.config.sweep_interval and self.forwards % self.config.sweep_interval == 0:
+            self.sweep()
+        self.ring.advance_step()
+        self.log.pump()
+
+    def sweep(self, *, unlocked_only: bool = False) -> bool:
+        """Verify every slot the host's radix cache holds. False when the host has no radix cache."""
+        walk = self.host.radix_walk()
+        if walk is None:
+            return False
+        for group in self.groups:
+            self._verify(group, sweep_entries(walk, group, unlocked_only=unlocked_only), Phase.SWEEP)
+        self.sweeps += 1
+        return True
+
+    def _verify(self, group: GroupState, entries, phase: Phase) -> None:
+        for half in Half:
+            tag = launch_tag(phase, half, group.pool.kind)
+            verify_records(group.records[half], entries, group.sources[half], self.ring, tag,
+                           check_tokens=self.config.check_tokens)
+            self.launches.record(tag)
+
+    def health_problems(self) -> list[str]:
+        return self.launches.problems(self.ring, self.forwards, self.heads)
+
+    def check_health(self) -> None:
+        problems = self.health_problems()
+        if problems:
+            raise KvCanaryHealthError(f"kv-canary on {self.side}: " + "; ".join(problems))
+
+    def stats(self) -> CanaryStats:
+        head_tags = [launch_tag(Phase.HEAD, Half.K, g.pool.kind) for g in self.groups]
+        protected = int(self.ring.slot_runs[head_tags].sum().item())
+        problems = self.health_problems()
+        return CanaryStats(
+            forwards=self.forwards,
+            protected_tokens=protected,
+            sweeps=self.sweeps,
+            violations=self.log.total,
+            dropped=self.log.dropped,
+            health="ok" if not problems else "; ".join(problems),
+        )
+
+    def reset(self) -> None:
+        """Forget records, log and counters (the engine has flushed its caches)."""
+        for group in self.groups:
+            group.clear()
+        self.log.clear()
+        self.launches.reset()
+        self.forwards = self.heads = self.sweeps = 0
