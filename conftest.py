@@ -16,3 +16,5 @@ def _gpu_visible() -> bool:
 
 if not _gpu_visible():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["pytester"]

@@ -46,7 +46,6 @@ class CanaryRuntime:
         self.log = ViolationLog(self.ring, side, config.mode, jsonl_path)
         self.launches = LaunchCounter()
         self.forwards = 0
-        self.heads = 0
         self.sweeps = 0
 
     def before_forward(self, view: ForwardView) -> None:
@@ -54,7 +53,6 @@ class CanaryRuntime:
         for group in self.groups:
             entries = verify_entries(view, req_to_token, group)
             self._verify(group, entries, Phase.HEAD)
-        self.heads += 1
 
     def after_forward(self, view: ForwardView) -> None:
         req_to_token = self.host.req_to_token()
@@ -90,7 +88,7 @@ class CanaryRuntime:
             self.launches.record(tag)
 
     def health_problems(self) -> list[str]:
-        return self.launches.problems(self.ring, self.forwards, self.heads)
+        return self.launches.problems(self.ring, self.forwards)
 
     def check_health(self) -> None:
         problems = self.health_problems()
@@ -98,8 +96,8 @@ class CanaryRuntime:
             raise KvCanaryHealthError(f"kv-canary on {self.side}: " + "; ".join(problems))
 
     def stats(self) -> CanaryStats:
-        head_tags = [launch_tag(Phase.HEAD, Half.K, g.pool.kind) for g in self.groups]
-        protected = int(self.ring.slot_runs[head_tags].sum().item())
+        stamped = [launch_tag(Phase.TAIL, Half.K, g.pool.kind) for g in self.groups]
+        protected = int(self.ring.slot_runs[stamped].sum().item())
         problems = self.health_problems()
         return CanaryStats(
             forwards=self.forwards,
@@ -116,4 +114,4 @@ class CanaryRuntime:
             group.clear()
         self.log.clear()
         self.launches.reset()
-        self.forwards = self.heads = self.sweeps = 0
+        self.forwards = self.sweeps = 0

@@ -1,0 +1,18 @@
+"""Prefill/decode disaggregation: a fault after the prefill stamp surfaces on the decode side."""
+
+import pytest
+
+
+@pytest.mark.kv_attention("mha", "swa")
+def test_pd_baseline_is_clean(kv_pd, kv_canary):
+    kv_pd.send_parallel_requests(4, distinct_prompts=True, max_new_tokens=5)
+    kv_canary.assert_no_violation()
+
+
+@pytest.mark.kv_attention("mha", "swa")
+@pytest.mark.kv_perturb("real_kv_post_forward", side="prefill", target_group="full")
+def test_transfer_is_guarded(kv_pd, kv_canary):
+    kv_pd.send_parallel_requests(4, distinct_prompts=True, max_new_tokens=4)
+    kv_canary.assert_violation("verify_real_kv_hash", side="decode", phase="HEAD",
+                               require_distinct_prompts=True)
+    kv_canary.assert_no_violation(side="prefill")

@@ -1,0 +1,106 @@
+"""splitmix64 and the record chain hash, three ways: Triton (uint64), torch (int64), Python int.
+
+``mix`` is the splitmix64 finalizer; ``mix3(a, b, c)`` folds three values in order
+(``h = mix(a); h = mix(h ^ b); h = mix(h ^ c)``). A record passes ``mix3(prev_hash, token,
+position)`` to its successor; a chain head (position 0) holds ``mix(ANCHOR)``.
+
+Hashes are uint64 values; tensors hold their int64 bit pattern. ``to_signed`` converts a Python
+uint64 to that pattern.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .records import ANCHOR
+
+_U64 = (1 << 64) - 1
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+
+
+def to_signed(value: int) -> int:
+    """The int64 bit pattern of a uint64 value (any int is taken modulo 2**64)."""
+    value &= _U64
+    return value - (1 << 64) if value >> 63 else value
+
+
+# ---- Python ints (tests, host) ------------------------------------------------------------
+
+
+def mix_int(x: int) -> int:
+    """splitmix64 of ``x`` taken modulo 2**64; returns a uint64 in [0, 2**64)."""
+    x &= _U64
+    x ^= x >> 30
+    x = (x * _M1) & _U64
+    x ^= x >> 27
+    x = (x * _M2) & _U64
+    x ^= x >> 31
+    return x
+
+
+def mix3_int(a: int, b: int, c: int) -> int:
+    return mix_int(mix_int(mix_int(a) ^ (b & _U64)) ^ (c & _U64))
+
+
+# The prev_hash a chain head holds, as uint64 and as its int64 bit pattern.
+CHAIN_HEAD_HASH_U64 = mix_int(ANCHOR)
+CHAIN_HEAD_HASH = to_signed(CHAIN_HEAD_HASH_U64)
+
+
+# ---- torch int64 tensors (references) -----------------------------------------------------
+
+_M1_I64 = to_signed(_M1)
+_M2_I64 = to_signed(_M2)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix_torch(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 on int64 tensors (bit patterns of uint64; multiplies wrap)."""
+    x = x ^ _shr(x, 30)
+    x = x * _M1_I64
+    x = x ^ _shr(x, 27)
+    x = x * _M2_I64
+    return x ^ _shr(x, 31)
+
+
+def mix3_torch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return mix_torch(mix_torch(mix_torch(a) ^ b) ^ c)
+
+
+# ---- Triton (uint64 inside kernels) -------------------------------------------------------
+
+CHAIN_HEAD_HASH_JIT = tl.constexpr(CHAIN_HEAD_HASH_U64)
+
+
+@triton.jit
+def as_u64(x):
+    return x.to(tl.uint64, bitcast=True)
+
+
+@triton.jit
+def as_i64(x):
+    return x.to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def mix(x):
+    """splitmix64 on uint64 (wrapping)."""
+    x ^= x >> 30
+    x *= 0xBF58476D1CE4E5B9
+    x ^= x >> 27
+    x *= 0x94D049BB133111EB
+    x ^= x >> 31
+    return x
+
+
+@triton.jit
+def mix3(a, b, c):
+    """mix3 on uint64 values."""
+    return mix(mix(mix(a) ^ b) ^ c)

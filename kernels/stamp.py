@@ -1,0 +1,131 @@
+"""TAIL: stamp the records of the slots a forward has just written."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from . import records as R
+from .entries import WriteEntries
+from .fingerprint import slot_fingerprint
+from .hashing import CHAIN_HEAD_HASH_JIT, as_i64, as_u64, mix3
+from .launch import Tiling, check_launch, default_tiling, source_args
+from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
+from .ring import ViolationRing
+from .sources import RealKvSource
+from .violation_log import append_violations, count_launch, count_slots, note_failure
+
+_WRITE_POSITION = tl.constexpr(int(R.Reason.WRITE_POSITION))
+_WRITE_TOKEN = tl.constexpr(int(R.Reason.WRITE_TOKEN))
+_UNKNOWN = tl.constexpr(R.UNKNOWN)
+
+
+@triton.jit
+def _stamp_chains(records, slots_ptr, tokens_ptr, positions_ptr, seg_starts_ptr, seg_lens_ptr,
+                  seed_slots_ptr, n_segments, block_id, SEG_BLOCK: tl.constexpr):
+    """One lane per segment: run its prev_hash chain serially and store each entry's prev_hash."""
+    segs = block_id.to(tl.int64) * SEG_BLOCK + tl.arange(0, SEG_BLOCK)
+    in_range = segs < n_segments
+    starts = tl.load(seg_starts_ptr + segs, mask=in_range, other=0)
+    lens = tl.load(seg_lens_ptr + segs, mask=in_range, other=0)
+    seeds = tl.load(seed_slots_ptr + segs, mask=in_range, other=-1)
+    seeded = in_range & (seeds >= 0)
+    chain = tl.where(seeded, successor_hash(records, seeds, seeded), CHAIN_HEAD_HASH_JIT)
+    for j in range(0, tl.max(lens, axis=0)):
+        on = j < lens
+        entry = starts + j
+        slots = tl.load(slots_ptr + entry, mask=on, other=0)
+        tokens = tl.load(tokens_ptr + entry, mask=on, other=0)
+        positions = tl.load(positions_ptr + entry, mask=on, other=0)
+        written = on & (slots != 0)
+        tl.store(field_ptrs(records, slots, PREV_HASH), as_i64(chain), mask=written)
+        chain = tl.where(written, mix3(chain, as_u64(tokens), as_u64(positions)), chain)
+
+
+@triton.jit
+def _stamp_kernel(records, slots_ptr, tokens_ptr, positions_ptr, expected_positions_ptr,
+                  expected_tokens_ptr, rows_ptr, n_entries,
+                  seg_starts_ptr, seg_lens_ptr, seed_slots_ptr, n_segments, chain_programs,
+                  ring_rows, ring_count, ring_step, kernel_runs, slot_runs, capacity, tag,
+                  src0, stride0, page0, wpt0, src1, stride1, page1, wpt1,
+                  src2, stride2, page2, wpt2, src3, stride3, page3, wpt3,
+                  NUM_SOURCES: tl.constexpr,
+                  RW0: tl.constexpr, RWP0: tl.constexpr, RW1: tl.constexpr, RWP1: tl.constexpr,
+                  RW2: tl.constexpr, RWP2: tl.constexpr, RW3: tl.constexpr, RWP3: tl.constexpr,
+                  CHECK_WRITE: tl.constexpr, CHECK_TOKENS: tl.constexpr,
+                  BLOCK: tl.constexpr, SEG_BLOCK: tl.constexpr):
+    # Programs [0, chain_programs) run the serial prev_hash chains (field PREV_HASH); the rest
+    # write token, position and fingerprint (the other fields), so the two never touch the same
+    # bytes and the latency-bound chains overlap the bandwidth-bound part.
+    count_launch(kernel_runs, tag)
+    pid = tl.program_id(0)
+    if pid < chain_programs:
+        _stamp_chains(records, slots_ptr, tokens_ptr, positions_ptr, seg_starts_ptr, seg_lens_ptr,
+                      seed_slots_ptr, n_segments, pid, SEG_BLOCK)
+    else:
+        offs = (pid - chain_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        slots = tl.load(slots_ptr + offs, mask=offs < n_entries, other=0)
+        live = slots != 0
+        count_slots(slot_runs, tag, live)
+        tokens = tl.load(tokens_ptr + offs, mask=live, other=0)
+        positions = tl.load(positions_ptr + offs, mask=live, other=0)
+        tl.store(field_ptrs(records, slots, TOKEN), tokens, mask=live)
+        tl.store(field_ptrs(records, slots, POSITION), positions, mask=live)
+        fingerprint = tl.zeros([BLOCK], tl.int64)
+        if NUM_SOURCES > 0:
+            fingerprint = as_i64(slot_fingerprint(slots, live,
+                                                  src0, stride0, page0, wpt0, src1, stride1, page1, wpt1,
+                                                  src2, stride2, page2, wpt2, src3, stride3, page3, wpt3,
+                                                  NUM_SOURCES, RW0, RWP0, RW1, RWP1, RW2, RWP2, RW3, RWP3))
+        tl.store(field_ptrs(records, slots, REAL_KV_HASH), fingerprint, mask=live)
+        if CHECK_WRITE:
+            zeros = tl.zeros([BLOCK], tl.int64)
+            reasons, stored, expected = zeros, zeros, zeros
+            if CHECK_TOKENS:
+                expected_tokens = tl.load(expected_tokens_ptr + offs, mask=live, other=_UNKNOWN)
+                bad_token = live & (expected_tokens != _UNKNOWN) & (tokens != expected_tokens)
+                reasons, stored, expected = note_failure(bad_token, _WRITE_TOKEN, tokens, expected_tokens,
+                                                         reasons, stored, expected)
+            expected_positions = tl.load(expected_positions_ptr + offs, mask=live, other=0)
+            reasons, stored, expected = note_failure(live & (positions != expected_positions),
+                                                     _WRITE_POSITION, positions, expected_positions,
+                                                     reasons, stored, expected)
+            fail = reasons != 0
+            rows = tl.load(rows_ptr + offs, mask=fail, other=0)
+            append_violations(ring_rows, ring_count, ring_step, capacity, fail, reasons, tag,
+                              slots, expected_positions, rows, stored, expected)
+
+
+def stamp_records(records: torch.Tensor, entries: WriteEntries, sources: Sequence[RealKvSource],
+                  ring: ViolationRing, tag: int, check_tokens: bool = True,
+                  check_write_inputs: bool = True, tiling: Tiling | None = None) -> None:
+    """Write ``(token, position, prev_hash, fingerprint)`` into the record of each entry's slot
+    (slot 0 skipped).
+
+    prev_hash runs serially through each segment: it starts at ``mix(ANCHOR)`` when seed_slot is
+    -1, else at the successor hash of the record at seed_slot; each live entry takes the running
+    value, then folds in its token and position. Seed slots must not be written by the same
+    launch, and a slot appears at most once. With check_write_inputs, entries whose position
+    differs from expected_position (write_position) or, with check_tokens, whose token differs
+    from a known expected token (write_token) each append one ring row. Counters and graph
+    safety as for ``verify_records``.
+    """
+    check_launch(records, entries, sources, ring, tag)
+    tiling = tiling or default_tiling(sources)
+    src, consts = source_args(sources, records)
+    n = entries.slots.shape[0]
+    n_segments = entries.seg_starts.shape[0]
+    seg_block = 32 * tiling.num_warps
+    chain_programs = triton.cdiv(n_segments, seg_block)
+    grid = (chain_programs + max(1, triton.cdiv(n, tiling.block)),)
+    _stamp_kernel[grid](
+        records, entries.slots, entries.tokens, entries.positions, entries.expected_positions,
+        entries.expected_tokens, entries.rows, n,
+        entries.seg_starts, entries.seg_lens, entries.seed_slots, n_segments, chain_programs,
+        ring.rows, ring.count, ring.step, ring.kernel_runs, ring.slot_runs, ring.capacity, tag,
+        *src, **consts, CHECK_WRITE=check_write_inputs, CHECK_TOKENS=check_tokens,
+        BLOCK=tiling.block, SEG_BLOCK=seg_block, num_warps=tiling.num_warps,
+    )

@@ -1,0 +1,139 @@
+"""The kv_canary fixture: assertions over an engine handle's violation log and fault ledger.
+
+Every failure message carries the table of violations and the ledger of injected faults, so a
+failed assertion says what the canary saw and what happened to each fault, not just "no".
+Names (reason, phase, group, side, half) are checked against the allowed values and matched
+case-insensitively.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Protocol, Sequence
+
+from .canary.violation import Violation
+from .config import TARGET_GROUPS
+from .report import ledger_table, violations_table
+
+REASONS = ("verify_chain_hash", "verify_position", "verify_real_kv_hash", "verify_token", "write_token",
+           "write_position")
+PHASES = ("HEAD", "TAIL", "SWEEP")
+HALVES = ("K", "V")
+
+DEDUP_HINT = (
+    "the radix cache dedups identical prompts of one batch and frees the duplicates' slots before "
+    "anything reads them, so a fault placed on a duplicate can escape every check; send distinct "
+    "prompts (send_parallel_requests(n, distinct_prompts=True))"
+)
+
+
+class Handle(Protocol):
+    """What KvCanary reads from an engine handle (kv_engine or kv_pd)."""
+
+    def violations(self) -> list[Violation]: ...
+
+    def injections(self) -> list[Any]: ...
+
+    def prompts_since_reset(self) -> list[str]: ...
+
+
+def _name(argument: str, value: str | None, allowed: Sequence[str]) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.lower() not in (a.lower() for a in allowed):
+        raise ValueError(f"{argument} must be one of {', '.join(allowed)}; got {value!r}")
+    return value.lower()
+
+
+def _matches(v: Violation, reason: str | None, attrs: dict[str, str | None]) -> bool:
+    if reason is not None and reason not in (r.lower() for r in v.reasons):
+        return False
+    return all(want is None or getattr(v, attr).lower() == want for attr, want in attrs.items())
+
+
+def _fault(injection: Any) -> str:
+    i = injection
+    return f"{i.mode} on {i.side} {i.group} slot {i.slot} at step {i.step}" + (f": {i.cause}" if i.cause else "")
+
+
+def _describe_filters(**filters: Any) -> str:
+    given = [f"{k}={v}" for k, v in filters.items() if v is not None]
+    return f" ({', '.join(given)})" if given else ""
+
+
+class KvCanary:
+    """Assertions over one engine handle for the current test. `sides`: the sides the handle
+    has, ("single",) or ("prefill", "decode")."""
+
+    def __init__(self, handle: Handle, sides: tuple[str, ...]) -> None:
+        self._handle = handle
+        self._sides = sides
+
+    def _context(self) -> str:
+        return f"{violations_table(self._handle.violations())}\n{ledger_table(self._handle.injections())}"
+
+    def violations(self, reason: str | None = None, *, phase: str | None = None, group: str | None = None,
+                   side: str | None = None, half: str | None = None) -> list[Violation]:
+        """Violations since the test's reset that match every filter given (a violation matches a
+        reason when any of its reasons is that one)."""
+        attrs = {
+            "phase": _name("phase", phase, PHASES),
+            "group": _name("group", group, TARGET_GROUPS),
+            "side": _name("side", side, self._sides),
+            "half": _name("half", half, HALVES),
+        }
+        wanted = _name("reason", reason, REASONS)
+        return [v for v in self._handle.violations() if _matches(v, wanted, attrs)]
+
+    def perturbations(self) -> list[Any]:
+        """The fault ledger since the test's reset: one entry per injected fault."""
+        return self._handle.injections()
+
+    def assert_no_violation(self, side: str | None = None) -> None:
+        """Fail when any violation was logged (on `side`, when given)."""
+        __tracebackhide__ = True
+        found = self.violations(side=side)
+        if found:
+            raise AssertionError(f"expected no violation{_describe_filters(side=side)}, found {len(found)}\n"
+                                 + self._context())
+
+    def assert_violation(self, reason: str, *, phase: str | None = None, group: str | None = None,
+                         side: str | None = None, within_steps: int | None = None,
+                         require_distinct_prompts: bool = False) -> list[Violation]:
+        """Fail unless a violation with this reason (and phase / group / side) was logged; return
+        the matching ones. within_steps=N: only violations of the first N forwards after the
+        test's reset count (step < N). require_distinct_prompts: fail at once when a prompt was
+        sent twice since the reset, since radix dedup can let the fault escape."""
+        __tracebackhide__ = True
+        if within_steps is not None and (isinstance(within_steps, bool) or not isinstance(within_steps, int)
+                                         or within_steps < 1):
+            raise ValueError(f"within_steps must be an integer >= 1; got {within_steps!r}")
+        found = self.violations(reason, phase=phase, group=group, side=side)
+        repeated = sorted(p for p, n in Counter(self._handle.prompts_since_reset()).items() if n > 1)
+        if require_distinct_prompts and repeated:
+            raise AssertionError(f"{len(repeated)} prompt(s) were sent more than once since the reset, e.g. "
+                                 f"{repeated[0]!r}: {DEDUP_HINT}")
+        found = [v for v in found if within_steps is None or v.step < within_steps]
+        if found:
+            return found
+        lines = [f"expected a {reason} violation"
+                 f"{_describe_filters(phase=phase, group=group, side=side, within_steps=within_steps)}, found none"]
+        escaped = [i for i in self._handle.injections() if i.status == "escaped"]
+        lines += [f"escaped: {_fault(i)}" for i in escaped]
+        if escaped and repeated:
+            lines.append(f"hint: {DEDUP_HINT}")
+        raise AssertionError("\n".join(lines) + "\n" + self._context())
+
+    def assert_perturbations_detected(self) -> None:
+        """Fail unless at least one fault was injected and every injected fault was detected;
+        the message lists the others with their status and cause."""
+        __tracebackhide__ = True
+        injections = self.perturbations()
+        if not injections:
+            raise AssertionError("no fault was injected since the reset (no kv_perturb marker, or its "
+                                 "warm-up or probability kept it off)\n" + self._context())
+        missed = [i for i in injections if i.status != "detected"]
+        if missed:
+            lines = [f"{len(missed)} of {len(injections)} injected faults were not detected"]
+            lines += [f"{i.status}: {_fault(i)}" for i in missed]
+            raise AssertionError("\n".join(lines) + "\n" + self._context())

@@ -1,0 +1,72 @@
+"""Attention over K/V: one masked-softmax core and two ways to feed it (no cache, paged pools).
+
+The model calls ``kv(layer, q, k, v, window)`` with the new tokens' q [T, H, D] and k, v
+[T, KVH, D] (RoPE applied) and gets the attention output [T, H, D] back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .kv_pool import KVPools
+
+KVAccess = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "int | None"], torch.Tensor]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+           window: int | None) -> torch.Tensor:
+    """Causal GQA attention: query i sees key j iff k_pos[j] <= q_pos[i] and, for a windowed
+    layer, q_pos[i] - k_pos[j] <= window."""
+    delta = q_pos[:, None] - k_pos[None, :]
+    mask = delta >= 0
+    if window is not None:
+        mask &= delta <= window
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+class DenseKV:
+    """No cache: one whole sequence attends to its own K/V. The reference the paged path matches."""
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: int | None) -> torch.Tensor:
+        return attend(q, k, v, self.positions, self.positions, window)
+
+
+class PagedKV:
+    """One forward batch over the paged pools. Each layer first writes the new tokens' K/V into
+    their slots (out_cache_loc, through the SWA map for windowed layers), then each request
+    attends to the K/V gathered through its req_to_token row: positions [0, prefix + extend), or
+    [prefix - window, prefix + extend) for a windowed layer. Nothing is checked here: a wrong
+    mapping or a stale slot silently reads wrong K/V, which is what the canary is for."""
+
+    def __init__(self, pools: KVPools, req_to_token: torch.Tensor, rows: Sequence[int],
+                 prefix_lens: Sequence[int], extend_lens: Sequence[int], positions: torch.Tensor,
+                 out_cache_loc: torch.Tensor) -> None:
+        self.pools, self.table = pools, req_to_token
+        self.seqs = list(zip(rows, prefix_lens, extend_lens))
+        self.positions, self.out_cache_loc = positions, out_cache_loc
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: int | None) -> torch.Tensor:
+        buf = self.pools.layer(layer)
+        loc = self.out_cache_loc if buf.slot_map is None else buf.slot_map[self.out_cache_loc]
+        buf.k[loc], buf.v[loc] = k, v
+        outs, t = [], 0
+        for row, prefix, extend in self.seqs:
+            start, end = (0 if window is None else max(0, prefix - window)), prefix + extend
+            slots = self.table[row, start:end]
+            if buf.slot_map is not None:
+                slots = buf.slot_map[slots]
+            k_pos = torch.arange(start, end, device=q.device)
+            outs.append(attend(q[t:t + extend], buf.k[slots], buf.v[slots], self.positions[t:t + extend], k_pos, window))
+            t += extend
+        return torch.cat(outs)

@@ -1,0 +1,110 @@
+"""Model and engine configuration of the reference engine. Bad values raise ValueError at
+construction, naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcanary_kernels.records import GroupKind
+
+ATTENTION_KINDS = ("mha", "swa")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama/Qwen-style decoder. attention: "mha" (every layer full; GQA when num_kv_heads <
+    num_heads) or "swa" (every `full_every`-th layer full, the rest windowed). A windowed layer's
+    query at position p sees positions [p - window, p], so it reads the last `window` tokens of the
+    cached prefix (SGLang's convention; HF's sliding_window is window + 1). qkv_bias: Qwen2-style
+    q/k/v biases. seed: the random weights' seed."""
+
+    vocab_size: int = 512
+    hidden: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    max_context: int = 256
+    attention: str = "mha"
+    window: int = 32
+    full_every: int = 2
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate", "max_context", "window", "full_every")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}; got {self.attention!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads; got {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs); got {self.head_dim}")
+        if self.attention == "swa" and not 2 <= self.full_every <= self.num_layers:
+            raise ValueError(f"full_every must be in [2, num_layers={self.num_layers}] for swa so both "
+                             f"full and windowed layers exist; got {self.full_every}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(map(str, DTYPES))}; got {self.dtype!r}")
+        if not self.rope_theta > 0 or not self.rms_eps > 0:
+            raise ValueError(f"rope_theta and rms_eps must be > 0; got {self.rope_theta!r}, {self.rms_eps!r}")
+
+    @property
+    def layer_groups(self) -> tuple[GroupKind, ...]:
+        """The pool group each layer's KV lives in (a latent pool would be one more kind)."""
+        if self.attention == "mha":
+            return (GroupKind.FULL,) * self.num_layers
+        return tuple(GroupKind.FULL if i % self.full_every == self.full_every - 1 else GroupKind.SWA
+                     for i in range(self.num_layers))
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.window if self.layer_groups[layer] is GroupKind.SWA else None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """num_slots / swa_num_slots: rows of the FULL / SWA pools, slot 0 included (reserved);
+    swa_num_slots is used by swa models only. max_running: requests holding a req_to_token row at
+    once. max_batch_tokens: prefill tokens per forward (>= max_context, so any request fits).
+    checkpoint: a directory with config.json + model.safetensors whose weights replace the random
+    ones (`weights.read_config` builds a matching `model`)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    num_slots: int = 1024
+    swa_num_slots: int = 512
+    max_running: int = 8
+    max_batch_tokens: int = 512
+    device: str = "cpu"
+    checkpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelConfig):
+            raise ValueError(f"model must be a ModelConfig; got {type(self.model).__name__}")
+        _positive(self, "max_running", "max_batch_tokens")
+        for name in ("num_slots", "swa_num_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise ValueError(f"{name} must be an integer >= 2 (slot 0 is reserved); got {value!r}")
+        if self.max_batch_tokens < self.model.max_context:
+            raise ValueError(f"max_batch_tokens must be >= model.max_context ({self.model.max_context}); "
+                             f"got {self.max_batch_tokens}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0'; "
+                             f"got {self.device!r}") from None

@@ -1,0 +1,151 @@
+"""KV pools, their slot allocators and the req_to_token table.
+
+A slot is one token's K/V in every layer of a pool (page_size 1): ``k_layers[i][slot]`` is a
+``[num_kv_heads, head_dim]`` row. Slot 0 is reserved in every pool: never allocated, padding
+points there. Slots handed out and taken back are CPU int64 tensors; the buffers, the SWA map and
+the req_to_token table live on the engine's device.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kvcanary_kernels.records import GroupKind
+
+from .config import EngineConfig
+
+
+class KVPool:
+    """Per-layer K and V buffers ``[num_slots, num_kv_heads, head_dim]`` plus a free list."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.num_slots = num_slots
+        self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.free_slots = torch.arange(1, num_slots, dtype=torch.int64)  # read-only for callers
+        self._is_free = torch.ones(num_slots, dtype=torch.bool)
+        self._is_free[0] = False
+
+    @property
+    def num_free(self) -> int:
+        return self.free_slots.numel()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots, or None (nothing allocated) when fewer than n are free."""
+        if n > self.num_free:
+            return None
+        slots, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        self._is_free[slots] = False
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return allocated slots; freeing slot 0, a free slot or a slot twice is a bug."""
+        if slots.numel() == 0:
+            return
+        assert slots.unique().numel() == slots.numel() and slots.min() > 0 and not self._is_free[slots].any(), "bad free"
+        self._is_free[slots] = True
+        self.free_slots = torch.cat([self.free_slots, slots])
+
+
+class SWAPool(KVPool):
+    """The windowed layers' pool. ``full_to_swa[full_slot]`` is the SWA slot holding that token's
+    windowed-layer K/V, 0 when it has none (never mapped, or slid out of every window)."""
+
+    def __init__(self, num_slots: int, full_num_slots: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(num_slots, num_layers, num_kv_heads, head_dim, dtype, device)
+        self.full_to_swa = torch.zeros(full_num_slots, dtype=torch.int64, device=device)
+
+    def map(self, full_slots: torch.Tensor) -> bool:
+        """Give each full slot an SWA slot; False (nothing changed) when too few are free."""
+        swa = self.alloc(full_slots.numel())
+        if swa is None:
+            return False
+        self.full_to_swa[full_slots.to(self.full_to_swa.device)] = swa.to(self.full_to_swa.device)
+        return True
+
+    def unmap(self, full_slots: torch.Tensor) -> int:
+        """Free the SWA slots of those full slots that have one; returns how many were freed."""
+        idx = full_slots.to(self.full_to_swa.device)
+        swa = self.full_to_swa[idx].cpu()
+        self.full_to_swa[idx] = 0
+        swa = swa[swa != 0]
+        self.free(swa)
+        return swa.numel()
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Hand src's SWA slots to dst (dst has none); src is left with none."""
+        src, dst = src.to(self.full_to_swa.device), dst.to(self.full_to_swa.device)
+        self.full_to_swa[dst] = self.full_to_swa[src]
+        self.full_to_swa[src] = 0
+
+
+class LayerKV(NamedTuple):
+    """Where one layer's K/V live: buffers indexed by the pool's slots, and for a windowed layer
+    the map from FULL-pool slots to them (None: FULL slots index the buffers directly)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_map: torch.Tensor | None
+
+
+class KVPools:
+    """The FULL pool (slot ids everyone uses) and, for swa models, the SWA pool behind it.
+    alloc/free work on FULL slots and keep the SWA side in step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        m, device = config.model, torch.device(config.device)
+        groups = m.layer_groups
+        full_layers = [i for i, g in enumerate(groups) if g is GroupKind.FULL]
+        swa_layers = [i for i, g in enumerate(groups) if g is GroupKind.SWA]
+        self.full = KVPool(config.num_slots, len(full_layers), m.num_kv_heads, m.head_dim, m.dtype, device)
+        self.swa = (SWAPool(config.swa_num_slots, config.num_slots, len(swa_layers), m.num_kv_heads,
+                            m.head_dim, m.dtype, device) if swa_layers else None)
+        self._layers = {i: LayerKV(self.full.k_layers[j], self.full.v_layers[j], None)
+                        for j, i in enumerate(full_layers)}
+        if self.swa is not None:
+            self._layers |= {i: LayerKV(self.swa.k_layers[j], self.swa.v_layers[j], self.swa.full_to_swa)
+                             for j, i in enumerate(swa_layers)}
+
+    def layer(self, i: int) -> LayerKV:
+        return self._layers[i]
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n FULL slots, each with an SWA slot on swa models; None (nothing held) if either is short."""
+        slots = self.full.alloc(n)
+        if slots is not None and self.swa is not None and not self.swa.map(slots):
+            self.full.free(slots)
+            return None
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        if self.swa is not None:
+            self.swa.unmap(slots)
+        self.full.free(slots)
+
+
+class ReqToTokenPool:
+    """``table[row, pos]`` = FULL slot of a running request's token at pos; rows are handed out to
+    requests while they hold KV. Entries past a request's KV length are stale and never read."""
+
+    def __init__(self, max_rows: int, max_context: int, device: torch.device) -> None:
+        self.table = torch.zeros((max_rows, max_context), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_rows))
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop(0) if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        assert row not in self._free_rows, "row freed twice"
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Slots of positions [start, end): a CPU copy, unaffected by later writes to the row."""
+        return self.table[row, start:end].to("cpu", copy=True)

@@ -1,0 +1,129 @@
+"""A Llama/Qwen2-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied or untied head.
+
+Module names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...), so the
+state dict is an HF checkpoint. Attention goes through a `KVAccess` (see attention.py): paged
+pools in the engine, none for the reference recomputation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .attention import DenseKV, KVAccess
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, head_dim] (float32) for HF's rotate-half RoPE."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.window = layer, cfg.layer_window(layer)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(kv(self.layer, q, k, v, self.window).reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """Built on CPU with seeded random weights (normal, std = fan_in ** -0.5; norms 1), in
+    cfg.dtype; move it with ``.to(device)``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        gen = torch.Generator().manual_seed(cfg.seed)
+        with torch.no_grad():
+            for name, p in sorted(self.named_parameters()):
+                if "norm" not in name:
+                    p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+        self.to(cfg.dtype).requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the new tokens."""
+        return self.model(input_ids, positions, kv)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def logits_without_cache(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] of one whole sequence, recomputed with no KV cache at all."""
+        positions = torch.arange(token_ids.numel(), device=token_ids.device)
+        return self.compute_logits(self(token_ids, positions, DenseKV(positions)))

@@ -1,0 +1,249 @@
+"""A radix tree over token ids whose nodes own FULL-pool slots (SGLang's RadixCache, page_size 1).
+
+Ownership: a slot is free, owned by exactly one tree node, or owned by exactly one running request
+(``req_to_token[row, prefix_len:kv_len]``). Tree slots reachable from a locked node are in use by
+a request and are never freed. SWA models: a node is either SWA-resident (every slot it holds has an
+SWA slot) or a tombstone (none has; its FULL slots are still cached).
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import count
+from typing import Iterator, NamedTuple
+
+import torch
+
+from kvcanary_kernels.records import PREV_CHAIN_HEAD
+from pytest_kvcanary.canary.host import RadixWalk
+
+from .kv_pool import KVPools, ReqToTokenPool
+from .request import Request
+
+
+class Node:
+    def __init__(self, key: list[int], value: torch.Tensor, parent: Node | None, tombstone: bool = False) -> None:
+        self.key = key  # tokens of this edge
+        self.value = value  # their FULL slots, CPU int64
+        self.parent = parent
+        self.children: dict[int, Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+        self.tombstone = tombstone
+
+
+class MatchResult(NamedTuple):
+    """slots: FULL slots of the matched prefix; node: where the match ends (root when empty)."""
+
+    slots: torch.Tensor
+    node: Node
+
+
+class InsertResult(NamedTuple):
+    """prefix_len: leading tokens of the key the tree already held (their slots are the tree's);
+    node: the node ending at the end of the key."""
+
+    prefix_len: int
+    node: Node
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class RadixCache:
+    """window: the windowed layers' window for swa models (enables tombstones), else None."""
+
+    def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, window: int | None) -> None:
+        self.pools, self.req_to_token, self.window = pools, req_to_token, window
+        self.root = Node([], torch.empty(0, dtype=torch.int64), None)
+        self.num_evicted = 0  # FULL slots freed by evict()
+        self.num_swa_evicted = 0  # SWA slots freed by evict_swa()
+        self._clock = count(1)
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """The longest cached prefix of key a new request may reuse. The node is split so the
+        match ends exactly at it. SWA models: the match is cut back to the last node end whose
+        preceding `window` tokens (all of them, if fewer) are SWA-resident; tombstones earlier on
+        the path are fine, only the full layers read them. The slots stay valid only while the
+        node is locked (`lock`); call it before anything that may evict."""
+        path = list(self._descend(key))
+        if self.window is not None:
+            best, run, depth = 0, 0, 0
+            for j, node in enumerate(path):
+                depth += len(node.key)
+                run = 0 if node.tombstone else run + len(node.key)
+                if not node.tombstone and (run >= self.window or run == depth):
+                    best = j + 1
+            path = path[:best]
+        tick = next(self._clock)
+        for node in path:
+            node.last_access = tick
+        if not path:
+            return MatchResult(self.root.value, self.root)
+        return MatchResult(torch.cat([n.value for n in path]), path[-1])
+
+    def insert(self, key: list[int], slots: torch.Tensor, swa_from: int = 0) -> InsertResult:
+        """Cache key with its FULL slots. Where the tree already holds a prefix of key it keeps
+        its own slots: the caller's slots for that prefix are duplicates, the caller's to free
+        (those it got from the tree excepted). swa_from (swa models): slots[i] has an SWA slot iff
+        i >= swa_from; new tokens below it become tombstones, and a tombstone at or above it takes
+        over the caller's SWA slot there (so the duplicate it then frees has none)."""
+        if self.pools.swa is None:
+            swa_from = 0
+        tick, node, i = next(self._clock), self.root, 0
+        for node in list(self._descend(key)):
+            a, i = i, i + len(node.key)
+            if node.tombstone and i > swa_from:
+                if a < swa_from:
+                    self._split(node, swa_from - a)
+                self.pools.swa.move(slots[max(a, swa_from):i], node.value)
+                node.tombstone = False
+            node.last_access = tick
+        prefix_len = i
+        if i < min(swa_from, len(key)):
+            node = self._add(node, key[i:swa_from], slots[i:swa_from], tombstone=True, tick=tick)
+            i = min(swa_from, len(key))
+        if i < len(key):
+            node = self._add(node, key[i:], slots[i:], tombstone=False, tick=tick)
+        return InsertResult(prefix_len, node)
+
+    def cache_unfinished_req(self, req: Request) -> None:
+        """After a prefill: cache the request's KV tokens and make it share the tree's copy. Where
+        the tree already held some of them (a duplicate prompt inserted first in the same batch),
+        the request's row is rewritten to the tree's slots and its own duplicates are freed. The
+        request then owns nothing: prefix_len = kv_len, locked through the new last_node."""
+        res = self._insert_req(req)
+        tree_slots = self._path_slots(res.node)
+        self.req_to_token.write(req.row, req.prefix_len, tree_slots[req.prefix_len:])
+        self.lock(res.node)
+        self.unlock(req.last_node)
+        req.prefix_len, req.last_node = req.kv_len, res.node
+
+    def cache_finished_req(self, req: Request) -> None:
+        """When a request finishes: cache its KV tokens, free its duplicates, unlock its path.
+        Its row no longer owns any slot (the caller frees the row)."""
+        self._insert_req(req)
+        self.unlock(req.last_node)
+        req.prefix_len, req.last_node = 0, None
+
+    def lock(self, node: Node | None) -> None:
+        """Protect node and its ancestors from eviction (one reference per holder)."""
+        while node is not None and node is not self.root:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node | None) -> None:
+        while node is not None and node is not self.root:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            node = node.parent
+
+    def evict(self, n: int) -> int:
+        """Free whole unlocked leaves, least recently used first (a parent left childless and
+        unlocked becomes a leaf), until at least n FULL slots are freed or none is left. Returns
+        the number freed, which may exceed n; evict(0) does nothing."""
+        heap = [self._lru_key(x) for x in self._nodes() if not x.children and not x.lock_ref]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < n and heap:
+            node = heapq.heappop(heap)[-1]
+            self.pools.free(node.value)
+            freed += len(node.key)
+            parent = node.parent
+            del parent.children[node.key[0]]
+            if parent is not self.root and not parent.children and not parent.lock_ref:
+                heapq.heappush(heap, self._lru_key(parent))
+        self.num_evicted += freed
+        return freed
+
+    def evict_swa(self, n: int) -> int:
+        """Tombstone unlocked SWA-resident nodes, least recently used first, until at least n SWA
+        slots are freed; their FULL slots stay cached. Returns the number of SWA slots freed."""
+        assert self.pools.swa is not None
+        freed = 0
+        for *_, node in sorted(self._lru_key(x) for x in self._nodes() if not x.lock_ref and not x.tombstone):
+            if freed >= n:
+                break
+            freed += self.pools.swa.unmap(node.value)
+            node.tombstone = True
+        self.num_swa_evicted += freed
+        return freed
+
+    def walk(self) -> RadixWalk:
+        """Every slot the tree holds with its position, previous slot on its path (PREV_CHAIN_HEAD
+        at position 0), token and whether a request holds it locked."""
+        parts: list[tuple[torch.Tensor, ...]] = []
+        stack = [(child, 0, PREV_CHAIN_HEAD) for child in self.root.children.values()]
+        while stack:
+            node, start, prev = stack.pop()
+            n = len(node.key)
+            parts.append((node.value, torch.arange(start, start + n), torch.cat([torch.tensor([prev]), node.value[:-1]]),
+                          torch.tensor(node.key, dtype=torch.int64), torch.full((n,), node.lock_ref > 0)))
+            stack.extend((c, start + n, int(node.value[-1])) for c in node.children.values())
+        if not parts:
+            empty = torch.empty(0, dtype=torch.int64)
+            return RadixWalk(empty, empty, empty, empty, torch.empty(0, dtype=torch.bool))
+        return RadixWalk(*(torch.cat(col) for col in zip(*parts)))
+
+    def reset(self) -> None:
+        """Free every cached slot. No request may hold a lock."""
+        for node in self._nodes():
+            assert not node.lock_ref, "reset while a request holds the cache"
+            self.pools.free(node.value)
+        self.root.children.clear()
+
+    def _insert_req(self, req: Request) -> InsertResult:
+        slots = self.req_to_token.read(req.row, 0, req.kv_len)
+        res = self.insert(req.token_ids[:req.kv_len], slots, swa_from=max(req.swa_from, req.prefix_len))
+        self.pools.free(slots[req.prefix_len:res.prefix_len])
+        return res
+
+    def _descend(self, key: list[int]) -> Iterator[Node]:
+        """The nodes matching key from the root, the last one split to end at the match."""
+        node, i = self.root, 0
+        while i < len(key) and key[i] in node.children:
+            node = node.children[key[i]]
+            n = _common_len(node.key, key[i:])
+            if n < len(node.key):
+                node = self._split(node, n)
+            yield node
+            i += n
+
+    def _split(self, node: Node, n: int) -> Node:
+        """Cut node after its first n tokens; returns the new upper part (same locks, age, state)."""
+        top = Node(node.key[:n], node.value[:n], node.parent, node.tombstone)
+        top.lock_ref, top.last_access = node.lock_ref, node.last_access
+        top.children = {node.key[n]: node}
+        node.parent.children[node.key[0]] = top
+        node.key, node.value, node.parent = node.key[n:], node.value[n:], top
+        return top
+
+    def _add(self, parent: Node, key: list[int], value: torch.Tensor, tombstone: bool, tick: int) -> Node:
+        node = Node(key, value, parent, tombstone)
+        node.last_access = tick
+        parent.children[key[0]] = node
+        return node
+
+    def _path_slots(self, node: Node) -> torch.Tensor:
+        values = []
+        while node is not self.root:
+            values.append(node.value)
+            node = node.parent
+        return torch.cat(values[::-1]) if values else self.root.value
+
+    def _nodes(self) -> Iterator[Node]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    @staticmethod
+    def _lru_key(node: Node) -> tuple[int, int, Node]:
+        return node.last_access, int(node.value[0]), node

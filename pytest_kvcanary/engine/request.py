@@ -1,0 +1,35 @@
+"""A generation request and the KV bookkeeping the scheduler and the radix cache keep on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .radix_cache import Node
+
+
+@dataclass(eq=False)
+class Request:
+    """While running, the request's KV is ``req_to_token[row, :kv_len]``. The first prefix_len of
+    those slots belong to the radix cache and are locked through last_node; the rest are the
+    request's own. Own positions below swa_from have had their SWA slots freed (slid out of the
+    window). Waiting requests hold nothing (row -1)."""
+
+    rid: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    row: int = -1
+    kv_len: int = 0
+    prefix_len: int = 0
+    swa_from: int = 0
+    last_node: Node | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output_ids) >= self.max_new_tokens

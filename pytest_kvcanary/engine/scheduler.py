@@ -1,0 +1,150 @@
+"""Continuous batching: a waiting queue, the running requests, prefill and decode batches.
+
+Each step is one batch: a prefill of waiting requests (extending their cached prefix) while rows,
+the token budget and memory allow, else a decode of every running request. Memory comes from the
+free lists, then from evicting the radix cache; a prefill that still does not fit waits, a decode
+that does not fit retracts the newest running request (frees what it owns, requeues it first).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from .config import EngineConfig
+from .kv_pool import KVPools, ReqToTokenPool
+from .radix_cache import RadixCache
+from .request import Request
+
+
+class Batch(NamedTuple):
+    """One forward. Per request: prefix_lens (KV already in the cache, read by the forward) and
+    extend_lens (tokens written). input_ids / positions / out_cache_loc (FULL slots written):
+    CPU int64, row-major in request order. The slots are already in each request's row."""
+
+    reqs: list[Request]
+    is_prefill: bool
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pools: KVPools, req_to_token: ReqToTokenPool,
+                 radix_cache: RadixCache) -> None:
+        self.config, self.pools, self.req_to_token, self.radix_cache = config, pools, req_to_token, radix_cache
+        self.window = config.model.window if pools.swa is not None else None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # every request holding a row, in admission order
+        self.num_retracted = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def process(self, batch: Batch, next_tokens: list[int]) -> list[Request]:
+        """Account a finished forward and its sampled tokens; returns the requests that finished."""
+        finished = []
+        for req, extend, token in zip(batch.reqs, batch.extend_lens, next_tokens):
+            req.kv_len += extend
+            req.output_ids.append(token)
+            if req.finished:
+                self.radix_cache.cache_finished_req(req)
+                self.running.remove(req)
+                self.req_to_token.free(req.row)
+                req.row = -1
+                finished.append(req)
+                continue
+            if batch.is_prefill:
+                self.radix_cache.cache_unfinished_req(req)
+            self._slide_window(req)
+        return finished
+
+    def reset(self) -> None:
+        """Drop every request, releasing what the running ones hold."""
+        for req in list(self.running):
+            self._release(req)
+        self.waiting.clear()
+
+    def _schedule_prefill(self) -> Batch | None:
+        reqs, locs, budget = [], [], self.config.max_batch_tokens
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            tokens = req.token_ids
+            match = self.radix_cache.match_prefix(tokens[:-1])  # leave one token to compute
+            extend = len(tokens) - match.slots.numel()
+            if extend > budget:
+                break
+            self.radix_cache.lock(match.node)
+            slots = self._alloc(extend)
+            if slots is None:
+                self.radix_cache.unlock(match.node)
+                break
+            self.waiting.popleft()
+            req.row = self.req_to_token.alloc()
+            assert req.row is not None
+            req.prefix_len = req.kv_len = match.slots.numel()
+            req.swa_from, req.last_node = 0, match.node
+            self.req_to_token.write(req.row, 0, match.slots)
+            self.running.append(req)
+            reqs.append(req)
+            locs.append(slots)
+            budget -= extend
+        return self._batch(reqs, locs, is_prefill=True) if reqs else None
+
+    def _schedule_decode(self) -> Batch | None:
+        if not self.running:
+            return None
+        while (slots := self._alloc(len(self.running))) is None:
+            assert len(self.running) > 1, "a lone request always fits (checked at submit)"
+            self._retract(self.running[-1])
+        return self._batch(list(self.running), list(slots.split(1)), is_prefill=False)
+
+    def _batch(self, reqs: list[Request], locs: list[torch.Tensor], is_prefill: bool) -> Batch:
+        ids, positions = [], []
+        for req, loc in zip(reqs, locs):
+            self.req_to_token.write(req.row, req.kv_len, loc)
+            ids.extend(req.token_ids[req.kv_len:req.kv_len + loc.numel()])
+            positions.append(torch.arange(req.kv_len, req.kv_len + loc.numel()))
+        return Batch(reqs, is_prefill, [r.kv_len for r in reqs], [loc.numel() for loc in locs],
+                     torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(locs))
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        """n FULL (+ SWA) slots, evicting the radix cache for what the free lists lack."""
+        if (short := n - self.pools.full.num_free) > 0:
+            self.radix_cache.evict(short)
+        if self.pools.swa is not None and (short := n - self.pools.swa.num_free) > 0:
+            self.radix_cache.evict_swa(short)
+        return self.pools.alloc(n)
+
+    def _slide_window(self, req: Request) -> None:
+        """Free the SWA slots of the request's own positions no window will read again: the next
+        forward reads positions >= kv_len - window."""
+        if self.window is None:
+            return
+        start, end = max(req.swa_from, req.prefix_len), req.kv_len - self.window
+        if end > start:
+            self.pools.swa.unmap(self.req_to_token.read(req.row, start, end))
+            req.swa_from = end
+
+    def _retract(self, req: Request) -> None:
+        """Take memory back from a running request; it goes first in line and later re-prefills its
+        prompt and the tokens it has generated so far."""
+        self._release(req)
+        self.waiting.appendleft(req)
+        self.num_retracted += 1
+
+    def _release(self, req: Request) -> None:
+        """Free the request's own slots and row and unlock its cached prefix (which stays cached)."""
+        self.running.remove(req)
+        self.pools.free(self.req_to_token.read(req.row, req.prefix_len, req.kv_len))
+        self.radix_cache.unlock(req.last_node)
+        self.req_to_token.free(req.row)
+        req.row, req.kv_len, req.prefix_len, req.swa_from, req.last_node = -1, 0, 0, 0, None

@@ -1,0 +1,89 @@
+"""Parse and validate a test's kv_perturb, kv_attention and kv_canary markers (no torch).
+
+Every error is a `MarkerError` whose message shows the marker as written, the bad argument or
+value, and the allowed values; the plugin turns it into an error of that one test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+from .config import ATTENTION_KINDS, PERTURB_MODES, CanaryConfig, PerturbSpec
+
+# Registered in pytest_configure, so `pytest --markers` lists them and --strict-markers accepts them.
+MARKER_LINES = (
+    "kv_perturb(mode, *, prob=1.0, side=None, target_group=None, warmup_steps=0): inject a KV fault "
+    f"into the test's engine, one marker per fault; modes: {', '.join(PERTURB_MODES)}",
+    f"kv_attention(*kinds): attention kinds of the test's engine ({', '.join(ATTENTION_KINDS)}); "
+    "several kinds parametrize the test",
+    "kv_canary(**overrides): canary settings for this test (fields of CanaryConfig); "
+    "command-line options win, except for mode",
+)
+
+DEFAULT_ATTENTION = ATTENTION_KINDS[0]
+
+
+class MarkerError(ValueError):
+    """A kv marker has an argument it does not accept."""
+
+
+def _show(mark: pytest.Mark) -> str:
+    parts = [repr(a) for a in mark.args] + [f"{k}={v!r}" for k, v in mark.kwargs.items()]
+    return f"{mark.name}({', '.join(parts)})"
+
+
+def _perturb(mark: pytest.Mark, pd: bool) -> PerturbSpec:
+    allowed = [f.name for f in fields(PerturbSpec)]
+    kwargs = dict(mark.kwargs)
+    if len(mark.args) > 1 or (mark.args and "mode" in kwargs):
+        raise MarkerError(f"{_show(mark)}: takes one mode; allowed modes: {', '.join(PERTURB_MODES)}")
+    if mark.args:
+        kwargs["mode"] = mark.args[0]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise MarkerError(f"{_show(mark)}: unknown keyword {unknown[0]!r}; allowed: {', '.join(allowed[1:])}")
+    if "mode" not in kwargs:
+        raise MarkerError(f"{_show(mark)}: needs a mode; allowed modes: {', '.join(PERTURB_MODES)}")
+    try:
+        spec = PerturbSpec(**kwargs)
+    except ValueError as e:
+        raise MarkerError(f"{_show(mark)}: {e}") from None
+    if spec.side is not None and not pd:
+        raise MarkerError(f"{_show(mark)}: side={spec.side!r} needs the kv_pd fixture; kv_engine has one side")
+    return spec
+
+
+def perturbs(node: pytest.Item, *, pd: bool) -> tuple[PerturbSpec, ...]:
+    """One spec per kv_perturb marker on the test, its class and its module. `pd`: whether the
+    test drives a prefill/decode pair (only then may a fault name a side)."""
+    return tuple(_perturb(mark, pd) for mark in node.iter_markers("kv_perturb"))
+
+
+def attention_kinds(node: pytest.Item) -> tuple[str, ...]:
+    """The kinds of the closest kv_attention marker, duplicates dropped; ("mha",) without one."""
+    mark = node.get_closest_marker("kv_attention")
+    if mark is None:
+        return (DEFAULT_ATTENTION,)
+    if mark.kwargs or not mark.args:
+        raise MarkerError(f"{_show(mark)}: takes one or more kinds; allowed kinds: {', '.join(ATTENTION_KINDS)}")
+    for kind in mark.args:
+        if kind not in ATTENTION_KINDS:
+            raise MarkerError(f"{_show(mark)}: kind must be one of {', '.join(ATTENTION_KINDS)}; got {kind!r}")
+    return tuple(dict.fromkeys(mark.args))
+
+
+def canary_overrides(node: pytest.Item) -> dict[str, Any]:
+    """The CanaryConfig fields set by kv_canary markers; a marker closer to the test wins."""
+    merged: dict[str, Any] = {}
+    for mark in reversed(list(node.iter_markers("kv_canary"))):
+        if mark.args:
+            raise MarkerError(f"{_show(mark)}: takes keyword arguments only (fields of CanaryConfig)")
+        try:
+            CanaryConfig().with_overrides(**mark.kwargs)
+        except ValueError as e:
+            raise MarkerError(f"{_show(mark)}: {e}") from None
+        merged.update(mark.kwargs)
+    return merged

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+# The conftest of every pytester run: the fake harness drives the kv fixtures, and a hook
+# implementation names the engine it was asked for.
+_RUN_CONFTEST = '''
+import pytest
+from fake_harness import FakeHarness
+
+@pytest.fixture(scope="session")
+def fake_harness():
+    return FakeHarness()
+
+@pytest.fixture(scope="session")
+def kv_start_engine(fake_harness):
+    return fake_harness.start_engine
+
+def pytest_kvcanary_make_engine(name, attention, device, seed):
+    return f"{name}:{attention}:{device}:{seed}"
+'''
+
+
+@pytest.fixture
+def kvtester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A pytester whose runs use the fake harness, with no GPU visible."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    pytester.makepyfile(fake_harness=(Path(__file__).parent / "fake_harness.py").read_text())
+    pytester.makeconftest(_RUN_CONFTEST)
+    return pytester

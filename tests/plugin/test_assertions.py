@@ -1,0 +1,157 @@
+"""The kv_canary assertion API over a scripted handle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pytest_kvcanary.assertions import KvCanary
+from pytest_kvcanary.canary.violation import Violation
+
+PD = ("prefill", "decode")
+
+
+def _violation(side: str = "decode", step: int = 1, phase: str = "HEAD", group: str = "FULL", half: str = "K",
+               reasons: tuple[str, ...] = ("verify_real_kv_hash",)) -> Violation:
+    return Violation(side, step, phase, half, group, reasons, 17, 3, 0, 0xDEAD, 0xBEEF)
+
+
+@dataclass
+class _Injection:
+    status: str
+    cause: str = ""
+    mode: str = "real_kv_post_forward"
+    side: str = "prefill"
+    group: str = "full"
+    slot: int = 17
+    position: int = 3
+    row: int = 0
+    byte: int = 0
+    step: int = 0
+
+
+@dataclass
+class _Handle:
+    logged: list[Violation] = field(default_factory=list)
+    ledger: list[Any] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
+
+    def violations(self) -> list[Violation]:
+        return self.logged
+
+    def injections(self) -> list[Any]:
+        return self.ledger
+
+    def prompts_since_reset(self) -> list[str]:
+        return self.prompts
+
+
+def _canary(sides: tuple[str, ...] = PD, **handle: Any) -> KvCanary:
+    return KvCanary(_Handle(**handle), sides)
+
+
+def test_filters_match_case_insensitively_and_on_any_reason() -> None:
+    head = _violation(reasons=("verify_chain_hash", "verify_position"))
+    sweep = _violation(side="prefill", phase="SWEEP", group="SWA", half="V")
+    canary = _canary(logged=[head, sweep])
+    assert canary.violations() == [head, sweep]
+    assert canary.violations("verify_position") == [head]
+    assert canary.violations(phase="sweep", group="swa", half="v", side="prefill") == [sweep]
+    assert canary.violations(phase="Head", side="DECODE") == [head]
+    assert canary.violations("verify_token") == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"reason": "verify_hash"}, "reason must be one of verify_chain_hash, verify_position, verify_real_kv_hash, "
+                                    "verify_token, write_token, write_position; got 'verify_hash'"),
+        ({"phase": "BODY"}, "phase must be one of HEAD, TAIL, SWEEP; got 'BODY'"),
+        ({"group": "local"}, "group must be one of full, swa; got 'local'"),
+        ({"side": "single"}, "side must be one of prefill, decode; got 'single'"),
+        ({"half": "Q"}, "half must be one of K, V; got 'Q'"),
+    ],
+)
+def test_bad_names_list_the_allowed_values(kwargs: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        _canary().violations(**kwargs)
+    assert str(e.value) == message
+
+
+def test_sides_follow_the_handle() -> None:
+    canary = _canary(sides=("single",), logged=[_violation(side="single")])
+    assert canary.violations(side="single")
+    with pytest.raises(ValueError, match="side must be one of single; got 'decode'"):
+        canary.assert_no_violation(side="decode")
+
+
+def test_assert_violation_returns_the_matches() -> None:
+    match = _violation()
+    canary = _canary(logged=[match, _violation(side="prefill")])
+    assert canary.assert_violation("verify_real_kv_hash", side="decode", phase="HEAD", group="full") == [match]
+
+
+def test_within_steps_counts_forwards_since_the_reset() -> None:
+    canary = _canary(logged=[_violation(step=3)])
+    assert canary.assert_violation("verify_real_kv_hash", within_steps=4)
+    with pytest.raises(AssertionError, match=r"expected a verify_real_kv_hash violation \(within_steps=3\), found none"):
+        canary.assert_violation("verify_real_kv_hash", within_steps=3)
+    with pytest.raises(ValueError, match="within_steps must be an integer >= 1; got 0"):
+        canary.assert_violation("verify_real_kv_hash", within_steps=0)
+
+
+def test_missing_violation_explains_escaped_faults() -> None:
+    escaped = _Injection("escaped", cause="slot freed by radix dedup before any read")
+    canary = _canary(logged=[_violation(side="prefill", reasons=("verify_chain_hash",))], ledger=[escaped],
+                     prompts=["p", "p"])
+    with pytest.raises(AssertionError) as e:
+        canary.assert_violation("verify_real_kv_hash", side="decode")
+    lines = str(e.value).splitlines()
+    assert lines[0] == "expected a verify_real_kv_hash violation (side=decode), found none"
+    assert lines[1] == ("escaped: real_kv_post_forward on prefill full slot 17 at step 0: "
+                        "slot freed by radix dedup before any read")
+    assert lines[2].startswith("hint: the radix cache dedups identical prompts")
+    assert lines[3] == "violations (1):"
+    assert "verify_chain_hash" in lines[5]
+    assert lines[6] == "ledger (1 injection):"
+    assert lines[8].split()[-9:] == ["escaped", "slot", "freed", "by", "radix", "dedup", "before", "any", "read"]
+
+
+def test_require_distinct_prompts_fails_at_once() -> None:
+    canary = _canary(logged=[_violation()], prompts=["a", "b", "a"])
+    with pytest.raises(AssertionError, match=r"1 prompt\(s\) were sent more than once since the reset, e\.g\. 'a': "
+                                             r"the radix cache dedups .* distinct_prompts=True"):
+        canary.assert_violation("verify_real_kv_hash", require_distinct_prompts=True)
+    assert _canary(logged=[_violation()], prompts=["a", "b"]).assert_violation(
+        "verify_real_kv_hash", require_distinct_prompts=True)
+
+
+def test_assert_no_violation_shows_the_tables() -> None:
+    canary = _canary(logged=[_violation(side="decode")], ledger=[_Injection("detected")])
+    canary.assert_no_violation(side="prefill")
+    with pytest.raises(AssertionError) as e:
+        canary.assert_no_violation()
+    text = str(e.value)
+    assert text.startswith("expected no violation, found 1\nviolations (1):\n")
+    assert "ledger (1 injection):" in text and "0xdead" in text
+
+
+def test_assert_perturbations_detected() -> None:
+    _canary(ledger=[_Injection("detected")]).assert_perturbations_detected()
+    with pytest.raises(AssertionError, match="no fault was injected since the reset"):
+        _canary().assert_perturbations_detected()
+    canary = _canary(ledger=[_Injection("detected"), _Injection("latent"), _Injection("escaped", cause="overwritten")])
+    with pytest.raises(AssertionError) as e:
+        canary.assert_perturbations_detected()
+    assert str(e.value).splitlines()[:3] == [
+        "2 of 3 injected faults were not detected",
+        "latent: real_kv_post_forward on prefill full slot 17 at step 0",
+        "escaped: real_kv_post_forward on prefill full slot 17 at step 0: overwritten",
+    ]
+
+
+def test_perturbations_is_the_ledger() -> None:
+    ledger = [_Injection("latent")]
+    assert _canary(ledger=ledger).perturbations() == ledger

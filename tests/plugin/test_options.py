@@ -1,0 +1,175 @@
+"""Command-line options, their ini twins, precedence and usage errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pytest_kvcanary.plugin import _split_bare_flag
+
+# A test that prints what the engine was started with, for the outer test to read.
+SHOW_ENGINE = """
+def test_show(kv_engine):
+    c = kv_engine.canary
+    print(f"ENGINE mode={c.mode} real_data={c.real_data} sweep_interval={c.sweep_interval} "
+          f"seed={kv_engine.seed} device={kv_engine.device} engine={kv_engine.engine_name}")
+"""
+
+
+def _engine_line(pytester: pytest.Pytester, *args: str) -> str:
+    result = pytester.runpytest("-s", *args)
+    result.assert_outcomes(passed=1)
+    line = next(line for line in result.outlines if "ENGINE " in line)
+    return line[line.index("ENGINE "):]
+
+
+def test_header_when_off(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    kvtester.runpytest().stdout.fnmatch_lines(["kv-canary: off (enable with --kv-canary)"])
+
+
+def test_header_shows_the_effective_configuration(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-device=cpu")
+    result.stdout.fnmatch_lines(
+        ["kv-canary: mode=log real_data=partial sweep_interval=4 seed=0 device=cpu engine=reference"])
+
+
+def test_defaults(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(SHOW_ENGINE)
+    line = _engine_line(kvtester, "--kv-canary")
+    assert line == "ENGINE mode=log real_data=partial sweep_interval=4 seed=0 device=cpu engine=reference"
+
+
+OPTIONS = [
+    # (flag, ini key, value, what the engine line then says)
+    ("--kv-canary", "kv_canary", "raise", "mode=raise"),
+    ("--kv-canary-real-data", "kv_canary_real_data", "all", "real_data=all"),
+    ("--kv-canary-sweep-interval", "kv_canary_sweep_interval", "7", "sweep_interval=7"),
+    ("--kv-canary-seed", "kv_canary_seed", "1234", "seed=1234"),
+    ("--kv-canary-device", "kv_canary_device", "cpu", "device=cpu"),
+    ("--kv-canary-engine", "kv_canary_engine", "mine", "engine=mine"),
+]
+
+
+@pytest.mark.parametrize("flag, ini, value, shown", OPTIONS, ids=[o[1] for o in OPTIONS])
+def test_each_option_and_its_ini_twin(kvtester: pytest.Pytester, flag: str, ini: str, value: str, shown: str) -> None:
+    kvtester.makepyfile(SHOW_ENGINE)
+    on = () if ini == "kv_canary" else ("--kv-canary",)
+    assert shown in _engine_line(kvtester, *on, f"{flag}={value}").split()
+    kvtester.makeini(f"[pytest]\n{ini} = {value}\n")
+    assert shown in _engine_line(kvtester, *on).split()
+
+
+def test_command_line_wins_over_ini(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(SHOW_ENGINE)
+    kvtester.makeini("[pytest]\nkv_canary = raise\nkv_canary_seed = 5\n")
+    line = _engine_line(kvtester, "--kv-canary=log", "--kv-canary-seed=9")
+    assert {"mode=log", "seed=9"} <= set(line.split())
+
+
+def test_ini_turns_the_canary_on(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(SHOW_ENGINE)
+    kvtester.makeini("[pytest]\nkv_canary = log\n")
+    assert "mode=log" in _engine_line(kvtester).split()
+
+
+def test_command_line_off_wins_over_ini(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(SHOW_ENGINE)
+    kvtester.makeini("[pytest]\nkv_canary = log\n")
+    kvtester.runpytest("--kv-canary=off").assert_outcomes(skipped=1)
+
+
+PRECEDENCE_TEST = """
+import json
+
+import pytest
+
+@pytest.mark.kv_canary(real_data="none", ring_capacity=8)
+def test_marker(kv_engine):
+    print("ENGINE", kv_engine.canary.real_data, kv_engine.canary.ring_capacity)
+"""
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ((), "ENGINE none 8"),  # marker over ini
+        (("--kv-canary-real-data=partial",), "ENGINE partial 8"),  # command line over marker
+    ],
+    ids=["marker-over-ini", "cli-over-marker"],
+)
+def test_precedence_cli_marker_ini(kvtester: pytest.Pytester, args: tuple[str, ...], expected: str) -> None:
+    kvtester.makepyfile(PRECEDENCE_TEST)
+    kvtester.makeini("[pytest]\nkv_canary = log\nkv_canary_real_data = all\n")
+    assert _engine_line(kvtester, *args) == expected
+
+
+@pytest.mark.parametrize(
+    "args, ini, message",
+    [
+        (["--kv-canary=loud"], "", "ERROR: --kv-canary must be one of off, log, raise; got 'loud'"),
+        (["--kv-canary-real-data=most"], "", "ERROR: --kv-canary-real-data must be one of none, partial, all; got 'most'"),
+        (["--kv-canary-sweep-interval=-1"], "", "ERROR: --kv-canary-sweep-interval must be an integer >= 0; got '-1'"),
+        (["--kv-canary-seed=x"], "", "ERROR: --kv-canary-seed must be an integer >= 0; got 'x'"),
+        (["--kv-canary-device=tpu"], "", "ERROR: --kv-canary-device must be one of auto, cpu, cuda; got 'tpu'"),
+        (["--kv-canary-engine= "], "", "ERROR: --kv-canary-engine must be a non-empty name; got ' '"),
+        (["--kv-canary-workers-per-gpu=0"], "", "ERROR: --kv-canary-workers-per-gpu must be an integer >= 1; got '0'"),
+        ([], "kv_canary = yes", "ERROR: ini option kv_canary must be one of off, log, raise; got 'yes'"),
+        ([], "kv_canary_sweep_interval = often",
+         "ERROR: ini option kv_canary_sweep_interval must be an integer >= 0; got 'often'"),
+    ],
+)
+def test_bad_values_are_usage_errors(kvtester: pytest.Pytester, args: list[str], ini: str, message: str) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    kvtester.makeini(f"[pytest]\n{ini}\n")
+    result = kvtester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_bare_flag_before_a_path_runs_that_path(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(test_one=SHOW_ENGINE, test_two="def test_other(): pass")
+    result = kvtester.runpytest("-s", "--kv-canary", "test_one.py")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*ENGINE mode=log *"])
+
+
+def test_split_bare_flag() -> None:
+    assert _split_bare_flag(["--kv-canary", "tests/"]) == ["--kv-canary=log", "tests/"]
+    assert _split_bare_flag(["--kv-canary", "raise", "tests/"]) == ["--kv-canary", "raise", "tests/"]
+    assert _split_bare_flag(["--kv-canary", "-n", "2"]) == ["--kv-canary", "-n", "2"]
+    assert _split_bare_flag(["tests/", "--kv-canary"]) == ["tests/", "--kv-canary"]
+
+
+def test_report_path_is_relative_to_the_invocation_dir(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    sub = kvtester.mkdir("sub")
+    kvtester.chdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(sub)
+        kvtester.runpytest(str(kvtester.path), "--kv-canary-report=out.json").assert_outcomes(passed=1)
+    assert (sub / "out.json").is_file()
+
+
+def test_ini_report_path_is_relative_to_the_ini_file(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    kvtester.makeini("[pytest]\nkv_canary_report = reports/kv.json\n")
+    kvtester.runpytest().assert_outcomes(passed=1)
+    assert (kvtester.path / "reports" / "kv.json").is_file()
+
+
+def test_lease_options_and_their_ini_twins(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    kvtester.makepyfile("def test_a(kv_device): assert kv_device == 'cuda:0'")
+    kvtester.makeini("[pytest]\nkv_canary = log\nkv_canary_workers_per_gpu = 2\nkv_canary_lock_dir = ini-locks\n"
+                     "kv_canary_report = kv.json\n")
+    kvtester.runpytest().assert_outcomes(passed=1)
+    config = json.loads((kvtester.path / "kv.json").read_text())["config"]
+    assert (config["workers_per_gpu"], config["lock_dir"]) == (2, str(kvtester.path / "ini-locks"))
+    assert (kvtester.path / "ini-locks" / "gpu0.0.lock").exists()
+
+    kvtester.runpytest("--kv-canary-workers-per-gpu=3", "--kv-canary-lock-dir=cli-locks").assert_outcomes(passed=1)
+    config = json.loads((kvtester.path / "kv.json").read_text())["config"]
+    assert (config["workers_per_gpu"], config["lock_dir"]) == (3, str(kvtester.path / "cli-locks"))

@@ -1,0 +1,159 @@
+"""Shared fixtures for the reference-engine tests: engine factory, no-cache reference check,
+ownership invariants, and a pure-Python shadow canary that checks every slot a forward reads."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+from pytest_kvcanary.canary.host import ForwardView
+from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+
+WINDOW = 4
+
+
+@pytest.fixture
+def make_engine() -> Callable[..., Engine]:
+    def make(attention: str = "mha", *, seed: int = 0, **engine_kw) -> Engine:
+        model = ModelConfig(attention=attention, window=WINDOW, max_context=64, seed=seed)
+        engine_kw.setdefault("max_batch_tokens", 64)
+        return Engine(EngineConfig(model=model, **engine_kw))
+
+    return make
+
+
+def random_prompts(seed: int, n: int, shared: int = 10) -> list[list[int]]:
+    """n prompts over two shared stems, with exact duplicates and one prompt a prefix of another."""
+    gen = torch.Generator().manual_seed(seed)
+    stems = [torch.randint(0, 256, (shared,), generator=gen).tolist() for _ in range(2)]
+    prompts = []
+    for i in range(n):
+        tail = torch.randint(0, 256, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen).tolist()
+        prompts.append(stems[i % 2] + tail)
+    return prompts + [prompts[0], prompts[1][:-1]]
+
+
+@pytest.fixture
+def assert_reference() -> Callable[[Engine, list[list[int]], list[list[int]]], None]:
+    """Each output token must be the argmax of a full no-cache forward over prompt + the outputs
+    before it (one teacher-forced forward per prompt)."""
+
+    def check(engine: Engine, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        for prompt, out in zip(prompts, outputs):
+            ids = torch.tensor(prompt + out[:-1], device=engine.device)
+            expected = engine.model.logits_without_cache(ids).argmax(-1)[len(prompt) - 1:].tolist()
+            assert out == expected, f"prompt {prompt}: engine {out} != reference {expected}"
+
+    return check
+
+
+def check_invariants(engine: Engine, writing: torch.Tensor | None = None) -> None:
+    """Every FULL slot is free, cached by exactly one tree node or owned by exactly one running
+    request (writing: the slots a forward about to run was given, not yet counted); lock counts match the running requests; SWA residency matches the tombstones, and
+    everything the next forward's windowed layers read is resident."""
+    full, swa, table = engine.pools.full, engine.pools.swa, engine.req_to_token_pool
+    walk = engine.radix_walk()
+    owned = [table.read(r.row, r.prefix_len, r.kv_len) for r in engine.running]
+    used = torch.cat([walk.slots, *owned, *([] if writing is None else [writing])])
+    assert used.unique().numel() == used.numel(), "a slot is held twice"
+    assert not set(used.tolist()) & set(full.free_slots.tolist()), "a held slot is also free"
+    assert used.numel() + full.num_free == full.num_slots - 1, "a slot leaked"
+
+    nodes, locks = [], {}
+    stack = list(engine.radix_cache.root.children.values())
+    while stack:
+        nodes.append(stack.pop())
+        stack.extend(nodes[-1].children.values())
+    for req in engine.running:
+        node = req.last_node
+        while node is not engine.radix_cache.root:
+            locks[node] = locks.get(node, 0) + 1
+            node = node.parent
+    assert all(n.lock_ref == locks.get(n, 0) for n in nodes), "lock counts disagree with running requests"
+    if swa is None:
+        return
+    mapped = swa.full_to_swa.cpu()
+    values = mapped[mapped != 0]
+    assert values.unique().numel() == values.numel(), "an SWA slot is mapped twice"
+    assert values.numel() + swa.num_free == swa.num_slots - 1, "an SWA slot leaked"
+    assert not mapped[full.free_slots].any(), "a free FULL slot keeps an SWA slot"
+    for n in nodes:
+        resident = mapped[n.value] != 0
+        assert (resident == (not n.tombstone)).all(), "tombstone flag disagrees with the SWA map"
+    window = engine.config.model.window
+    for r in engine.running:
+        read = table.read(r.row, max(0, r.kv_len - window), r.kv_len)
+        assert (mapped[read] != 0).all(), "a windowed layer would read a slid-out slot"
+
+
+@pytest.fixture(name="check_invariants")
+def _check_invariants() -> Callable[[Engine], None]:
+    return check_invariants
+
+
+class ShadowCanary:
+    """Forward hooks that keep a (token, position) record per FULL and SWA slot, stamped after
+    each forward, and before each forward check every slot it will read, the view's own
+    consistency and the engine invariants. Records are content, so dedup / reuse are fine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.full: dict[int, tuple[int, int]] = {}
+        self.swa: dict[int, tuple[int, int]] = {}
+        self.views: list[ForwardView] = []
+        engine.set_forward_hooks(self)
+
+    def _segments(self, view: ForwardView):
+        t = 0
+        for b, (row, p, e) in enumerate(zip(view.rows.tolist(), view.prefix_lens.tolist(), view.extend_lens.tolist())):
+            yield b, row, p, e, slice(t, t + e)
+            t += e
+
+    def before_forward(self, view: ForwardView) -> None:
+        engine = self.engine
+        check_invariants(engine, view.out_cache_loc)
+        self.views.append(view)
+        table = engine.req_to_token().cpu()
+        free = set(engine.pools.full.free_slots.tolist())
+        out = view.out_cache_loc
+        assert out.unique().numel() == out.numel() and not free & set(out.tolist()) and 0 not in out.tolist()
+        assert not set(out.tolist()) & set(engine.radix_walk().slots.tolist()), "writing a cached slot"
+        rows = {r.row: r for r in engine.running}
+        window = engine.config.model.window
+        mapped = engine.pools.swa.full_to_swa.cpu() if engine.pools.swa is not None else None
+        for b, row, p, e, seg in self._segments(view):
+            req = rows[row]
+            assert req.kv_len == p
+            assert table[row, p:p + e].tolist() == out[seg].tolist()
+            assert view.positions[seg].tolist() == list(range(p, p + e))
+            assert view.input_ids[seg].tolist() == req.token_ids[p:p + e]
+            assert view.prefix_token_ids[b].tolist() == req.token_ids[:p]
+            prefix = table[row, :p].tolist()
+            assert not free & set(prefix) and not set(prefix) & set(out.tolist())
+            for q, slot in enumerate(prefix):
+                assert self.full[slot] == (req.token_ids[q], q), f"row {row} pos {q}: slot {slot} holds {self.full[slot]}"
+            if mapped is not None:
+                assert (mapped[out[seg]] != 0).all()
+                for q in range(max(0, p - window), p):
+                    assert self.swa[int(mapped[prefix[q]])] == (req.token_ids[q], q)
+
+    def after_forward(self, view: ForwardView) -> None:
+        k0 = self.engine.pools.full.k_layers[0].cpu()
+        mapped = self.engine.pools.swa.full_to_swa.cpu() if self.engine.pools.swa is not None else None
+        for slot, token, pos in zip(view.out_cache_loc.tolist(), view.input_ids.tolist(), view.positions.tolist()):
+            assert k0[slot].abs().sum() > 0, "forward did not write its slot"
+            self.full[slot] = (token, pos)
+            if mapped is not None:
+                self.swa[int(mapped[slot])] = (token, pos)
+
+
+@pytest.fixture(name="shadow_canary")
+def _shadow_canary() -> type[ShadowCanary]:
+    return ShadowCanary
+
+
+@pytest.fixture(name="random_prompts")
+def _random_prompts() -> Callable[..., list[list[int]]]:
+    return random_prompts

@@ -1,0 +1,78 @@
+"""The engine as a CanaryHost: pool groups, req_to_token, radix walk, and the forward hooks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcanary_kernels.records import PREV_CHAIN_HEAD, GroupKind
+from pytest_kvcanary.canary.host import CanaryHost
+
+
+@pytest.mark.parametrize("attention", ["mha", "swa"])
+def test_canary_groups_cover_the_pools(attention, make_engine):
+    engine = make_engine(attention, num_slots=64, swa_num_slots=32)
+    assert isinstance(engine, CanaryHost)
+    groups = engine.canary_groups()
+    assert [g.kind for g in groups] == ([GroupKind.FULL] if attention == "mha" else [GroupKind.FULL, GroupKind.SWA])
+    full = groups[0]
+    assert full.num_slots == 64 and full.page_size == 1 and full.window is None
+    assert all(k is p for k, p in zip(full.k_layers, engine.pools.full.k_layers))
+    assert sum(len(g.k_layers) for g in groups) == engine.config.model.num_layers
+    if attention == "swa":
+        swa = groups[1]
+        assert swa.num_slots == 32 and swa.window == engine.config.model.window
+        assert swa.full_to_group is engine.pools.swa.full_to_swa and swa.full_to_group.shape == (64,)
+        assert swa.k_layers[0].shape == (32, engine.config.model.num_kv_heads, engine.config.model.head_dim)
+    assert engine.req_to_token() is engine.req_to_token_pool.table
+    assert engine.req_to_token().shape == (engine.config.max_running, engine.config.model.max_context)
+
+
+def test_radix_walk_chains_cached_tokens(make_engine):
+    engine = make_engine("mha")
+    prompts = [list(b"shared prefix A"), list(b"shared prefix B")]
+    outputs = engine.generate(prompts, 3)
+    walk = engine.radix_walk()
+    record = {s: (p, prev, t) for s, p, prev, t in zip(*(x.tolist() for x in walk[:4]))}
+    assert len(record) == walk.slots.numel() == len(b"shared prefix ") + 2 * (1 + 2)
+    assert not walk.locked.any()
+    for p, out in zip(prompts, outputs):
+        tokens = (p + out)[:-1]
+        path = engine.radix_cache.match_prefix(tokens).slots.tolist()
+        assert [record[s] for s in path] == [(i, path[i - 1] if i else PREV_CHAIN_HEAD, t) for i, t in enumerate(tokens)]
+
+
+def test_no_hooks_no_view(make_engine, monkeypatch, shadow_canary):
+    engine = make_engine("mha")
+    canary = shadow_canary(engine)
+    engine.generate([list(b"hello")], 2)
+    assert len(canary.views) == 2 and engine.forward_count == 2
+    engine.set_forward_hooks(None)
+    monkeypatch.setattr(engine, "_view", lambda batch: pytest.fail("view built without hooks"))
+    engine.generate([list(b"hello")], 2)
+    assert len(canary.views) == 2 and engine.forward_count == 4
+
+
+def test_hooks_see_the_damage_corruption_does(make_engine, assert_reference):
+    """A hook that scribbles over one prefix slot's K/V must change the greedy outputs: the
+    reference comparison above would notice KV errors."""
+
+    class Scribble:
+        def before_forward(self, view):
+            if view.prefix_lens.tolist() == [8]:  # the first decode step
+                slot = engine.req_to_token()[view.rows[0], 3]
+                for k in engine.pools.full.k_layers + engine.pools.full.v_layers:
+                    k[slot] = torch.randn_like(k[slot]) * 10
+
+        def after_forward(self, view):
+            pass
+
+    engine = make_engine("mha")
+    prompt = list(b"scribble")
+    clean = engine.generate([prompt], 8)
+    engine.reset()
+    engine.set_forward_hooks(Scribble())
+    dirty = engine.generate([prompt], 8)
+    assert dirty[0][0] == clean[0][0] and dirty != clean
+    with pytest.raises(AssertionError):
+        assert_reference(engine, [prompt], dirty)

@@ -1,0 +1,46 @@
+"""HF safetensors checkpoints: save a small random model, load it back, same outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.engine.model import CausalLM
+from pytest_kvcanary.engine.weights import read_config, save_checkpoint
+
+PROMPTS = [list(b"checkpoint round trip"), list(b"check")]
+
+
+@pytest.mark.parametrize("flavour", [dict(), dict(qkv_bias=True, tie_embeddings=False)], ids=["llama", "qwen2"])
+def test_round_trip(tmp_path, flavour):
+    cfg = ModelConfig(max_context=64, seed=7, **flavour)
+    save_checkpoint(CausalLM(cfg), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "model.layers.0.self_attn.q_proj.weight" in tensors and "model.norm.weight" in tensors
+    assert ("model.layers.0.self_attn.k_proj.bias" in tensors) == cfg.qkv_bias
+    assert ("lm_head.weight" in tensors) != cfg.tie_embeddings
+    loaded = read_config(tmp_path, seed=99)  # other random weights, replaced by the checkpoint's
+    assert loaded == ModelConfig(max_context=64, seed=99, **flavour)
+    expected = Engine(EngineConfig(model=cfg, max_batch_tokens=64)).generate(PROMPTS, 6)
+    got = Engine(EngineConfig(model=loaded, checkpoint=str(tmp_path), max_batch_tokens=64)).generate(PROMPTS, 6)
+    assert got == expected
+    assert Engine(EngineConfig(model=loaded, max_batch_tokens=64)).generate(PROMPTS, 6) != expected
+
+
+def test_bad_checkpoints(tmp_path):
+    save_checkpoint(CausalLM(ModelConfig()), tmp_path)
+    with pytest.raises(ValueError, match="does not fit the model"):
+        Engine(EngineConfig(model=ModelConfig(hidden=32), checkpoint=str(tmp_path)))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        Engine(EngineConfig(checkpoint=str(tmp_path / "missing")))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    for key, value, match in [("model_type", "gpt2", "model_type must be one of llama, qwen2; got 'gpt2'"),
+                              ("rope_scaling", {"type": "yarn"}, "rope_scaling is not supported"),
+                              ("hidden_act", "gelu", "hidden_act must be silu")]:
+        (tmp_path / "config.json").write_text(json.dumps({**hf, key: value}))
+        with pytest.raises(ValueError, match=match):
+            read_config(tmp_path)

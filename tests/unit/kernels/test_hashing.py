@@ -1,0 +1,120 @@
+"""splitmix64 in its three forms, and the real-KV fingerprint's sensitivity."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import kvcanary_kernels as K
+from kvcanary_kernels.hashing import CHAIN_HEAD_HASH_U64, as_i64, as_u64, mix, mix3
+from kvcanary_kernels.records import ANCHOR, Reason
+
+
+@triton.jit
+def _mix_kernel(x_ptr, out_ptr, out3_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = as_u64(tl.load(x_ptr + offs, mask=m))
+    tl.store(out_ptr + offs, as_i64(mix(x)), mask=m)
+    tl.store(out3_ptr + offs, as_i64(mix3(x, x + 1, x * 3)), mask=m)
+
+
+def _edge_and_random(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    edges = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), ANCHOR], dtype=torch.int64)
+    return torch.cat([edges, torch.randint(-(2**63), 2**63 - 1, (58,), generator=gen, dtype=torch.int64)])
+
+
+def test_splitmix64_known_value():
+    # First output of splitmix64 seeded with 0: mix(0 + golden gamma).
+    assert K.mix_int(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+    assert K.mix_int(0) == 0
+    assert K.CHAIN_HEAD_HASH == K.to_signed(K.mix_int(ANCHOR)) == K.to_signed(CHAIN_HEAD_HASH_U64)
+
+
+def test_mix_int_torch_and_triton_agree():
+    x = _edge_and_random(seed=7)
+    u = [v & (2**64 - 1) for v in x.tolist()]
+    want = [K.to_signed(K.mix_int(v)) for v in u]
+    want3 = [K.to_signed(K.mix3_int(v, v + 1, v * 3)) for v in u]
+    assert K.mix_torch(x).tolist() == want
+    assert K.mix3_torch(x, x + 1, x * 3).tolist() == want3
+    out, out3 = torch.empty_like(x), torch.empty_like(x)
+    _mix_kernel[(1,)](x, out, out3, x.numel(), BLOCK=64)
+    assert out.tolist() == want
+    assert out3.tolist() == want3
+
+
+def _flip_pool(word_bytes: int, variants: list[torch.Tensor]) -> tuple[K.RealKvSource, torch.Tensor]:
+    """A source whose slot i+1 holds variants[i] (int64 words of one slot)."""
+    rows = torch.zeros(len(variants) + 1, word_bytes // 8, dtype=torch.int64)
+    rows[1:] = torch.stack(variants)
+    source = K.RealKvSource(rows, page_size=1, num_bytes_per_token=word_bytes, read_bytes=word_bytes)
+    return source, torch.arange(1, len(variants) + 1)
+
+
+def test_fingerprint_changes_on_every_single_bit_flip(world_factory):
+    w = world_factory(3)
+    base = torch.randint(-(2**62), 2**62, (4,), generator=w.gen, dtype=torch.int64)
+    variants = [base]
+    for bit in range(4 * 64):
+        flipped = base.clone()
+        flipped[bit // 64] ^= K.to_signed(1 << (bit % 64))
+        variants.append(flipped)
+    source, slots = _flip_pool(32, variants)
+    fp = K.fingerprint_ref([source], slots)
+    assert (fp[1:] != fp[0]).all()
+    _assert_kernel_fingerprint_matches([source], slots, fp)
+
+
+def test_fingerprint_changes_on_every_swap_of_two_words(world_factory):
+    w = world_factory(4)
+    base = torch.randint(-(2**62), 2**62, (6,), generator=w.gen, dtype=torch.int64)
+    variants = [base]
+    for i in range(6):
+        for j in range(i + 1, 6):
+            swapped = base.clone()
+            swapped[[i, j]] = base[[j, i]]
+            variants.append(swapped)
+    source, slots = _flip_pool(48, variants)
+    fp = K.fingerprint_ref([source], slots)
+    assert (fp[1:] != fp[0]).all()
+    _assert_kernel_fingerprint_matches([source], slots, fp)
+
+
+def test_fingerprint_depends_on_source_order(world_factory):
+    w = world_factory(5, specs=((torch.float16, 1, 16), (torch.float32, 1, 8)))
+    slots = torch.arange(1, 9)
+    assert not torch.equal(K.fingerprint_ref(w.sources, slots), K.fingerprint_ref(w.sources[::-1], slots))
+    assert torch.equal(K.fingerprint_ref([], slots), torch.zeros_like(slots))
+
+
+def _assert_kernel_fingerprint_matches(sources, slots, want):
+    """The stamp kernel writes the fingerprint into real_kv_hash: it must equal the reference."""
+    n = slots.numel()
+    records = torch.zeros(n + 1, 4, dtype=torch.int64)
+    zeros = torch.zeros(n, dtype=torch.int64)
+    entries = K.WriteEntries(slots, zeros, zeros, zeros, zeros, zeros, torch.tensor([0]), torch.tensor([n]),
+                             torch.tensor([-1]))
+    K.stamp_records(records, entries, sources, K.ViolationRing(4, "cpu"), tag=0)
+    assert torch.equal(records[slots, 3], want)
+
+
+def _byte_flip_rows(world_factory, mode: str, byte: int) -> list[tuple[int, ...]]:
+    w = world_factory(6, specs=((torch.bfloat16, 1, 32, mode),))  # 64 bytes per slot
+    req = w.add_request(6)
+    w.fill_kv(req.slots)
+    assert w.stamp(w.write_entries([(req, 0, 6)])) == []
+    w.kv_bytes(0, req.slots[2])[byte] ^= 0x10
+    return w.verify(w.verify_entries([(req, 0, 6)]))
+
+
+def test_partial_mode_reads_only_the_first_16_bytes(world_factory):
+    assert _byte_flip_rows(world_factory, "partial", byte=20) == []
+    assert len(_byte_flip_rows(world_factory, "partial", byte=15)) == 1
+
+
+def test_all_mode_catches_a_flip_past_byte_16(world_factory):
+    rows = _byte_flip_rows(world_factory, "all", byte=20)
+    assert [r[0] for r in rows] == [Reason.VERIFY_REAL_KV_HASH]
