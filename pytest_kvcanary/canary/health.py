@@ -14,19 +14,16 @@ class KvCanaryHealthError(RuntimeError):
 
 @dataclass(frozen=True)
 class CanaryStats:
+    """violations: distinct violations reported; rows: every row the kernels logged (a damaged
+    slot is seen again by each later read); dropped: rows lost past the ring capacity."""
+
     forwards: int
     protected_tokens: int
     sweeps: int
     violations: int
+    rows: int
     dropped: int
     health: str
-
-    def line(self) -> str:
-        extra = f" ({self.dropped} dropped)" if self.dropped else ""
-        return (
-            f"forwards={self.forwards} protected_tokens={self.protected_tokens} sweeps={self.sweeps} "
-            f"violations={self.violations}{extra} health={self.health}"
-        )
 
 
 class LaunchCounter:

@@ -53,8 +53,9 @@ def decode_row(row: list[int], side: str) -> Violation:
 class ViolationLog:
     """Decoded violations of one engine. `pump()` after each forward moves new device rows here.
 
-    mode "log": one KvCanaryViolationWarning per row; "raise": KvCanaryViolationError with every
-    new row. `jsonl_path`: each violation is also appended there as one JSON line (how an engine
+    A row that repeats an earlier one in everything but the step (the same damaged slot seen again
+    by a later forward) is counted in `repeats`, not reported again. mode "log": one
+    KvCanaryViolationWarning per new violation; "raise": KvCanaryViolationError with all of them. `jsonl_path`: each violation is also appended there as one JSON line (how an engine
     in another process reports to the harness).
     """
 
@@ -64,31 +65,36 @@ class ViolationLog:
         self.mode = mode
         self.jsonl_path = jsonl_path
         self.violations: list[Violation] = []
-        self._seen = 0  # ring rows already pumped (claimed count, including dropped ones)
-
-    @property
-    def total(self) -> int:
-        """Violations the kernels reported, including rows dropped past the ring capacity."""
-        return self._seen
-
-    @property
-    def dropped(self) -> int:
-        return max(0, self._seen - self.ring.capacity)
+        self.total = 0  # rows the kernels claimed, repeats and dropped ones included
+        self.repeats = 0
+        self.dropped = 0  # rows lost because one pump window claimed more than the ring holds
+        self._keys: set[tuple] = set()
 
     def pump(self) -> list[Violation]:
-        total = self.ring.total()
-        if total == self._seen:
+        """Move the ring's rows here and empty the ring (so its capacity bounds one forward's
+        rows, not the whole run's)."""
+        claimed = self.ring.total()
+        if claimed == 0:
             return []
-        rows = self.ring.read(self._seen, total).tolist()
-        new = [decode_row(r, self.side) for r in rows]
-        dropped_now = (total - self._seen) - len(new)
-        self._seen = total
+        rows = self.ring.read(0, claimed).tolist()
+        self.ring.count.zero_()
+        dropped_now = claimed - len(rows)
+        self.total += claimed
+        self.dropped += dropped_now
+        new = []
+        for v in (decode_row(r, self.side) for r in rows):
+            key = (v.phase, v.half, v.group, v.reasons, v.slot, v.position, v.row, v.stored, v.expected)
+            if key in self._keys:
+                self.repeats += 1
+            else:
+                self._keys.add(key)
+                new.append(v)
         self.violations.extend(new)
         if self.jsonl_path is not None:
             with self.jsonl_path.open("a") as f:
                 for v in new:
                     f.write(json.dumps(v.to_json()) + "\n")
-        if self.mode == "raise":
+        if self.mode == "raise" and (new or dropped_now):
             raise KvCanaryViolationError(new, dropped_now)
         for v in new:
             warnings.warn(KvCanaryViolationWarning(v.describe()), stacklevel=2)
@@ -99,7 +105,8 @@ class ViolationLog:
     def clear(self) -> None:
         self.ring.clear()
         self.violations.clear()
-        self._seen = 0
+        self._keys.clear()
+        self.total = self.repeats = self.dropped = 0
 
 
 def read_jsonl(path: Path) -> list[Violation]:

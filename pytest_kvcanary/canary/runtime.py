@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -17,6 +18,16 @@ from .log import ViolationLog
 from .plans import sweep_entries, verify_entries, write_entries
 
 
+class ForwardObserver(Protocol):
+    """Something that acts at the canary's two points of a forward (the fault injector)."""
+
+    def before_forward(self, view: ForwardView) -> None:
+        """Before HEAD verifies the slots this forward reads."""
+
+    def after_stamp(self, view: ForwardView) -> None:
+        """After TAIL stamped the slots this forward wrote, before the sweep and the log pump."""
+
+
 class CanaryRuntime:
     """Guards one engine's KV pools.
 
@@ -24,6 +35,7 @@ class CanaryRuntime:
     (HEAD: verify every prefix slot the forward will read), the forward, after_forward(view) (TAIL:
     stamp the written slots; every sweep_interval forwards SWEEP the radix cache; pump the log).
     In raise mode after_forward raises KvCanaryViolationError when new violations appeared.
+    Observers run before HEAD and after TAIL, in the order added.
     """
 
     def __init__(
@@ -47,8 +59,11 @@ class CanaryRuntime:
         self.launches = LaunchCounter()
         self.forwards = 0
         self.sweeps = 0
+        self.observers: list[ForwardObserver] = []
 
     def before_forward(self, view: ForwardView) -> None:
+        for observer in self.observers:
+            observer.before_forward(view)
         req_to_token = self.host.req_to_token()
         for group in self.groups:
             entries = verify_entries(view, req_to_token, group)
@@ -64,6 +79,8 @@ class CanaryRuntime:
                               check_tokens=self.config.check_tokens,
                               check_write_inputs=self.config.check_write_inputs)
                 self.launches.record(tag)
+        for observer in self.observers:
+            observer.after_stamp(view)
         self.forwards += 1
         if self.config.sweep_interval and self.forwards % self.config.sweep_interval == 0:
             self.sweep()
@@ -103,7 +120,8 @@ class CanaryRuntime:
             forwards=self.forwards,
             protected_tokens=protected,
             sweeps=self.sweeps,
-            violations=self.log.total,
+            violations=len(self.log.violations),
+            rows=self.log.total,
             dropped=self.log.dropped,
             health="ok" if not problems else "; ".join(problems),
         )

@@ -128,16 +128,17 @@ class Engine:
     @torch.no_grad()
     def _forward(self, batch: Batch) -> list[int]:
         """The model forward over the batch (hooks around it); greedy next token per request."""
-        view = self._view(batch) if self._hooks is not None else None
-        if view is not None:
-            self._hooks.before_forward(view)
+        hooks = self._hooks
+        view = self._view(batch) if hooks is not None else None
+        if hooks is not None:
+            hooks.before_forward(view)
         positions = batch.positions.to(self.device)
         kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
                      batch.extend_lens, positions, batch.out_cache_loc.to(self.device))
         hidden = self.model(batch.input_ids.to(self.device), positions, kv)
         self.forward_count += 1
-        if view is not None:
-            self._hooks.after_forward(view)
+        if hooks is not None:
+            hooks.after_forward(view)
         last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[last]).argmax(-1).tolist()
 

@@ -22,6 +22,9 @@ from .request import Request
 
 
 class Node:
+    """An edge of the tree: tokens (key) and their FULL slots (value). lock_ref: running requests
+    whose cached prefix passes through here. tombstone: the SWA slots of value were freed."""
+
     def __init__(self, key: list[int], value: torch.Tensor, parent: Node | None, tombstone: bool = False) -> None:
         self.key = key  # tokens of this edge
         self.value = value  # their FULL slots, CPU int64
@@ -84,9 +87,8 @@ class RadixCache:
         tick = next(self._clock)
         for node in path:
             node.last_access = tick
-        if not path:
-            return MatchResult(self.root.value, self.root)
-        return MatchResult(torch.cat([n.value for n in path]), path[-1])
+        node = path[-1] if path else self.root
+        return MatchResult(self._path_slots(node), node)
 
     def insert(self, key: list[int], slots: torch.Tensor, swa_from: int = 0) -> InsertResult:
         """Cache key with its FULL slots. Where the tree already holds a prefix of key it keeps

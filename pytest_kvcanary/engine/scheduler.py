@@ -37,7 +37,6 @@ class Scheduler:
     def __init__(self, config: EngineConfig, pools: KVPools, req_to_token: ReqToTokenPool,
                  radix_cache: RadixCache) -> None:
         self.config, self.pools, self.req_to_token, self.radix_cache = config, pools, req_to_token, radix_cache
-        self.window = config.model.window if pools.swa is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # every request holding a row, in admission order
         self.num_retracted = 0
@@ -127,9 +126,10 @@ class Scheduler:
     def _slide_window(self, req: Request) -> None:
         """Free the SWA slots of the request's own positions no window will read again: the next
         forward reads positions >= kv_len - window."""
-        if self.window is None:
+        window = self.radix_cache.window
+        if window is None:
             return
-        start, end = max(req.swa_from, req.prefix_len), req.kv_len - self.window
+        start, end = max(req.swa_from, req.prefix_len), req.kv_len - window
         if end > start:
             self.pools.swa.unmap(self.req_to_token.read(req.row, start, end))
             req.swa_from = end

@@ -1,14 +1,14 @@
 """The fault ledger: every injection, and whether the canary saw it.
 
-Status: "detected" (a violation of the expected kind names the injected slot, or the slot it was
-moved to), "latent" (the slot is still live and nobody has read it yet), "escaped" (the slot was
-freed or overwritten before any read; `cause` says how).
+Status: "detected" (a violation of a reason that mode must produce names the injected slot, or a
+slot a transfer moved it to), "latent" (the slot is still live and nobody has read it yet),
+"escaped" (the slot was freed or overwritten before any read; `cause` says how).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..canary.violation import Violation
 
@@ -21,16 +21,26 @@ DETECTING_REASONS = {
 }
 
 
+class Place(NamedTuple):
+    """Where damaged data lives: an engine side, the slot in the target group's pool, and the
+    FULL-pool slot that owns it (they are equal for the FULL group)."""
+
+    side: str
+    slot: int
+    full_slot: int
+
+
 @dataclass
 class Injection:
-    """One injected fault. slot is in the target group's pool; row is the request row (-1 when
-    only the radix cache held the slot); byte is the flipped byte offset within the slot (-1 for
-    req_to_token, whose damage is the mapping itself); step is the engine's forward index."""
+    """One injected fault. slot: in the target group's pool; row: request row (-1 when only the
+    radix cache held the slot); byte: flipped byte within the slot (-1 for req_to_token, whose
+    damage is the mapping itself); step: the engine's forward index; half: K or V for a flip."""
 
     mode: str
     side: str
     group: str
     slot: int
+    full_slot: int
     position: int
     row: int
     byte: int
@@ -39,25 +49,36 @@ class Injection:
     status: str = "latent"
     cause: str = ""
     detected_by: Violation | None = None
-    # Where a transfer moved the slot: (side, slot) pairs a detection may name instead.
-    moved_to: list[tuple[str, int]] = field(default_factory=list)
+    moved_to: list[Place] = field(default_factory=list)  # where a PD transfer copied the damage
+    gone: list[Place] = field(default_factory=list)  # places since freed or overwritten
 
-    def places(self) -> list[tuple[str, int]]:
-        return [(self.side, self.slot), *self.moved_to]
+    @property
+    def places(self) -> list[Place]:
+        return [Place(self.side, self.slot, self.full_slot), *self.moved_to]
+
+    @property
+    def latency(self) -> int | None:
+        """Forwards from injection to detection (on the detecting side's clock when it moved)."""
+        if self.detected_by is None:
+            return None
+        return self.detected_by.step - self.step if self.detected_by.side == self.side else None
 
     def matches(self, v: Violation) -> bool:
         if v.group.lower() != self.group or not set(v.reasons) & set(DETECTING_REASONS[self.mode]):
             return False
         if self.half is not None and v.half != self.half:
             return False
-        if (v.side, v.slot) in self.places():
-            return v.side != self.side or v.step >= self.step
-        # A wrong mapping entry is reported at the row and position it corrupted.
+        if v.side == self.side and v.step < self.step:
+            return False
+        if any((v.side, v.slot) == (p.side, p.slot) for p in self.places):
+            return True
+        # A wrong mapping entry is also reported at the row and position it corrupted.
         return self.mode == "req_to_token" and (v.side, v.row, v.position) == (self.side, self.row, self.position)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["detected_by"] = self.detected_by.to_json() if self.detected_by else None
+        d["latency"] = self.latency
         return d
 
     def describe(self) -> str:
@@ -67,7 +88,7 @@ class Injection:
 
 
 class Ledger:
-    """Injections of one run, matched against the violations the canary reported."""
+    """Injections of one run (all sides of a PD pair share one), matched against violations."""
 
     def __init__(self) -> None:
         self.injections: list[Injection] = []
@@ -76,7 +97,7 @@ class Ledger:
         self.injections.append(injection)
 
     def match(self, violations: list[Violation]) -> None:
-        """Mark every still-open injection that a violation names as detected."""
+        """Mark every injection a violation names as detected (first matching violation wins)."""
         for inj in self.injections:
             if inj.status == "detected":
                 continue
@@ -84,11 +105,20 @@ class Ledger:
             if hit is not None:
                 inj.status, inj.cause, inj.detected_by = "detected", "", hit
 
-    def escape(self, side: str, slots: set[int], cause: str) -> None:
-        """Undetected injections on these slots lost their damage: freed or overwritten unread."""
+    def escape(self, side: str, full_slots: set[int], cause: str) -> None:
+        """Latent injections whose every copy sat in these (freed or overwritten) slots escaped."""
         for inj in self.injections:
-            if inj.status == "latent" and any(s == side and sl in slots for s, sl in inj.places()):
+            if inj.status != "latent":
+                continue
+            inj.gone += [p for p in inj.places if p.side == side and p.full_slot in full_slots and p not in inj.gone]
+            if len(inj.gone) == len(inj.places):
                 inj.status, inj.cause = "escaped", cause
+
+    def moved(self, side: str, full_slot: int, to: Place) -> None:
+        """A transfer copied the data of (side, full_slot) to `to`."""
+        for inj in self.injections:
+            if any(p.side == side and p.full_slot == full_slot for p in inj.places if p not in inj.gone):
+                inj.moved_to.append(to)
 
     def clear(self) -> None:
         self.injections.clear()

@@ -12,6 +12,7 @@ from pytest_kvcanary.canary.host import ForwardView
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
 
 WINDOW = 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
@@ -19,6 +20,7 @@ def make_engine() -> Callable[..., Engine]:
     def make(attention: str = "mha", *, seed: int = 0, **engine_kw) -> Engine:
         model = ModelConfig(attention=attention, window=WINDOW, max_context=64, seed=seed)
         engine_kw.setdefault("max_batch_tokens", 64)
+        engine_kw.setdefault("device", DEVICE)
         return Engine(EngineConfig(model=model, **engine_kw))
 
     return make

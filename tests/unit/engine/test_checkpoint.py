@@ -44,3 +44,17 @@ def test_bad_checkpoints(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**hf, key: value}))
         with pytest.raises(ValueError, match=match):
             read_config(tmp_path)
+
+
+@pytest.mark.parametrize("flavour", [dict(), dict(qkv_bias=True, tie_embeddings=False)], ids=["llama", "qwen2"])
+def test_matches_transformers(tmp_path, flavour):
+    """Where Hugging Face transformers is installed: it loads our checkpoint and computes the same
+    logits (the tensor names, RoPE and norms follow its Llama / Qwen2)."""
+    transformers = pytest.importorskip("transformers")
+    model = CausalLM(ModelConfig(max_context=64, seed=3, **flavour))
+    save_checkpoint(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    ids = torch.tensor(PROMPTS[0])
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    torch.testing.assert_close(model.logits_without_cache(ids), expected, rtol=1e-4, atol=1e-4)

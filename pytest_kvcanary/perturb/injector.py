@@ -1,0 +1,133 @@
+"""FaultInjector: arms kv_perturb specs around an engine's forwards and records every injection.
+
+It observes the canary runtime: its before_forward runs before the runtime's HEAD (so HEAD of the
+same forward must see the fault), its after_stamp right after the TAIL stamp (so a flip lands
+after the stamp, in stream order).
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import torch
+
+from kvcanary_kernels.records import GroupKind, Half
+
+from ..canary.groups import GroupState
+from ..canary.host import CanaryHost, ForwardView
+from ..canary.runtime import CanaryRuntime
+from ..config import PerturbSpec
+from .ledger import Injection, Ledger
+from .targets import Target, cached_only_targets, read_targets, written_targets
+
+BEFORE_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache")
+
+
+class PerturbError(ValueError):
+    """A kv_perturb spec this engine cannot honour; names the argument and the allowed values."""
+
+
+class FaultInjector:
+    def __init__(self, host: CanaryHost, runtime: CanaryRuntime, side: str, ledger: Ledger) -> None:
+        self.host = host
+        self.runtime = runtime
+        self.side = side
+        self.ledger = ledger
+        self.specs: tuple[PerturbSpec, ...] = ()
+        self._rng = random.Random(0)
+        self._restore: list[tuple[int, int, int]] = []  # (row, position, FULL slot) to put back
+
+    def arm(self, specs: tuple[PerturbSpec, ...], seed: int) -> None:
+        """Faults for the next run; the same specs and seed replay the same injections."""
+        kinds = [g.pool.kind for g in self.runtime.groups]
+        for spec in specs:
+            self._group_for(spec, kinds)
+            if spec.mode != "req_to_token" and not any(g.sources[Half.K] for g in self.runtime.groups):
+                raise PerturbError(f"kv_perturb({spec.mode!r}) flips real KV bytes, which the canary only "
+                                   "fingerprints with real_data partial or all; got real_data='none'")
+        self.specs = tuple(s for s in specs if s.side in (None, self.side))
+        self._rng = random.Random(zlib.crc32(f"{seed}/{self.side}".encode()))
+        self._restore.clear()
+
+    @staticmethod
+    def _group_for(spec: PerturbSpec, kinds: list[GroupKind]) -> GroupKind:
+        if spec.target_group is None:
+            if len(kinds) > 1:
+                raise PerturbError(f"kv_perturb({spec.mode!r}): target_group is required for a model with "
+                                   "full and swa pool groups; allowed: full, swa")
+            return kinds[0]
+        kind = GroupKind[spec.target_group.upper()]
+        if kind not in kinds:
+            allowed = ", ".join(k.name.lower() for k in kinds)
+            raise PerturbError(f"kv_perturb({spec.mode!r}): target_group={spec.target_group!r} is not a pool "
+                               f"group of this model; allowed: {allowed}")
+        return kind
+
+    def _group(self, spec: PerturbSpec) -> GroupState:
+        kind = self._group_for(spec, [g.pool.kind for g in self.runtime.groups])
+        return next(g for g in self.runtime.groups if g.pool.kind is kind)
+
+    def _due(self, spec: PerturbSpec, modes: tuple[str, ...]) -> bool:
+        return (spec.mode in modes and self.runtime.forwards >= spec.warmup_steps
+                and self._rng.random() < spec.prob)
+
+    def before_forward(self, view: ForwardView) -> None:
+        for spec in self.specs:
+            if not self._due(spec, BEFORE_MODES):
+                continue
+            group = self._group(spec)
+            if spec.mode == "real_kv_unused_cache":
+                self._flip(spec, group, cached_only_targets(self.host, group), view, byte=None)
+            elif spec.mode == "real_kv_used":
+                self._flip(spec, group, read_targets(view, self.host, group), view, byte=0)
+            else:
+                self._remap(spec, group, view)
+
+    def after_stamp(self, view: ForwardView) -> None:
+        table = self.host.req_to_token()
+        for row, position, slot in self._restore:
+            table[row, position] = slot
+        self._restore.clear()
+        written = set(view.out_cache_loc.tolist())
+        self.ledger.escape(self.side, written, "slot reallocated and overwritten before any read")
+        for spec in self.specs:
+            if self._due(spec, ("real_kv_post_forward",)):
+                group = self._group(spec)
+                self._flip(spec, group, written_targets(view, self.host, group), view, byte=None)
+
+    def _flip(self, spec: PerturbSpec, group: GroupState, targets: list[Target], view: ForwardView,
+              byte: int | None) -> None:
+        """Flip one bit of one byte of a target slot in a layer the fingerprint reads."""
+        if not targets:
+            return
+        t = self._rng.choice(targets)
+        half = self._rng.choice([h for h in Half if group.sources[h]])
+        source = self._rng.choice(group.sources[half])
+        offset = self._rng.randrange(source.read_bytes) if byte is None else byte
+        page, within = divmod(t.slot, source.page_size)
+        data = source.words().view(torch.uint8)
+        data[page, within * source.num_bytes_per_token + offset] ^= 1 << self._rng.randrange(8)
+        self._record(spec, group, t, offset, half.name)
+
+    def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:
+        """Point one mapping entry HEAD reads at another live slot; restored after the forward."""
+        targets = read_targets(view, self.host, group)
+        writing = set(view.out_cache_loc.tolist())
+        if not targets:
+            return
+        t = self._rng.choice(targets)
+        others = sorted({o.full_slot for o in targets} - {t.full_slot} - writing)
+        if not others:
+            return
+        wrong = self._rng.choice(others)
+        table = self.host.req_to_token()
+        self._restore.append((t.row, t.position, t.full_slot))
+        table[t.row, t.position] = wrong
+        slot = int(group.to_group_slots(torch.tensor([wrong], device=group.device))[0])
+        self._record(spec, group, Target(slot, wrong, t.position, t.row), -1, None)
+
+    def _record(self, spec: PerturbSpec, group: GroupState, t: Target, byte: int, half: str | None) -> None:
+        self.ledger.record(Injection(
+            mode=spec.mode, side=self.side, group=group.pool.kind.name.lower(), slot=t.slot, full_slot=t.full_slot,
+            position=t.position, row=t.row, byte=byte, step=self.runtime.forwards, half=half))
