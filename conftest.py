@@ -16,5 +16,8 @@ def _gpu_visible() -> bool:
 
 if not _gpu_visible():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The test models are tiny: one thread per process beats several fighting over two cores,
+    # especially with one process per core under xdist.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytest_plugins = ["pytester"]

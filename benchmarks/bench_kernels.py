@@ -126,8 +126,9 @@ def check_against_reference(device: torch.device) -> None:
 
 def sweep_tilings(read_words: int) -> list[Tiling]:
     width = triton.next_power_of_2(max(read_words, 1))
-    blocks = [b for b in (4, 8, 16, 32, 64, 128, 256, 512, 1024) if 512 <= b * width <= 16384]
-    return [Tiling(b, w) for b in blocks for w in (4, 8)]
+    chunks = [c for c in (8, 16, 32, 64) if c <= width] or [width]
+    return [Tiling(b, c, w) for b in (128, 256, 512) for w in (4, 8) if b >= 32 * w
+            for c in chunks if b * c <= 8192]
 
 
 def main() -> None:
@@ -177,18 +178,19 @@ def main() -> None:
                 for tiling in candidates:
                     timings[tiling] = median_ms(lambda: run(tiling))
                     gbs = nbytes / timings[tiling] / 1e6
-                    print(f"  {op:6s} {mode.value:7s} block={tiling.block:4d} warps={tiling.num_warps}: "
+                    print(f"  {op:6s} {mode.value:7s} block={tiling.block:4d} chunk={tiling.chunk:3d} "
+                          f"warps={tiling.num_warps}: "
                           f"{timings[tiling] * 1e3:8.1f} us {gbs:7.0f} GB/s {gbs / copy_gbs:6.1%}")
                 chosen = min(timings, key=timings.get) if args.sweep else best
                 ms = timings[chosen]
                 gbs = nbytes / ms / 1e6
-                table.append((case.name, op, mode.value, f"{chosen.block}/{chosen.num_warps}", ms * 1e3,
+                table.append((case.name, op, mode.value, "/".join(map(str, chosen)), ms * 1e3,
                               nbytes, gbs, gbs / copy_gbs))
         torch.cuda.synchronize()
         assert ring.total() == 0, f"clean runs reported {ring.total()} violations"
         del kv, records
 
-    print("\n| case | op | mode | block/warps | time (us) | MB moved | GB/s | % of copy |")
+    print("\n| case | op | mode | block/chunk/warps | time (us) | MB moved | GB/s | % of copy |")
     print("|---|---|---|---|---:|---:|---:|---:|")
     for name, op, mode, tiling, us, nbytes, gbs, ratio in table:
         print(f"| {name} | {op} | {mode} | {tiling} | {us:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | {ratio:.0%} |")

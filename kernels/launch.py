@@ -20,20 +20,19 @@ SEGMENT_FIELDS = ("seg_starts", "seg_lens", "seed_slots")
 
 
 class Tiling(NamedTuple):
-    """Entries per program and warps per program."""
+    """Entries per program, source words per slot a program loads at a time (a power of two), and
+    warps per program. Keep ``block >= 32 * num_warps``: with fewer entries than threads, Triton
+    replicates the per-entry work across threads."""
 
     block: int
+    chunk: int
     num_warps: int
 
 
-_TILE_WORDS = 4096  # source words a program loads at once
-_MAX_BLOCK = 256
-
-
 def default_tiling(sources: Sequence[RealKvSource]) -> Tiling:
-    widest = max((triton.next_power_of_2(s.read_bytes // 8) for s in sources), default=1)
-    block = max(1, min(_MAX_BLOCK, _TILE_WORDS // widest))
-    return Tiling(block=block, num_warps=4)
+    """128 entries x up to 32 words (256 bytes) per slot per step: 32 KB of loads in flight."""
+    widest = max((s.read_bytes // 8 for s in sources), default=1)
+    return Tiling(block=128, chunk=min(32, triton.next_power_of_2(widest)), num_warps=4)
 
 
 def check_launch(records: torch.Tensor, entries: NamedTuple, sources: Sequence[RealKvSource],
@@ -86,9 +85,9 @@ def _check_entries(entries: NamedTuple, device: torch.device) -> None:
             raise ValueError(f"{field} has length {t.shape[0]}; {kind}.{first[0]} has {first[1]}")
 
 
-def source_args(sources: Sequence[RealKvSource], dummy: torch.Tensor) -> tuple[list, dict[str, int]]:
+def source_args(sources: Sequence[RealKvSource], dummy: torch.Tensor, chunk: int) -> tuple[list, dict[str, int]]:
     """Positional ``(words, row_stride, page_size, words_per_token)`` x MAX_SOURCES (unused slots
-    point at ``dummy``) and the constexprs NUM_SOURCES, RW<k>, RWP<k> of ``slot_fingerprint``."""
+    point at ``dummy``) and the constexprs NUM_SOURCES, RW<k>, CHUNK<k> of ``slot_fingerprint``."""
     args: list = []
     consts = {"NUM_SOURCES": len(sources)}
     for k in range(MAX_SOURCES):
@@ -101,5 +100,5 @@ def source_args(sources: Sequence[RealKvSource], dummy: torch.Tensor) -> tuple[l
             args += [dummy, 0, 1, 0]
             read_words = 0
         consts[f"RW{k}"] = read_words
-        consts[f"RWP{k}"] = triton.next_power_of_2(max(read_words, 1))
+        consts[f"CHUNK{k}"] = min(chunk, triton.next_power_of_2(max(read_words, 1)))
     return args, consts

@@ -34,13 +34,19 @@ def _stamp_chains(records, slots_ptr, tokens_ptr, positions_ptr, seg_starts_ptr,
     seeds = tl.load(seed_slots_ptr + segs, mask=in_range, other=-1)
     seeded = in_range & (seeds >= 0)
     chain = tl.where(seeded, successor_hash(records, seeds, seeded), CHAIN_HEAD_HASH_JIT)
+    # The chain is latency-bound: entry j + 1 is loaded before entry j is hashed.
+    on_next = lens > 0
+    slots_next = tl.load(slots_ptr + starts, mask=on_next, other=0)
+    tokens_next = tl.load(tokens_ptr + starts, mask=on_next, other=0)
+    positions_next = tl.load(positions_ptr + starts, mask=on_next, other=0)
     for j in range(0, tl.max(lens, axis=0)):
-        on = j < lens
-        entry = starts + j
-        slots = tl.load(slots_ptr + entry, mask=on, other=0)
-        tokens = tl.load(tokens_ptr + entry, mask=on, other=0)
-        positions = tl.load(positions_ptr + entry, mask=on, other=0)
-        written = on & (slots != 0)
+        written = on_next & (slots_next != 0)
+        slots, tokens, positions = slots_next, tokens_next, positions_next
+        on_next = j + 1 < lens
+        entry = starts + j + 1
+        slots_next = tl.load(slots_ptr + entry, mask=on_next, other=0)
+        tokens_next = tl.load(tokens_ptr + entry, mask=on_next, other=0)
+        positions_next = tl.load(positions_ptr + entry, mask=on_next, other=0)
         tl.store(field_ptrs(records, slots, PREV_HASH), as_i64(chain), mask=written)
         chain = tl.where(written, mix3(chain, as_u64(tokens), as_u64(positions)), chain)
 
@@ -53,8 +59,8 @@ def _stamp_kernel(records, slots_ptr, tokens_ptr, positions_ptr, expected_positi
                   src0, stride0, page0, wpt0, src1, stride1, page1, wpt1,
                   src2, stride2, page2, wpt2, src3, stride3, page3, wpt3,
                   NUM_SOURCES: tl.constexpr,
-                  RW0: tl.constexpr, RWP0: tl.constexpr, RW1: tl.constexpr, RWP1: tl.constexpr,
-                  RW2: tl.constexpr, RWP2: tl.constexpr, RW3: tl.constexpr, RWP3: tl.constexpr,
+                  RW0: tl.constexpr, CHUNK0: tl.constexpr, RW1: tl.constexpr, CHUNK1: tl.constexpr,
+                  RW2: tl.constexpr, CHUNK2: tl.constexpr, RW3: tl.constexpr, CHUNK3: tl.constexpr,
                   CHECK_WRITE: tl.constexpr, CHECK_TOKENS: tl.constexpr,
                   BLOCK: tl.constexpr, SEG_BLOCK: tl.constexpr):
     # Programs [0, chain_programs) run the serial prev_hash chains (field PREV_HASH); the rest
@@ -79,7 +85,7 @@ def _stamp_kernel(records, slots_ptr, tokens_ptr, positions_ptr, expected_positi
             fingerprint = as_i64(slot_fingerprint(slots, live,
                                                   src0, stride0, page0, wpt0, src1, stride1, page1, wpt1,
                                                   src2, stride2, page2, wpt2, src3, stride3, page3, wpt3,
-                                                  NUM_SOURCES, RW0, RWP0, RW1, RWP1, RW2, RWP2, RW3, RWP3))
+                                                  NUM_SOURCES, RW0, CHUNK0, RW1, CHUNK1, RW2, CHUNK2, RW3, CHUNK3))
         tl.store(field_ptrs(records, slots, REAL_KV_HASH), fingerprint, mask=live)
         if CHECK_WRITE:
             zeros = tl.zeros([BLOCK], tl.int64)
@@ -115,7 +121,7 @@ def stamp_records(records: torch.Tensor, entries: WriteEntries, sources: Sequenc
     """
     check_launch(records, entries, sources, ring, tag)
     tiling = tiling or default_tiling(sources)
-    src, consts = source_args(sources, records)
+    src, consts = source_args(sources, records, tiling.chunk)
     n = entries.slots.shape[0]
     n_segments = entries.seg_starts.shape[0]
     seg_block = 32 * tiling.num_warps

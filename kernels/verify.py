@@ -32,8 +32,8 @@ def _verify_kernel(records, slots_ptr, positions_ptr, prev_slots_ptr, tokens_ptr
                    src0, stride0, page0, wpt0, src1, stride1, page1, wpt1,
                    src2, stride2, page2, wpt2, src3, stride3, page3, wpt3,
                    NUM_SOURCES: tl.constexpr,
-                   RW0: tl.constexpr, RWP0: tl.constexpr, RW1: tl.constexpr, RWP1: tl.constexpr,
-                   RW2: tl.constexpr, RWP2: tl.constexpr, RW3: tl.constexpr, RWP3: tl.constexpr,
+                   RW0: tl.constexpr, CHUNK0: tl.constexpr, RW1: tl.constexpr, CHUNK1: tl.constexpr,
+                   RW2: tl.constexpr, CHUNK2: tl.constexpr, RW3: tl.constexpr, CHUNK3: tl.constexpr,
                    CHECK_TOKENS: tl.constexpr, BLOCK: tl.constexpr):
     count_launch(kernel_runs, tag)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -55,7 +55,7 @@ def _verify_kernel(records, slots_ptr, positions_ptr, prev_slots_ptr, tokens_ptr
         fingerprint = as_i64(slot_fingerprint(slots, live,
                                               src0, stride0, page0, wpt0, src1, stride1, page1, wpt1,
                                               src2, stride2, page2, wpt2, src3, stride3, page3, wpt3,
-                                              NUM_SOURCES, RW0, RWP0, RW1, RWP1, RW2, RWP2, RW3, RWP3))
+                                              NUM_SOURCES, RW0, CHUNK0, RW1, CHUNK1, RW2, CHUNK2, RW3, CHUNK3))
         stored_kv = tl.load(field_ptrs(records, slots, REAL_KV_HASH), mask=live, other=0)
         reasons, stored, expected = note_failure(live & (stored_kv != fingerprint), _REAL_KV,
                                                  stored_kv, fingerprint, reasons, stored, expected)
@@ -91,7 +91,7 @@ def verify_records(records: torch.Tensor, entries: VerifyEntries, sources: Seque
     """
     check_launch(records, entries, sources, ring, tag)
     tiling = tiling or default_tiling(sources)
-    src, consts = source_args(sources, records)
+    src, consts = source_args(sources, records, tiling.chunk)
     n = entries.slots.shape[0]
     grid = (max(1, triton.cdiv(n, tiling.block)),)
     _verify_kernel[grid](

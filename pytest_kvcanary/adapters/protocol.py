@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
-from ..canary.host import CanaryHost, ForwardView
-
-
-class ForwardHooks(Protocol):
-    def before_forward(self, view: ForwardView) -> None: ...
-
-    def after_forward(self, view: ForwardView) -> None: ...
-
+from ..canary.host import CanaryHost, ForwardHooks
 
 @runtime_checkable
 class EngineUnderTest(CanaryHost, Protocol):

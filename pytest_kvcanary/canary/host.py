@@ -79,6 +79,16 @@ class RadixWalk(NamedTuple):
     locked: torch.Tensor
 
 
+class ForwardHooks(Protocol):
+    """What an engine calls around each forward (the CanaryRuntime is one)."""
+
+    def before_forward(self, view: ForwardView) -> None:
+        """Right before the forward reads the KV cache; the batch's slots are in req_to_token."""
+
+    def after_forward(self, view: ForwardView) -> None:
+        """Right after the forward wrote K/V for view.out_cache_loc, before its samples are used."""
+
+
 @runtime_checkable
 class CanaryHost(Protocol):
     """What an engine exposes to the canary runtime."""

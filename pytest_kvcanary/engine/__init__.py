@@ -1,8 +1,8 @@
 """The reference engine: a small paged-KV, radix-cached, continuously batching LLM engine."""
 
 from .config import EngineConfig, ModelConfig
-from .engine import Engine, ForwardHooks
+from .engine import Engine
 from .request import Request
 from .tokenizer import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "Engine", "EngineConfig", "ForwardHooks", "ModelConfig", "Request"]
+__all__ = ["ByteTokenizer", "Engine", "EngineConfig", "ModelConfig", "Request"]

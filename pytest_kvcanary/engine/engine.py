@@ -9,12 +9,12 @@ It is a `CanaryHost`: the canary runtime attaches through `canary_groups` / `req
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
 from kvcanary_kernels.records import GroupKind
-from pytest_kvcanary.canary.host import ForwardView, PoolGroup, RadixWalk
+from pytest_kvcanary.canary.host import ForwardHooks, ForwardView, PoolGroup, RadixWalk
 
 from .attention import PagedKV
 from .config import EngineConfig
@@ -25,14 +25,6 @@ from .request import Request
 from .scheduler import Batch, Scheduler
 from .tokenizer import ByteTokenizer
 from .weights import load_weights
-
-
-class ForwardHooks(Protocol):
-    def before_forward(self, view: ForwardView) -> None:
-        """Right before the forward reads the KV cache; the batch's slots are in req_to_token."""
-
-    def after_forward(self, view: ForwardView) -> None:
-        """Right after the forward wrote K/V for view.out_cache_loc, before its samples are used."""
 
 
 class Engine:
@@ -90,13 +82,19 @@ class Engine:
         return req
 
     def step(self) -> list[Request]:
-        """Run one forward; returns the requests that finished in it ([] when idle)."""
+        """Run one forward; returns the requests that finished in it ([] when idle). If the
+        forward raises (a hook, say), its requests go back to waiting and the error propagates."""
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.has_work:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
-        return self.scheduler.process(batch, self._forward(batch))
+        try:
+            next_tokens = self._forward(batch)
+        except BaseException:
+            self.scheduler.abort(batch)
+            raise
+        return self.scheduler.process(batch, next_tokens)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy output token ids per prompt, in order (runs until every queued request is done)."""
@@ -106,7 +104,8 @@ class Engine:
         return [r.output_ids for r in reqs]
 
     def reset(self) -> None:
-        """Drop all requests and flush the radix cache: every slot and row is free again."""
+        """Drop all requests and flush the radix cache: every slot and row is free again
+        (forward_count keeps counting)."""
         self.scheduler.reset()
         self.radix_cache.reset()
 

@@ -66,6 +66,13 @@ class Scheduler:
             self._slide_window(req)
         return finished
 
+    def abort(self, batch: Batch) -> None:
+        """Undo a batch whose forward raised: free the slots it was given and send its requests
+        back to the front of the queue, holding nothing (their outputs so far are kept)."""
+        self.pools.free(batch.out_cache_loc)
+        for req in reversed(batch.reqs):
+            self._retract(req)
+
     def reset(self) -> None:
         """Drop every request, releasing what the running ones hold."""
         for req in list(self.running):

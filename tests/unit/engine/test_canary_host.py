@@ -76,3 +76,43 @@ def test_hooks_see_the_damage_corruption_does(make_engine, assert_reference):
     assert dirty[0][0] == clean[0][0] and dirty != clean
     with pytest.raises(AssertionError):
         assert_reference(engine, [prompt], dirty)
+
+
+@pytest.mark.parametrize("when", ["before_forward", "after_forward"])
+def test_a_raising_hook_leaves_the_engine_usable(when, make_engine, random_prompts, assert_reference,
+                                                 check_invariants):
+    """A canary in raise mode raises from a hook: the batch is undone, nothing leaks, and the
+    engine can go on (or be reset)."""
+
+    class RaiseOnSeventh:
+        calls = 0
+
+        def before_forward(self, view):
+            self.hook("before_forward")
+
+        def after_forward(self, view):
+            self.hook("after_forward")
+
+        def hook(self, name):
+            if name == when:
+                self.calls += 1
+                if self.calls == 7:
+                    raise RuntimeError("violation")
+
+    engine = make_engine("swa")
+    prompts = random_prompts(4, 4)
+    reqs = [engine.submit(p, 8) for p in prompts]
+    engine.set_forward_hooks(RaiseOnSeventh())
+    with pytest.raises(RuntimeError, match="violation"):
+        while engine.scheduler.has_work:
+            engine.step()
+    check_invariants(engine)
+    assert not engine.running and len(engine.scheduler.waiting) > 0
+    while engine.scheduler.has_work:
+        engine.step()
+    assert_reference(engine, prompts, [r.output_ids for r in reqs])
+    engine.submit(prompts[0], 4)
+    engine.step()
+    engine.reset()
+    assert engine.pools.full.num_free == engine.pools.full.num_slots - 1
+    assert engine.pools.swa.num_free == engine.pools.swa.num_slots - 1

@@ -1,11 +1,14 @@
 """A small seeded KV world for kernel tests: pool, sources, requests, entry plans, and a runner that
 checks every kernel launch against its torch reference bit for bit.
 
-Kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set by the repository's
-top-level conftest before triton is imported).
+Without a GPU the kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set by
+the repository's top-level conftest before triton is imported); with one, on CUDA tensors.
+Random values come from a CPU generator and move to DEVICE.
 """
 
 from __future__ import annotations
+
+import os
 
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -17,6 +20,9 @@ import kvcanary_kernels as K
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, PREV_SKIP, UNKNOWN
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+DEVICE = torch.device(
+    "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+)
 
 
 class SourceSpec(NamedTuple):
@@ -64,10 +70,15 @@ class World:
     ring: K.ViolationRing
     free: list[int]
     requests: list[Request] = field(default_factory=list)
+    tiling: K.Tiling | None = None  # kernel launches only; None: the default
 
     @property
     def num_slots(self) -> int:
         return self.records.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.records.device
 
     def randint(self, low: int, high: int) -> int:
         return int(torch.randint(low, high, (1,), generator=self.gen))
@@ -149,7 +160,7 @@ class World:
         start = self.ring.total()
         ref_records, ref_ring = self.records.clone(), clone_ring(self.ring)
         reference(ref_records, entries, self.sources, ref_ring, tag, **kw)
-        kernel(self.records, entries, self.sources, self.ring, tag, **kw)
+        kernel(self.records, entries, self.sources, self.ring, tag, tiling=self.tiling, **kw)
         assert torch.equal(self.records, ref_records)
         for name in ("count", "step", "kernel_runs", "slot_runs"):
             assert torch.equal(getattr(self.ring, name), getattr(ref_ring, name)), name
@@ -158,7 +169,7 @@ class World:
 
 
 def _i64(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
 
 
 def make_world(seed: int, specs: tuple[tuple, ...] = ((torch.bfloat16, 1, 64),),
@@ -170,13 +181,18 @@ def make_world(seed: int, specs: tuple[tuple, ...] = ((torch.bfloat16, 1, 64),),
     for spec in (SourceSpec(*s) for s in specs):
         assert num_slots % spec.page_size == 0
         width = spec.page_size * spec.elems
-        backing = random_bits(gen, (num_slots // spec.page_size, width + spec.row_pad), spec.dtype)
+        backing = random_bits(gen, (num_slots // spec.page_size, width + spec.row_pad), spec.dtype).to(DEVICE)
         src = K.layer_source(backing[:, :width], spec.page_size, spec.mode)
         if src is not None:
             sources.append(src)
-    records = torch.randint(-(2**62), 2**62, (num_slots, 4), generator=gen, dtype=torch.int64)
+    records = torch.randint(-(2**62), 2**62, (num_slots, 4), generator=gen, dtype=torch.int64).to(DEVICE)
     free = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
-    return World(gen, records, sources, K.ViolationRing(ring_capacity, "cpu"), free)
+    return World(gen, records, sources, K.ViolationRing(ring_capacity, DEVICE), free)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
 
 
 @pytest.fixture

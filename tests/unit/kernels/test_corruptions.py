@@ -90,7 +90,7 @@ def test_kv_byte_flip(stamped):
     w.kv_bytes(0, a.slots[4])[0] ^= 0x01
     rows = _verify(w, a)
     assert _found(rows) == {(a.slots[4], 4, KV)}
-    slot = torch.tensor([a.slots[4]])
+    slot = torch.tensor([a.slots[4]], device=w.device)
     assert rows[0][COL_STORED] == w.records[a.slots[4], 3]
     assert rows[0][COL_EXPECTED] == K.fingerprint_ref(w.sources, slot).item()
     assert _verify(w, b) == []

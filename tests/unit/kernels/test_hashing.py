@@ -20,10 +20,10 @@ def _mix_kernel(x_ptr, out_ptr, out3_ptr, n, BLOCK: tl.constexpr):
     tl.store(out3_ptr + offs, as_i64(mix3(x, x + 1, x * 3)), mask=m)
 
 
-def _edge_and_random(seed: int) -> torch.Tensor:
+def _edge_and_random(seed: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     edges = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), ANCHOR], dtype=torch.int64)
-    return torch.cat([edges, torch.randint(-(2**63), 2**63 - 1, (58,), generator=gen, dtype=torch.int64)])
+    return torch.cat([edges, torch.randint(-(2**63), 2**63 - 1, (58,), generator=gen, dtype=torch.int64)]).to(device)
 
 
 def test_splitmix64_known_value():
@@ -33,8 +33,8 @@ def test_splitmix64_known_value():
     assert K.CHAIN_HEAD_HASH == K.to_signed(K.mix_int(ANCHOR)) == K.to_signed(CHAIN_HEAD_HASH_U64)
 
 
-def test_mix_int_torch_and_triton_agree():
-    x = _edge_and_random(seed=7)
+def test_mix_int_torch_and_triton_agree(device):
+    x = _edge_and_random(seed=7, device=device)
     u = [v & (2**64 - 1) for v in x.tolist()]
     want = [K.to_signed(K.mix_int(v)) for v in u]
     want3 = [K.to_signed(K.mix3_int(v, v + 1, v * 3)) for v in u]
@@ -46,12 +46,12 @@ def test_mix_int_torch_and_triton_agree():
     assert out3.tolist() == want3
 
 
-def _flip_pool(word_bytes: int, variants: list[torch.Tensor]) -> tuple[K.RealKvSource, torch.Tensor]:
+def _flip_pool(word_bytes: int, variants: list[torch.Tensor], device) -> tuple[K.RealKvSource, torch.Tensor]:
     """A source whose slot i+1 holds variants[i] (int64 words of one slot)."""
     rows = torch.zeros(len(variants) + 1, word_bytes // 8, dtype=torch.int64)
     rows[1:] = torch.stack(variants)
-    source = K.RealKvSource(rows, page_size=1, num_bytes_per_token=word_bytes, read_bytes=word_bytes)
-    return source, torch.arange(1, len(variants) + 1)
+    source = K.RealKvSource(rows.to(device), page_size=1, num_bytes_per_token=word_bytes, read_bytes=word_bytes)
+    return source, torch.arange(1, len(variants) + 1, device=device)
 
 
 def test_fingerprint_changes_on_every_single_bit_flip(world_factory):
@@ -62,7 +62,7 @@ def test_fingerprint_changes_on_every_single_bit_flip(world_factory):
         flipped = base.clone()
         flipped[bit // 64] ^= K.to_signed(1 << (bit % 64))
         variants.append(flipped)
-    source, slots = _flip_pool(32, variants)
+    source, slots = _flip_pool(32, variants, w.device)
     fp = K.fingerprint_ref([source], slots)
     assert (fp[1:] != fp[0]).all()
     _assert_kernel_fingerprint_matches([source], slots, fp)
@@ -77,7 +77,7 @@ def test_fingerprint_changes_on_every_swap_of_two_words(world_factory):
             swapped = base.clone()
             swapped[[i, j]] = base[[j, i]]
             variants.append(swapped)
-    source, slots = _flip_pool(48, variants)
+    source, slots = _flip_pool(48, variants, w.device)
     fp = K.fingerprint_ref([source], slots)
     assert (fp[1:] != fp[0]).all()
     _assert_kernel_fingerprint_matches([source], slots, fp)
@@ -85,19 +85,19 @@ def test_fingerprint_changes_on_every_swap_of_two_words(world_factory):
 
 def test_fingerprint_depends_on_source_order(world_factory):
     w = world_factory(5, specs=((torch.float16, 1, 16), (torch.float32, 1, 8)))
-    slots = torch.arange(1, 9)
+    slots = torch.arange(1, 9, device=w.device)
     assert not torch.equal(K.fingerprint_ref(w.sources, slots), K.fingerprint_ref(w.sources[::-1], slots))
     assert torch.equal(K.fingerprint_ref([], slots), torch.zeros_like(slots))
 
 
 def _assert_kernel_fingerprint_matches(sources, slots, want):
     """The stamp kernel writes the fingerprint into real_kv_hash: it must equal the reference."""
-    n = slots.numel()
-    records = torch.zeros(n + 1, 4, dtype=torch.int64)
-    zeros = torch.zeros(n, dtype=torch.int64)
-    entries = K.WriteEntries(slots, zeros, zeros, zeros, zeros, zeros, torch.tensor([0]), torch.tensor([n]),
-                             torch.tensor([-1]))
-    K.stamp_records(records, entries, sources, K.ViolationRing(4, "cpu"), tag=0)
+    n, device = slots.numel(), slots.device
+    records = torch.zeros(n + 1, 4, dtype=torch.int64, device=device)
+    zeros = torch.zeros(n, dtype=torch.int64, device=device)
+    segment = [torch.tensor([v], device=device) for v in (0, n, -1)]
+    entries = K.WriteEntries(slots, zeros, zeros, zeros, zeros, zeros, *segment)
+    K.stamp_records(records, entries, sources, K.ViolationRing(4, device), tag=0)
     assert torch.equal(records[slots, 3], want)
 
 

@@ -25,8 +25,8 @@ LAYOUTS = {
 def _corrupt_write_inputs(w, entries: K.WriteEntries) -> K.WriteEntries:
     """Random engine-input mismatches (at least one) and unknown expected tokens for the write checks."""
     n = entries.slots.numel()
-    pick = lambda p: torch.rand(n, generator=w.gen) < p  # noqa: E731
-    surely = torch.arange(n) == w.randint(0, int((entries.slots != 0).sum()))
+    pick = lambda p: (torch.rand(n, generator=w.gen) < p).to(w.device)  # noqa: E731
+    surely = torch.arange(n, device=w.device) == w.randint(0, int((entries.slots != 0).sum()))
     expected_positions = torch.where(pick(0.1) | surely, entries.expected_positions + 1, entries.expected_positions)
     expected_tokens = torch.where(pick(0.1), entries.expected_tokens + 7, entries.expected_tokens)
     expected_tokens = torch.where(pick(0.2), K.records.UNKNOWN, expected_tokens)
@@ -54,10 +54,16 @@ def _corrupt_plan(w, entries: K.VerifyEntries, live_slots: list[int]) -> K.Verif
     return entries._replace(slots=slots, tokens=tokens)
 
 
+# Small tiles walk each slot's words in several chunks, the last one partial where read_words is
+# not a multiple of the chunk.
+TILINGS = {"default": None, "small": K.Tiling(block=32, chunk=4, num_warps=1)}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("seed", [11, 22])
-def test_kernels_match_reference(world_factory, layout, seed):
+@pytest.mark.parametrize("seed, tiling", [(11, "default"), (22, "small")])
+def test_kernels_match_reference(world_factory, layout, seed, tiling):
     w = world_factory(seed, specs=LAYOUTS[layout])
+    w.tiling = TILINGS[tiling]
     roots = [w.add_request(w.randint(4, 20)) for _ in range(3)]
     cuts = [w.randint(1, len(r.tokens)) for r in roots]
     derived = []

@@ -81,7 +81,7 @@ def _bad_launch(world, case: str):
     elif case == "records shape":
         records = records[:, :3].contiguous()
     elif case == "records strided":
-        records = torch.zeros(records.shape[0], 8, dtype=torch.int64)[:, :4]
+        records = torch.zeros(records.shape[0], 8, dtype=torch.int64, device=records.device)[:, :4]
     elif case == "entry dtype":
         entries = entries._replace(tokens=entries.tokens.to(torch.int32))
     elif case == "entry length":
@@ -126,7 +126,7 @@ def test_bad_verify_launch_raises_naming_the_argument(world, verify, case):
 def test_bad_stamp_entries_raise_naming_the_field(world, stamp):
     a = world.add_request(4)
     entries = world.write_entries([(a, 0, 4)])
-    bad = entries._replace(seed_slots=torch.tensor([-1, -1]))
+    bad = entries._replace(seed_slots=torch.tensor([-1, -1], device=world.device))
     with pytest.raises(ValueError, match="WriteEntries.seed_slots has length 2; WriteEntries.seg_starts has 1"):
         stamp(world.records, bad, world.sources, world.ring, 0)
     bad = entries._replace(expected_tokens=entries.expected_tokens.float())
