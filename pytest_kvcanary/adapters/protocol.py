@@ -14,6 +14,8 @@ class EngineUnderTest(CanaryHost, Protocol):
     mapped and before the forward reads KV, and hooks.after_forward(view) once the forward wrote
     K/V for view.out_cache_loc (None detaches). generate: greedy output ids per prompt, running
     until every request is done. reset: drop every request and flush the radix cache.
+    Optional: add_free_listener(listener) — listener(group, FULL slots, cause) on every free — lets
+    the fault ledger say why an injected fault was never read.
     """
 
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None: ...

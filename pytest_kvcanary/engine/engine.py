@@ -18,7 +18,7 @@ from pytest_kvcanary.canary.host import ForwardHooks, ForwardView, PoolGroup, Ra
 
 from .attention import PagedKV
 from .config import EngineConfig
-from .kv_pool import KVPools, ReqToTokenPool
+from .kv_pool import FreeListener, KVPools, ReqToTokenPool
 from .model import CausalLM
 from .radix_cache import RadixCache
 from .request import Request
@@ -117,6 +117,10 @@ class Engine:
             groups.append(PoolGroup(GroupKind.SWA, swa.k_layers, swa.v_layers, swa.num_slots,
                                     window=self.config.model.window, full_to_group=swa.full_to_swa))
         return groups
+
+    def add_free_listener(self, listener: FreeListener) -> None:
+        """listener(group, FULL slots, cause) hears of every free (optional CanaryHost extra)."""
+        self.pools.free_listeners.append(listener)
 
     def req_to_token(self) -> torch.Tensor:
         return self.req_to_token_pool.table

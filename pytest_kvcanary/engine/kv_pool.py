@@ -8,7 +8,7 @@ the req_to_token table live on the engine's device.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -51,14 +51,19 @@ class KVPool:
         self.free_slots = torch.cat([self.free_slots, slots])
 
 
+# Called with (group, FULL slots, cause) whenever slots of that group stop holding their data.
+FreeListener = Callable[[GroupKind, torch.Tensor, str], None]
+
+
 class SWAPool(KVPool):
     """The windowed layers' pool. ``full_to_swa[full_slot]`` is the SWA slot holding that token's
     windowed-layer K/V, 0 when it has none (never mapped, or slid out of every window)."""
 
     def __init__(self, num_slots: int, full_num_slots: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, listeners: list[FreeListener]) -> None:
         super().__init__(num_slots, num_layers, num_kv_heads, head_dim, dtype, device)
         self.full_to_swa = torch.zeros(full_num_slots, dtype=torch.int64, device=device)
+        self._listeners = listeners
 
     def map(self, full_slots: torch.Tensor) -> bool:
         """Give each full slot an SWA slot; False (nothing changed) when too few are free."""
@@ -68,8 +73,10 @@ class SWAPool(KVPool):
         self.full_to_swa[full_slots.to(self.full_to_swa.device)] = swa.to(self.full_to_swa.device)
         return True
 
-    def unmap(self, full_slots: torch.Tensor) -> int:
+    def unmap(self, full_slots: torch.Tensor, cause: str) -> int:
         """Free the SWA slots of those full slots that have one; returns how many were freed."""
+        for listener in self._listeners:
+            listener(GroupKind.SWA, full_slots, cause)
         idx = full_slots.to(self.full_to_swa.device)
         swa = self.full_to_swa[idx].cpu()
         self.full_to_swa[idx] = 0
@@ -95,16 +102,18 @@ class LayerKV(NamedTuple):
 
 class KVPools:
     """The FULL pool (slot ids everyone uses) and, for swa models, the SWA pool behind it.
-    alloc/free work on FULL slots and keep the SWA side in step."""
+    alloc/free work on FULL slots and keep the SWA side in step. free_listeners hear of every
+    free with its cause (the fault ledger uses it to tell why damage was never read)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        self.free_listeners: list[FreeListener] = []
         m, device = config.model, torch.device(config.device)
         groups = m.layer_groups
         full_layers = [i for i, g in enumerate(groups) if g is GroupKind.FULL]
         swa_layers = [i for i, g in enumerate(groups) if g is GroupKind.SWA]
         self.full = KVPool(config.num_slots, len(full_layers), m.num_kv_heads, m.head_dim, m.dtype, device)
         self.swa = (SWAPool(config.swa_num_slots, config.num_slots, len(swa_layers), m.num_kv_heads,
-                            m.head_dim, m.dtype, device) if swa_layers else None)
+                            m.head_dim, m.dtype, device, self.free_listeners) if swa_layers else None)
         self._layers = {i: LayerKV(self.full.k_layers[j], self.full.v_layers[j], None)
                         for j, i in enumerate(full_layers)}
         if self.swa is not None:
@@ -122,9 +131,11 @@ class KVPools:
             return None
         return slots
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: torch.Tensor, cause: str) -> None:
         if self.swa is not None:
-            self.swa.unmap(slots)
+            self.swa.unmap(slots, cause)
+        for listener in self.free_listeners:
+            listener(GroupKind.FULL, slots, cause)
         self.full.free(slots)
 
 

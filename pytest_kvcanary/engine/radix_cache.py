@@ -155,7 +155,7 @@ class RadixCache:
         freed = 0
         while freed < n and heap:
             node = heapq.heappop(heap)[-1]
-            self.pools.free(node.value)
+            self.pools.free(node.value, "evicted from the radix cache")
             freed += len(node.key)
             parent = node.parent
             del parent.children[node.key[0]]
@@ -172,7 +172,7 @@ class RadixCache:
         for *_, node in sorted(self._lru_key(x) for x in self._nodes() if not x.lock_ref and not x.tombstone):
             if freed >= n:
                 break
-            freed += self.pools.swa.unmap(node.value)
+            freed += self.pools.swa.unmap(node.value, "SWA slots evicted from the radix cache")
             node.tombstone = True
         self.num_swa_evicted += freed
         return freed
@@ -197,13 +197,14 @@ class RadixCache:
         """Free every cached slot. No request may hold a lock."""
         for node in self._nodes():
             assert not node.lock_ref, "reset while a request holds the cache"
-            self.pools.free(node.value)
+            self.pools.free(node.value, "radix cache flushed")
         self.root.children.clear()
 
     def _insert_req(self, req: Request) -> InsertResult:
         slots = self.req_to_token.read(req.row, 0, req.kv_len)
         res = self.insert(req.token_ids[:req.kv_len], slots, swa_from=max(req.swa_from, req.prefix_len))
-        self.pools.free(slots[req.prefix_len:res.prefix_len])
+        self.pools.free(slots[req.prefix_len:res.prefix_len],
+                        "radix dedup freed the duplicate's slot (its row now points at the cached copy)")
         return res
 
     def _descend(self, key: list[int]) -> Iterator[Node]:

@@ -69,7 +69,7 @@ class Scheduler:
     def abort(self, batch: Batch) -> None:
         """Undo a batch whose forward raised: free the slots it was given and send its requests
         back to the front of the queue, holding nothing (their outputs so far are kept)."""
-        self.pools.free(batch.out_cache_loc)
+        self.pools.free(batch.out_cache_loc, "batch aborted")
         for req in reversed(batch.reqs):
             self._retract(req)
 
@@ -138,7 +138,7 @@ class Scheduler:
             return
         start, end = max(req.swa_from, req.prefix_len), req.kv_len - window
         if end > start:
-            self.pools.swa.unmap(self.req_to_token.read(req.row, start, end))
+            self.pools.swa.unmap(self.req_to_token.read(req.row, start, end), "slid out of the attention window")
             req.swa_from = end
 
     def _retract(self, req: Request) -> None:
@@ -151,7 +151,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Free the request's own slots and row and unlock its cached prefix (which stays cached)."""
         self.running.remove(req)
-        self.pools.free(self.req_to_token.read(req.row, req.prefix_len, req.kv_len))
+        self.pools.free(self.req_to_token.read(req.row, req.prefix_len, req.kv_len), "request released")
         self.radix_cache.unlock(req.last_node)
         self.req_to_token.free(req.row)
         req.row, req.kv_len, req.prefix_len, req.swa_from, req.last_node = -1, 0, 0, 0, None

@@ -37,6 +37,12 @@ class FaultInjector:
         self.specs: tuple[PerturbSpec, ...] = ()
         self._rng = random.Random(0)
         self._restore: list[tuple[int, int, int]] = []  # (row, position, FULL slot) to put back
+        add_listener = getattr(host, "add_free_listener", None)
+        if add_listener is not None:
+            add_listener(self._on_free)
+
+    def _on_free(self, group: GroupKind, full_slots: torch.Tensor, cause: str) -> None:
+        self.ledger.escape(self.side, group.name.lower(), set(full_slots.tolist()), cause)
 
     def arm(self, specs: tuple[PerturbSpec, ...], seed: int) -> None:
         """Faults for the next run; the same specs and seed replay the same injections."""
@@ -90,7 +96,8 @@ class FaultInjector:
             table[row, position] = slot
         self._restore.clear()
         written = set(view.out_cache_loc.tolist())
-        self.ledger.escape(self.side, written, "slot reallocated and overwritten before any read")
+        # Engines that do not report frees: a rewritten slot's damage is gone unread.
+        self.ledger.escape(self.side, None, written, "slot overwritten before any read")
         for spec in self.specs:
             if self._due(spec, ("real_kv_post_forward",)):
                 group = self._group(spec)

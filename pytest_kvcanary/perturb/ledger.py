@@ -105,10 +105,11 @@ class Ledger:
             if hit is not None:
                 inj.status, inj.cause, inj.detected_by = "detected", "", hit
 
-    def escape(self, side: str, full_slots: set[int], cause: str) -> None:
-        """Latent injections whose every copy sat in these (freed or overwritten) slots escaped."""
+    def escape(self, side: str, group: str | None, full_slots: set[int], cause: str) -> None:
+        """Latent injections whose every copy sat in these (freed or overwritten) slots escaped.
+        group: the pool group whose slots lost their data (None: every group)."""
         for inj in self.injections:
-            if inj.status != "latent":
+            if inj.status != "latent" or group not in (None, inj.group):
                 continue
             inj.gone += [p for p in inj.places if p.side == side and p.full_slot in full_slots and p not in inj.gone]
             if len(inj.gone) == len(inj.places):

@@ -34,11 +34,11 @@ def test_pools_keep_full_and_swa_in_step():
     swa_a = pools.swa.full_to_swa[a]
     assert swa_a.unique().numel() == 3 and (swa_a > 0).all()
     assert pools.alloc(2) is None and pools.full.num_free == 6, "a failed alloc must hold nothing"
-    assert pools.swa.unmap(a[:2]) == 2 and not pools.swa.full_to_swa[a[:2]].any()
+    assert pools.swa.unmap(a[:2], "test") == 2 and not pools.swa.full_to_swa[a[:2]].any()
     b = pools.alloc(2)
     pools.swa.move(b[:1], a[:1])
     assert pools.swa.full_to_swa[a[0]] > 0 and pools.swa.full_to_swa[b[0]] == 0
-    pools.free(torch.cat([a, b]))
+    pools.free(torch.cat([a, b]), "test")
     assert pools.full.num_free == 9 and pools.swa.num_free == 3 and not pools.swa.full_to_swa.any()
 
 

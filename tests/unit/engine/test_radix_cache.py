@@ -22,7 +22,7 @@ def _put(cache: RadixCache, key: list[int]) -> torch.Tensor:
     """Insert key with fresh slots, freeing the duplicates as a request would; returns its slots."""
     slots = cache.pools.alloc(len(key))
     res = cache.insert(key, slots)
-    cache.pools.free(slots[:res.prefix_len])
+    cache.pools.free(slots[:res.prefix_len], "test")
     return cache.match_prefix(key).slots
 
 
@@ -90,7 +90,7 @@ def test_evict_swa_tombstones_and_match_needs_a_resident_window():
 def test_insert_below_swa_from_makes_tombstones():
     cache = _cache("swa")
     slots = cache.pools.alloc(5)
-    cache.pools.swa.unmap(slots[:3])  # a request whose first 3 tokens slid out of the window
+    cache.pools.swa.unmap(slots[:3], "test")  # a request whose first 3 tokens slid out of the window
     res = cache.insert([1, 2, 3, 4, 5], slots, swa_from=3)
     assert res.prefix_len == 0 and res.node.key == [4, 5] and not res.node.tombstone
     assert res.node.parent.key == [1, 2, 3] and res.node.parent.tombstone
