@@ -42,10 +42,11 @@ def make_engine(name: str, attention: str, device: str, seed: int, pluginmanager
 class Side:
     """One engine with the canary attached and the fault injector observing it."""
 
-    def __init__(self, name: str, engine: EngineUnderTest, canary: CanaryConfig, ledger: Ledger) -> None:
+    def __init__(self, name: str, engine: EngineUnderTest, canary: CanaryConfig, ledger: Ledger,
+                 kernels: str = "triton") -> None:
         self.name = name
         self.engine = engine
-        self.runtime = CanaryRuntime(canary, engine, side=name)
+        self.runtime = CanaryRuntime(canary, engine, side=name, kernels=kernels)
         self.injector = FaultInjector(engine, self.runtime, name, ledger)
         self.runtime.observers.append(self.injector)
         engine.set_forward_hooks(self.runtime)
@@ -117,9 +118,11 @@ class _Handle:
 
 
 class EngineHandle(_Handle):
-    def __init__(self, engine: EngineUnderTest, canary: CanaryConfig) -> None:
+    """kernels: "triton" or "torch" (the reference implementations; see CanaryRuntime)."""
+
+    def __init__(self, engine: EngineUnderTest, canary: CanaryConfig, kernels: str = "triton") -> None:
         super().__init__()
-        self.side = Side("single", engine, canary, self.ledger)
+        self.side = Side("single", engine, canary, self.ledger, kernels)
         self.sides = [self.side]
 
     @property

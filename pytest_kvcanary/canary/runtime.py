@@ -7,7 +7,14 @@ from typing import Protocol
 
 import torch
 
-from kvcanary_kernels import RealDataMode, ViolationRing, stamp_records, verify_records
+from kvcanary_kernels import (
+    RealDataMode,
+    ViolationRing,
+    stamp_records,
+    stamp_records_ref,
+    verify_records,
+    verify_records_ref,
+)
 from kvcanary_kernels.records import Half, Phase, launch_tag
 
 from ..config import CanaryConfig
@@ -28,6 +35,11 @@ class ForwardObserver(Protocol):
         """After TAIL stamped the slots this forward wrote, before the sweep and the log pump."""
 
 
+# The Triton kernels (compiled on a GPU, interpreted on a CPU) or their pure-torch references,
+# which compute bit-identical records and rows; tests that sweep many seeds on a CPU use the latter.
+KERNEL_BACKENDS = {"triton": (stamp_records, verify_records), "torch": (stamp_records_ref, verify_records_ref)}
+
+
 class CanaryRuntime:
     """Guards one engine's KV pools.
 
@@ -46,7 +58,11 @@ class CanaryRuntime:
         side: str = "single",
         device: torch.device | str | None = None,
         jsonl_path: Path | None = None,
+        kernels: str = "triton",
     ) -> None:
+        if kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_BACKENDS)}; got {kernels!r}")
+        self._stamp_fn, self._verify_fn = KERNEL_BACKENDS[kernels]
         self.config = config
         self.host = host
         self.side = side
@@ -75,7 +91,7 @@ class CanaryRuntime:
             entries = write_entries(view, req_to_token, group)
             for half in Half:
                 tag = launch_tag(Phase.TAIL, half, group.pool.kind)
-                stamp_records(group.records[half], entries, group.sources[half], self.ring, tag,
+                self._stamp_fn(group.records[half], entries, group.sources[half], self.ring, tag,
                               check_tokens=self.config.check_tokens,
                               check_write_inputs=self.config.check_write_inputs)
                 self.launches.record(tag)
@@ -100,7 +116,7 @@ class CanaryRuntime:
     def _verify(self, group: GroupState, entries, phase: Phase) -> None:
         for half in Half:
             tag = launch_tag(phase, half, group.pool.kind)
-            verify_records(group.records[half], entries, group.sources[half], self.ring, tag,
+            self._verify_fn(group.records[half], entries, group.sources[half], self.ring, tag,
                            check_tokens=self.config.check_tokens)
             self.launches.record(tag)
 
