@@ -7,7 +7,7 @@ package (or triton) is first imported.
 from . import records
 from .entries import VerifyEntries, WriteEntries
 from .hashing import CHAIN_HEAD_HASH, mix3_int, mix3_torch, mix_int, mix_torch, to_signed
-from .launch import Tiling, default_tiling
+from .launch import DEFAULT_TILING, Tiling
 from .reference import fingerprint_ref, stamp_records_ref, verify_records_ref
 from .ring import ViolationRing
 from .sources import MAX_SOURCES, RealDataMode, RealKvSource, layer_source
@@ -16,6 +16,7 @@ from .verify import verify_records
 
 __all__ = [
     "CHAIN_HEAD_HASH",
+    "DEFAULT_TILING",
     "MAX_SOURCES",
     "RealDataMode",
     "RealKvSource",
@@ -23,7 +24,6 @@ __all__ = [
     "VerifyEntries",
     "ViolationRing",
     "WriteEntries",
-    "default_tiling",
     "fingerprint_ref",
     "layer_source",
     "mix3_int",

@@ -7,8 +7,9 @@ order: ``acc = 0; acc = mix(acc ^ source_hash)``. With no sources the fingerprin
 Each source is passed as ``(words, row_stride, page_size, words_per_token)`` plus constexpr
 ``READ_WORDS`` and ``CHUNK`` (a power of two); slot ``s`` reads
 ``words[(s // page_size) * row_stride + (s % page_size) * words_per_token + i]``. A program walks
-its slots' words in ``[BLOCK, CHUNK]`` tiles (coalesced 16-byte loads along each slot's row),
-adds the hashed words into a tile accumulator and reduces it once at the end.
+its slots' words in ``[BLOCK, CHUNK]`` tiles (coalesced 16-byte loads along each slot's row, one
+tile ahead of the hashing, streamed past L2 so records stay cached), adds the hashed words into a
+tile accumulator and reduces it once at the end.
 """
 
 from __future__ import annotations
@@ -25,14 +26,20 @@ def source_hash(words, row_stride, page_size, words_per_token, slots, mask,
     """uint64 hash of one source's words for each lane's slot (lanes off ``mask``: meaningless)."""
     # Every source offset is a multiple of 16 bytes (validated on the host).
     base = tl.multiple_of((slots // page_size) * row_stride + (slots % page_size) * words_per_token, 2)
+    cols = tl.arange(0, CHUNK)
+    ptrs = words + base[:, None] + cols[None, :]
+    tile = tl.load(ptrs, mask=mask[:, None] & (cols < READ_WORDS)[None, :], other=0,
+                   eviction_policy="evict_first")
     acc = tl.zeros([slots.shape[0], CHUNK], tl.uint64)
     for start in range(0, READ_WORDS, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        in_row = cols < READ_WORDS
-        tile = tl.load(words + base[:, None] + cols[None, :], mask=mask[:, None] & in_row[None, :], other=0)
-        hashed = mix(as_u64(tile) ^ mix((cols + 1).to(tl.uint64))[None, :])
+        # Load the next chunk before hashing this one, so loads stay in flight while hashing.
+        current = tile
+        ahead = start + CHUNK + cols
+        tile = tl.load(ptrs + start + CHUNK, mask=mask[:, None] & (ahead < READ_WORDS)[None, :], other=0,
+                       eviction_policy="evict_first")
+        hashed = mix(as_u64(current) ^ mix((start + cols + 1).to(tl.uint64))[None, :])
         if READ_WORDS % CHUNK != 0:
-            hashed = tl.where(in_row[None, :], hashed, 0)
+            hashed = tl.where((start + cols < READ_WORDS)[None, :], hashed, 0)
         acc += hashed
     return tl.sum(acc, axis=1)
 

@@ -20,19 +20,24 @@ SEGMENT_FIELDS = ("seg_starts", "seg_lens", "seed_slots")
 
 
 class Tiling(NamedTuple):
-    """Entries per program, source words per slot a program loads at a time (a power of two), and
-    warps per program. Keep ``block >= 32 * num_warps``: with fewer entries than threads, Triton
-    replicates the per-entry work across threads."""
+    """Entries per program and source words per slot a program loads at a time (powers of two),
+    and warps per program. Keep ``block >= 32 * num_warps``: with fewer entries than threads,
+    Triton replicates the per-entry work across threads."""
 
     block: int
     chunk: int
     num_warps: int
 
 
-def default_tiling(sources: Sequence[RealKvSource]) -> Tiling:
-    """128 entries x up to 32 words (256 bytes) per slot per step: 32 KB of loads in flight."""
-    widest = max((s.read_bytes // 8 for s in sources), default=1)
-    return Tiling(block=128, chunk=min(32, triton.next_power_of_2(widest)), num_warps=4)
+# 128 entries x 16 words (128 bytes) per slot per step, 4 warps: the best verify tiling on an H200
+# for 256- and 2048-byte slots (benchmarks/bench_kernels.py --sweep).
+DEFAULT_TILING = Tiling(block=128, chunk=16, num_warps=4)
+
+
+def check_tiling(tiling: Tiling) -> None:
+    for name, value in zip(tiling._fields, tiling):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"tiling.{name} must be a power of two; got {value}")
 
 
 def check_launch(records: torch.Tensor, entries: NamedTuple, sources: Sequence[RealKvSource],

@@ -52,6 +52,7 @@ def successor_hash_ref(records: torch.Tensor, slots: torch.Tensor) -> torch.Tens
 
 def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: Sequence[RealKvSource],
                        ring: ViolationRing, tag: int, check_tokens: bool = True) -> None:
+    """Reference of ``verify_records``."""
     check_launch(records, entries, sources, ring, tag)
     e = VerifyEntries(*(t[entries.slots != 0] for t in entries))
     rec = records[e.slots]
@@ -79,6 +80,7 @@ def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: S
 def stamp_records_ref(records: torch.Tensor, entries: WriteEntries, sources: Sequence[RealKvSource],
                       ring: ViolationRing, tag: int, check_tokens: bool = True,
                       check_write_inputs: bool = True) -> None:
+    """Reference of ``stamp_records``."""
     check_launch(records, entries, sources, ring, tag)
     chained, prev_hashes = _chain_ref(records, entries)
     records[entries.slots[chained], FIELD_PREV_HASH] = prev_hashes

@@ -12,7 +12,7 @@ from . import records as R
 from .entries import VerifyEntries
 from .fingerprint import slot_fingerprint
 from .hashing import CHAIN_HEAD_HASH_JIT, as_i64
-from .launch import Tiling, check_launch, default_tiling, source_args
+from .launch import DEFAULT_TILING, Tiling, check_launch, check_tiling, source_args
 from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
 from .ring import ViolationRing
 from .sources import RealKvSource
@@ -88,9 +88,11 @@ def verify_records(records: torch.Tensor, entries: VerifyEntries, sources: Seque
     (verify_real_kv_hash); with check_tokens, a known expected token != stored (verify_token).
     Counts the launch in ring.kernel_runs[tag] (also when entries are empty) and the live entries
     in ring.slot_runs[tag]. No host synchronisation; the grid depends on tensor sizes only.
+    ``tiling`` (default DEFAULT_TILING) changes speed only.
     """
     check_launch(records, entries, sources, ring, tag)
-    tiling = tiling or default_tiling(sources)
+    tiling = tiling or DEFAULT_TILING
+    check_tiling(tiling)
     src, consts = source_args(sources, records, tiling.chunk)
     n = entries.slots.shape[0]
     grid = (max(1, triton.cdiv(n, tiling.block)),)

@@ -105,9 +105,10 @@ def test_slot_zero_inside_a_segment_is_skipped(world):
     """A padding entry (slot 0) inside a segment neither gets a record nor advances the chain."""
     a = world.add_request(6)
     world.fill_kv(a.slots)
-    entries = world.write_entries([(a, 0, 6)])
-    padded = K.WriteEntries(*(torch.cat([t[:3], t.new_zeros(1), t[3:]]) for t in entries[:6]),
-                            entries.seg_starts, entries.seg_lens + 1, entries.seed_slots)
+    e = world.write_entries([(a, 0, 6)])
+    pad = lambda t: torch.cat([t[:3], t.new_zeros(1), t[3:]])  # noqa: E731
+    padded = K.WriteEntries(pad(e.slots), pad(e.tokens), pad(e.positions), pad(e.expected_positions),
+                            pad(e.expected_tokens), pad(e.rows), e.seg_starts, e.seg_lens + 1, e.seed_slots)
     record_zero = world.records[0].clone()
     assert world.stamp(padded) == []
     assert torch.equal(world.records[0], record_zero)

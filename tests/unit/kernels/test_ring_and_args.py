@@ -132,3 +132,17 @@ def test_bad_stamp_entries_raise_naming_the_field(world, stamp):
     bad = entries._replace(expected_tokens=entries.expected_tokens.float())
     with pytest.raises(ValueError, match="WriteEntries.expected_tokens must be int64"):
         stamp(world.records, bad, world.sources, world.ring, 0)
+
+
+@pytest.mark.parametrize("tiling, message", [
+    (K.Tiling(block=100, chunk=16, num_warps=4), "tiling.block must be a power of two; got 100"),
+    (K.Tiling(block=128, chunk=0, num_warps=4), "tiling.chunk must be a power of two; got 0"),
+])
+def test_bad_tiling_raises(world, tiling, message):
+    a = world.add_request(2)
+    with pytest.raises(ValueError, match=message):
+        K.verify_records(world.records, world.verify_entries([(a, 0, 2)]), world.sources, world.ring, 0,
+                         tiling=tiling)
+    with pytest.raises(ValueError, match=message):
+        K.stamp_records(world.records, world.write_entries([(a, 0, 2)]), world.sources, world.ring, 0,
+                        tiling=tiling)
