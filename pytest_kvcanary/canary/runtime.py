@@ -120,6 +120,26 @@ class CanaryRuntime:
                            check_tokens=self.config.check_tokens)
             self.launches.record(tag)
 
+    def export_records(self, full_slots: torch.Tensor) -> list[dict[Half, torch.Tensor]]:
+        """The records of these FULL slots, per group (FULL first) and half: ``[n, RECORD_WIDTH]``
+        on the records' device, zero rows where a slot is not resident in the group. What a KV
+        transfer sends along with the slots' KV."""
+        out = []
+        for group in self.groups:
+            slots = group.to_group_slots(full_slots.to(group.device))
+            resident = (slots != 0)[:, None]
+            out.append({half: torch.where(resident, rec[slots], 0) for half, rec in group.records.items()})
+        return out
+
+    def import_records(self, full_slots: torch.Tensor, records: list[dict[Half, torch.Tensor]]) -> None:
+        """Write exported records (any device) to these FULL slots of this engine, per group; slots
+        not resident in a group are skipped there. Call before the forward that reads them."""
+        for group, halves in zip(self.groups, records, strict=True):
+            slots = group.to_group_slots(full_slots.to(group.device))
+            keep = slots != 0
+            for half, rec in group.records.items():
+                rec[slots[keep]] = halves[half].to(group.device)[keep]
+
     def health_problems(self) -> list[str]:
         return self.launches.problems(self.ring, self.forwards)
 

@@ -2,7 +2,8 @@
 
 from .config import EngineConfig, ModelConfig
 from .engine import Engine
+from .pd import PDPair
 from .request import Request
 from .tokenizer import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "Engine", "EngineConfig", "ModelConfig", "Request"]
+__all__ = ["ByteTokenizer", "Engine", "EngineConfig", "ModelConfig", "PDPair", "Request"]

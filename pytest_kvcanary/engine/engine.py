@@ -84,17 +84,17 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one forward; returns the requests that finished in it ([] when idle). If the
         forward raises (a hook, say), its requests go back to waiting and the error propagates."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            if self.scheduler.has_work:
-                raise RuntimeError("scheduler made no progress with requests pending")
-            return []
-        try:
-            next_tokens = self._forward(batch)
-        except BaseException:
-            self.scheduler.abort(batch)
-            raise
-        return self.scheduler.process(batch, next_tokens)
+        return self._run(self.scheduler.schedule())
+
+    def prefill_for_transfer(self) -> list[Request]:
+        """The prefill side of a disaggregated pair: one prefill forward over waiting requests
+        (never a decode; [] when none is waiting). Returns the prefilled requests that still need
+        decoding: they stay running here, their KV cached by the radix cache (a duplicate prompt of
+        the batch shares the first copy's slots, its own freed), until `scheduler.finish(req)`.
+        Raises RuntimeError when requests wait but none fits beside those still held."""
+        batch = self.scheduler.schedule_prefill()
+        finished = self._run(batch)
+        return [] if batch is None else [r for r in batch.reqs if r not in finished]
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy output token ids per prompt, in order (runs until every queued request is done)."""
@@ -127,6 +127,20 @@ class Engine:
 
     def radix_walk(self) -> RadixWalk:
         return self.radix_cache.walk()
+
+    def _run(self, batch: Batch | None) -> list[Request]:
+        """Forward and account one batch; returns the requests that finished in it. None: idle,
+        which is a stall while requests wait (nothing running frees what they need)."""
+        if batch is None:
+            if self.scheduler.waiting:
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        try:
+            next_tokens = self._forward(batch)
+        except BaseException:
+            self.scheduler.abort(batch)
+            raise
+        return self.scheduler.process(batch, next_tokens)
 
     @torch.no_grad()
     def _forward(self, batch: Batch) -> list[int]:

@@ -51,7 +51,8 @@ class KVPool:
         self.free_slots = torch.cat([self.free_slots, slots])
 
 
-# Called with (group, FULL slots, cause) whenever slots of that group stop holding their data.
+# Called with (group, FULL slots, cause) whenever slots of that group stop holding their data,
+# before they are released (an SWA slot is still mapped from its FULL slot).
 FreeListener = Callable[[GroupKind, torch.Tensor, str], None]
 
 

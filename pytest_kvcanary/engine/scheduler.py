@@ -4,6 +4,8 @@ Each step is one batch: a prefill of waiting requests (extending their cached pr
 the token budget and memory allow, else a decode of every running request. Memory comes from the
 free lists, then from evicting the radix cache; a prefill that still does not fit waits, a decode
 that does not fit retracts the newest running request (frees what it owns, requeues it first).
+In a prefill/decode pair the prefill side only runs schedule_prefill, and the decode side admits
+requests with admit_transferred instead of prefilling them.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        return self.schedule_prefill() or self._schedule_decode()
 
     def process(self, batch: Batch, next_tokens: list[int]) -> list[Request]:
         """Account a finished forward and its sampled tokens; returns the requests that finished."""
@@ -55,16 +57,37 @@ class Scheduler:
             req.kv_len += extend
             req.output_ids.append(token)
             if req.finished:
-                self.radix_cache.cache_finished_req(req)
-                self.running.remove(req)
-                self.req_to_token.free(req.row)
-                req.row = -1
+                self.finish(req)
                 finished.append(req)
                 continue
             if batch.is_prefill:
                 self.radix_cache.cache_unfinished_req(req)
             self._slide_window(req)
         return finished
+
+    def finish(self, req: Request) -> None:
+        """The request is done here: cache its KV (the slots stay in the radix cache), free its row."""
+        self.radix_cache.cache_finished_req(req)
+        self.running.remove(req)
+        self.req_to_token.free(req.row)
+        req.row = -1
+
+    def admit_transferred(self, req: Request) -> torch.Tensor | None:
+        """Make running a request whose KV for token_ids[:kv_len] another engine computed: a row
+        and kv_len own slots (evicting the cache for what the free lists lack), written to the row,
+        none of it cached here. Returns the slots, which the caller fills before the next forward;
+        None (nothing held) when no row or memory is free."""
+        if len(self.running) >= self.config.max_running:
+            return None
+        slots = self._alloc(req.kv_len)
+        if slots is None:
+            return None
+        req.row = self.req_to_token.alloc()
+        assert req.row is not None
+        req.prefix_len, req.swa_from, req.last_node = 0, 0, None
+        self.req_to_token.write(req.row, 0, slots)
+        self.running.append(req)
+        return slots
 
     def abort(self, batch: Batch) -> None:
         """Undo a batch whose forward raised: free the slots it was given and send its requests
@@ -79,7 +102,8 @@ class Scheduler:
             self._release(req)
         self.waiting.clear()
 
-    def _schedule_prefill(self) -> Batch | None:
+    def schedule_prefill(self) -> Batch | None:
+        """A prefill of the waiting requests that fit (None when none does); never a decode."""
         reqs, locs, budget = [], [], self.config.max_batch_tokens
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]

@@ -1,0 +1,86 @@
+"""Prefill/decode disaggregation: two reference engines and the KV transfer between them.
+
+    prefill.prefill_for_transfer   one forward over the prompts, first token sampled, then
+                                   cache_unfinished_req (a duplicate prompt of the batch is
+                                   rewritten to the first copy's slots, its own freed)
+    -> transfer                    snapshot the request's row, copy the prompt's KV of every
+                                   layer of every pool group into slots the decode side allocated
+    -> prefill scheduler.finish    the prefill copy stays in the prefill radix cache
+    -> decode.step ...             until max_new_tokens
+
+The decode side does not cache the transferred prompt: the request owns those slots, so its first
+decode forward reads (and a canary's HEAD re-verifies) the whole transferred prefix.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+
+from .engine import Engine
+from .kv_pool import KVPool
+from .request import Request
+
+# Called with (prefill FULL slots, decode FULL slots) of one transferred prompt, position by
+# position, once its KV landed on the decode side and before the decode side's next forward.
+TransferListener = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _copy_kv(src: KVPool, dst: KVPool, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Every layer's K and V of src_slots into dst_slots (the pools may be on different devices)."""
+    for s, d in zip(src.k_layers + src.v_layers, dst.k_layers + dst.v_layers, strict=True):
+        d[dst_slots.to(d.device)] = s[src_slots.to(s.device)].to(d.device)
+
+
+class PDPair:
+    """A prefill engine and a decode engine of the same model, each on its own device (or one).
+    transfer_listeners hear every transfer (a canary moves the slots' records there)."""
+
+    def __init__(self, prefill: Engine, decode: Engine) -> None:
+        if (prefill.config.model, prefill.config.checkpoint) != (decode.config.model, decode.config.checkpoint):
+            raise ValueError("a prefill/decode pair needs the same model (config and weights) on both sides")
+        self.prefill, self.decode = prefill, decode
+        self.transfer_listeners: list[TransferListener] = []
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy output token ids per prompt, in order. A prefilled request waits on the prefill
+        side (holding its KV there) until the decode side has a row and memory for it; the next
+        prefill runs once every prefilled request has been transferred."""
+        reqs = [self.prefill.submit(p, max_new_tokens) for p in prompts]
+        on_decode: dict[Request, Request] = {}
+        held: deque[Request] = deque()
+        while held or self.prefill.scheduler.waiting or self.decode.scheduler.has_work:
+            while held and (moved := self._transfer(held[0])) is not None:
+                on_decode[held[0]] = moved
+                self.prefill.scheduler.finish(held.popleft())
+            if not held and self.prefill.scheduler.waiting:
+                held.extend(self.prefill.prefill_for_transfer())
+            elif self.decode.scheduler.has_work:
+                self.decode.step()
+            elif held:
+                raise RuntimeError("the decode engine cannot hold a transferred request even when idle")
+        return [on_decode.get(r, r).output_ids for r in reqs]
+
+    def _transfer(self, req: Request) -> Request | None:
+        """Admit a prefilled request on the decode side with a copy of its prompt's KV; None
+        (nothing changed) when the decode side has no room. SWA: only the positions still
+        SWA-resident on the prefill side are sent; the decode side gives the others no SWA slot."""
+        moved = Request(req.rid, req.prompt_ids, req.max_new_tokens, output_ids=list(req.output_ids),
+                        kv_len=req.kv_len)
+        dst = self.decode.scheduler.admit_transferred(moved)
+        if dst is None:
+            return None
+        src = self.prefill.req_to_token_pool.read(req.row, 0, req.kv_len)  # the row as dedup left it
+        sender, receiver = self.prefill.pools, self.decode.pools
+        _copy_kv(sender.full, receiver.full, src, dst)
+        if sender.swa is not None:
+            src_swa = sender.swa.full_to_swa[src.to(sender.swa.full_to_swa.device)].cpu()
+            resident = src_swa != 0
+            receiver.swa.unmap(dst[~resident], "not SWA-resident on the prefill side, so not transferred")
+            dst_swa = receiver.swa.full_to_swa[dst[resident].to(receiver.swa.full_to_swa.device)].cpu()
+            _copy_kv(sender.swa, receiver.swa, src_swa[resident], dst_swa)
+        for listener in self.transfer_listeners:
+            listener(src, dst)
+        return moved
