@@ -36,6 +36,13 @@ step examples python3 -m pytest --kv-canary examples/ -n 2 -p no:cacheprovider -
 step bench python3 benchmarks/bench_kernels.py
 
 echo
+python3 - "$OUT/examples-report.json" <<'PY'
+import json, sys
+data = json.load(open(sys.argv[1]))
+pairs = sorted({(t["worker"], t["kind"], t["device"]) for t in data["tests"]})
+print("examples: worker -> device:", "; ".join(f"{w} {k} {d}" for w, k, d in pairs))
+PY
+echo
 echo "| step | exit | time | result |"
 echo "|---|---|---|---|"
 cat "$summary"

@@ -104,10 +104,12 @@ class Engine:
         return [r.output_ids for r in reqs]
 
     def reset(self) -> None:
-        """Drop all requests and flush the radix cache: every slot and row is free again
-        (forward_count keeps counting)."""
+        """Drop all requests and flush the radix cache: every slot and row is free again, handed
+        out in a new engine's order (forward_count keeps counting)."""
         self.scheduler.reset()
         self.radix_cache.reset()
+        self.pools.restart()
+        self.req_to_token_pool.restart()
 
     # CanaryHost
     def canary_groups(self) -> Sequence[PoolGroup]:

@@ -42,6 +42,11 @@ class KVPool:
         self._is_free[slots] = False
         return slots
 
+    def restart(self) -> None:
+        """With every slot free, hand them out from slot 1 up again, as a new pool does."""
+        assert self.num_free == self.num_slots - 1, "restart while slots are held"
+        self.free_slots = torch.arange(1, self.num_slots, dtype=torch.int64)
+
     def free(self, slots: torch.Tensor) -> None:
         """Return allocated slots; freeing slot 0, a free slot or a slot twice is a bug."""
         if slots.numel() == 0:
@@ -132,6 +137,12 @@ class KVPools:
             return None
         return slots
 
+    def restart(self) -> None:
+        """With every slot free, allocate in a new engine's order again (a seeded run replays)."""
+        for pool in (self.full, self.swa):
+            if pool is not None:
+                pool.restart()
+
     def free(self, slots: torch.Tensor, cause: str) -> None:
         if self.swa is not None:
             self.swa.unmap(slots, cause)
@@ -154,6 +165,11 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         assert row not in self._free_rows, "row freed twice"
         self._free_rows.append(row)
+
+    def restart(self) -> None:
+        """With every row free, hand them out from row 0 up again, as a new table does."""
+        assert len(self._free_rows) == self.table.shape[0], "restart while rows are held"
+        self._free_rows.sort()
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start:start + slots.numel()] = slots.to(self.table.device)

@@ -41,8 +41,16 @@ class FaultInjector:
         if add_listener is not None:
             add_listener(self._on_free)
 
-    def _on_free(self, group: GroupKind, full_slots: torch.Tensor, cause: str) -> None:
-        self.ledger.escape(self.side, group.name.lower(), set(full_slots.tolist()), cause)
+    def _on_free(self, kind: GroupKind, full_slots: torch.Tensor, cause: str) -> None:
+        """Called before the engine drops the slots (an SWA slot is still mapped): a FULL slot
+        whose SWA slot moved to another owner frees nothing of the SWA group."""
+        group = next(g for g in self.runtime.groups if g.pool.kind is kind)
+        self._escape(group, full_slots, cause)
+
+    def _escape(self, group: GroupState, full_slots: torch.Tensor, cause: str) -> None:
+        slots = group.to_group_slots(full_slots.to(group.device, torch.int64))
+        self.ledger.escape(self.side, group.pool.kind.name.lower(), set(slots[slots != 0].tolist()), cause,
+                           self.runtime.forwards)
 
     def arm(self, specs: tuple[PerturbSpec, ...], seed: int) -> None:
         """Faults for the next run; the same specs and seed replay the same injections."""
@@ -84,28 +92,32 @@ class FaultInjector:
                 continue
             group = self._group(spec)
             if spec.mode == "real_kv_unused_cache":
-                self._flip(spec, group, cached_only_targets(self.host, group), view, byte=None)
+                self._flip(spec, group, cached_only_targets(self.host, group), byte=None)
             elif spec.mode == "real_kv_used":
-                self._flip(spec, group, read_targets(view, self.host, group), view, byte=0)
+                self._flip(spec, group, read_targets(view, self.host, group), byte=0)
             else:
                 self._remap(spec, group, view)
 
     def after_stamp(self, view: ForwardView) -> None:
         table = self.host.req_to_token()
-        for row, position, slot in self._restore:
+        # Newest first: where two specs remapped one entry, the first saved the original.
+        for row, position, slot in reversed(self._restore):
             table[row, position] = slot
         self._restore.clear()
-        written = set(view.out_cache_loc.tolist())
         # Engines that do not report frees: a rewritten slot's damage is gone unread.
-        self.ledger.escape(self.side, None, written, "slot overwritten before any read")
+        for group in self.runtime.groups:
+            self._escape(group, view.out_cache_loc, "slot overwritten before any read")
         for spec in self.specs:
             if self._due(spec, ("real_kv_post_forward",)):
                 group = self._group(spec)
-                self._flip(spec, group, written_targets(view, self.host, group), view, byte=None)
+                self._flip(spec, group, written_targets(view, self.host, group), byte=None)
 
-    def _flip(self, spec: PerturbSpec, group: GroupState, targets: list[Target], view: ForwardView,
-              byte: int | None) -> None:
-        """Flip one bit of one byte of a target slot in a layer the fingerprint reads."""
+    def _flip(self, spec: PerturbSpec, group: GroupState, targets: list[Target], byte: int | None) -> None:
+        """Flip one bit of one byte of a target slot in a layer the fingerprint reads. Slots that
+        already hold a flip are passed over: a second flip could undo the first, and each fault
+        stays one violation of its own."""
+        damaged = self.ledger.damaged(self.side, group.pool.kind.name.lower())
+        targets = [t for t in targets if t.slot not in damaged]
         if not targets:
             return
         t = self._rng.choice(targets)
@@ -118,13 +130,16 @@ class FaultInjector:
         self._record(spec, group, t, offset, half.name)
 
     def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:
-        """Point one mapping entry HEAD reads at another live slot; restored after the forward."""
+        """Point one mapping entry HEAD reads at another live slot; restored after the forward. The
+        log reports each distinct row once, so a remap an earlier one already made is passed over."""
         targets = read_targets(view, self.host, group)
         writing = set(view.out_cache_loc.tolist())
         if not targets:
             return
         t = self._rng.choice(targets)
-        others = sorted({o.full_slot for o in targets} - {t.full_slot} - writing)
+        made = {i.full_slot for i in self.ledger.injections
+                if (i.mode, i.side, i.row, i.position) == ("req_to_token", self.side, t.row, t.position)}
+        others = sorted({o.full_slot for o in targets} - {t.full_slot} - writing - made)
         if not others:
             return
         wrong = self._rng.choice(others)

@@ -1,8 +1,9 @@
 """The fault ledger: every injection, and whether the canary saw it.
 
 Status: "detected" (a violation of a reason that mode must produce names the injected slot, or a
-slot a transfer moved it to), "latent" (the slot is still live and nobody has read it yet),
-"escaped" (the slot was freed or overwritten before any read; `cause` says how).
+slot a transfer moved it to, while the damage was there), "latent" (not detected, and the damage
+may still be read), "escaped" (every copy of the damage was freed or overwritten before any read;
+`cause` says how).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Injection:
     cause: str = ""
     detected_by: Violation | None = None
     moved_to: list[Place] = field(default_factory=list)  # where a PD transfer copied the damage
-    gone: list[Place] = field(default_factory=list)  # places since freed or overwritten
+    gone: dict[Place, int] = field(default_factory=dict)  # place -> its side's step when freed or overwritten
 
     @property
     def places(self) -> list[Place]:
@@ -68,16 +69,23 @@ class Injection:
             return False
         if self.half is not None and v.half != self.half:
             return False
+        if self.mode == "req_to_token":
+            # The wrong entry lives for the forward it was injected in (it is put back after): HEAD
+            # reports it at its row and position, or as a chain break at the next position.
+            if (v.side, v.step, v.row) != (self.side, self.step, self.row):
+                return False
+            return v.position == self.position or (v.position == self.position + 1
+                                                   and "verify_chain_hash" in v.reasons)
         if v.side == self.side and v.step < self.step:
             return False
-        if any((v.side, v.slot) == (p.side, p.slot) for p in self.places):
-            return True
-        # A wrong mapping entry is also reported at the row and position it corrupted.
-        return self.mode == "req_to_token" and (v.side, v.row, v.position) == (self.side, self.row, self.position)
+        # A violation after a place was freed or overwritten is about whatever lives there now.
+        return any((v.side, v.slot) == (p.side, p.slot) and v.step < self.gone.get(p, v.step + 1)
+                   for p in self.places)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["detected_by"] = self.detected_by.to_json() if self.detected_by else None
+        d["gone"] = [{**p._asdict(), "step": step} for p, step in self.gone.items()]
         d["latency"] = self.latency
         return d
 
@@ -96,8 +104,14 @@ class Ledger:
     def record(self, injection: Injection) -> None:
         self.injections.append(injection)
 
+    def damaged(self, side: str, group: str) -> set[int]:
+        """Slots of a side's pool group that hold flipped bytes not yet freed or overwritten."""
+        return {p.slot for inj in self.injections if inj.group == group and inj.mode != "req_to_token"
+                for p in inj.places if p.side == side and p not in inj.gone}
+
     def match(self, violations: list[Violation]) -> None:
-        """Mark every injection a violation names as detected (first matching violation wins)."""
+        """Mark every injection a violation names as detected (first matching violation wins),
+        an escaped one too when the violation came before its slots were freed."""
         for inj in self.injections:
             if inj.status == "detected":
                 continue
@@ -105,14 +119,17 @@ class Ledger:
             if hit is not None:
                 inj.status, inj.cause, inj.detected_by = "detected", "", hit
 
-    def escape(self, side: str, group: str | None, full_slots: set[int], cause: str) -> None:
-        """Latent injections whose every copy sat in these (freed or overwritten) slots escaped.
-        group: the pool group whose slots lost their data (None: every group)."""
+    def escape(self, side: str, group: str, slots: set[int], cause: str, step: int) -> None:
+        """These slots of a side's pool group lost their data at that side's forward `step`
+        (freed or overwritten). Injections whose every copy is gone escaped, unless `match`
+        later finds a violation from before."""
         for inj in self.injections:
-            if inj.status != "latent" or group not in (None, inj.group):
+            if inj.group != group or inj.mode == "req_to_token" or inj.status == "escaped":
                 continue
-            inj.gone += [p for p in inj.places if p.side == side and p.full_slot in full_slots and p not in inj.gone]
-            if len(inj.gone) == len(inj.places):
+            for p in inj.places:
+                if p.side == side and p.slot in slots:
+                    inj.gone.setdefault(p, step)
+            if inj.status == "latent" and len(inj.gone) == len(inj.places):
                 inj.status, inj.cause = "escaped", cause
 
     def moved(self, side: str, full_slot: int, to: Place) -> None:

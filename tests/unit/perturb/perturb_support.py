@@ -1,0 +1,73 @@
+"""What the fault-injection tests share: reference-engine handles, a workload, and a record of
+what each forward's HEAD reads.
+
+Runs that sweep many seeds use the torch reference kernels on a CPU (bit-identical to the Triton
+ones, which the kernel tests check) and the Triton kernels where CUDA is present.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from pytest_kvcanary.adapters.reference import make_reference_engine
+from pytest_kvcanary.canary.groups import GroupState
+from pytest_kvcanary.canary.host import ForwardView
+from pytest_kvcanary.config import CanaryConfig
+from pytest_kvcanary.harness import EngineHandle, Side
+from pytest_kvcanary.perturb.targets import read_targets
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SEED_SWEEP_KERNELS = "triton" if DEVICE == "cuda" else "torch"
+# The pool groups of each attention kind.
+POOL_GROUPS = {"mha": ("full",), "swa": ("full", "swa")}
+BYTE_TOKENS = 256  # prompt tokens below this; first tokens above it, one per request of a run
+LATENCY_PROPERTY = "detection_latency"
+
+
+def group_name(group: GroupState) -> str:
+    return group.pool.kind.name.lower()
+
+
+def make_handle(attention: str, kernels: str = SEED_SWEEP_KERNELS, **canary: object) -> EngineHandle:
+    """A fresh reference engine (window 16, roomy pools) with the canary on."""
+    return EngineHandle(make_reference_engine(attention, DEVICE, seed=0), CanaryConfig(**canary), kernels)
+
+
+def send_waves(handle: EngineHandle, seed: int, waves: int = 3, per_wave: int = 4, longest_output: int = 7) -> None:
+    """Waves of distinct prompts of 5-24 tokens, 3 to longest_output new tokens each. Each prompt
+    opens with a token of its own, so no request reuses another's cached prefix: a wave's KV stays
+    in the radix cache, unlocked and read by nothing but the sweep, while the next wave runs."""
+    rng = random.Random(seed)
+    for wave in range(waves):
+        prompts = [[BYTE_TOKENS + wave * per_wave + i]
+                   + [rng.randrange(BYTE_TOKENS) for _ in range(rng.randrange(4, 24))] for i in range(per_wave)]
+        handle.generate(prompts, max_new_tokens=rng.randrange(3, longest_output + 1))
+
+
+def final_sweep(handle: EngineHandle) -> None:
+    """One more sweep once every request finished: the engine then holds nothing outside the radix
+    cache, so any damage not freed yet is read before the run ends."""
+    handle.side.runtime.sweep()
+    handle.side.runtime.log.pump()
+
+
+class HeadReads:
+    """A runtime observer, after the fault injector: the slots each forward's HEAD reads, per
+    pool group ("full", "swa"); steps[i] is forward i of the run."""
+
+    def __init__(self, side: Side) -> None:
+        self.host, self.groups = side.engine, side.runtime.groups
+        self.steps: list[dict[str, set[int]]] = []
+        side.runtime.observers.append(self)
+
+    def before_forward(self, view: ForwardView) -> None:
+        self.steps.append({group_name(g): {t.slot for t in read_targets(view, self.host, g)} for g in self.groups})
+
+    def after_stamp(self, view: ForwardView) -> None:
+        pass
+
+    def first_read(self, group: str, slot: int, since: int) -> int | None:
+        """The first forward from `since` on whose HEAD reads this slot of the group."""
+        return next((step for step in range(since, len(self.steps)) if slot in self.steps[step][group]), None)

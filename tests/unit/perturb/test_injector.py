@@ -1,0 +1,130 @@
+"""The fault injector's switches: off, warm-up, seeding, and the specs it refuses."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from pytest_kvcanary.canary.host import ForwardView
+from pytest_kvcanary.canary.runtime import CanaryRuntime
+from pytest_kvcanary.config import PERTURB_MODES, PerturbSpec
+from pytest_kvcanary.harness import EngineHandle
+from pytest_kvcanary.perturb.injector import PerturbError
+
+from perturb_support import BYTE_TOKENS, POOL_GROUPS, final_sweep, make_handle, send_waves
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest_kvcanary.canary.log.KvCanaryViolationWarning")
+
+REAL_KV_MODES = [m for m in PERTURB_MODES if m.startswith("real_kv")]
+
+
+class MappingGuard:
+    """Forward hooks around the canary runtime: the req_to_token table must be as the engine left
+    it once the runtime (and the injector inside it) is done with the forward."""
+
+    def __init__(self, runtime: CanaryRuntime) -> None:
+        self.runtime = runtime
+        self.table = runtime.host.req_to_token()
+        self.saved = self.table.clone()  # as of the forward under way
+
+    def before_forward(self, view: ForwardView) -> None:
+        self.saved = self.table.clone()
+        self.runtime.before_forward(view)
+
+    def after_forward(self, view: ForwardView) -> None:
+        self.runtime.after_forward(view)
+        assert torch.equal(self.table, self.saved), "a wrong mapping outlived its forward"
+
+
+def ledger_of(handle: EngineHandle, seed: int, specs: tuple[PerturbSpec, ...]) -> list[dict]:
+    """The ledger of one run of the same workload, faults seeded by `seed`."""
+    handle.reset(seed, specs)
+    send_waves(handle, seed=0)
+    return [i.to_json() for i in handle.injections()]
+
+
+@pytest.mark.parametrize("attention", POOL_GROUPS)
+def test_no_fault_armed_no_violation_and_an_empty_ledger(attention):
+    handle = make_handle(attention, real_data="all", sweep_interval=1)
+    handle.reset(0, ())
+    send_waves(handle, seed=0)
+    final_sweep(handle)
+    assert handle.violations() == [] and handle.injections() == []
+    stats = handle.stats()["single"]
+    assert stats["forwards"] > 0 and stats["sweeps"] == stats["forwards"] + 1 and stats["health"] == "ok"
+
+
+@pytest.mark.parametrize("mode", PERTURB_MODES)
+def test_nothing_is_injected_before_the_warm_up_ends(mode):
+    warmup = 5
+    handle = make_handle("swa")
+    handle.reset(0, (PerturbSpec(mode, target_group="swa", warmup_steps=warmup),))
+    send_waves(handle, seed=0)
+    steps = [i.step for i in handle.injections()]
+    assert steps and min(steps) >= warmup
+    if mode == "real_kv_post_forward":  # every forward writes a slot to flip
+        assert min(steps) == warmup
+
+
+def test_a_seed_replays_its_faults_and_another_seed_places_them_elsewhere():
+    specs = tuple(PerturbSpec(mode, target_group="full") for mode in PERTURB_MODES)
+    handle = make_handle("mha")
+    first = ledger_of(handle, 1, specs)
+    assert first
+    assert ledger_of(handle, 2, specs) != first
+    # Again after another run of the same engine, and on a new one (a replay in isolation).
+    assert ledger_of(handle, 1, specs) == first
+    assert ledger_of(make_handle("mha"), 1, specs) == first
+
+
+def test_wrong_mappings_are_put_back_after_their_forward_even_one_entry_remapped_twice():
+    remapped_twice = 0
+    for seed in range(40):
+        handle = make_handle("mha")
+        handle.engine.set_forward_hooks(MappingGuard(handle.side.runtime))
+        handle.reset(seed, (PerturbSpec("req_to_token"),) * 2)
+        send_waves(handle, seed)
+        entries = Counter((i.step, i.row, i.position) for i in handle.injections())
+        remapped_twice += sum(n == 2 for n in entries.values())
+        if remapped_twice:
+            break
+    assert remapped_twice, "no run remapped one entry twice in a forward"
+
+
+def test_each_wrong_mapping_is_one_of_its_own_and_detected():
+    """One request, so the few entries make a repeat of an earlier remap likely; the log reports a
+    repeated row once, so the injector makes each remap only once."""
+    for seed in range(10):
+        handle = make_handle("mha")
+        handle.reset(seed, (PerturbSpec("req_to_token"),))
+        handle.generate([[BYTE_TOKENS, 1]], max_new_tokens=12)
+        remaps = [(i.row, i.position, i.full_slot) for i in handle.injections()]
+        assert len(set(remaps)) == len(remaps) > 0
+        assert all(i.status == "detected" for i in handle.injections()), [i.describe() for i in handle.injections()]
+
+
+@pytest.mark.parametrize("mode", PERTURB_MODES)
+def test_a_model_with_two_pool_groups_needs_target_group(mode):
+    with pytest.raises(PerturbError, match=r"target_group is required .*; allowed: full, swa$"):
+        make_handle("swa").reset(0, (PerturbSpec(mode),))
+
+
+@pytest.mark.parametrize("mode", PERTURB_MODES)
+def test_target_group_swa_on_an_mha_model_is_refused(mode):
+    with pytest.raises(PerturbError, match=r"target_group='swa' is not a pool group of this model; allowed: full$"):
+        make_handle("mha").reset(0, (PerturbSpec(mode, target_group="swa"),))
+
+
+@pytest.mark.parametrize("mode", REAL_KV_MODES)
+def test_real_kv_modes_need_real_data(mode):
+    with pytest.raises(PerturbError, match=r"real_data partial or all; got real_data='none'$"):
+        make_handle("mha", real_data="none").reset(0, (PerturbSpec(mode),))
+
+
+def test_req_to_token_needs_no_real_data():
+    handle = make_handle("mha", real_data="none")
+    handle.reset(0, (PerturbSpec("req_to_token"),))
+    send_waves(handle, seed=0, waves=1)
+    assert handle.injections() and all(i.status == "detected" for i in handle.injections())
