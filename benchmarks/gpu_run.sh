@@ -30,10 +30,12 @@ step() {  # step NAME COMMAND...: run, keep the log, note exit code, time and py
   tail -n 25 "$OUT/$name.log"
 }
 
-step tests python3 -m pytest tests/ -q -p no:cacheprovider -n 4 --durations=15
-step examples python3 -m pytest --kv-canary examples/ -n 2 -p no:cacheprovider -rA \
+# Each step is time-boxed (TESTS selects the GPU tests; the whole suite is the default).
+step bench timeout 150 python3 benchmarks/bench_kernels.py
+step examples timeout 150 python3 -m pytest --kv-canary examples/ -n 2 -p no:cacheprovider -rA \
   --kv-canary-report "$OUT/examples-report.json"
-step bench python3 benchmarks/bench_kernels.py
+# shellcheck disable=SC2086
+step tests timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest ${TESTS:-tests/} -q -p no:cacheprovider --durations=10
 
 echo
 python3 - "$OUT/examples-report.json" <<'PY'
