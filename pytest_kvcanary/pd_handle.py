@@ -14,7 +14,7 @@ import torch
 from .config import CanaryConfig
 from .engine import Engine, PDPair
 from .harness import Side, _Handle
-from .perturb.ledger import Ledger, Place
+from .perturb.ledger import Place
 
 
 class PDHandle(_Handle):
@@ -43,10 +43,7 @@ class PDHandle(_Handle):
         for src_group, dst_group in zip(sender.groups, receiver.groups, strict=True):
             src_slots = src_group.to_group_slots(src.to(src_group.device)).tolist()
             dst_slots = dst_group.to_group_slots(dst.to(dst_group.device)).tolist()
-            # Ledger.moved matches a FULL slot in every group: hand it this group's injections only.
-            group_ledger = Ledger()
-            group_ledger.injections = [i for i in self.ledger.injections
-                                       if i.group == src_group.pool.kind.name.lower()]
+            group = src_group.pool.kind.name.lower()
             for full_src, full_dst, s, d in zip(src.tolist(), dst.tolist(), src_slots, dst_slots):
                 if s and d:
-                    group_ledger.moved(self.prefill.name, full_src, Place(self.decode.name, d, full_dst))
+                    self.ledger.moved(self.prefill.name, group, full_src, Place(self.decode.name, d, full_dst))

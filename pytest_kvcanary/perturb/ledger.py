@@ -132,10 +132,11 @@ class Ledger:
             if inj.status == "latent" and len(inj.gone) == len(inj.places):
                 inj.status, inj.cause = "escaped", cause
 
-    def moved(self, side: str, full_slot: int, to: Place) -> None:
-        """A transfer copied the data of (side, full_slot) to `to`."""
+    def moved(self, side: str, group: str, full_slot: int, to: Place) -> None:
+        """A transfer copied the data of (side, full_slot) in that pool group to `to`."""
         for inj in self.injections:
-            if any(p.side == side and p.full_slot == full_slot for p in inj.places if p not in inj.gone):
+            if inj.group == group and any(p.side == side and p.full_slot == full_slot
+                                          for p in inj.places if p not in inj.gone):
                 inj.moved_to.append(to)
 
     def clear(self) -> None:
