@@ -55,8 +55,9 @@ class ViolationLog:
 
     A row that repeats an earlier one in everything but the step (the same damaged slot seen again
     by a later forward) is counted in `repeats`, not reported again. mode "log": one
-    KvCanaryViolationWarning per new violation; "raise": KvCanaryViolationError with all of them. `jsonl_path`: each violation is also appended there as one JSON line (how an engine
-    in another process reports to the harness).
+    KvCanaryViolationWarning per new violation; "raise": KvCanaryViolationError with all of them.
+    `jsonl_path`: each new violation is also appended there as one JSON line (how an engine in
+    another process reports to the harness, which reads them back with `read_jsonl`).
     """
 
     def __init__(self, ring: ViolationRing, side: str, mode: str, jsonl_path: Path | None = None) -> None:

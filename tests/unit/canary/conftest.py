@@ -83,9 +83,9 @@ def make_host():
     from pytest_kvcanary.canary.runtime import CanaryRuntime
     from pytest_kvcanary.config import CanaryConfig
 
-    def make(window: int | None = None, **config) -> FakeHost:
+    def make(window: int | None = None, jsonl_path=None, **config) -> FakeHost:
         host = FakeHost(window=window)
-        host.runtime = CanaryRuntime(CanaryConfig(**config), host)
+        host.runtime = CanaryRuntime(CanaryConfig(**config), host, jsonl_path=jsonl_path)
         return host
 
     return make

@@ -139,3 +139,16 @@ def test_bad_config_names_field_value_and_allowed(field, value, allowed):
     with pytest.raises(ValueError) as info:
         CanaryConfig(**{field: value})
     assert field in str(info.value) and repr(value) in str(info.value) and allowed in str(info.value)
+
+
+def test_violations_also_go_to_a_json_lines_file_another_process_can_read(make_host, tmp_path):
+    from pytest_kvcanary.canary.log import read_jsonl
+
+    path = tmp_path / "violations.jsonl"
+    host = make_host(real_data="partial", jsonl_path=path)
+    _prefill_and_decode(host)
+    host.k[1].view(torch.uint8)[int(host.table[1, 0]), 0] ^= 4
+    with pytest.warns(KvCanaryViolationWarning):
+        host.forward({1: [77]})
+    assert read_jsonl(path) == host.runtime.log.violations != []
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
