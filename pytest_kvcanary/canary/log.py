@@ -6,8 +6,6 @@ import json
 import warnings
 from pathlib import Path
 
-
-
 from kvcanary_kernels import ViolationRing
 from kvcanary_kernels import records as R
 

@@ -38,7 +38,8 @@ class FaultInjector:
         self._rng = random.Random(0)
         self._restore: list[tuple[int, int, int]] = []  # (row, position, FULL slot) to put back
         add_listener = getattr(host, "add_free_listener", None)
-        if add_listener is not None:
+        self._hears_frees = add_listener is not None
+        if self._hears_frees:
             add_listener(self._on_free)
 
     def _on_free(self, kind: GroupKind, full_slots: torch.Tensor, cause: str) -> None:
@@ -104,9 +105,11 @@ class FaultInjector:
         for row, position, slot in reversed(self._restore):
             table[row, position] = slot
         self._restore.clear()
-        # Engines that do not report frees: a rewritten slot's damage is gone unread.
-        for group in self.runtime.groups:
-            self._escape(group, view.out_cache_loc, "slot overwritten before any read")
+        if not self._hears_frees:
+            # A rewritten slot's damage is gone unread; engines that report frees said so already
+            # (a slot is freed before it can be written again).
+            for group in self.runtime.groups:
+                self._escape(group, view.out_cache_loc, "slot overwritten before any read")
         for spec in self.specs:
             if self._due(spec, ("real_kv_post_forward",)):
                 group = self._group(spec)

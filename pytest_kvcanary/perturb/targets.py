@@ -29,8 +29,8 @@ def _targets(slots: torch.Tensor, full: torch.Tensor, positions: torch.Tensor, r
 
 def read_targets(view: ForwardView, host: CanaryHost, group: GroupState) -> list[Target]:
     """Slots this forward's HEAD verifies (and the forward reads) in this group."""
-    e = verify_entries(view, host.req_to_token(), group)
     table = host.req_to_token()
+    e = verify_entries(view, table, group)
     full = table[e.rows.to(table.device), e.positions.to(table.device)].to(e.slots.device, torch.int64)
     return _targets(e.slots, full, e.positions, e.rows)
 

@@ -128,3 +128,44 @@ def test_req_to_token_needs_no_real_data():
     handle.reset(0, (PerturbSpec("req_to_token"),))
     send_waves(handle, seed=0, waves=1)
     assert handle.injections() and all(i.status == "detected" for i in handle.injections())
+
+
+class _HostWithoutFreeReports:
+    """The reference engine seen through the bare CanaryHost seam (no add_free_listener)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def canary_groups(self):
+        return self.engine.canary_groups()
+
+    def req_to_token(self):
+        return self.engine.req_to_token()
+
+    def radix_walk(self):
+        return self.engine.radix_walk()
+
+
+def test_without_free_reports_a_damaged_slot_written_again_is_escaped_as_overwritten():
+    from pytest_kvcanary.adapters.reference import make_reference_engine
+    from pytest_kvcanary.config import CanaryConfig
+    from pytest_kvcanary.perturb.injector import FaultInjector
+    from pytest_kvcanary.perturb.ledger import Ledger
+
+    from perturb_support import DEVICE, SEED_SWEEP_KERNELS
+
+    engine = make_reference_engine("mha", DEVICE, seed=0)
+    host = _HostWithoutFreeReports(engine)
+    runtime = CanaryRuntime(CanaryConfig(sweep_interval=0), host, kernels=SEED_SWEEP_KERNELS)
+    ledger = Ledger()
+    injector = FaultInjector(host, runtime, "single", ledger)
+    runtime.observers.append(injector)
+    engine.set_forward_hooks(runtime)
+    injector.arm((PerturbSpec("real_kv_post_forward"),), seed=0)
+    engine.generate([list(range(1, 9))], max_new_tokens=1)  # one prefill; its slots go to the cache
+    first = ledger.injections[0]
+    assert first.status == "latent"
+    engine.reset()  # the slots are freed unreported, and handed out again in the same order
+    engine.generate([list(range(11, 19))], max_new_tokens=1)
+    assert (first.status, first.cause) == ("escaped", "slot overwritten before any read")
+    assert runtime.log.violations == []
