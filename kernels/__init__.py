@@ -1,39 +1,52 @@
 """Triton kernels that stamp and verify KV-cache canary records, and their pure-torch references.
 
-Importing needs no GPU. To run the kernels on CPU tensors, set ``TRITON_INTERPRET=1`` before this
-package (or triton) is first imported.
+Importing the package (or ``kvcanary_kernels.records``) imports neither triton nor torch: the
+kernels load on first use of a name below. To run them on CPU tensors, set ``TRITON_INTERPRET=1``
+before triton is first imported.
 """
 
-from . import records
-from .entries import VerifyEntries, WriteEntries
-from .hashing import CHAIN_HEAD_HASH, mix3_int, mix3_torch, mix_int, mix_torch, to_signed
-from .launch import DEFAULT_TILING, Tiling
-from .reference import fingerprint_ref, stamp_records_ref, verify_records_ref
-from .ring import ViolationRing
-from .sources import MAX_SOURCES, RealDataMode, RealKvSource, layer_source
-from .stamp import stamp_records
-from .verify import verify_records
+from __future__ import annotations
 
-__all__ = [
-    "CHAIN_HEAD_HASH",
-    "DEFAULT_TILING",
-    "MAX_SOURCES",
-    "RealDataMode",
-    "RealKvSource",
-    "Tiling",
-    "VerifyEntries",
-    "ViolationRing",
-    "WriteEntries",
-    "fingerprint_ref",
-    "layer_source",
-    "mix3_int",
-    "mix3_torch",
-    "mix_int",
-    "mix_torch",
-    "records",
-    "stamp_records",
-    "stamp_records_ref",
-    "to_signed",
-    "verify_records",
-    "verify_records_ref",
-]
+import importlib
+from typing import Any
+
+# name -> module that defines it
+_LAZY = {
+    "CHAIN_HEAD_HASH": "hashing",
+    "head_hash_int": "hashing",
+    "mix3_int": "hashing",
+    "mix3_torch": "hashing",
+    "mix_int": "hashing",
+    "mix_torch": "hashing",
+    "to_signed": "hashing",
+    "DEFAULT_TILING": "launch",
+    "Tiling": "launch",
+    "MAX_SOURCES": "sources",
+    "RealDataMode": "sources",
+    "RealKvSource": "sources",
+    "layer_source": "sources",
+    "ViolationRing": "ring",
+    "VerifyEntries": "entries",
+    "MappingArgs": "entries",
+    "ViewArgs": "entries",
+    "verify_records": "verify",
+    "verify_view": "view_verify",
+    "stamp_view": "view_stamp",
+    "source_hash_rows": "rows_hash",
+    "fingerprint_ref": "reference",
+    "source_hash_rows_ref": "reference",
+    "stamp_view_ref": "reference",
+    "verify_records_ref": "reference",
+    "verify_view_ref": "reference",
+}
+
+__all__ = sorted(_LAZY) + ["records"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcanary_kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

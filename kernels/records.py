@@ -14,7 +14,8 @@ FIELD_POSITION = 1
 FIELD_PREV_HASH = 2
 FIELD_REAL_KV_HASH = 3
 
-# "KVCANARY" in ASCII: the value a chain head (position 0) hashes as its predecessor.
+# "KVCANARY" in ASCII: the value a chain head (position 0) hashes as its predecessor. A request
+# with a context key c (LoRA adapter, cache salt; 0 = none) anchors its chain at mix(ANCHOR ^ c).
 ANCHOR = 0x4B5643414E415259
 
 # prev_slots entries in a verify plan that are not slots.
@@ -33,6 +34,9 @@ class Reason(IntEnum):
     VERIFY_TOKEN = 8
     WRITE_TOKEN = 16
     WRITE_POSITION = 32
+    VERIFY_MISSING_SLOT = 64  # a position inside a read window maps to no resident slot (slot 0)
+    RESERVED_SLOT_WRITTEN = 128  # slot 0's bytes changed since the canary attached
+    WRITE_REAL_KV_HASH = 256  # a written slot does not hold what the forward computed for it
 
     @property
     def label(self) -> str:
@@ -41,12 +45,15 @@ class Reason(IntEnum):
 
 # Order in which a row's stored/expected pair is chosen when several reasons fail.
 PRIMARY_REASON_ORDER = (
+    Reason.RESERVED_SLOT_WRITTEN,
+    Reason.VERIFY_MISSING_SLOT,
     Reason.VERIFY_POSITION,
     Reason.VERIFY_TOKEN,
     Reason.VERIFY_CHAIN_HASH,
     Reason.VERIFY_REAL_KV_HASH,
     Reason.WRITE_POSITION,
     Reason.WRITE_TOKEN,
+    Reason.WRITE_REAL_KV_HASH,
 )
 
 
@@ -55,9 +62,13 @@ def reasons_from_bits(bits: int) -> tuple[Reason, ...]:
 
 
 class Phase(IntEnum):
+    """HEAD: before a forward, its read set. TAIL: after it, the slots it wrote. SWEEP: what the
+    prefix cache holds. RECHECK: after a forward, its read set again (damage done inside it)."""
+
     HEAD = 0
     TAIL = 1
     SWEEP = 2
+    RECHECK = 3
 
 
 class Half(IntEnum):

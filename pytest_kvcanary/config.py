@@ -32,7 +32,11 @@ class CanaryConfig:
     real_data: none / partial (first 16 bytes of each slot) / all. sweep_interval: forwards
     between radix sweeps, 0 = never. ring_capacity: violation rows kept (the total keeps
     counting). check_tokens: verify stored tokens against the engine's. check_write_inputs: log
-    write_* reasons when a forward's tokens/positions disagree with the engine's bookkeeping."""
+    write_* reasons when a forward's tokens/positions disagree with the engine's bookkeeping.
+    recheck: after each forward, verify its read set again, so damage done inside the forward is
+    reported before its samples are used. drain_interval: forwards between asynchronous drains
+    of the device log (1 = every forward, synchronously: for debugging); the log is also drained
+    whenever it is read."""
 
     mode: str = "log"
     real_data: str = "partial"
@@ -40,13 +44,16 @@ class CanaryConfig:
     ring_capacity: int = 4096
     check_tokens: bool = True
     check_write_inputs: bool = True
+    recheck: bool = True
+    drain_interval: int = 8
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, CANARY_MODES)
         _choice("real_data", self.real_data, REAL_DATA_MODES)
         _int_at_least("sweep_interval", self.sweep_interval, 0)
         _int_at_least("ring_capacity", self.ring_capacity, 1)
-        for name in ("check_tokens", "check_write_inputs"):
+        _int_at_least("drain_interval", self.drain_interval, 1)
+        for name in ("check_tokens", "check_write_inputs", "recheck"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
 

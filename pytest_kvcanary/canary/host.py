@@ -1,59 +1,146 @@
 """The seam between an inference engine and the canary runtime.
 
-An engine (the reference engine or an adapter around a third-party one) implements `CanaryHost`
-and calls `CanaryRuntime.before_forward(view)` just before its model forward reads the KV cache
-and `CanaryRuntime.after_forward(view)` just after the forward has written the new slots. The
-runtime never calls into the engine except through the methods below.
+What an engine author imports from here loads without triton and without importing torch (the
+tensor types below are annotations only), so a conftest can import it at module level.
+
+Call order (one engine, eager or inside a CUDA graph):
+
+    runtime = CanaryRuntime(config, engine)     attach: reads canary_groups() and
+                                                canary_capacities() once, allocates every buffer,
+                                                fingerprints the reserved slot 0
+    engine.set_forward_hooks(runtime)
+    per forward:
+        the engine maps the batch's slots (the mapping tables hold every slot the forward reads
+        and writes) and fills the view's tensors
+        hooks.before_forward(view)              HEAD: verify every slot the forward will read
+        forward                                 may call hooks.kv_stored(...) at its KV-store
+                                                point (write-through fingerprints, optional)
+        hooks.after_forward(view)               RECHECK the read set, TAIL-stamp the written slots
+        hooks.end_forward()                     host side, outside any graph: count the forward,
+                                                sweep the prefix cache every sweep_interval
+                                                forwards, drain the violation log every
+                                                drain_interval forwards (raise mode raises here)
+
+before_forward, kv_stored and after_forward launch device work only: no host copy, no host sync,
+no grid that depends on data. An engine may capture them with its forward in one CUDA graph and
+replay it with the view's tensors refilled in place; end_forward is never captured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Sequence, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvcanary_kernels.records import GroupKind
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SlotMapping:
+    """Where a group finds the slot of (row, position).
+
+    ``lp = position % ring if ring else position``;
+    ``slot = table[row, lp // page_size] * page_size + lp % page_size``; then, when full_to_group is
+    given, ``slot = full_to_group[slot]`` (a pool indexed through FULL-pool slots; 0 = not resident).
+
+    page_size 1: a per-token table (``req_to_token``, SGLang's layout); > 1: a block table of
+    block ids (vLLM, transformers). ring > 0: a ring-buffer window allocator whose table indexes
+    positions modulo ring. table: int32 or int64 ``[rows, cols]`` on the engine's device. The
+    kernels read it at every forward: refill it in place, the object stays the same for the
+    engine's life.
+    """
+
+    table: torch.Tensor
+    page_size: int = 1
+    ring: int = 0
+    full_to_group: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        return "token_table" if self.page_size == 1 else "block_table"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"SlotMapping.page_size must be an integer >= 1; got {self.page_size!r}")
+        if isinstance(self.ring, bool) or not isinstance(self.ring, int) or self.ring < 0:
+            raise ValueError(f"SlotMapping.ring must be an integer >= 0; got {self.ring!r}")
+        if getattr(self.table, "dim", lambda: 0)() != 2:
+            raise ValueError("SlotMapping.table must be a 2-D tensor [rows, cols]")
 
 
 @dataclass(frozen=True)
 class PoolGroup:
     """One KV pool the canary guards.
 
-    k_layers / v_layers: the per-layer K and V buffers of this pool, each ``[num_pages, page_size,
-    ...]`` (or ``[num_slots, ...]`` when page_size is 1), slot s at page s // page_size.
-    num_slots: slots in this pool (slot 0 reserved). window: attention window in tokens for SWA
-    groups, None for FULL. full_to_group: int64 ``[full_num_slots]`` map from a FULL-pool slot to
-    this pool's slot (0 = not resident), required for SWA groups, None for FULL.
+    kind: FULL or SWA. k_layers / v_layers: the per-layer buffers, each ``[num_pages, page_size,
+    ...]`` (or ``[num_slots, ...]`` when page_size is 1), slot s at ``[s // page_size, s %
+    page_size]``; v_layers is empty for a latent pool (one half). num_slots: slots in the pool;
+    slot 0 is reserved (never holds a token; padding may point there) and is the canary's
+    sentinel: its bytes must stay what they were when the canary attached. mapping: how (row,
+    position) finds a slot. window: attention window in tokens (SWA: a forward reads positions
+    [prefix_len - window, prefix_len)), None for FULL. fingerprintable: False when a slot's bytes
+    are not one contiguous run at that address (only real_data none is honoured then).
     """
 
     kind: GroupKind
     k_layers: Sequence[torch.Tensor]
     v_layers: Sequence[torch.Tensor]
     num_slots: int
+    mapping: SlotMapping
     page_size: int = 1
     window: int | None = None
-    full_to_group: torch.Tensor | None = None
+    fingerprintable: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind is GroupKind.SWA and (self.window is None or self.window < 1 or self.full_to_group is None):
-            raise ValueError("an SWA PoolGroup needs window >= 1 and a full_to_group map")
-        if self.kind is GroupKind.FULL and (self.window is not None or self.full_to_group is not None):
-            raise ValueError("a FULL PoolGroup takes no window and no full_to_group map")
-        if not self.k_layers or len(self.k_layers) != len(self.v_layers):
-            raise ValueError("PoolGroup needs the same, non-zero number of K and V layers")
+        if self.kind is GroupKind.SWA and (self.window is None or self.window < 1):
+            raise ValueError(f"an SWA PoolGroup needs window >= 1; got {self.window!r}")
+        if self.kind is GroupKind.FULL and self.window is not None:
+            raise ValueError(f"a FULL PoolGroup takes no window; got {self.window!r}")
+        if not self.k_layers:
+            raise ValueError("PoolGroup.k_layers must hold at least one layer")
+        if self.v_layers and len(self.v_layers) != len(self.k_layers):
+            raise ValueError(f"PoolGroup.v_layers must be empty (a latent pool) or hold as many layers as "
+                             f"k_layers ({len(self.k_layers)}); got {len(self.v_layers)}")
+        if self.num_slots < 2:
+            raise ValueError(f"PoolGroup.num_slots must be >= 2 (slot 0 is reserved); got {self.num_slots}")
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """The largest forward the engine will run, declared once at attach: the kernels' grids are
+    sized from these, never from a forward's data. max_batch: rows of a ForwardView (a padded
+    batch's size); max_tokens: its token arrays' length; max_context: positions are < this."""
+
+    max_batch: int
+    max_tokens: int
+    max_context: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_tokens", "max_context"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Capacities.{name} must be an integer >= 1; got {value!r}")
 
 
 @dataclass(frozen=True)
 class ForwardView:
-    """What one forward does, as the canary needs to see it. Host-side (CPU) int64 tensors.
+    """One forward as the canary sees it: int64 tensors on the engine's device, fixed shapes.
 
-    rows [B]: req_to_token row of each request in the batch. prefix_lens [B]: tokens already in
-    the KV cache for that request before this forward (the forward reads them). extend_lens [B]:
-    tokens this forward writes for it (1 in decode). input_ids / positions / out_cache_loc [sum
-    extend_lens]: the tokens, their positions and the FULL-pool slots written, row-major in batch
-    order. prefix_token_ids: optional [B] list of int64 tensors of length prefix_lens[b], the
-    tokens the engine believes the prefix holds (enables the token check at HEAD).
+    Per batch row (length B <= max_batch): rows (the mapping row of the request), prefix_lens
+    (positions already cached, which the forward reads), extend_lens (positions it writes:
+    [prefix_len, prefix_len + extend_len); 1 in decode). A padded row has prefix_len 0 and
+    extend_len 0 (its row value is ignored).
+    Per token (length T <= max_tokens; row-major in batch order; entries past sum(extend_lens)
+    are padding): input_ids, positions (as the engine computed them).
+    Optional: token_table ``[rows, max_context]``, the token the engine believes each (row,
+    position) holds (enables verify_token at HEAD and write_token at TAIL); context_keys [B],
+    a per-request context (LoRA adapter, cache salt, image hash; 0 = none) that seeds each chain's
+    anchor, so KV reused across contexts fails at position 0.
+
+    The slots a forward writes are mapping(row, prefix_len + j): they must be in the mapping
+    before before_forward.
     """
 
     rows: torch.Tensor
@@ -61,15 +148,18 @@ class ForwardView:
     extend_lens: torch.Tensor
     input_ids: torch.Tensor
     positions: torch.Tensor
-    out_cache_loc: torch.Tensor
-    prefix_token_ids: Sequence[torch.Tensor] | None = None
+    token_table: torch.Tensor | None = None
+    context_keys: torch.Tensor | None = None
 
 
-class RadixWalk(NamedTuple):
-    """Everything a radix cache holds, as FULL-pool slots (int64 [M] each).
+class CacheWalk(NamedTuple):
+    """Everything a prefix cache holds, as FULL-group slots (int64 [M] each, any device).
 
-    prev_slots: slot of the previous position (PREV_CHAIN_HEAD = -1 at position 0). locked: True
-    where a live request holds the node (the sweep can restrict itself to unlocked slots).
+    positions: the token's position; prev_slots: slot of the previous position on its path
+    (PREV_CHAIN_HEAD = -1 at position 0); tokens: the token (UNKNOWN = -1 when the cache does not
+    keep tokens); locked: True where a live request holds the slot (the sweep can restrict itself
+    to unlocked slots); context_keys: optional per-slot context key (0 = none). Other groups are
+    swept through their mapping's full_to_group map, when they have one.
     """
 
     slots: torch.Tensor
@@ -77,16 +167,31 @@ class RadixWalk(NamedTuple):
     prev_slots: torch.Tensor
     tokens: torch.Tensor
     locked: torch.Tensor
+    context_keys: torch.Tensor | None = None
+
+
+# Called with (group, slots of that group's mapping space, cause) whenever slots stop holding their
+# data, before they are released. For a group mapped through full_to_group the slots are FULL slots.
+FreeListener = Callable[[GroupKind, "torch.Tensor", str], None]
 
 
 class ForwardHooks(Protocol):
-    """What an engine calls around each forward (the CanaryRuntime is one)."""
+    """What an engine calls around each forward (the CanaryRuntime is one). Order: module docstring."""
 
     def before_forward(self, view: ForwardView) -> None:
-        """Right before the forward reads the KV cache; the batch's slots are in req_to_token."""
+        """Before the forward reads KV; the batch's slots are in the mapping. Device work only."""
+
+    def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Optional write-through, inside the forward at the KV-store point of ``layer`` (an index
+        into the group's k_layers): the K (and V) rows the forward computed for its tokens, shaped
+        ``[T, ...]`` in view token order. TAIL then checks each written slot holds exactly that.
+        Device work only."""
 
     def after_forward(self, view: ForwardView) -> None:
-        """Right after the forward wrote K/V for view.out_cache_loc, before its samples are used."""
+        """After the forward wrote its KV, before its samples are used. Device work only."""
+
+    def end_forward(self) -> None:
+        """Once per forward, after after_forward (eager) or after the graph replay; host side."""
 
 
 @runtime_checkable
@@ -98,12 +203,11 @@ class CanaryHost(Protocol):
         must stay the same objects for the engine's life (the runtime keeps views of them)."""
         ...
 
-    def req_to_token(self) -> torch.Tensor:
-        """The engine's ``[rows, max_context]`` table of FULL-pool slots (on the engine's device).
-        Read by the runtime inside before_forward / after_forward only."""
+    def canary_capacities(self) -> Capacities:
+        """The largest forward; called once, when the runtime attaches."""
         ...
 
-    def radix_walk(self) -> RadixWalk | None:
-        """A snapshot of the radix cache for the sweep, or None when the engine has none. Called
-        by the runtime between forwards; slots must stay valid until the next forward."""
+    def cache_walk(self) -> CacheWalk | None:
+        """A snapshot of the prefix cache for the sweep, or None when the engine has none. Called
+        by the runtime between forwards (end_forward); slots stay valid until the next forward."""
         ...
