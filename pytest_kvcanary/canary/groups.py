@@ -1,4 +1,5 @@
-"""Per pool group canary state: the K and V record buffers and their real-KV sources."""
+"""Per pool group canary state: record buffers per half, the real-KV sources the fingerprints read,
+the group's slot mapping, and the write-through buffers. Everything is allocated at attach."""
 
 from __future__ import annotations
 
@@ -6,11 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary_kernels import RealDataMode, RealKvSource, layer_source
-from kvcanary_kernels.records import RECORD_WIDTH, Half
-from kvcanary_kernels.sources import MAX_SOURCES
+from kvcanary_kernels import MAX_SOURCES, MappingArgs, RealDataMode, RealKvSource, layer_source, mix_torch
+from kvcanary_kernels.records import FIELD_REAL_KV_HASH, RECORD_WIDTH, GroupKind, Half
 
-from .host import PoolGroup
+from .host import Capacities, PoolGroup
 
 
 def pick_layers(num_layers: int, count: int = MAX_SOURCES) -> list[int]:
@@ -21,34 +21,104 @@ def pick_layers(num_layers: int, count: int = MAX_SOURCES) -> list[int]:
 
 
 @dataclass
-class GroupState:
-    """One pool group's records (K and V halves) and the sources its fingerprints read."""
+class HalfState:
+    """One half (K or V) of a group: its records, the sources its fingerprints fold (one per
+    picked layer, in order) and, for write-through, one row-hash buffer per source."""
 
+    records: torch.Tensor  # [num_slots, RECORD_WIDTH] int64
+    sources: tuple[RealKvSource, ...]
+    source_layers: tuple[int, ...]  # layer index of each source
+    stored_hashes: torch.Tensor  # [len(sources), max_tokens] int64, filled by kv_stored
+    stored: set[int]  # sources whose rows this forward handed over
+
+    def written_fingerprints(self) -> torch.Tensor | None:
+        """The fingerprints of what the forward computed, token by token, once every source layer
+        was handed over this forward; None otherwise. Forgets them (the next forward starts over)."""
+        complete = bool(self.sources) and len(self.stored) == len(self.sources)
+        self.stored.clear()
+        if not complete:
+            return None
+        acc = torch.zeros_like(self.stored_hashes[0])
+        for row in self.stored_hashes:
+            acc = mix_torch(acc ^ row)
+        return acc
+
+
+@dataclass
+class GroupState:
     pool: PoolGroup
-    records: dict[Half, torch.Tensor]
-    sources: dict[Half, tuple[RealKvSource, ...]]
+    halves: dict[Half, HalfState]
+    mapping: MappingArgs
+    window: int  # 0 for FULL
 
     @classmethod
-    def create(cls, pool: PoolGroup, real_data: RealDataMode, device: torch.device) -> "GroupState":
-        records = {
-            half: torch.zeros(pool.num_slots, RECORD_WIDTH, dtype=torch.int64, device=device) for half in Half
-        }
-        sources = {}
-        for half, layers in ((Half.K, pool.k_layers), (Half.V, pool.v_layers)):
-            picked = (layer_source(layers[i], pool.page_size, real_data) for i in pick_layers(len(layers)))
-            sources[half] = tuple(s for s in picked if s is not None)
-        return cls(pool=pool, records=records, sources=sources)
+    def create(cls, pool: PoolGroup, real_data: RealDataMode, device: torch.device,
+               capacities: Capacities) -> "GroupState":
+        if not pool.fingerprintable and real_data is not RealDataMode.NONE:
+            raise ValueError(f"real_data must be none for the {pool.kind.name} group of this engine: its KV "
+                             f"layout is not one contiguous run per slot; got {real_data.value!r}")
+        layers_of = {Half.K: pool.k_layers, Half.V: pool.v_layers}
+        halves = {}
+        for half, layers in layers_of.items():
+            if not layers:
+                continue
+            picked = [(i, layer_source(layers[i], pool.page_size, real_data)) for i in pick_layers(len(layers))]
+            picked = [(i, s) for i, s in picked if s is not None]
+            halves[half] = HalfState(
+                records=torch.zeros(pool.num_slots, RECORD_WIDTH, dtype=torch.int64, device=device),
+                sources=tuple(s for _, s in picked),
+                source_layers=tuple(i for i, _ in picked),
+                stored_hashes=torch.zeros(len(picked), capacities.max_tokens, dtype=torch.int64, device=device),
+                stored=set(),
+            )
+        m = pool.mapping
+        mapping = MappingArgs(table=m.table, page_size=m.page_size, ring=m.ring, full_to_group=m.full_to_group)
+        return cls(pool=pool, halves=halves, mapping=mapping, window=pool.window or 0)
 
     @property
     def device(self) -> torch.device:
-        return self.records[Half.K].device
+        return next(iter(self.halves.values())).records.device
+
+    @property
+    def name(self) -> str:
+        return self.pool.kind.name.lower()
+
+    def swept_by_walk(self) -> bool:
+        """A cache walk names FULL slots: it reaches the FULL group and groups mapped through
+        full_to_group."""
+        return self.pool.kind is GroupKind.FULL or self.mapping.full_to_group is not None
+
+    def has_sources(self) -> bool:
+        return any(h.sources for h in self.halves.values())
 
     def to_group_slots(self, full_slots: torch.Tensor) -> torch.Tensor:
-        """FULL-pool slots -> this group's slots (identity for FULL; 0 where not resident)."""
-        if self.pool.full_to_group is None:
-            return full_slots
-        return self.pool.full_to_group[full_slots]
+        """FULL-pool slots -> this group's slots (identity without a full_to_group map; 0 where
+        not resident)."""
+        f2g = self.mapping.full_to_group
+        return full_slots if f2g is None else f2g[full_slots.to(f2g.device)].to(full_slots.device)
+
+    def mapped_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host-side evaluation of the mapping (tools, not the per-forward path): for each (row,
+        position), the slot in the mapping's own space (a FULL slot for groups mapped through
+        full_to_group) and the group's slot."""
+        m = self.mapping
+        rows = rows.to(m.table.device, torch.int64)
+        lp = positions.to(m.table.device, torch.int64)
+        if m.ring:
+            lp = lp % m.ring
+        space = m.table[rows, lp // m.page_size].to(torch.int64) * m.page_size + lp % m.page_size
+        return space, self.to_group_slots(space)
+
+    def seal_reserved_slot(self) -> None:
+        """Fingerprint slot 0's bytes as they are now: the sentinel every HEAD and RECHECK checks."""
+        from kvcanary_kernels import fingerprint_ref
+
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for half in self.halves.values():
+            half.records[0, FIELD_REAL_KV_HASH] = fingerprint_ref(half.sources, zero)[0]
 
     def clear(self) -> None:
-        for rec in self.records.values():
-            rec.zero_()
+        for half in self.halves.values():
+            half.records.zero_()
+            half.stored.clear()
+        self.seal_reserved_slot()

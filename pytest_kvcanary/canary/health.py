@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Iterable
 
 from kvcanary_kernels import ViolationRing
-from kvcanary_kernels.records import NUM_TAGS, Phase, split_tag, tag_name
+from kvcanary_kernels.records import NUM_TAGS, tag_name
 
 
 class KvCanaryHealthError(RuntimeError):
-    """An active launch tag stopped running: the canary is no longer guarding what it claims."""
+    """A launch the canary counts on did not run: it is no longer guarding what it claims."""
 
 
 @dataclass(frozen=True)
@@ -27,29 +29,30 @@ class CanaryStats:
 
 
 class LaunchCounter:
-    """Host-side count of launches per tag, checked against the device's kernel-run counters."""
+    """What the device's kernel-run counters must read, from what the host knows happened.
 
-    def __init__(self) -> None:
-        self.launched = [0] * NUM_TAGS
+    Every forward the engine reports (end_forward) must have run each per-forward launch exactly
+    once, whether the launches were made eagerly or replayed from a CUDA graph; every sweep its
+    sweep launches. A HEAD that lags means before_forward was skipped for some forward (the engine
+    read KV the canary never checked)."""
 
-    def record(self, tag: int) -> None:
-        self.launched[tag] += 1
+    def __init__(self, per_forward: Iterable[int]) -> None:
+        self.per_forward = Counter(per_forward)
+        self.expected = [0] * NUM_TAGS
+
+    def forward(self) -> None:
+        for tag, n in self.per_forward.items():
+            self.expected[tag] += n
+
+    def sweep(self, tags: Iterable[int]) -> None:
+        for tag in tags:
+            self.expected[tag] += 1
 
     def reset(self) -> None:
-        self.launched = [0] * NUM_TAGS
+        self.expected = [0] * NUM_TAGS
 
-    def problems(self, ring: ViolationRing, forwards: int) -> list[str]:
-        """Why the canary is not healthy (empty when it is); call between forwards.
-
-        Every launch the runtime made must have run on the device, and every HEAD/TAIL tag that
-        ever ran must have run once per forward: a HEAD that lags means before_forward was skipped
-        for some forwards (the engine reads KV the canary never checked)."""
+    def problems(self, ring: ViolationRing) -> list[str]:
+        """Why the canary is not healthy (empty when it is); call between forwards (syncs)."""
         ran = ring.kernel_runs.tolist()
-        out = []
-        for tag in range(NUM_TAGS):
-            if ran[tag] != self.launched[tag]:
-                out.append(f"{tag_name(tag)} ran {ran[tag]} of {self.launched[tag]} launches")
-            phase = split_tag(tag)[0]
-            if phase is not Phase.SWEEP and 0 < self.launched[tag] != forwards:
-                out.append(f"{tag_name(tag)} ran in {self.launched[tag]} of {forwards} forwards")
-        return out
+        return [f"{tag_name(tag)} ran {ran[tag]} of {self.expected[tag]} launches"
+                for tag in range(NUM_TAGS) if ran[tag] != self.expected[tag]]

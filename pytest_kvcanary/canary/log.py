@@ -1,10 +1,21 @@
-"""The host side of the violation log: pump new device rows, decode them, warn or raise."""
+"""The host side of the violation log: drain the device ring without stalling the engine, decode
+its rows, keep them (log mode) or raise (raise mode).
+
+The ring is a wrap-around buffer with a monotonic claim counter, so draining never resets it: a
+drain snapshots the counter and the rows, and the rows claimed since the previous drain are new.
+On CUDA a snapshot is an asynchronous copy into pinned host memory on a side stream, ordered after
+an event on the engine's stream; the host decodes it at the next drain, by which time the copy has
+long finished. Rows are lost only when more than the ring's capacity arrive between two drains;
+they are counted in ``dropped``.
+"""
 
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
+from typing import NamedTuple
+
+import torch
 
 from kvcanary_kernels import ViolationRing
 from kvcanary_kernels import records as R
@@ -14,12 +25,8 @@ from .violation import Violation
 _MASK64 = (1 << 64) - 1
 
 
-class KvCanaryViolationWarning(UserWarning):
-    """Issued once per violation in log mode."""
-
-
 class KvCanaryViolationError(RuntimeError):
-    """Raised by the engine in raise mode; carries every new violation."""
+    """Raised by the engine in raise mode at the drain that found new violations."""
 
     def __init__(self, violations: list[Violation], dropped: int = 0) -> None:
         self.violations = violations
@@ -48,14 +55,20 @@ def decode_row(row: list[int], side: str) -> Violation:
     )
 
 
+class _Snapshot(NamedTuple):
+    count: torch.Tensor  # [1] int64 on the host
+    rows: torch.Tensor  # [capacity, ROW_WIDTH] int64 on the host
+    done: torch.cuda.Event | None  # recorded on the copy stream after the copy (CUDA only)
+
+
 class ViolationLog:
-    """Decoded violations of one engine. `pump()` after each forward moves new device rows here.
+    """Decoded violations of one engine.
 
     A row that repeats an earlier one in everything but the step (the same damaged slot seen again
-    by a later forward) is counted in `repeats`, not reported again. mode "log": one
-    KvCanaryViolationWarning per new violation; "raise": KvCanaryViolationError with all of them.
-    `jsonl_path`: each new violation is also appended there as one JSON line (how an engine in
-    another process reports to the harness, which reads them back with `read_jsonl`).
+    by a later forward) is counted in `repeats`, not reported again. mode "log": new violations are
+    kept in `violations` (the plugin decides what to show); "raise": the drain that finds them
+    raises KvCanaryViolationError. `jsonl_path`: each new violation is also appended there as one
+    JSON line, which `read_jsonl` reads back (how an engine in another process reports).
     """
 
     def __init__(self, ring: ViolationRing, side: str, mode: str, jsonl_path: Path | None = None) -> None:
@@ -66,20 +79,65 @@ class ViolationLog:
         self.violations: list[Violation] = []
         self.total = 0  # rows the kernels claimed, repeats and dropped ones included
         self.repeats = 0
-        self.dropped = 0  # rows lost because one pump window claimed more than the ring holds
+        self.dropped = 0  # rows overwritten before a drain read them
         self._keys: set[tuple] = set()
+        self._consumed = 0  # claims already decoded
+        self._unreported_drops = 0  # dropped rows a raise-mode drain has not raised for yet
+        self._pending: _Snapshot | None = None
+        self._cuda = ring.rows.device.type == "cuda"
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device=ring.rows.device)
+            self._host_rows = torch.empty(ring.rows.shape, dtype=torch.int64, pin_memory=True)
+            self._host_count = torch.empty(1, dtype=torch.int64, pin_memory=True)
 
-    def pump(self) -> list[Violation]:
-        """Move the ring's rows here and empty the ring (so its capacity bounds one forward's
-        rows, not the whole run's)."""
-        claimed = self.ring.total()
-        if claimed == 0:
+    def _snapshot(self) -> _Snapshot:
+        """Copy the ring's counter and rows to the host: asynchronously on CUDA, else now."""
+        if not self._cuda:
+            return _Snapshot(self.ring.count.clone(), self.ring.rows.clone(), None)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.ring.rows.device))
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            self._host_count.copy_(self.ring.count, non_blocking=True)
+            self._host_rows.copy_(self.ring.rows, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return _Snapshot(self._host_count, self._host_rows, done)
+
+    def poll(self) -> list[Violation]:
+        """The periodic drain (between forwards, never inside a graph): decode the snapshot the
+        previous poll started, then start a new one. Returns the new violations."""
+        new = self._decode_pending()
+        self._pending = self._snapshot()
+        if not self._cuda:
+            new += self._decode_pending()
+        return self._report(new)
+
+    def drain(self) -> list[Violation]:
+        """Everything the device logged so far, synchronously (for reads, the end of a test,
+        shutdown). Returns the new violations."""
+        new = self._decode_pending()
+        self._pending = self._snapshot()
+        new += self._decode_pending()
+        return self._report(new)
+
+    def _decode_pending(self) -> list[Violation]:
+        snap, self._pending = self._pending, None
+        if snap is None:
             return []
-        rows = self.ring.read(0, claimed).tolist()
-        self.ring.count.zero_()
-        dropped_now = claimed - len(rows)
-        self.total += claimed
-        self.dropped += dropped_now
+        if snap.done is not None:
+            snap.done.synchronize()
+        claimed = int(snap.count[0])
+        fresh = claimed - self._consumed
+        if fresh <= 0:
+            return []
+        capacity = self.ring.capacity
+        kept = min(fresh, capacity)
+        self.total += fresh
+        self.dropped += fresh - kept
+        order = [i % capacity for i in range(claimed - kept, claimed)]
+        rows = snap.rows[order].tolist()
+        self._consumed = claimed
         new = []
         for v in (decode_row(r, self.side) for r in rows):
             key = (v.phase, v.half, v.group, v.reasons, v.slot, v.position, v.row, v.stored, v.expected)
@@ -88,29 +146,33 @@ class ViolationLog:
             else:
                 self._keys.add(key)
                 new.append(v)
+        self._unreported_drops += fresh - kept
+        return new
+
+    def _report(self, new: list[Violation]) -> list[Violation]:
         self.violations.extend(new)
-        if self.jsonl_path is not None:
+        if self.jsonl_path is not None and new:
             with self.jsonl_path.open("a") as f:
                 for v in new:
                     f.write(json.dumps(v.to_json()) + "\n")
+        dropped_now, self._unreported_drops = self._unreported_drops, 0
         if self.mode == "raise" and (new or dropped_now):
             raise KvCanaryViolationError(new, dropped_now)
-        for v in new:
-            warnings.warn(KvCanaryViolationWarning(v.describe()), stacklevel=2)
-        if dropped_now:
-            warnings.warn(KvCanaryViolationWarning(f"{dropped_now} violation(s) dropped past the ring capacity"))
         return new
 
     def clear(self) -> None:
+        """Forget everything (the ring is cleared too)."""
+        if self._pending is not None and self._pending.done is not None:
+            self._pending.done.synchronize()
+        self._pending = None
         self.ring.clear()
         self.violations.clear()
         self._keys.clear()
-        self.total = self.repeats = self.dropped = 0
+        self.total = self.repeats = self.dropped = self._consumed = self._unreported_drops = 0
 
 
 def read_jsonl(path: Path) -> list[Violation]:
+    """The violations an engine's log appended to `path` (empty when the file does not exist)."""
     if not path.exists():
         return []
     return [Violation.from_json(json.loads(line)) for line in path.read_text().splitlines() if line]
-
-

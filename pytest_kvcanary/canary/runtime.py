@@ -1,54 +1,65 @@
-"""CanaryRuntime: the engine-agnostic canary. An engine calls before_forward / after_forward."""
+"""CanaryRuntime: the engine-agnostic canary. An engine calls it around each forward (see host.py
+for the call order); everything it does per forward is device work on buffers sized at attach."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
-from kvcanary_kernels import (
-    RealDataMode,
-    ViolationRing,
-    stamp_records,
-    stamp_records_ref,
-    verify_records,
-    verify_records_ref,
-)
-from kvcanary_kernels.records import Half, Phase, launch_tag
+import kvcanary_kernels as K
+from kvcanary_kernels.records import GroupKind, Half, Phase, launch_tag
 
 from ..config import CanaryConfig
 from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .host import CanaryHost, ForwardView
 from .log import ViolationLog
-from .plans import sweep_entries, verify_entries, write_entries
+from .plans import sweep_entries
+from .violation import Violation
 
 
 class ForwardObserver(Protocol):
-    """Something that acts at the canary's two points of a forward (the fault injector)."""
+    """Something that acts at the canary's two points of an eager forward (the fault injector).
+    Observers may synchronise with the device; they are not called while a CUDA graph is being
+    captured."""
 
     def before_forward(self, view: ForwardView) -> None:
         """Before HEAD verifies the slots this forward reads."""
 
     def after_stamp(self, view: ForwardView) -> None:
-        """After TAIL stamped the slots this forward wrote, before the sweep and the log pump."""
+        """After TAIL stamped the slots this forward wrote."""
 
 
-# The Triton kernels (compiled on a GPU, interpreted on a CPU) or their pure-torch references,
-# which compute bit-identical records and rows; tests that sweep many seeds on a CPU use the latter.
-KERNEL_BACKENDS = {"triton": (stamp_records, verify_records), "torch": (stamp_records_ref, verify_records_ref)}
+class KernelSet:
+    """The launch functions: Triton kernels (compiled on a GPU, interpreted on a CPU) or their
+    pure-torch references, which compute bit-identical records and rows (tests that sweep many
+    seeds on a CPU use the latter)."""
+
+    def __init__(self, name: str) -> None:
+        suffix = {"triton": "", "torch": "_ref"}.get(name)
+        if suffix is None:
+            raise ValueError(f"kernels must be one of triton, torch; got {name!r}")
+        self.verify_view: Callable = getattr(K, "verify_view" + suffix)
+        self.stamp_view: Callable = getattr(K, "stamp_view" + suffix)
+        self.verify_records: Callable = getattr(K, "verify_records" + suffix)
+        self.source_hash_rows: Callable = getattr(K, "source_hash_rows" + suffix)
+
+
+def _view_args(view: ForwardView) -> K.ViewArgs:
+    return K.ViewArgs(view.rows, view.prefix_lens, view.extend_lens, view.input_ids, view.positions,
+                      view.token_table, view.context_keys)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class CanaryRuntime:
-    """Guards one engine's KV pools.
-
-    Call order per forward: before_forward(view) once the batch's slots are allocated and mapped
-    (HEAD: verify every prefix slot the forward will read), the forward, after_forward(view) (TAIL:
-    stamp the written slots; every sweep_interval forwards SWEEP the radix cache; pump the log).
-    In raise mode after_forward raises KvCanaryViolationError when new violations appeared.
-    Observers run before HEAD and after TAIL, in the order added.
-    """
+    """Guards one engine's KV pools. Observers run before HEAD and after TAIL, in the order added.
+    In raise mode, end_forward (every drain_interval forwards) and drain() raise
+    KvCanaryViolationError when new violations appeared."""
 
     def __init__(
         self,
@@ -60,65 +71,111 @@ class CanaryRuntime:
         jsonl_path: Path | None = None,
         kernels: str = "triton",
     ) -> None:
-        if kernels not in KERNEL_BACKENDS:
-            raise ValueError(f"kernels must be one of {', '.join(KERNEL_BACKENDS)}; got {kernels!r}")
-        self._stamp_fn, self._verify_fn = KERNEL_BACKENDS[kernels]
+        self.kernels = KernelSet(kernels)
         self.config = config
         self.host = host
         self.side = side
         pools = list(host.canary_groups())
+        self.capacities = host.canary_capacities()
         self.device = torch.device(device) if device is not None else pools[0].k_layers[0].device
-        mode = RealDataMode.parse(config.real_data)
-        self.groups = [GroupState.create(pool, mode, self.device) for pool in pools]
-        self.ring = ViolationRing(config.ring_capacity, self.device)
+        mode = K.RealDataMode.parse(config.real_data)
+        self.groups = [GroupState.create(pool, mode, self.device, self.capacities) for pool in pools]
+        for group in self.groups:
+            group.seal_reserved_slot()
+        self.ring = K.ViolationRing(config.ring_capacity, self.device)
         self.log = ViolationLog(self.ring, side, config.mode, jsonl_path)
-        self.launches = LaunchCounter()
+        phases = [Phase.HEAD, Phase.TAIL] + ([Phase.RECHECK] if config.recheck else [])
+        self.launches = LaunchCounter(self._tags(phases))
         self.forwards = 0
         self.sweeps = 0
         self.observers: list[ForwardObserver] = []
 
+    def _tags(self, phases: list[Phase], groups: list[GroupState] | None = None) -> list[int]:
+        return [launch_tag(phase, half, g.pool.kind)
+                for g in (self.groups if groups is None else groups) for half in g.halves for phase in phases]
+
+    def group(self, kind: GroupKind) -> GroupState:
+        return next(g for g in self.groups if g.pool.kind is kind)
+
+    # ForwardHooks ---------------------------------------------------------------------------
+
     def before_forward(self, view: ForwardView) -> None:
-        for observer in self.observers:
-            observer.before_forward(view)
-        req_to_token = self.host.req_to_token()
-        for group in self.groups:
-            entries = verify_entries(view, req_to_token, group)
-            self._verify(group, entries, Phase.HEAD)
+        if self.observers and not _capturing():
+            for observer in self.observers:
+                observer.before_forward(view)
+        self._verify_view(view, Phase.HEAD)
+
+    def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        group = self.group(kind)
+        for half, rows in ((Half.K, k), (Half.V, v)):
+            state = group.halves.get(half)
+            if state is None or rows is None or layer not in state.source_layers:
+                continue
+            i = state.source_layers.index(layer)
+            out = state.stored_hashes[i]
+            out.zero_()
+            self.kernels.source_hash_rows(rows, state.sources[i].read_bytes, out[:rows.shape[0]])
+            state.stored.add(i)
 
     def after_forward(self, view: ForwardView) -> None:
-        req_to_token = self.host.req_to_token()
+        if self.config.recheck:
+            self._verify_view(view, Phase.RECHECK)
+        args = _view_args(view)
         for group in self.groups:
-            entries = write_entries(view, req_to_token, group)
-            for half in Half:
-                tag = launch_tag(Phase.TAIL, half, group.pool.kind)
-                self._stamp_fn(group.records[half], entries, group.sources[half], self.ring, tag,
-                              check_tokens=self.config.check_tokens,
-                              check_write_inputs=self.config.check_write_inputs)
-                self.launches.record(tag)
-        for observer in self.observers:
-            observer.after_stamp(view)
+            for half, state in group.halves.items():
+                self.kernels.stamp_view(
+                    state.records, state.sources, group.mapping, args, self.ring,
+                    launch_tag(Phase.TAIL, half, group.pool.kind),
+                    check_tokens=self.config.check_tokens, check_write_inputs=self.config.check_write_inputs,
+                    written_hashes=state.written_fingerprints(),
+                )
+        if self.observers and not _capturing():
+            for observer in self.observers:
+                observer.after_stamp(view)
+        self.ring.advance_step()
+
+    def end_forward(self) -> None:
         self.forwards += 1
+        self.launches.forward()
         if self.config.sweep_interval and self.forwards % self.config.sweep_interval == 0:
             self.sweep()
-        self.ring.advance_step()
-        self.log.pump()
+        if self.forwards % self.config.drain_interval == 0:
+            self.log.poll()
+
+    def _verify_view(self, view: ForwardView, phase: Phase) -> None:
+        args = _view_args(view)
+        for group in self.groups:
+            for half, state in group.halves.items():
+                self.kernels.verify_view(
+                    state.records, state.sources, group.mapping, args, self.ring,
+                    launch_tag(phase, half, group.pool.kind),
+                    window=group.window, max_context=self.capacities.max_context,
+                    check_tokens=self.config.check_tokens, sentinel=True,
+                )
+
+    # Between forwards -------------------------------------------------------------------------
 
     def sweep(self, *, unlocked_only: bool = False) -> bool:
-        """Verify every slot the host's radix cache holds. False when the host has no radix cache."""
-        walk = self.host.radix_walk()
+        """Verify every slot the host's prefix cache holds, in each group the walk reaches (FULL
+        and groups mapped through full_to_group). False when the host has no prefix cache."""
+        walk = self.host.cache_walk()
         if walk is None:
             return False
-        for group in self.groups:
-            self._verify(group, sweep_entries(walk, group, unlocked_only=unlocked_only), Phase.SWEEP)
+        groups = [g for g in self.groups if g.swept_by_walk()]
+        for group in groups:
+            entries = sweep_entries(walk, group, unlocked_only=unlocked_only)
+            for half, state in group.halves.items():
+                self.kernels.verify_records(state.records, entries, state.sources, self.ring,
+                                            launch_tag(Phase.SWEEP, half, group.pool.kind),
+                                            check_tokens=self.config.check_tokens)
+        self.launches.sweep(self._tags([Phase.SWEEP], groups))
         self.sweeps += 1
         return True
 
-    def _verify(self, group: GroupState, entries, phase: Phase) -> None:
-        for half in Half:
-            tag = launch_tag(phase, half, group.pool.kind)
-            self._verify_fn(group.records[half], entries, group.sources[half], self.ring, tag,
-                           check_tokens=self.config.check_tokens)
-            self.launches.record(tag)
+    def drain(self) -> list[Violation]:
+        """Move every row the device logged so far into `log` (synchronous); returns the new
+        violations. Raise mode raises when there are any."""
+        return self.log.drain()
 
     def export_records(self, full_slots: torch.Tensor) -> list[dict[Half, torch.Tensor]]:
         """The records of these FULL slots, per group (FULL first) and half: ``[n, RECORD_WIDTH]``
@@ -128,7 +185,7 @@ class CanaryRuntime:
         for group in self.groups:
             slots = group.to_group_slots(full_slots.to(group.device))
             resident = (slots != 0)[:, None]
-            out.append({half: torch.where(resident, rec[slots], 0) for half, rec in group.records.items()})
+            out.append({half: torch.where(resident, s.records[slots], 0) for half, s in group.halves.items()})
         return out
 
     def import_records(self, full_slots: torch.Tensor, records: list[dict[Half, torch.Tensor]]) -> None:
@@ -137,11 +194,11 @@ class CanaryRuntime:
         for group, halves in zip(self.groups, records, strict=True):
             slots = group.to_group_slots(full_slots.to(group.device))
             keep = slots != 0
-            for half, rec in group.records.items():
-                rec[slots[keep]] = halves[half].to(group.device)[keep]
+            for half, state in group.halves.items():
+                state.records[slots[keep]] = halves[half].to(group.device)[keep]
 
     def health_problems(self) -> list[str]:
-        return self.launches.problems(self.ring, self.forwards)
+        return self.launches.problems(self.ring)
 
     def check_health(self) -> None:
         problems = self.health_problems()
@@ -149,7 +206,8 @@ class CanaryRuntime:
             raise KvCanaryHealthError(f"kv-canary on {self.side}: " + "; ".join(problems))
 
     def stats(self) -> CanaryStats:
-        stamped = [launch_tag(Phase.TAIL, Half.K, g.pool.kind) for g in self.groups]
+        self.drain()
+        stamped = [launch_tag(Phase.TAIL, next(iter(g.halves)), g.pool.kind) for g in self.groups]
         protected = int(self.ring.slot_runs[stamped].sum().item())
         problems = self.health_problems()
         return CanaryStats(

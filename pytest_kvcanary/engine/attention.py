@@ -11,9 +11,14 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from kvcanary_kernels.records import GroupKind
+
 from .kv_pool import KVPools
 
 KVAccess = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "int | None"], torch.Tensor]
+# Told, at each layer's KV-store point, the pool group, the layer's index in it and the K and V rows
+# just computed for the batch's tokens (a canary's write-through).
+KVStoreListener = Callable[[GroupKind, int, torch.Tensor, torch.Tensor], None]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -50,16 +55,19 @@ class PagedKV:
 
     def __init__(self, pools: KVPools, req_to_token: torch.Tensor, rows: Sequence[int],
                  prefix_lens: Sequence[int], extend_lens: Sequence[int], positions: torch.Tensor,
-                 out_cache_loc: torch.Tensor) -> None:
+                 out_cache_loc: torch.Tensor, on_store: KVStoreListener | None = None) -> None:
         self.pools, self.table = pools, req_to_token
         self.seqs = list(zip(rows, prefix_lens, extend_lens))
         self.positions, self.out_cache_loc = positions, out_cache_loc
+        self.on_store = on_store
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: int | None) -> torch.Tensor:
         buf = self.pools.layer(layer)
         loc = self.out_cache_loc if buf.slot_map is None else buf.slot_map[self.out_cache_loc]
         buf.k[loc], buf.v[loc] = k, v
+        if self.on_store is not None:
+            self.on_store(buf.group, buf.index, k, v)
         outs, t = [], 0
         for row, prefix, extend in self.seqs:
             start, end = (0 if window is None else max(0, prefix - window)), prefix + extend

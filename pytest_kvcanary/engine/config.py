@@ -76,13 +76,18 @@ class ModelConfig:
         return self.window if self.layer_groups[layer] is GroupKind.SWA else None
 
 
+DECODE_MODES = ("eager", "padded", "graph")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """num_slots / swa_num_slots: rows of the FULL / SWA pools, slot 0 included (reserved);
     swa_num_slots is used by swa models only. max_running: requests holding a req_to_token row at
     once. max_batch_tokens: prefill tokens per forward (>= max_context, so any request fits).
     checkpoint: a directory with config.json + model.safetensors whose weights replace the random
-    ones (`weights.read_config` builds a matching `model`)."""
+    ones (`weights.read_config` builds a matching `model`). decode_mode: "eager" (one attention per
+    request), "padded" (decode batches padded to fixed sizes, as a graph replays them) or "graph"
+    (those padded steps captured in CUDA graphs and replayed; CUDA only)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     num_slots: int = 1024
@@ -91,6 +96,7 @@ class EngineConfig:
     max_batch_tokens: int = 512
     device: str = "cpu"
     checkpoint: str | None = None
+    decode_mode: str = "eager"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -103,6 +109,10 @@ class EngineConfig:
         if self.max_batch_tokens < self.model.max_context:
             raise ValueError(f"max_batch_tokens must be >= model.max_context ({self.model.max_context}); "
                              f"got {self.max_batch_tokens}")
+        if self.decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {', '.join(DECODE_MODES)}; got {self.decode_mode!r}")
+        if self.decode_mode == "graph" and torch.device(self.device).type != "cuda":
+            raise ValueError(f"decode_mode='graph' needs a CUDA device; got device={self.device!r}")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError):

@@ -3,8 +3,10 @@
     step -> Scheduler.schedule -> hooks.before_forward -> model (PagedKV) -> hooks.after_forward
          -> greedy sample -> Scheduler.process
 
-It is a `CanaryHost`: the canary runtime attaches through `canary_groups` / `req_to_token` /
-`radix_walk` and is called around every forward through `set_forward_hooks`.
+It is a `CanaryHost`: the canary runtime attaches through `canary_groups` / `canary_capacities` /
+`cache_walk` and is called around every forward through `set_forward_hooks`, in the seam's order
+(before_forward, the forward with kv_stored at each layer's KV-store point, after_forward,
+end_forward).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from typing import Sequence
 import torch
 
 from kvcanary_kernels.records import GroupKind
-from pytest_kvcanary.canary.host import ForwardHooks, ForwardView, PoolGroup, RadixWalk
+from pytest_kvcanary.canary.host import (
+    CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping,
+)
 
 from .attention import PagedKV
 from .config import EngineConfig
-from .kv_pool import FreeListener, KVPools, ReqToTokenPool
+from .decode_graphs import DecodeGraphs
+from .kv_pool import KVPools, ReqToTokenPool
 from .model import CausalLM
 from .radix_cache import RadixCache
 from .request import Request
@@ -31,7 +36,8 @@ class Engine:
     """Attributes for tools that reach inside: ``model``, ``pools`` (FULL ``pools.full`` and SWA
     ``pools.swa`` KV pools, ``pools.swa.full_to_swa``), ``req_to_token_pool`` (``.table``),
     ``radix_cache``, ``scheduler`` (``running`` / ``waiting`` requests; each running request has
-    ``row``, ``kv_len``, ``prefix_len``, ``token_ids``), ``forward_count``."""
+    ``row``, ``kv_len``, ``prefix_len``, ``token_ids``), ``forward_count``, ``token_table``
+    (``[rows, max_context]``: the token at each position of each row's request, -1 past it)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -46,9 +52,15 @@ class Engine:
         window = config.model.window if self.pools.swa is not None else None
         self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window)
         self.scheduler = Scheduler(config, self.pools, self.req_to_token_pool, self.radix_cache)
+        self.token_table = torch.full_like(self.req_to_token_pool.table, -1)
         self.forward_count = 0
         self._hooks: ForwardHooks | None = None
         self._next_rid = 0
+        self._steps = 0  # forwards since the last reset: the step a canary's violations name
+        self._row_owners: dict[int, list[tuple[int, Request]]] = {}  # row -> (first step, request)
+        self._decode = None if config.decode_mode == "eager" else DecodeGraphs(
+            self.model, self.pools, self.req_to_token_pool.table, self.token_table, config.max_running,
+            self.device, use_graphs=config.decode_mode == "graph")
 
     @property
     def running(self) -> list[Request]:
@@ -56,6 +68,8 @@ class Engine:
 
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
         self._hooks = hooks
+        if self._decode is not None:
+            self._decode.invalidate()
 
     def submit(self, prompt: str | Sequence[int], max_new_tokens: int) -> Request:
         """Queue a request; raises ValueError for an empty or too long prompt, a bad token id or
@@ -110,24 +124,40 @@ class Engine:
         self.radix_cache.reset()
         self.pools.restart()
         self.req_to_token_pool.restart()
+        self.token_table.fill_(-1)
+        self._steps = 0
+        self._row_owners.clear()
+
+    def request_at(self, row: int, step: int) -> tuple[int, str] | None:
+        """The request (id, prompt text) that held mapping row `row` at forward `step` since the
+        last reset; None when none did."""
+        owner = None
+        for first, req in self._row_owners.get(row, []):
+            if first > step:
+                break
+            owner = req
+        return None if owner is None else (owner.rid, self.tokenizer.decode(owner.prompt_ids))
 
     # CanaryHost
     def canary_groups(self) -> Sequence[PoolGroup]:
-        full, swa = self.pools.full, self.pools.swa
-        groups = [PoolGroup(GroupKind.FULL, full.k_layers, full.v_layers, full.num_slots)]
+        full, swa, table = self.pools.full, self.pools.swa, self.req_to_token_pool.table
+        groups = [PoolGroup(GroupKind.FULL, full.k_layers, full.v_layers, full.num_slots, SlotMapping(table))]
         if swa is not None:
             groups.append(PoolGroup(GroupKind.SWA, swa.k_layers, swa.v_layers, swa.num_slots,
-                                    window=self.config.model.window, full_to_group=swa.full_to_swa))
+                                    SlotMapping(table, full_to_group=swa.full_to_swa),
+                                    window=self.config.model.window))
         return groups
+
+    def canary_capacities(self) -> Capacities:
+        c = self.config
+        return Capacities(max_batch=c.max_running, max_tokens=max(c.max_batch_tokens, c.max_running),
+                          max_context=c.model.max_context)
 
     def add_free_listener(self, listener: FreeListener) -> None:
         """listener(group, FULL slots, cause) hears of every free (optional CanaryHost extra)."""
         self.pools.free_listeners.append(listener)
 
-    def req_to_token(self) -> torch.Tensor:
-        return self.req_to_token_pool.table
-
-    def radix_walk(self) -> RadixWalk:
+    def cache_walk(self) -> CacheWalk:
         return self.radix_cache.walk()
 
     def _run(self, batch: Batch | None) -> list[Request]:
@@ -148,27 +178,54 @@ class Engine:
     def _forward(self, batch: Batch) -> list[int]:
         """The model forward over the batch (hooks around it); greedy next token per request."""
         hooks = self._hooks
-        view = self._view(batch) if hooks is not None else None
+        self._note_rows(batch)
+        if not batch.is_prefill and self._decode is not None:
+            tokens = self._decode.run(hooks, [r.row for r in batch.reqs], batch.prefix_lens,
+                                      batch.input_ids.tolist(), [r.context_key for r in batch.reqs])
+            self._forwarded(hooks)
+            return tokens
+        view = self._view(batch)
         if hooks is not None:
             hooks.before_forward(view)
-        positions = batch.positions.to(self.device)
         kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
-                     batch.extend_lens, positions, batch.out_cache_loc.to(self.device))
-        hidden = self.model(batch.input_ids.to(self.device), positions, kv)
-        self.forward_count += 1
+                     batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device),
+                     on_store=None if hooks is None else hooks.kv_stored)
+        hidden = self.model(view.input_ids, view.positions, kv)
         if hooks is not None:
             hooks.after_forward(view)
+        self._forwarded(hooks)
         last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[last]).argmax(-1).tolist()
 
+    def _forwarded(self, hooks: ForwardHooks | None) -> None:
+        self.forward_count += 1
+        self._steps += 1
+        if hooks is not None:
+            hooks.end_forward()
+
+    def _note_rows(self, batch: Batch) -> None:
+        """Who holds each row from this forward on (request_at), and each row's tokens in
+        token_table: the prefix and what this forward writes, -1 past it."""
+        for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            owners = self._row_owners.setdefault(req.row, [])
+            if not owners or owners[-1][1] is not req:
+                owners.append((self._steps, req))
+            end = prefix + extend
+            self.token_table[req.row, :end] = torch.tensor(req.token_ids[:end], dtype=torch.int64)
+            self.token_table[req.row, end:] = -1
+
     def _view(self, batch: Batch) -> ForwardView:
+        """The batch on the engine's device."""
+
+        def on_device(values: list[int] | torch.Tensor) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.int64).to(self.device)
+
         return ForwardView(
-            rows=torch.tensor([r.row for r in batch.reqs], dtype=torch.int64),
-            prefix_lens=torch.tensor(batch.prefix_lens, dtype=torch.int64),
-            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int64),
-            input_ids=batch.input_ids,
-            positions=batch.positions,
-            out_cache_loc=batch.out_cache_loc,
-            prefix_token_ids=[torch.tensor(r.token_ids[:p], dtype=torch.int64)
-                              for r, p in zip(batch.reqs, batch.prefix_lens)],
+            rows=on_device([r.row for r in batch.reqs]),
+            prefix_lens=on_device(batch.prefix_lens),
+            extend_lens=on_device(batch.extend_lens),
+            input_ids=on_device(batch.input_ids),
+            positions=on_device(batch.positions),
+            token_table=self.token_table,
+            context_keys=on_device([r.context_key for r in batch.reqs]),
         )

@@ -8,11 +8,12 @@ the req_to_token table live on the engine's device.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from kvcanary_kernels.records import GroupKind
+from pytest_kvcanary.canary.host import FreeListener
 
 from .config import EngineConfig
 
@@ -56,11 +57,6 @@ class KVPool:
         self.free_slots = torch.cat([self.free_slots, slots])
 
 
-# Called with (group, FULL slots, cause) whenever slots of that group stop holding their data,
-# before they are released (an SWA slot is still mapped from its FULL slot).
-FreeListener = Callable[[GroupKind, torch.Tensor, str], None]
-
-
 class SWAPool(KVPool):
     """The windowed layers' pool. ``full_to_swa[full_slot]`` is the SWA slot holding that token's
     windowed-layer K/V, 0 when it has none (never mapped, or slid out of every window)."""
@@ -99,11 +95,14 @@ class SWAPool(KVPool):
 
 class LayerKV(NamedTuple):
     """Where one layer's K/V live: buffers indexed by the pool's slots, and for a windowed layer
-    the map from FULL-pool slots to them (None: FULL slots index the buffers directly)."""
+    the map from FULL-pool slots to them (None: FULL slots index the buffers directly); the pool
+    group and the layer's index among that group's layers."""
 
     k: torch.Tensor
     v: torch.Tensor
     slot_map: torch.Tensor | None
+    group: GroupKind
+    index: int
 
 
 class KVPools:
@@ -120,10 +119,11 @@ class KVPools:
         self.full = KVPool(config.num_slots, len(full_layers), m.num_kv_heads, m.head_dim, m.dtype, device)
         self.swa = (SWAPool(config.swa_num_slots, config.num_slots, len(swa_layers), m.num_kv_heads,
                             m.head_dim, m.dtype, device, self.free_listeners) if swa_layers else None)
-        self._layers = {i: LayerKV(self.full.k_layers[j], self.full.v_layers[j], None)
+        self._layers = {i: LayerKV(self.full.k_layers[j], self.full.v_layers[j], None, GroupKind.FULL, j)
                         for j, i in enumerate(full_layers)}
         if self.swa is not None:
-            self._layers |= {i: LayerKV(self.swa.k_layers[j], self.swa.v_layers[j], self.swa.full_to_swa)
+            self._layers |= {i: LayerKV(self.swa.k_layers[j], self.swa.v_layers[j], self.swa.full_to_swa,
+                                        GroupKind.SWA, j)
                              for j, i in enumerate(swa_layers)}
 
     def layer(self, i: int) -> LayerKV:

@@ -15,7 +15,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
-from pytest_kvcanary.canary.host import RadixWalk
+from pytest_kvcanary.canary.host import CacheWalk
 
 from .kv_pool import KVPools, ReqToTokenPool
 from .request import Request
@@ -177,7 +177,7 @@ class RadixCache:
         self.num_swa_evicted += freed
         return freed
 
-    def walk(self) -> RadixWalk:
+    def walk(self) -> CacheWalk:
         """Every slot the tree holds with its position, previous slot on its path (PREV_CHAIN_HEAD
         at position 0), token and whether a request holds it locked."""
         parts: list[tuple[torch.Tensor, ...]] = []
@@ -190,8 +190,8 @@ class RadixCache:
             stack.extend((c, start + n, int(node.value[-1])) for c in node.children.values())
         if not parts:
             empty = torch.empty(0, dtype=torch.int64)
-            return RadixWalk(empty, empty, empty, empty, torch.empty(0, dtype=torch.bool))
-        return RadixWalk(*(torch.cat(col) for col in zip(*parts)))
+            return CacheWalk(empty, empty, empty, empty, torch.empty(0, dtype=torch.bool))
+        return CacheWalk(*(torch.cat(col) for col in zip(*parts)))
 
     def reset(self) -> None:
         """Free every cached slot. No request may hold a lock."""

@@ -14,11 +14,13 @@ class Request:
     """While running, the request's KV is ``req_to_token[row, :kv_len]``. The first prefix_len of
     those slots belong to the radix cache and are locked through last_node; the rest are the
     request's own. Own positions below swa_from have had their SWA slots freed (slid out of the
-    window). Waiting requests hold nothing (row -1)."""
+    window). Waiting requests hold nothing (row -1). context_key: the context the tokens are read
+    in (a cache salt or adapter id; 0 = none): KV is shared only between equal contexts."""
 
     rid: int
     prompt_ids: list[int]
     max_new_tokens: int
+    context_key: int = 0
     output_ids: list[int] = field(default_factory=list)
     row: int = -1
     kv_len: int = 0

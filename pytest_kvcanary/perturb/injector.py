@@ -36,17 +36,16 @@ class FaultInjector:
         self.ledger = ledger
         self.specs: tuple[PerturbSpec, ...] = ()
         self._rng = random.Random(0)
-        self._restore: list[tuple[int, int, int]] = []  # (row, position, FULL slot) to put back
+        self._restore: list[tuple[torch.Tensor, int, int, int]] = []  # (table, row, column, entry) to put back
         add_listener = getattr(host, "add_free_listener", None)
         self._hears_frees = add_listener is not None
         if self._hears_frees:
             add_listener(self._on_free)
 
-    def _on_free(self, kind: GroupKind, full_slots: torch.Tensor, cause: str) -> None:
-        """Called before the engine drops the slots (an SWA slot is still mapped): a FULL slot
-        whose SWA slot moved to another owner frees nothing of the SWA group."""
-        group = next(g for g in self.runtime.groups if g.pool.kind is kind)
-        self._escape(group, full_slots, cause)
+    def _on_free(self, kind: GroupKind, slots: torch.Tensor, cause: str) -> None:
+        """Called before the engine drops the slots (in the group's mapping space: an SWA slot is
+        still mapped from its FULL slot, so one whose SWA slot moved frees nothing there)."""
+        self._escape(self.runtime.group(kind), slots, cause)
 
     def _escape(self, group: GroupState, full_slots: torch.Tensor, cause: str) -> None:
         slots = group.to_group_slots(full_slots.to(group.device, torch.int64))
@@ -58,7 +57,7 @@ class FaultInjector:
         kinds = [g.pool.kind for g in self.runtime.groups]
         for spec in specs:
             self._group_for(spec, kinds)
-            if spec.mode != "req_to_token" and not any(g.sources[Half.K] for g in self.runtime.groups):
+            if spec.mode != "req_to_token" and not any(g.has_sources() for g in self.runtime.groups):
                 raise PerturbError(f"kv_perturb({spec.mode!r}) flips real KV bytes, which the canary only "
                                    "fingerprints with real_data partial or all; got real_data='none'")
         self.specs = tuple(s for s in specs if s.side in (None, self.side))
@@ -80,8 +79,7 @@ class FaultInjector:
         return kind
 
     def _group(self, spec: PerturbSpec) -> GroupState:
-        kind = self._group_for(spec, [g.pool.kind for g in self.runtime.groups])
-        return next(g for g in self.runtime.groups if g.pool.kind is kind)
+        return self.runtime.group(self._group_for(spec, [g.pool.kind for g in self.runtime.groups]))
 
     def _due(self, spec: PerturbSpec, modes: tuple[str, ...]) -> bool:
         return (spec.mode in modes and self.runtime.forwards >= spec.warmup_steps
@@ -95,25 +93,25 @@ class FaultInjector:
             if spec.mode == "real_kv_unused_cache":
                 self._flip(spec, group, cached_only_targets(self.host, group), byte=None)
             elif spec.mode == "real_kv_used":
-                self._flip(spec, group, read_targets(view, self.host, group), byte=0)
+                self._flip(spec, group, read_targets(view, group), byte=0)
             else:
                 self._remap(spec, group, view)
 
     def after_stamp(self, view: ForwardView) -> None:
-        table = self.host.req_to_token()
         # Newest first: where two specs remapped one entry, the first saved the original.
-        for row, position, slot in reversed(self._restore):
-            table[row, position] = slot
+        for table, row, column, entry in reversed(self._restore):
+            table[row, column] = entry
         self._restore.clear()
         if not self._hears_frees:
             # A rewritten slot's damage is gone unread; engines that report frees said so already
             # (a slot is freed before it can be written again).
             for group in self.runtime.groups:
-                self._escape(group, view.out_cache_loc, "slot overwritten before any read")
+                written = torch.tensor([t.full_slot for t in written_targets(view, group)], dtype=torch.int64)
+                self._escape(group, written, "slot overwritten before any read")
         for spec in self.specs:
             if self._due(spec, ("real_kv_post_forward",)):
                 group = self._group(spec)
-                self._flip(spec, group, written_targets(view, self.host, group), byte=None)
+                self._flip(spec, group, written_targets(view, group), byte=None)
 
     def _flip(self, spec: PerturbSpec, group: GroupState, targets: list[Target], byte: int | None) -> None:
         """Flip one bit of one byte of a target slot in a layer the fingerprint reads. Slots that
@@ -124,8 +122,8 @@ class FaultInjector:
         if not targets:
             return
         t = self._rng.choice(targets)
-        half = self._rng.choice([h for h in Half if group.sources[h]])
-        source = self._rng.choice(group.sources[half])
+        half = self._rng.choice([h for h, state in group.halves.items() if state.sources])
+        source = self._rng.choice(group.halves[half].sources)
         offset = self._rng.randrange(source.read_bytes) if byte is None else byte
         page, within = divmod(t.slot, source.page_size)
         data = source.words().view(torch.uint8)
@@ -133,24 +131,38 @@ class FaultInjector:
         self._record(spec, group, t, offset, half.name)
 
     def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:
-        """Point one mapping entry HEAD reads at another live slot; restored after the forward. The
-        log reports each distinct row once, so a remap an earlier one already made is passed over."""
-        targets = read_targets(view, self.host, group)
-        writing = set(view.out_cache_loc.tolist())
+        """Point one mapping entry HEAD reads at another live entry (a slot of a per-token table,
+        a block of a block table); restored after the forward. The fault is recorded at the first
+        position the entry maps that this forward reads. The log reports each distinct row once,
+        so a remap an earlier one already made is passed over."""
+        targets = read_targets(view, group)
+        m = group.mapping
+        page = m.page_size
+
+        def column(position: int) -> int:
+            return (position % m.ring if m.ring else position) // page
+
+        # An entry this forward also writes through stays: the forward would write to the wrong place.
+        writing = {w.full_slot // page for w in written_targets(view, group)}
+        targets = [o for o in targets if o.full_slot // page not in writing]
         if not targets:
             return
         t = self._rng.choice(targets)
-        made = {i.full_slot for i in self.ledger.injections
-                if (i.mode, i.side, i.row, i.position) == ("req_to_token", self.side, t.row, t.position)}
-        others = sorted({o.full_slot for o in targets} - {t.full_slot} - writing - made)
+        col = column(t.position)
+        first = min(o.position for o in targets if o.row == t.row and column(o.position) == col)
+        entry = t.full_slot // page
+        made = {i.full_slot // page for i in self.ledger.injections
+                if (i.mode, i.side, i.row, i.position) == ("req_to_token", self.side, t.row, first)}
+        others = sorted({o.full_slot // page for o in targets} - {entry} - writing - made)
         if not others:
             return
         wrong = self._rng.choice(others)
-        table = self.host.req_to_token()
-        self._restore.append((t.row, t.position, t.full_slot))
-        table[t.row, t.position] = wrong
-        slot = int(group.to_group_slots(torch.tensor([wrong], device=group.device))[0])
-        self._record(spec, group, Target(slot, wrong, t.position, t.row), -1, None)
+        self._restore.append((m.table, t.row, col, int(m.table[t.row, col])))
+        m.table[t.row, col] = wrong
+        lp = first % m.ring if m.ring else first
+        space = torch.tensor([wrong * page + lp % page], dtype=torch.int64)
+        slot = int(group.to_group_slots(space)[0])
+        self._record(spec, group, Target(slot, int(space[0]), first, t.row), -1, None)
 
     def _record(self, spec: PerturbSpec, group: GroupState, t: Target, byte: int, half: str | None) -> None:
         self.ledger.record(Injection(

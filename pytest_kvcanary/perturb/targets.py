@@ -1,6 +1,7 @@
-"""Where faults may land: the slots a forward reads, writes, or only the radix cache holds.
+"""Where faults may land: the slots a forward reads, writes, or only the prefix cache holds.
 
-Each is a list of (group slot, FULL slot, position, row) candidates; slot 0 never appears.
+Each is a list of (group slot, mapping-space slot, position, row) candidates, computed through the
+seam only (the view, the group's mapping, the cache walk); slot 0 never appears.
 """
 
 from __future__ import annotations
@@ -11,42 +12,51 @@ import torch
 
 from ..canary.groups import GroupState
 from ..canary.host import CanaryHost, ForwardView
-from ..canary.plans import sweep_entries, verify_entries, write_entries
+from ..canary.plans import sweep_entries
 
 
 class Target(NamedTuple):
     slot: int  # in the group's pool
-    full_slot: int
+    full_slot: int  # in the mapping's space (the FULL slot for a group mapped through full_to_group)
     position: int
     row: int
 
 
-def _targets(slots: torch.Tensor, full: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> list[Target]:
-    keep = slots != 0
-    cols = [t[keep].tolist() for t in (slots, full, positions, rows)]
+def _positions(view: ForwardView, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, position) pairs for positions [starts[b], starts[b] + lengths[b]) of each batch row."""
+    lengths = lengths.clamp(min=0).cpu()
+    batch = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    offsets = torch.arange(batch.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    return view.rows.cpu()[batch], starts.cpu()[batch] + offsets
+
+
+def _targets(group: GroupState, rows: torch.Tensor, positions: torch.Tensor) -> list[Target]:
+    space, slots = group.mapped_slots(rows, positions)
+    keep = (slots != 0).cpu()
+    cols = [t.cpu()[keep].tolist() for t in (slots, space, positions, rows)]
     return [Target(*c) for c in zip(*cols)]
 
 
-def read_targets(view: ForwardView, host: CanaryHost, group: GroupState) -> list[Target]:
+def read_targets(view: ForwardView, group: GroupState) -> list[Target]:
     """Slots this forward's HEAD verifies (and the forward reads) in this group."""
-    table = host.req_to_token()
-    e = verify_entries(view, table, group)
-    full = table[e.rows.to(table.device), e.positions.to(table.device)].to(e.slots.device, torch.int64)
-    return _targets(e.slots, full, e.positions, e.rows)
+    prefix = view.prefix_lens.cpu()
+    starts = (prefix - group.window).clamp(min=0) if group.window else torch.zeros_like(prefix)
+    return _targets(group, *_positions(view, starts, prefix - starts))
 
 
-def written_targets(view: ForwardView, host: CanaryHost, group: GroupState) -> list[Target]:
+def written_targets(view: ForwardView, group: GroupState) -> list[Target]:
     """Slots this forward wrote (and TAIL just stamped) in this group."""
-    e = write_entries(view, host.req_to_token(), group)
-    full = view.out_cache_loc.to(e.slots.device, torch.int64)
-    return _targets(e.slots, full, e.positions, e.rows)
+    return _targets(group, *_positions(view, view.prefix_lens.cpu(), view.extend_lens.cpu()))
 
 
 def cached_only_targets(host: CanaryHost, group: GroupState) -> list[Target]:
-    """Slots held by the radix cache and by no live request (only a sweep reads them)."""
-    walk = host.radix_walk()
-    if walk is None:
+    """Slots held by the prefix cache and by no live request (only a sweep reads them)."""
+    walk = host.cache_walk()
+    if walk is None or not group.swept_by_walk():
         return []
     e = sweep_entries(walk, group, unlocked_only=True)
-    full = walk.slots[~walk.locked].to(e.slots.device, torch.int64)
-    return _targets(e.slots, full, e.positions, e.rows)
+    space = walk.slots[~walk.locked.bool()].cpu()
+    n = space.numel()
+    cols = [e.slots[:n].cpu(), space, e.positions[:n].cpu(), e.rows[:n].cpu()]
+    keep = cols[0] != 0
+    return [Target(*c) for c in zip(*(t[keep].tolist() for t in cols))]

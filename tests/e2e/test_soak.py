@@ -92,7 +92,6 @@ def test_30_requests_under_pressure_raise_no_violation_with_triton_kernels(atten
     assert_clean_under_pressure(handle, attention, causes)
 
 
-@pytest.mark.filterwarnings("ignore::pytest_kvcanary.canary.log.KvCanaryViolationWarning")
 @pytest.mark.parametrize("attention", ["mha", "swa"])
 def test_faults_under_pressure_are_detected_or_escape_with_their_cause(attention):
     """Damage the engine later frees: written slots (post forward) and idle cached ones."""
@@ -102,7 +101,7 @@ def test_faults_under_pressure_are_detected_or_escape_with_their_cause(attention
     handle = start(attention, LONG_SOAK_KERNELS, "partial", perturbs)
     run_requests(handle.engine, seed=2, n=60)
     handle.side.runtime.sweep()  # all requests are done: what is not freed is cached, read now
-    handle.side.runtime.log.pump()
+    handle.side.runtime.drain()
     injections, violations = handle.injections(), handle.violations()
     assert {(i.mode, i.group) for i in injections} == {(s.mode, s.target_group) for s in perturbs}
     assert all(i.status == "detected" or (i.status == "escaped" and i.cause) for i in injections), \

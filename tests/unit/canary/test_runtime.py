@@ -1,10 +1,9 @@
-import warnings
-
 import pytest
 import torch
 
+from kvcanary_kernels.records import FIELD_REAL_KV_HASH
 from pytest_kvcanary.canary.health import KvCanaryHealthError
-from pytest_kvcanary.canary.log import KvCanaryViolationError, KvCanaryViolationWarning
+from pytest_kvcanary.canary.log import KvCanaryViolationError
 from pytest_kvcanary.config import CanaryConfig
 
 
@@ -14,81 +13,171 @@ def _prefill_and_decode(host, steps: int = 3) -> None:
         host.forward({0: [20 + i], 1: [30 + i]})
 
 
+def _seen(host) -> set[tuple]:
+    return {(v.phase, v.half, v.group, v.reasons, v.slot, v.position, v.row) for v in host.runtime.log.violations}
+
+
 @pytest.mark.parametrize("real_data", ["none", "partial", "all"])
 @pytest.mark.parametrize("window", [None, 3])
-def test_clean_run_with_shared_prefix_reports_nothing(make_host, real_data, window):
-    host = make_host(window=window, real_data=real_data, sweep_interval=2)
+@pytest.mark.parametrize("page", [1, 4])
+def test_clean_run_with_shared_prefix_and_padding_reports_nothing(make_host, real_data, window, page):
+    host = make_host(window=window, page=page, real_data=real_data, sweep_interval=2, write_through=True)
     _prefill_and_decode(host)
-    host.forward({2: [40, 41]}, share={2: 0})  # row 2 reuses row 0's cached prefix
+    host.forward({2: [40, 41]}, share={2: 0}, pad_to=5)  # row 2 reuses row 0's cached prefix
     host.cached = [(0, len(host.tokens[0])), (2, len(host.tokens[2]))]
-    host.forward({2: [42], 0: [43]})
+    host.forward({2: [42], 0: [43]}, pad_to=8)
     host.runtime.sweep()
     stats = host.runtime.stats()
     assert host.runtime.log.violations == []
     assert stats.violations == 0 and stats.health == "ok"
     assert stats.forwards == 6 and stats.sweeps == 4  # 3 periodic + 1 explicit
-    assert stats.protected_tokens > 0
+    assert stats.protected_tokens == 6 + 2 * 3 + 2 + 2
 
 
-def test_flipped_kv_byte_is_reported_at_head_on_the_k_half_at_that_slot(make_host):
+def test_flipped_kv_byte_is_reported_at_head_and_recheck_on_the_k_half_at_that_slot(make_host):
     host = make_host(real_data="partial")
     _prefill_and_decode(host)
-    slot = int(host.table[0, 2])
-    host.k[0].view(torch.uint8)[slot, 3] ^= 0x10
-    with pytest.warns(KvCanaryViolationWarning):
-        host.forward({0: [99]})
-    (v,) = host.runtime.log.violations
-    assert (v.reasons, v.phase, v.half, v.group, v.slot, v.position, v.row) == (
-        ("verify_real_kv_hash",), "HEAD", "K", "FULL", slot, 2, 0)
-    assert v.step == 4
+    slot = host.slot(0, 2)
+    host.k[0].view(-1, 8).view(torch.uint8)[slot, 3] ^= 0x10
+    host.forward({0: [99]})
+    assert _seen(host) == {(phase, "K", "FULL", ("verify_real_kv_hash",), slot, 2, 0) for phase in ("HEAD", "RECHECK")}
+    assert {v.step for v in host.runtime.log.violations} == {4}
 
 
-def test_wrong_mapping_is_reported_at_the_entry_and_its_successor(make_host):
-    host = make_host(real_data="none")
+@pytest.mark.parametrize("page", [1, 4])
+def test_wrong_mapping_entry_is_reported_where_it_points_and_at_its_successor(make_host, page):
+    host = make_host(real_data="none", page=page, recheck=False)
     _prefill_and_decode(host)
-    wrong = int(host.table[1, 0])
-    host.table[0, 2] = wrong
-    with pytest.warns(KvCanaryViolationWarning):
-        host.forward({0: [99]})
+    if page == 1:
+        host.table[0, 2] = host.table[1, 0]
+        want = {(2, ("verify_position", "verify_token", "verify_chain_hash")), (3, ("verify_chain_hash",))}
+    else:  # row 0's first block (positions 0..3) now points at row 1's: consistent inside, wrong tokens
+        host.table[0, 0] = host.table[1, 0]
+        want = {(p, ("verify_token",)) for p in range(4)} | {(4, ("verify_chain_hash",))}
+    host.forward({0: [99]})
     got = {(v.half, v.position, v.reasons) for v in host.runtime.log.violations}
-    want = set()
-    for half in ("K", "V"):
-        want |= {(half, 2, ("verify_position", "verify_token", "verify_chain_hash")),
-                 (half, 3, ("verify_chain_hash",))}
-    assert got == want
+    assert got == {(half, p, r) for half in ("K", "V") for p, r in want}
+    assert {v.phase for v in host.runtime.log.violations} == {"HEAD"}
 
 
 def test_swa_head_checks_only_the_window(make_host):
     host = make_host(window=2, real_data="partial")
     _prefill_and_decode(host)
-    outside = int(host.table[0, 0])
+    outside = host.slot(0, 0)
     host.swa_k[0].view(torch.uint8)[outside, 0] ^= 1
     host.forward({0: [99]})
-    assert host.runtime.log.violations == []  # SWA group does not read position 0 any more
-    inside = int(host.table[0, len(host.tokens[0]) - 1])
+    assert host.runtime.log.violations == []  # the SWA group does not read position 0 any more
+    inside = host.slot(0, len(host.tokens[0]) - 1)
     host.swa_k[0].view(torch.uint8)[inside, 0] ^= 1
-    with pytest.warns(KvCanaryViolationWarning):
-        host.forward({0: [100]})
-    (v,) = host.runtime.log.violations
-    assert (v.group, v.slot, v.reasons) == ("SWA", inside, ("verify_real_kv_hash",))
+    host.forward({0: [100]})
+    assert {(v.group, v.slot, v.reasons) for v in host.runtime.log.violations} == {
+        ("SWA", inside, ("verify_real_kv_hash",))}
+
+
+def test_a_hole_inside_the_window_is_a_missing_slot_even_at_the_last_position(make_host):
+    host = make_host(window=3, real_data="none")
+    _prefill_and_decode(host)
+    last = len(host.tokens[0]) - 1
+    host.full_to_swa[host.slot(0, last)] = 0  # the SWA slot of row 0's newest token freed early
+    host.forward({0: [99]})
+    assert _seen(host) == {(phase, half, "SWA", ("verify_missing_slot",), 0, last, 0)
+                           for phase in ("HEAD", "RECHECK") for half in ("K", "V")}
+
+
+def test_damage_done_inside_a_forward_is_reported_by_the_recheck_of_that_forward(make_host):
+    host = make_host(real_data="partial")
+    _prefill_and_decode(host)
+    victim = host.slot(1, 1)  # row 1 reads it in this forward
+
+    def stray_write(written):  # a padding row writing a live slot
+        host.v[1].view(-1, 8)[victim] = 12345
+
+    host.forward({0: [99], 1: [98]}, during=stray_write)
+    assert _seen(host) == {("RECHECK", "V", "FULL", ("verify_real_kv_hash",), victim, 1, 1)}
+    assert {v.step for v in host.runtime.log.violations} == {4}
+
+
+def test_kv_written_to_the_wrong_slot_fails_the_write_through_check(make_host):
+    host = make_host(real_data="all", write_through=True)
+    _prefill_and_decode(host)
+    want = []
+
+    def misplace(written):  # the forward's K of its first token also lands on its second slot
+        k = host.k[0].view(-1, 8)
+        k[written[1]] = k[written[0]]
+        want.append(written[1])
+
+    host.forward({2: [1, 2, 3]}, during=misplace)
+    assert _seen(host) == {("TAIL", "K", "FULL", ("write_real_kv_hash",), want[0], 1, 2)}
+
+
+def test_a_cache_hit_across_contexts_fails_at_position_0_with_token_checks_off(make_host):
+    host = make_host(real_data="all", check_tokens=False)
+    host.forward({0: [5, 6, 7]}, context_keys={0: 11})
+    host.forward({1: [8]}, share={1: 0}, context_keys={1: 11})  # same context: clean
+    assert host.runtime.log.violations == []
+    host.forward({2: [9]}, share={2: 0}, context_keys={2: 22})
+    heads = {(v.phase, v.reasons, v.slot, v.position, v.row) for v in host.runtime.log.violations if v.half == "K"}
+    assert heads == {(phase, ("verify_chain_hash",), host.slot(0, 0), 0, 2) for phase in ("HEAD", "RECHECK")}
+
+
+def test_a_write_into_the_reserved_slot_is_reported(make_host):
+    host = make_host(real_data="partial")
+    _prefill_and_decode(host)
+    host.v[0].view(-1, 8)[0, 0] = 7  # a padding write of garbage into slot 0
+    host.forward({0: [99]})
+    assert {(v.reasons, v.slot, v.half) for v in host.runtime.log.violations} == {
+        (("reserved_slot_written",), 0, "V")}
+    host.runtime.reset()
+    assert int(host.runtime.groups[0].halves[next(iter(host.runtime.groups[0].halves))]
+               .records[0, FIELD_REAL_KV_HASH]) != 0
+
+
+def test_a_token_that_disagrees_with_the_engines_bookkeeping_is_a_write_token(make_host):
+    host = make_host(real_data="none")
+    host.forward({0: [5, 6]})
+    host.token_table[0, 2] = 77  # the engine believes position 2 holds 77; the forward feeds 88
+    host.forward({0: [88]})  # forward() writes 88 into token_table: put 77 back inside the forward
+    assert host.runtime.log.violations == []
+    view_pos = len(host.tokens[0])
+
+    def believe_other(written):
+        host.token_table[0, view_pos] = 77
+
+    host.forward({0: [88]}, during=believe_other)
+    assert {(v.phase, v.reasons, v.position, v.stored, v.expected) for v in host.runtime.log.violations} == {
+        ("TAIL", ("write_token",), view_pos, 88, 77)}
 
 
 def test_sweep_sees_corruption_no_forward_reads(make_host):
     host = make_host(real_data="all", sweep_interval=0)
     host.forward({3: [1, 2, 3, 4]})
     host.cached = [(3, 4)]
-    slot = int(host.table[3, 1])
-    host.v[1].view(torch.uint8)[slot, 40] ^= 0x80
+    slot = host.slot(3, 1)
+    host.v[1].view(-1, 8).view(torch.uint8)[slot, 40] ^= 0x80
     host.forward({0: [7]})
     assert host.runtime.log.violations == []
     host.runtime.sweep()
-    with pytest.warns(KvCanaryViolationWarning):
-        host.runtime.log.pump()
-    (v,) = host.runtime.log.violations
-    assert (v.phase, v.half, v.slot, v.position, v.row) == ("SWEEP", "V", slot, 1, -1)
+    host.runtime.drain()
+    assert _seen(host) == {("SWEEP", "V", "FULL", ("verify_real_kv_hash",), slot, 1, -1)}
 
 
-def test_raise_mode_raises_with_every_new_row(make_host):
+def test_the_log_drains_every_drain_interval_and_on_read_and_loses_nothing(make_host):
+    host = make_host(real_data="partial", drain_interval=4)
+    _prefill_and_decode(host)  # 4 forwards: one periodic drain, nothing to report
+    slot = host.slot(0, 1)
+    host.k[0].view(-1, 8).view(torch.uint8)[slot, 0] ^= 1
+    host.forward({0: [99]})  # forward 5 logs on the device; the next periodic drain is at 8
+    assert host.runtime.log.violations == []
+    new = host.runtime.drain()  # a read drains at once
+    assert {(v.phase, v.slot) for v in new} == {("HEAD", slot), ("RECHECK", slot)}
+    for i in range(3):
+        host.forward({0: [100 + i]})  # the same damage seen again: repeats, not new violations
+    assert host.runtime.drain() == [] and len(host.runtime.log.violations) == 2
+    assert host.runtime.log.repeats == 6
+
+
+def test_raise_mode_raises_at_the_drain(make_host):
     host = make_host(mode="raise", real_data="partial")
     _prefill_and_decode(host)
     host.table[0, 1], host.table[0, 2] = host.table[0, 2].clone(), host.table[0, 1].clone()
@@ -99,12 +188,10 @@ def test_raise_mode_raises_with_every_new_row(make_host):
 
 
 def test_ring_overflow_reports_the_true_total(make_host):
-    host = make_host(real_data="none", ring_capacity=3)
+    host = make_host(real_data="none", ring_capacity=3, recheck=False)
     host.forward({0: list(range(1, 11))})
     host.table[0, :10] = host.table[0, :10].flip(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        host.forward({0: [99]})
+    host.forward({0: [99]})
     stats = host.runtime.stats()
     assert len(host.runtime.log.violations) == 3
     assert stats.rows > 3 and stats.dropped == stats.rows - 3
@@ -116,16 +203,25 @@ def test_health_check_catches_a_skipped_before_forward(make_host):
     host.runtime.check_health()
     view = host.forward({0: [1]})
     host.runtime.after_forward(view)  # a forward whose HEAD never ran
-    with pytest.raises(KvCanaryHealthError, match="HEAD/K/FULL ran in 5 of 6 forwards"):
+    host.runtime.end_forward()
+    with pytest.raises(KvCanaryHealthError, match="HEAD/K/FULL ran 5 of 6 launches"):
         host.runtime.check_health()
 
 
 def test_reset_clears_records_log_and_counters(make_host):
-    host = make_host()
+    host = make_host(real_data="partial")
     _prefill_and_decode(host)
+    host.k[0].view(-1, 8).view(torch.uint8)[host.slot(0, 0), 0] ^= 1
+    host.forward({0: [99]})
+    assert host.runtime.log.violations
     host.runtime.reset()
-    assert host.runtime.stats().forwards == 0
-    assert all(int(r.abs().sum()) == 0 for g in host.runtime.groups for r in g.records.values())
+    assert host.runtime.log.violations == [] and host.runtime.log.total == 0
+    assert host.runtime.stats().forwards == 0 and host.runtime.health_problems() == []
+    for group in host.runtime.groups:
+        for half in group.halves.values():
+            assert int(half.records[1:].abs().sum()) == 0
+    host.forward({5: [1, 2]})
+    assert host.runtime.stats().health == "ok" and host.runtime.log.violations == []
 
 
 @pytest.mark.parametrize("field, value, allowed", [
@@ -133,7 +229,9 @@ def test_reset_clears_records_log_and_counters(make_host):
     ("real_data", "most", "none, partial, all"),
     ("sweep_interval", -1, ">= 0"),
     ("ring_capacity", 0, ">= 1"),
+    ("drain_interval", 0, ">= 1"),
     ("check_tokens", "yes", "True or False"),
+    ("recheck", 1, "True or False"),
 ])
 def test_bad_config_names_field_value_and_allowed(field, value, allowed):
     with pytest.raises(ValueError) as info:
@@ -147,8 +245,7 @@ def test_violations_also_go_to_a_json_lines_file_another_process_can_read(make_h
     path = tmp_path / "violations.jsonl"
     host = make_host(real_data="partial", jsonl_path=path)
     _prefill_and_decode(host)
-    host.k[1].view(torch.uint8)[int(host.table[1, 0]), 0] ^= 4
-    with pytest.warns(KvCanaryViolationWarning):
-        host.forward({1: [77]})
+    host.k[1].view(-1, 8).view(torch.uint8)[host.slot(1, 0), 0] ^= 4
+    host.forward({1: [77]})
     assert read_jsonl(path) == host.runtime.log.violations != []
     assert read_jsonl(tmp_path / "missing.jsonl") == []

@@ -8,7 +8,7 @@ from typing import Callable
 import pytest
 import torch
 
-from pytest_kvcanary.canary.host import ForwardView
+from pytest_kvcanary.canary.host import ForwardHooks, ForwardView
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
 
 WINDOW = 4
@@ -56,7 +56,7 @@ def check_invariants(engine: Engine, writing: torch.Tensor | None = None) -> Non
     request (writing: the slots a forward about to run was given, not yet counted); lock counts match the running requests; SWA residency matches the tombstones, and
     everything the next forward's windowed layers read is resident."""
     full, swa, table = engine.pools.full, engine.pools.swa, engine.req_to_token_pool
-    walk = engine.radix_walk()
+    walk = engine.cache_walk()
     owned = [table.read(r.row, r.prefix_len, r.kv_len) for r in engine.running]
     used = torch.cat([walk.slots, *owned, *([] if writing is None else [writing])])
     assert used.unique().numel() == used.numel(), "a slot is held twice"
@@ -95,7 +95,15 @@ def _check_invariants() -> Callable[[Engine], None]:
     return check_invariants
 
 
-class ShadowCanary:
+def written_slots(engine: Engine, view: ForwardView) -> torch.Tensor:
+    """The FULL slots a forward writes, in token order: mapping(row, prefix + j)."""
+    table = engine.req_to_token_pool.table.cpu()
+    parts = [table[r, p:p + e] for r, p, e in zip(view.rows.tolist(), view.prefix_lens.tolist(),
+                                                   view.extend_lens.tolist())]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+class ShadowCanary(ForwardHooks):
     """Forward hooks that keep a (token, position) record per FULL and SWA slot, stamped after
     each forward, and before each forward check every slot it will read, the view's own
     consistency and the engine invariants. Records are content, so dedup / reuse are fine."""
@@ -105,6 +113,7 @@ class ShadowCanary:
         self.full: dict[int, tuple[int, int]] = {}
         self.swa: dict[int, tuple[int, int]] = {}
         self.views: list[ForwardView] = []
+        self.written: list[torch.Tensor] = []  # per forward, the FULL slots it was given to write
         engine.set_forward_hooks(self)
 
     def _segments(self, view: ForwardView):
@@ -115,23 +124,24 @@ class ShadowCanary:
 
     def before_forward(self, view: ForwardView) -> None:
         engine = self.engine
-        check_invariants(engine, view.out_cache_loc)
+        out = written_slots(engine, view)
+        check_invariants(engine, out)
         self.views.append(view)
-        table = engine.req_to_token().cpu()
+        self.written.append(out)
+        table = engine.req_to_token_pool.table.cpu()
+        tokens = view.token_table.cpu()
         free = set(engine.pools.full.free_slots.tolist())
-        out = view.out_cache_loc
         assert out.unique().numel() == out.numel() and not free & set(out.tolist()) and 0 not in out.tolist()
-        assert not set(out.tolist()) & set(engine.radix_walk().slots.tolist()), "writing a cached slot"
+        assert not set(out.tolist()) & set(engine.cache_walk().slots.tolist()), "writing a cached slot"
         rows = {r.row: r for r in engine.running}
         window = engine.config.model.window
         mapped = engine.pools.swa.full_to_swa.cpu() if engine.pools.swa is not None else None
         for b, row, p, e, seg in self._segments(view):
             req = rows[row]
             assert req.kv_len == p
-            assert table[row, p:p + e].tolist() == out[seg].tolist()
             assert view.positions[seg].tolist() == list(range(p, p + e))
             assert view.input_ids[seg].tolist() == req.token_ids[p:p + e]
-            assert view.prefix_token_ids[b].tolist() == req.token_ids[:p]
+            assert tokens[row, :p + e].tolist() == req.token_ids[:p + e] and (tokens[row, p + e:] == -1).all()
             prefix = table[row, :p].tolist()
             assert not free & set(prefix) and not set(prefix) & set(out.tolist())
             for q, slot in enumerate(prefix):
@@ -144,7 +154,8 @@ class ShadowCanary:
     def after_forward(self, view: ForwardView) -> None:
         k0 = self.engine.pools.full.k_layers[0].cpu()
         mapped = self.engine.pools.swa.full_to_swa.cpu() if self.engine.pools.swa is not None else None
-        for slot, token, pos in zip(view.out_cache_loc.tolist(), view.input_ids.tolist(), view.positions.tolist()):
+        for slot, token, pos in zip(written_slots(self.engine, view).tolist(), view.input_ids.tolist(),
+                                    view.positions.tolist()):
             assert k0[slot].abs().sum() > 0, "forward did not write its slot"
             self.full[slot] = (token, pos)
             if mapped is not None:

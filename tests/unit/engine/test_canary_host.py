@@ -1,4 +1,5 @@
-"""The engine as a CanaryHost: pool groups, req_to_token, radix walk, and the forward hooks."""
+"""The engine as a CanaryHost: pool groups and their mappings, capacities, the cache walk, and
+the forward hooks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, GroupKind
-from pytest_kvcanary.canary.host import CanaryHost
+from pytest_kvcanary.canary.host import CanaryHost, ForwardHooks
 
 
 @pytest.mark.parametrize("attention", ["mha", "swa"])
@@ -16,23 +17,29 @@ def test_canary_groups_cover_the_pools(attention, make_engine):
     groups = engine.canary_groups()
     assert [g.kind for g in groups] == ([GroupKind.FULL] if attention == "mha" else [GroupKind.FULL, GroupKind.SWA])
     full = groups[0]
+    table = engine.req_to_token_pool.table
     assert full.num_slots == 64 and full.page_size == 1 and full.window is None
+    assert full.mapping.table is table and full.mapping.kind == "token_table"
+    assert table.shape == (engine.config.max_running, engine.config.model.max_context)
     assert all(k is p for k, p in zip(full.k_layers, engine.pools.full.k_layers))
     assert sum(len(g.k_layers) for g in groups) == engine.config.model.num_layers
     if attention == "swa":
         swa = groups[1]
         assert swa.num_slots == 32 and swa.window == engine.config.model.window
-        assert swa.full_to_group is engine.pools.swa.full_to_swa and swa.full_to_group.shape == (64,)
+        assert swa.mapping.table is table
+        assert swa.mapping.full_to_group is engine.pools.swa.full_to_swa and swa.mapping.full_to_group.shape == (64,)
         assert swa.k_layers[0].shape == (32, engine.config.model.num_kv_heads, engine.config.model.head_dim)
-    assert engine.req_to_token() is engine.req_to_token_pool.table
-    assert engine.req_to_token().shape == (engine.config.max_running, engine.config.model.max_context)
+    caps = engine.canary_capacities()
+    assert (caps.max_batch, caps.max_tokens, caps.max_context) == (engine.config.max_running,
+                                                                   engine.config.max_batch_tokens,
+                                                                   engine.config.model.max_context)
 
 
-def test_radix_walk_chains_cached_tokens(make_engine):
+def test_cache_walk_chains_cached_tokens(make_engine):
     engine = make_engine("mha")
     prompts = [list(b"shared prefix A"), list(b"shared prefix B")]
     outputs = engine.generate(prompts, 3)
-    walk = engine.radix_walk()
+    walk = engine.cache_walk()
     record = {s: (p, prev, t) for s, p, prev, t in zip(*(x.tolist() for x in walk[:4]))}
     assert len(record) == walk.slots.numel() == len(b"shared prefix ") + 2 * (1 + 2)
     assert not walk.locked.any()
@@ -42,13 +49,12 @@ def test_radix_walk_chains_cached_tokens(make_engine):
         assert [record[s] for s in path] == [(i, path[i - 1] if i else PREV_CHAIN_HEAD, t) for i, t in enumerate(tokens)]
 
 
-def test_no_hooks_no_view(make_engine, monkeypatch, shadow_canary):
+def test_hooks_detach(make_engine, shadow_canary):
     engine = make_engine("mha")
     canary = shadow_canary(engine)
     engine.generate([list(b"hello")], 2)
     assert len(canary.views) == 2 and engine.forward_count == 2
     engine.set_forward_hooks(None)
-    monkeypatch.setattr(engine, "_view", lambda batch: pytest.fail("view built without hooks"))
     engine.generate([list(b"hello")], 2)
     assert len(canary.views) == 2 and engine.forward_count == 4
 
@@ -57,15 +63,12 @@ def test_hooks_see_the_damage_corruption_does(make_engine, assert_reference):
     """A hook that scribbles over one prefix slot's K/V must change the greedy outputs: the
     reference comparison above would notice KV errors."""
 
-    class Scribble:
+    class Scribble(ForwardHooks):
         def before_forward(self, view):
             if view.prefix_lens.tolist() == [8]:  # the first decode step
-                slot = engine.req_to_token()[view.rows[0], 3]
+                slot = engine.req_to_token_pool.table[view.rows[0], 3]
                 for k in engine.pools.full.k_layers + engine.pools.full.v_layers:
                     k[slot] = torch.randn_like(k[slot]) * 10
-
-        def after_forward(self, view):
-            pass
 
     engine = make_engine("mha")
     prompt = list(b"scribble")
@@ -84,7 +87,7 @@ def test_a_raising_hook_leaves_the_engine_usable(when, make_engine, random_promp
     """A canary in raise mode raises from a hook: the batch is undone, nothing leaks, and the
     engine can go on (or be reset)."""
 
-    class RaiseOnSeventh:
+    class RaiseOnSeventh(ForwardHooks):
         calls = 0
 
         def before_forward(self, view):

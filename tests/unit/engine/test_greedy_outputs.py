@@ -51,7 +51,7 @@ def test_continuous_batching_and_reset(make_engine, random_prompts, assert_refer
     engine.submit(prompts[0], 4)
     engine.step()
     engine.reset()
-    assert not engine.scheduler.has_work and not engine.radix_walk().slots.numel()
+    assert not engine.scheduler.has_work and not engine.cache_walk().slots.numel()
     assert engine.pools.full.num_free == engine.pools.full.num_slots - 1
     assert engine.pools.swa.num_free == engine.pools.swa.num_slots - 1
     assert engine.generate([prompts[0]], 6) == [reqs[0].output_ids]
@@ -66,7 +66,7 @@ def test_duplicate_prompts_in_one_batch_are_deduplicated(make_engine, assert_ref
     engine.step()
     view = canary.views[0]
     assert view.rows.tolist() == [a.row, b.row] and view.extend_lens.tolist() == [len(prompt)] * 2
-    a_slots, b_slots = view.out_cache_loc.split(len(prompt))
+    a_slots, b_slots = canary.written[0].split(len(prompt))
     table = engine.req_to_token_pool
     assert table.read(a.row, 0, len(prompt)).tolist() == a_slots.tolist()
     assert table.read(b.row, 0, len(prompt)).tolist() == a_slots.tolist(), "B's row not rewritten to A's slots"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def _residency(engine, tokens):
     """(FULL slot, SWA-resident?) per position of the cached path for tokens."""
-    walk = engine.radix_walk()
+    walk = engine.cache_walk()
     mapped = engine.pools.swa.full_to_swa.cpu()
     path = {}
     for slot, pos, tok in zip(walk.slots.tolist(), walk.positions.tolist(), walk.tokens.tolist()):
@@ -66,7 +66,7 @@ def test_insert_revives_tombstone(make_engine, assert_reference, shadow_canary, 
     engine.step()
     view = canary.views[-1]
     assert view.prefix_lens.tolist() == [8] and view.extend_lens.tolist() == [5]
-    b_own = view.out_cache_loc[:3].tolist()
+    b_own = canary.written[-1][:3].tolist()
     after = _residency(engine, tokens)
     assert [s for s, _ in after[:11]] == [s for s, _ in before[:11]], "tree kept its FULL slots"
     assert [r for _, r in after[8:11]] == [True] * 3 and not after[11][1], "only B's span revived"

@@ -50,7 +50,7 @@ def final_sweep(handle: EngineHandle) -> None:
     """One more sweep once every request finished: the engine then holds nothing outside the radix
     cache, so any damage not freed yet is read before the run ends."""
     handle.side.runtime.sweep()
-    handle.side.runtime.log.pump()
+    handle.side.runtime.drain()
 
 
 class HeadReads:
@@ -58,12 +58,12 @@ class HeadReads:
     pool group ("full", "swa"); steps[i] is forward i of the run."""
 
     def __init__(self, side: Side) -> None:
-        self.host, self.groups = side.engine, side.runtime.groups
+        self.groups = side.runtime.groups
         self.steps: list[dict[str, set[int]]] = []
         side.runtime.observers.append(self)
 
     def before_forward(self, view: ForwardView) -> None:
-        self.steps.append({group_name(g): {t.slot for t in read_targets(view, self.host, g)} for g in self.groups})
+        self.steps.append({group_name(g): {t.slot for t in read_targets(view, g)} for g in self.groups})
 
     def after_stamp(self, view: ForwardView) -> None:
         pass

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pytest_kvcanary.canary.host import ForwardView
+from pytest_kvcanary.canary.host import ForwardHooks, ForwardView
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import PERTURB_MODES, PerturbSpec
 from pytest_kvcanary.harness import EngineHandle
@@ -15,27 +15,32 @@ from pytest_kvcanary.perturb.injector import PerturbError
 
 from perturb_support import BYTE_TOKENS, POOL_GROUPS, final_sweep, make_handle, send_waves
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest_kvcanary.canary.log.KvCanaryViolationWarning")
 
 REAL_KV_MODES = [m for m in PERTURB_MODES if m.startswith("real_kv")]
 
 
-class MappingGuard:
-    """Forward hooks around the canary runtime: the req_to_token table must be as the engine left
-    it once the runtime (and the injector inside it) is done with the forward."""
+class MappingGuard(ForwardHooks):
+    """Forward hooks around the canary runtime: the mapping table must be as the engine left it
+    once the runtime (and the injector inside it) is done with the forward."""
 
     def __init__(self, runtime: CanaryRuntime) -> None:
         self.runtime = runtime
-        self.table = runtime.host.req_to_token()
+        self.table = runtime.groups[0].mapping.table
         self.saved = self.table.clone()  # as of the forward under way
 
     def before_forward(self, view: ForwardView) -> None:
         self.saved = self.table.clone()
         self.runtime.before_forward(view)
 
+    def kv_stored(self, kind, layer, k, v) -> None:
+        self.runtime.kv_stored(kind, layer, k, v)
+
     def after_forward(self, view: ForwardView) -> None:
         self.runtime.after_forward(view)
         assert torch.equal(self.table, self.saved), "a wrong mapping outlived its forward"
+
+    def end_forward(self) -> None:
+        self.runtime.end_forward()
 
 
 def ledger_of(handle: EngineHandle, seed: int, specs: tuple[PerturbSpec, ...]) -> list[dict]:
@@ -139,11 +144,11 @@ class _HostWithoutFreeReports:
     def canary_groups(self):
         return self.engine.canary_groups()
 
-    def req_to_token(self):
-        return self.engine.req_to_token()
+    def canary_capacities(self):
+        return self.engine.canary_capacities()
 
-    def radix_walk(self):
-        return self.engine.radix_walk()
+    def cache_walk(self):
+        return self.engine.cache_walk()
 
 
 def test_without_free_reports_a_damaged_slot_written_again_is_escaped_as_overwritten():

@@ -11,7 +11,6 @@ from pytest_kvcanary.perturb.ledger import Injection, Ledger
 
 from perturb_support import make_handle, send_waves
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest_kvcanary.canary.log.KvCanaryViolationWarning")
 
 
 def flip(slot: int = 10, step: int = 3, group: str = "full") -> Injection:

@@ -18,7 +18,6 @@ from perturb_support import (
     LATENCY_PROPERTY, POOL_GROUPS, SEED_SWEEP_KERNELS, HeadReads, final_sweep, make_handle, send_waves,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest_kvcanary.canary.log.KvCanaryViolationWarning")
 
 # The phases that detect each mode. A post-forward flip is read by the next HEAD of its request,
 # or, when the request finished in that forward, only by a sweep of the radix cache it went to.

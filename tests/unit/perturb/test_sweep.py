@@ -8,16 +8,15 @@ import torch
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, PREV_SKIP, GroupKind
 from kvcanary_kernels.sources import RealDataMode
 from pytest_kvcanary.canary.groups import GroupState
-from pytest_kvcanary.canary.host import PoolGroup, RadixWalk
+from pytest_kvcanary.canary.host import Capacities, CacheWalk, PoolGroup, SlotMapping
 from pytest_kvcanary.canary.plans import sweep_entries
 from pytest_kvcanary.config import PerturbSpec
 
 from perturb_support import POOL_GROUPS, make_handle, send_waves
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest_kvcanary.canary.log.KvCanaryViolationWarning")
 
 # Two cached sequences, FULL slots 5 -> 6 -> 7 (a request holds 5) and 9 alone.
-WALK = RadixWalk(
+WALK = CacheWalk(
     slots=torch.tensor([5, 6, 7, 9]),
     positions=torch.tensor([0, 1, 2, 0]),
     prev_slots=torch.tensor([PREV_CHAIN_HEAD, 5, 6, PREV_CHAIN_HEAD]),
@@ -28,19 +27,22 @@ WALK = RadixWalk(
 
 def group(kind: GroupKind, full_to_group: torch.Tensor | None = None) -> GroupState:
     layers = [torch.zeros(16, 4)]
-    pool = PoolGroup(kind, layers, layers, num_slots=16, window=None if full_to_group is None else 2,
-                     full_to_group=full_to_group)
-    return GroupState.create(pool, RealDataMode.NONE, torch.device("cpu"))
+    mapping = SlotMapping(torch.zeros(2, 8, dtype=torch.int64), full_to_group=full_to_group)
+    pool = PoolGroup(kind, layers, layers, num_slots=16, mapping=mapping,
+                     window=None if full_to_group is None else 2)
+    return GroupState.create(pool, RealDataMode.NONE, torch.device("cpu"), Capacities(2, 8, 8))
 
 
 def test_sweep_entries_cover_the_walk_or_its_unlocked_part():
     full = group(GroupKind.FULL)
     e = sweep_entries(WALK, full)
-    assert e.slots.tolist() == [5, 6, 7, 9] and e.positions.tolist() == [0, 1, 2, 0]
-    assert e.prev_slots.tolist() == [PREV_CHAIN_HEAD, 5, 6, PREV_CHAIN_HEAD]
-    assert e.tokens.tolist() == [40, 41, 42, 43] and e.rows.tolist() == [-1] * 4
+    assert e.slots.numel() == 16 and not e.slots[4:].any(), "padded to the pool size with slot 0"
+    assert e.slots[:4].tolist() == [5, 6, 7, 9] and e.positions[:4].tolist() == [0, 1, 2, 0]
+    assert e.prev_slots[:4].tolist() == [PREV_CHAIN_HEAD, 5, 6, PREV_CHAIN_HEAD]
+    assert e.tokens[:4].tolist() == [40, 41, 42, 43] and e.rows.tolist() == [-1] * 16
     unlocked = sweep_entries(WALK, full, unlocked_only=True)
-    assert unlocked.slots.tolist() == [6, 7, 9] and unlocked.prev_slots.tolist() == [5, 6, PREV_CHAIN_HEAD]
+    assert unlocked.slots[:4].tolist() == [6, 7, 9, 0]
+    assert unlocked.prev_slots[:3].tolist() == [5, 6, PREV_CHAIN_HEAD]
 
 
 def test_sweep_entries_keep_to_swa_resident_slots():
@@ -49,10 +51,11 @@ def test_sweep_entries_keep_to_swa_resident_slots():
     full_to_swa = torch.zeros(16, dtype=torch.int64)
     full_to_swa[6], full_to_swa[7] = 3, 4
     e = sweep_entries(WALK, group(GroupKind.SWA, full_to_swa))
-    assert e.slots.tolist() == [0, 3, 4, 0]
-    assert e.prev_slots.tolist() == [PREV_CHAIN_HEAD, PREV_SKIP, 3, PREV_CHAIN_HEAD]
+    assert e.slots[:4].tolist() == [0, 3, 4, 0]
+    assert e.prev_slots[:4].tolist() == [PREV_CHAIN_HEAD, PREV_SKIP, 3, PREV_CHAIN_HEAD]
     unlocked = sweep_entries(WALK, group(GroupKind.SWA, full_to_swa), unlocked_only=True)
-    assert unlocked.slots.tolist() == [3, 4, 0] and unlocked.prev_slots.tolist() == [PREV_SKIP, 3, PREV_CHAIN_HEAD]
+    assert unlocked.slots[:3].tolist() == [3, 4, 0]
+    assert unlocked.prev_slots[:3].tolist() == [PREV_SKIP, 3, PREV_CHAIN_HEAD]
 
 
 @pytest.mark.parametrize("attention", POOL_GROUPS)
@@ -65,7 +68,7 @@ def test_damage_only_the_cache_holds_is_found_by_the_sweep_alone(attention):
     assert handle.violations() == []  # no forward read those slots
     runtime = handle.side.runtime
     assert runtime.sweep()
-    runtime.log.pump()
+    runtime.drain()
     injections = handle.injections()
     assert all(i.status == "detected" and i.detected_by.phase == "SWEEP" for i in injections), \
         [i.describe() for i in injections]

@@ -1,0 +1,136 @@
+"""Decode on fixed, padded batches, replayed from CUDA graphs as real engines do.
+
+A decode batch of n requests runs at the smallest captured size B >= n (powers of two up to
+max_running). Everything the step reads lives in static buffers refilled in place before each run:
+input ids, positions, the rows' mapping rows, and the canary's ForwardView over the same tensors
+(padding rows: prefix 0, extend 0, writing nothing). With graphs, before_forward + the model +
+after_forward are captured at a size's first step and replayed from then on; end_forward runs
+after each. Observers of the canary (the fault injector) do not run inside a graph. In "padded"
+mode the same step runs eagerly (the path a graph replays, runnable on a CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pytest_kvcanary.canary.host import ForwardHooks, ForwardView
+
+from .kv_pool import KVPools
+from .model import CausalLM
+
+
+class PaddedDecodeKV:
+    """One decode token per batch row over the paged pools, shapes fixed by the batch size and
+    max_context. Each layer writes the rows' new K/V into their slots (a padding row writes slot
+    0's own bytes back, leaving the reserved slot as it was), tells the store listener, then
+    attends to positions [0, prefix] (a windowed layer: [prefix - window, prefix]) gathered through
+    each row's table row."""
+
+    def __init__(self, pools: KVPools, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                 extend_lens: torch.Tensor, on_store: Callable | None) -> None:
+        self.pools, self.table = pools, table
+        self.rows, self.prefix_lens, self.valid = rows, prefix_lens, extend_lens > 0
+        self.on_store = on_store
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: int | None) -> torch.Tensor:
+        buf = self.pools.layer(layer)
+        slots = self.table[self.rows]  # [B, max_context] FULL slots
+        loc = slots.gather(1, self.prefix_lens[:, None])[:, 0]
+        if buf.slot_map is not None:
+            slots, loc = buf.slot_map[slots], buf.slot_map[loc]
+        loc = torch.where(self.valid, loc, 0)
+        keep = self.valid[:, None, None]
+        buf.k[loc] = torch.where(keep, k, buf.k[loc])
+        buf.v[loc] = torch.where(keep, v, buf.v[loc])
+        if self.on_store is not None:
+            self.on_store(buf.group, buf.index, k, v)
+        k_pos = torch.arange(slots.shape[1], device=q.device)
+        delta = self.prefix_lens[:, None] - k_pos[None, :]  # query position - key position
+        mask = delta >= 0
+        if window is not None:
+            mask &= delta <= window
+        rep = q.shape[1] // k.shape[1]
+        keys = buf.k[slots].repeat_interleave(rep, dim=2)  # [B, C, H, D]
+        values = buf.v[slots].repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask[:, None, None, :])
+        return out[:, :, 0, :]
+
+
+class DecodeStep:
+    """The static buffers of one batch size and the step over them (captured on demand)."""
+
+    def __init__(self, size: int, model: CausalLM, pools: KVPools, table: torch.Tensor,
+                 token_table: torch.Tensor, device: torch.device) -> None:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int64, device=device)
+
+        self.size, self.model, self.pools, self.table = size, model, pools, table
+        self.view = ForwardView(rows=zeros(), prefix_lens=zeros(), extend_lens=zeros(), input_ids=zeros(),
+                                positions=zeros(), token_table=token_table, context_keys=zeros())
+        self.next_tokens = zeros()
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def fill(self, rows: list[int], prefix_lens: list[int], input_ids: list[int], context_keys: list[int]) -> None:
+        pad = self.size - len(rows)
+        v = self.view
+        for dst, values, fill in ((v.rows, rows, 0), (v.prefix_lens, prefix_lens, 0), (v.positions, prefix_lens, 0),
+                                  (v.input_ids, input_ids, 0), (v.context_keys, context_keys, 0),
+                                  (v.extend_lens, [1] * len(rows), 0)):
+            dst.copy_(torch.tensor(values + [fill] * pad, dtype=torch.int64), non_blocking=True)
+
+    def forward(self, hooks: ForwardHooks | None) -> None:
+        """before_forward, the model, after_forward, greedy tokens into next_tokens (no end_forward)."""
+        v = self.view
+        if hooks is not None:
+            hooks.before_forward(v)
+        kv = PaddedDecodeKV(self.pools, self.table, v.rows, v.prefix_lens, v.extend_lens,
+                            None if hooks is None else hooks.kv_stored)
+        hidden = self.model(v.input_ids, v.positions, kv)
+        if hooks is not None:
+            hooks.after_forward(v)
+        self.next_tokens.copy_(self.model.compute_logits(hidden).argmax(-1))
+
+    def run_and_capture(self, hooks: ForwardHooks | None) -> None:
+        """Run this step eagerly on a side stream (which compiles and allocates what the step
+        needs), then capture it; capturing executes nothing, so the step ran exactly once."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.forward(hooks)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.forward(hooks)
+
+
+class DecodeGraphs:
+    """Padded decode steps per captured size; graphs captured lazily, dropped when the hooks change."""
+
+    def __init__(self, model: CausalLM, pools: KVPools, table: torch.Tensor, token_table: torch.Tensor,
+                 max_running: int, device: torch.device, use_graphs: bool) -> None:
+        sizes = [1 << i for i in range(max_running.bit_length()) if 1 << i < max_running] + [max_running]
+        self.steps = [DecodeStep(s, model, pools, table, token_table, device) for s in sizes]
+        self.use_graphs = use_graphs
+
+    def invalidate(self) -> None:
+        for step in self.steps:
+            step.graph = None
+
+    def run(self, hooks: ForwardHooks | None, rows: list[int], prefix_lens: list[int], input_ids: list[int],
+            context_keys: list[int]) -> list[int]:
+        """One decode forward of len(rows) requests; returns each one's greedy next token. The
+        caller calls hooks.end_forward() after it."""
+        step = next(s for s in self.steps if s.size >= len(rows))
+        step.fill(rows, prefix_lens, input_ids, context_keys)
+        if not self.use_graphs:
+            step.forward(hooks)
+        elif step.graph is None:
+            step.run_and_capture(hooks)
+        else:
+            step.graph.replay()
+        return step.next_tokens[:len(rows)].tolist()
