@@ -90,7 +90,7 @@ class DecodeStep:
             hooks.before_forward(v)
         kv = PaddedDecodeKV(self.pools, self.table, v.rows, v.prefix_lens, v.extend_lens,
                             None if hooks is None else hooks.kv_stored)
-        hidden = self.model(v.input_ids, v.positions, kv)
+        hidden = self.model(v.input_ids, v.positions, kv, v.context_keys)
         if hooks is not None:
             hooks.after_forward(v)
         self.next_tokens.copy_(self.model.compute_logits(hidden).argmax(-1))

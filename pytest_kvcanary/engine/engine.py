@@ -71,15 +71,18 @@ class Engine:
         if self._decode is not None:
             self._decode.invalidate()
 
-    def submit(self, prompt: str | Sequence[int], max_new_tokens: int) -> Request:
-        """Queue a request; raises ValueError for an empty or too long prompt, a bad token id or
-        max_new_tokens, or a request the pools could not hold even alone."""
+    def submit(self, prompt: str | Sequence[int], max_new_tokens: int, context_key: int = 0) -> Request:
+        """Queue a request read in context `context_key` (a cache salt or adapter id, 0 = none: KV
+        is shared within one context only); raises ValueError for an empty or too long prompt, a
+        bad token id, max_new_tokens or context key, or a request the pools could not hold alone."""
         m = self.config.model
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        if isinstance(context_key, bool) or not isinstance(context_key, int) or not 0 <= context_key < 1 << 62:
+            raise ValueError(f"context_key must be an integer in [0, 2**62); got {context_key!r}")
         if bad := [t for t in ids if not 0 <= t < m.vocab_size]:
             raise ValueError(f"prompt token ids must be in [0, vocab_size={m.vocab_size}); got {bad[0]}")
         total = len(ids) + max_new_tokens
@@ -90,7 +93,7 @@ class Engine:
             if pool is not None and total - 1 > pool.num_slots - 1:  # slot 0 is reserved
                 raise ValueError(f"pool too small for a single request: it needs {total - 1} KV slots, "
                                  f"{name}={pool.num_slots} holds {pool.num_slots - 1}")
-        req = Request(self._next_rid, ids, max_new_tokens)
+        req = Request(self._next_rid, ids, max_new_tokens, context_key)
         self._next_rid += 1
         self.scheduler.waiting.append(req)
         return req
@@ -110,9 +113,14 @@ class Engine:
         finished = self._run(batch)
         return [] if batch is None else [r for r in batch.reqs if r not in finished]
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy output token ids per prompt, in order (runs until every queued request is done)."""
-        reqs = [self.submit(p, max_new_tokens) for p in prompts]
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int,
+                 context_keys: Sequence[int] | None = None) -> list[list[int]]:
+        """Greedy output token ids per prompt, in order (runs until every queued request is done);
+        context_keys: one per prompt (default: none)."""
+        keys = [0] * len(prompts) if context_keys is None else list(context_keys)
+        if len(keys) != len(prompts):
+            raise ValueError(f"context_keys must hold one key per prompt ({len(prompts)}); got {len(keys)}")
+        reqs = [self.submit(p, max_new_tokens, k) for p, k in zip(prompts, keys)]
         while self.scheduler.has_work:
             self.step()
         return [r.output_ids for r in reqs]
@@ -190,7 +198,8 @@ class Engine:
         kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
                      batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device),
                      on_store=None if hooks is None else hooks.kv_stored)
-        hidden = self.model(view.input_ids, view.positions, kv)
+        contexts = view.context_keys.repeat_interleave(view.extend_lens)
+        hidden = self.model(view.input_ids, view.positions, kv, contexts)
         if hooks is not None:
             hooks.after_forward(view)
         self._forwarded(hooks)

@@ -1,7 +1,9 @@
 """A Llama/Qwen2-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied or untied head.
 
 Module names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...), so the
-state dict is an HF checkpoint. Attention goes through a `KVAccess` (see attention.py): paged
+state dict is an HF checkpoint. A request's context key (an adapter id; 0 = none) adds a fixed
+offset to its token embeddings, a stand-in for a LoRA adapter: the same tokens under another context
+have other KV. Attention goes through a `KVAccess` (see attention.py): paged
 pools in the engine, none for the reference recomputation.
 """
 
@@ -88,10 +90,15 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        freqs = torch.rand(cfg.hidden, generator=torch.Generator().manual_seed(cfg.seed + 1)) + 0.5
+        self.register_buffer("adapter_freqs", freqs, persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
+                context_keys: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(input_ids)
+        if context_keys is not None:  # sin(0) = 0: no context, no offset
+            x = x + (0.5 * torch.sin(context_keys.float()[:, None] * self.adapter_freqs[None, :])).to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv)
         return self.norm(x)
@@ -115,15 +122,17 @@ class CausalLM(nn.Module):
                     p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
         self.to(cfg.dtype).requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the new tokens."""
-        return self.model(input_ids, positions, kv)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
+                context_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the new tokens (context_keys: one per token)."""
+        return self.model(input_ids, positions, kv, context_keys)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def logits_without_cache(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def logits_without_cache(self, token_ids: torch.Tensor, context_key: int = 0) -> torch.Tensor:
         """Logits [T, vocab] of one whole sequence, recomputed with no KV cache at all."""
         positions = torch.arange(token_ids.numel(), device=token_ids.device)
-        return self.compute_logits(self(token_ids, positions, DenseKV(positions)))
+        contexts = torch.full_like(positions, context_key)
+        return self.compute_logits(self(token_ids, positions, DenseKV(positions), contexts))

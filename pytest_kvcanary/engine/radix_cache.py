@@ -1,5 +1,8 @@
 """A radix tree over token ids whose nodes own FULL-pool slots (SGLang's RadixCache, page_size 1).
 
+KV is shared only within one context (a cache salt or adapter id, the request's context_key): each
+context has a tree of its own, so equal tokens under different contexts never match.
+
 Ownership: a slot is free, owned by exactly one tree node, or owned by exactly one running request
 (``req_to_token[row, prefix_len:kv_len]``). Tree slots reachable from a locked node are in use by
 a request and are never freed. SWA models: a node is either SWA-resident (every slot it holds has an
@@ -64,18 +67,23 @@ class RadixCache:
 
     def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, window: int | None) -> None:
         self.pools, self.req_to_token, self.window = pools, req_to_token, window
-        self.root = Node([], torch.empty(0, dtype=torch.int64), None)
+        self.roots: dict[int, Node] = {}  # context key -> its tree's root
         self.num_evicted = 0  # FULL slots freed by evict()
         self.num_swa_evicted = 0  # SWA slots freed by evict_swa()
         self._clock = count(1)
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def root(self, context: int = 0) -> Node:
+        if context not in self.roots:
+            self.roots[context] = Node([], torch.empty(0, dtype=torch.int64), None)
+        return self.roots[context]
+
+    def match_prefix(self, key: list[int], context: int = 0) -> MatchResult:
         """The longest cached prefix of key a new request may reuse. The node is split so the
         match ends exactly at it. SWA models: the match is cut back to the last node end whose
         preceding `window` tokens (all of them, if fewer) are SWA-resident; tombstones earlier on
         the path are fine, only the full layers read them. The slots stay valid only while the
         node is locked (`lock`); call it before anything that may evict."""
-        path = list(self._descend(key))
+        path = list(self._descend(key, context))
         if self.window is not None:
             best, run, depth = 0, 0, 0
             for j, node in enumerate(path):
@@ -87,10 +95,10 @@ class RadixCache:
         tick = next(self._clock)
         for node in path:
             node.last_access = tick
-        node = path[-1] if path else self.root
+        node = path[-1] if path else self.root(context)
         return MatchResult(self._path_slots(node), node)
 
-    def insert(self, key: list[int], slots: torch.Tensor, swa_from: int = 0) -> InsertResult:
+    def insert(self, key: list[int], slots: torch.Tensor, swa_from: int = 0, context: int = 0) -> InsertResult:
         """Cache key with its FULL slots. Where the tree already holds a prefix of key it keeps
         its own slots: the caller's slots for that prefix are duplicates, the caller's to free
         (those it got from the tree excepted). swa_from (swa models): slots[i] has an SWA slot iff
@@ -98,8 +106,8 @@ class RadixCache:
         over the caller's SWA slot there (so the duplicate it then frees has none)."""
         if self.pools.swa is None:
             swa_from = 0
-        tick, node, i = next(self._clock), self.root, 0
-        for node in list(self._descend(key)):
+        tick, node, i = next(self._clock), self.root(context), 0
+        for node in list(self._descend(key, context)):
             a, i = i, i + len(node.key)
             if node.tombstone and i > swa_from:
                 if a < swa_from:
@@ -136,12 +144,12 @@ class RadixCache:
 
     def lock(self, node: Node | None) -> None:
         """Protect node and its ancestors from eviction (one reference per holder)."""
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: Node | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
             node = node.parent
@@ -159,7 +167,7 @@ class RadixCache:
             freed += len(node.key)
             parent = node.parent
             del parent.children[node.key[0]]
-            if parent is not self.root and not parent.children and not parent.lock_ref:
+            if parent.parent is not None and not parent.children and not parent.lock_ref:
                 heapq.heappush(heap, self._lru_key(parent))
         self.num_evicted += freed
         return freed
@@ -178,19 +186,21 @@ class RadixCache:
         return freed
 
     def walk(self) -> CacheWalk:
-        """Every slot the tree holds with its position, previous slot on its path (PREV_CHAIN_HEAD
-        at position 0), token and whether a request holds it locked."""
+        """Every slot the trees hold with its position, previous slot on its path (PREV_CHAIN_HEAD
+        at position 0), token, whether a request holds it locked, and its context."""
         parts: list[tuple[torch.Tensor, ...]] = []
-        stack = [(child, 0, PREV_CHAIN_HEAD) for child in self.root.children.values()]
+        stack = [(child, 0, PREV_CHAIN_HEAD, context) for context, root in self.roots.items()
+                 for child in root.children.values()]
         while stack:
-            node, start, prev = stack.pop()
+            node, start, prev, context = stack.pop()
             n = len(node.key)
             parts.append((node.value, torch.arange(start, start + n), torch.cat([torch.tensor([prev]), node.value[:-1]]),
-                          torch.tensor(node.key, dtype=torch.int64), torch.full((n,), node.lock_ref > 0)))
-            stack.extend((c, start + n, int(node.value[-1])) for c in node.children.values())
+                          torch.tensor(node.key, dtype=torch.int64), torch.full((n,), node.lock_ref > 0),
+                          torch.full((n,), context, dtype=torch.int64)))
+            stack.extend((c, start + n, int(node.value[-1]), context) for c in node.children.values())
         if not parts:
             empty = torch.empty(0, dtype=torch.int64)
-            return CacheWalk(empty, empty, empty, empty, torch.empty(0, dtype=torch.bool))
+            return CacheWalk(empty, empty, empty, empty, torch.empty(0, dtype=torch.bool), empty)
         return CacheWalk(*(torch.cat(col) for col in zip(*parts)))
 
     def reset(self) -> None:
@@ -198,18 +208,19 @@ class RadixCache:
         for node in self._nodes():
             assert not node.lock_ref, "reset while a request holds the cache"
             self.pools.free(node.value, "radix cache flushed")
-        self.root.children.clear()
+        self.roots.clear()
 
     def _insert_req(self, req: Request) -> InsertResult:
         slots = self.req_to_token.read(req.row, 0, req.kv_len)
-        res = self.insert(req.token_ids[:req.kv_len], slots, swa_from=max(req.swa_from, req.prefix_len))
+        res = self.insert(req.token_ids[:req.kv_len], slots, swa_from=max(req.swa_from, req.prefix_len),
+                          context=req.context_key)
         self.pools.free(slots[req.prefix_len:res.prefix_len],
                         "radix dedup freed the duplicate's slot (its row now points at the cached copy)")
         return res
 
-    def _descend(self, key: list[int]) -> Iterator[Node]:
-        """The nodes matching key from the root, the last one split to end at the match."""
-        node, i = self.root, 0
+    def _descend(self, key: list[int], context: int) -> Iterator[Node]:
+        """The nodes matching key from the context's root, the last one split to end at the match."""
+        node, i = self.root(context), 0
         while i < len(key) and key[i] in node.children:
             node = node.children[key[i]]
             n = _common_len(node.key, key[i:])
@@ -234,14 +245,14 @@ class RadixCache:
         return node
 
     def _path_slots(self, node: Node) -> torch.Tensor:
-        values = []
-        while node is not self.root:
-            values.append(node.value)
+        values = [node.value]
+        while node.parent is not None:
             node = node.parent
-        return torch.cat(values[::-1]) if values else self.root.value
+            values.append(node.value)
+        return torch.cat(values[::-1])
 
     def _nodes(self) -> Iterator[Node]:
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

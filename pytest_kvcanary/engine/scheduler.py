@@ -108,7 +108,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
             tokens = req.token_ids
-            match = self.radix_cache.match_prefix(tokens[:-1])  # leave one token to compute
+            match = self.radix_cache.match_prefix(tokens[:-1], req.context_key)  # leave one token to compute
             extend = len(tokens) - match.slots.numel()
             if extend > budget:
                 break

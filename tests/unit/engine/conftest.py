@@ -64,13 +64,13 @@ def check_invariants(engine: Engine, writing: torch.Tensor | None = None) -> Non
     assert used.numel() + full.num_free == full.num_slots - 1, "a slot leaked"
 
     nodes, locks = [], {}
-    stack = list(engine.radix_cache.root.children.values())
+    stack = [c for root in engine.radix_cache.roots.values() for c in root.children.values()]
     while stack:
         nodes.append(stack.pop())
         stack.extend(nodes[-1].children.values())
     for req in engine.running:
         node = req.last_node
-        while node is not engine.radix_cache.root:
+        while node.parent is not None:
             locks[node] = locks.get(node, 0) + 1
             node = node.parent
     assert all(n.lock_ref == locks.get(n, 0) for n in nodes), "lock counts disagree with running requests"
