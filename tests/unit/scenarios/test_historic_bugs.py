@@ -1,0 +1,348 @@
+"""Historic KV-cache bug mechanisms, reintroduced into the reference engine's real code paths.
+
+Each bug test patches one mechanism into the scheduler, the radix cache or a KV store, runs a
+workload, proves the damage without the canary (the KV a forward reads, or the greedy outputs,
+against a forward with no cache at all), and checks that the canary's first report names the
+damaged slot and position with the right reason, in the forward that did or read the damage.
+The same workloads without the bugs run to completion clean (test_workload_without_the_bug_is_clean).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+
+from pytest_kvcanary.canary.runtime import CanaryRuntime
+from pytest_kvcanary.engine import Engine, Request
+from pytest_kvcanary.engine.attention import PagedKV
+from pytest_kvcanary.engine.decode_graphs import PaddedDecodeKV
+from pytest_kvcanary.engine.radix_cache import RadixCache
+from pytest_kvcanary.engine.scheduler import Scheduler
+
+from scenario_support import (
+    attach_canary, first_reports, kv_off_reference, make_engine, off_greedy_reference, owner_of, reports,
+    tokens,
+)
+
+BOTH = ("K", "V")
+
+
+def run_until_finished(engine: Engine, prompt: list[int], max_new_tokens: int, context_key: int = 0) -> Request:
+    req = engine.submit(prompt, max_new_tokens, context_key)
+    while not req.finished:
+        engine.step()
+    return req
+
+
+# ---- workloads: each runs up to just after the forward a bug damages (or first reads damage in) --
+
+
+def wrapped_pool(engine: Engine) -> list[Request]:
+    """A finished 40-token prompt stays cached in slots 1-40 (row 0, now free, still maps them).
+    Three new prompts (step 1) take slots 41-47, evict it and take 1-25: the first prompt holds the
+    pool's last slot (47) at position 6 and slot 1 at position 7. Step 2 decodes them padded to 4."""
+    run_until_finished(engine, tokens(0, 40), 1)
+    reqs = [engine.submit(tokens(1 + i, n), 4) for i, n in enumerate((12, 10, 10))]
+    engine.step()
+    engine.step()
+    return reqs
+
+
+def reuse_after_finish(engine: Engine) -> list[Request]:
+    """A request finishes (steps 0-2) leaving 12 KV tokens cached; at step 3 a reader extends
+    exactly those 12 tokens, and a new 8-token request asks for slots beside it."""
+    first = run_until_finished(engine, tokens(10, 10), 3)
+    reader = engine.submit(first.token_ids[:12] + tokens(11, 3), 2)
+    writer = engine.submit(tokens(12, 8), 2)
+    engine.step()
+    return [reader, writer]
+
+
+def one_prefill(engine: Engine) -> list[Request]:
+    """A 10-token prompt prefilled at step 0."""
+    req = engine.submit(tokens(20, 10), 3)
+    engine.step()
+    return [req]
+
+
+def same_prompt_two_contexts(engine: Engine) -> list[Request]:
+    """A prompt read in context 7 finishes at step 0 and stays cached; at step 1 the same prompt
+    arrives in context 9."""
+    prompt = tokens(30, 12)
+    run_until_finished(engine, prompt, 1, context_key=7)
+    req = engine.submit(prompt, 2, context_key=9)
+    engine.step()
+    return [req]
+
+
+def padded_decode(engine: Engine) -> list[Request]:
+    """Three prompts prefilled at step 0, decoded padded to a batch of 4 at step 1."""
+    reqs = [engine.submit(tokens(40 + i, n), 3) for i, n in enumerate((10, 9, 8))]
+    engine.step()
+    engine.step()
+    return reqs
+
+
+def long_decode(engine: Engine) -> list[Request]:
+    """A 6-token prompt decoded past the window (4): steps 0-4, kv_len 10 after step 4, so step 5
+    reads positions 6-9 in its windowed layers."""
+    req = engine.submit(tokens(50, 6), 10)
+    for _ in range(5):
+        engine.step()
+    return [req]
+
+
+def first_decode(engine: Engine) -> list[Request]:
+    """An 8-token prompt prefilled at step 0; step 1 decodes position 8."""
+    req = engine.submit(tokens(60, 8), 3)
+    engine.step()
+    engine.step()
+    return [req]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A workload and the engine (attention, EngineConfig fields) and canary settings it runs with."""
+
+    workload: Callable[[Engine], list[Request]]
+    attention: str = "mha"
+    engine: dict = field(default_factory=dict)
+    canary: dict = field(default_factory=dict)
+
+    def run(self) -> tuple[Engine, CanaryRuntime, list[Request]]:
+        """A fresh engine with the canary attached, through the workload."""
+        engine = make_engine(self.attention, **self.engine)
+        runtime = attach_canary(engine, **self.canary)
+        return engine, runtime, self.workload(engine)
+
+
+SCENARIOS = {
+    "wrapped pool, padded decode": Scenario(wrapped_pool, engine={"num_slots": 48, "decode_mode": "padded"}),
+    "reuse after finish": Scenario(reuse_after_finish, engine={"num_slots": 22}),
+    "swa prefill": Scenario(one_prefill, "swa"),
+    "same prompt, two contexts": Scenario(same_prompt_two_contexts, canary={"check_tokens": False}),
+    "padded decode": Scenario(padded_decode, engine={"decode_mode": "padded"}),
+    "swa long decode": Scenario(long_decode, "swa"),
+    "first decode": Scenario(first_decode),
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_workload_without_the_bug_is_clean(name):
+    """What every bug test below measures is clean without the bug: the KV each running request
+    reads equals a no-cache forward's, the workload then runs to completion with every output the
+    no-cache greedy token, and the canary reports nothing."""
+    engine, runtime, reqs = SCENARIOS[name].run()
+    assert all(kv_off_reference(engine, r) == set() for r in engine.running)
+    while engine.scheduler.has_work:
+        engine.step()
+    assert not any(off_greedy_reference(engine, r) for r in reqs)
+    assert first_reports(runtime) == (None, set())
+    assert runtime.health_problems() == []
+
+
+# ---- 1. damage done inside a forward -------------------------------------------------------------
+
+
+def padding_lane_slot_index_minus_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A padding lane's slot index is -1 ("no slot") and the store does not skip it: its K/V land
+    in the pool's last slot, before the batch's attention reads the pool."""
+    store_and_attend = PaddedDecodeKV.__call__
+
+    def call(self, layer, q, k, v, window):
+        lanes = ~self.valid
+        if lanes.any():
+            buf = self.pools.layer(layer)
+            buf.k[-1], buf.v[-1] = k[lanes][-1], v[lanes][-1]
+        return store_and_attend(self, layer, q, k, v, window)
+
+    monkeypatch.setattr(PaddedDecodeKV, "__call__", call)
+
+
+def padding_lanes_not_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store treats padding lanes as real ones: each writes the slot its mapping row (row 0,
+    which no request holds any more) still lists for position 0, a stale entry."""
+    init = PaddedDecodeKV.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.valid = torch.ones_like(self.valid)
+
+    monkeypatch.setattr(PaddedDecodeKV, "__init__", __init__)
+
+
+@pytest.mark.parametrize(("bug", "victim", "position"), [
+    (padding_lane_slot_index_minus_1, lambda engine: engine.pools.full.num_slots - 1, 6),
+    (padding_lanes_not_masked, lambda engine: int(engine.req_to_token_pool.table[0, 0]), 7),
+], ids=["slot index -1", "stale mapping row"])
+def test_a_padding_lane_writing_a_live_slot_is_reported_by_the_recheck_of_that_forward(monkeypatch, bug, victim,
+                                                                                      position):
+    bug(monkeypatch)
+    engine, runtime, reqs = SCENARIOS["wrapped pool, padded decode"].run()
+    slot = victim(engine)
+    assert owner_of(engine, slot) == (reqs[0], position)
+    # The damaged slot and, read by the same forward, the KV that forward wrote for the new token.
+    assert kv_off_reference(engine, reqs[0]) == {("FULL", position), ("FULL", reqs[0].kv_len - 1)}
+    assert all(kv_off_reference(engine, r) == set() for r in reqs[1:])
+    assert first_reports(runtime) == (2, reports(BOTH, ("RECHECK",), "FULL", ("verify_real_kv_hash",),
+                                                 [(slot, position, reqs[0].row)]))
+
+
+def finish_frees_what_the_cache_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished request's own slots are freed after the radix cache took them over: they are
+    cached and free at once, and the allocator hands them to another request."""
+    finish = Scheduler.finish
+
+    def finish_and_free(self, req):
+        own = self.req_to_token.read(req.row, req.prefix_len, req.kv_len)
+        finish(self, req)
+        self.pools.free(own, "request finished")
+
+    monkeypatch.setattr(Scheduler, "finish", finish_and_free)
+
+
+def test_a_slot_owned_by_two_requests_is_reported_by_the_recheck_of_the_forward_both_use_it(monkeypatch):
+    finish_frees_what_the_cache_took(monkeypatch)
+    engine, runtime, (reader, writer) = SCENARIOS["reuse after finish"].run()
+    table = engine.req_to_token_pool.table
+    shared = table[reader.row, 10:12].tolist()  # the slots of the finished request's decoded tokens
+    assert shared == table[writer.row, 6:8].tolist()  # ... which the writer was given as well
+    assert {("FULL", 10), ("FULL", 11)} <= kv_off_reference(engine, reader)
+    assert kv_off_reference(engine, writer) == set()
+    assert first_reports(runtime) == (3, reports(BOTH, ("RECHECK",), "FULL", ("verify_real_kv_hash",),
+                                                 [(shared[0], 10, reader.row), (shared[1], 11, reader.row)]))
+
+
+# ---- 2. a forward writing its own new KV to the wrong place ------------------------------------
+
+
+def windowed_store_off_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The windowed layers' store index is off by one when a forward writes several tokens: token
+    i's K/V land in token i+1's slot, the last token's in the first one's."""
+    store_and_attend = PagedKV.__call__
+
+    def call(self, layer, q, k, v, window):
+        loc = self.out_cache_loc
+        if window is not None and loc.numel() > 1:
+            self.out_cache_loc = loc.roll(-1)
+        try:
+            return store_and_attend(self, layer, q, k, v, window)
+        finally:
+            self.out_cache_loc = loc
+
+    monkeypatch.setattr(PagedKV, "__call__", call)
+
+
+def test_kv_stored_in_the_neighbouring_slot_fails_the_write_through_check_at_tail(monkeypatch):
+    windowed_store_off_by_one(monkeypatch)
+    engine, runtime, (req,) = SCENARIOS["swa prefill"].run()
+    assert {("SWA", p) for p in range(6, 10)} <= kv_off_reference(engine, req)
+    full_slots = engine.req_to_token_pool.table[req.row, :10]
+    swa_slots = engine.pools.swa.full_to_swa[full_slots].tolist()
+    assert first_reports(runtime) == (0, reports(BOTH, ("TAIL",), "SWA", ("write_real_kv_hash",),
+                                                 [(s, p, req.row) for p, s in enumerate(swa_slots)]))
+
+
+# ---- 3. a cache hit across contexts ----------------------------------------------------------------
+
+
+def radix_key_ignores_the_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every context looks its prompts up in one tree: equal tokens hit across contexts."""
+    root = RadixCache.root
+    monkeypatch.setattr(RadixCache, "root", lambda self, context=0: root(self, 0))
+
+
+def test_a_cache_hit_across_contexts_fails_the_chain_at_position_0_before_the_forward(monkeypatch):
+    radix_key_ignores_the_context(monkeypatch)
+    engine, runtime, (req,) = SCENARIOS["same prompt, two contexts"].run()
+    assert {("FULL", p) for p in range(11)} <= kv_off_reference(engine, req)  # context 7's KV
+    head = int(engine.req_to_token_pool.table[req.row, 0])
+    assert first_reports(runtime) == (1, reports(BOTH, ("HEAD", "RECHECK"), "FULL", ("verify_chain_hash",),
+                                                 [(head, 0, req.row)]))
+
+
+# ---- 4. the reserved slot ----------------------------------------------------------------------------
+
+
+def padding_lanes_write_garbage_into_slot_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store does not keep padding lanes out of their slot, 0, and their K/V are garbage (the
+    uninitialised lanes of a padded batch; NaN here). Every lane gathers slot 0 under its mask."""
+    store_and_attend = PaddedDecodeKV.__call__
+
+    def call(self, layer, q, k, v, window):
+        lanes = ~self.valid
+        if lanes.any():
+            buf = self.pools.layer(layer)
+            garbage = torch.full_like(k[0], float("nan"))
+            buf.k[0], buf.v[0] = garbage, garbage
+        return store_and_attend(self, layer, q, k, v, window)
+
+    monkeypatch.setattr(PaddedDecodeKV, "__call__", call)
+
+
+def test_a_padding_write_into_the_reserved_slot_is_reported_by_the_recheck_of_that_forward(monkeypatch):
+    padding_lanes_write_garbage_into_slot_0(monkeypatch)
+    engine, runtime, reqs = SCENARIOS["padded decode"].run()
+    assert all(off_greedy_reference(engine, r) for r in reqs)  # NaN under the mask poisons every lane
+    assert first_reports(runtime) == (1, reports(BOTH, ("RECHECK",), "FULL", ("reserved_slot_written",),
+                                                 [(0, -1, -1)]))
+
+
+# ---- 5. a hole inside a read window ---------------------------------------------------------------------
+
+
+def window_slides_one_position_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler frees the windowed layers' slots up to kv_len - window + 1: the slot of the
+    position the next window starts at is freed one forward too early."""
+    slide = Scheduler._slide_window
+
+    def slide_early(self, req):
+        self.radix_cache.window -= 1
+        try:
+            slide(self, req)
+        finally:
+            self.radix_cache.window += 1
+
+    monkeypatch.setattr(Scheduler, "_slide_window", slide_early)
+
+
+def test_a_slot_freed_inside_the_window_is_a_missing_slot_before_the_forward_reads_it(monkeypatch):
+    window_slides_one_position_early(monkeypatch)
+    engine, runtime, (req,) = SCENARIOS["swa long decode"].run()
+    assert kv_off_reference(engine, req) == {("SWA", 6)}  # step 5 would read slot 0 for position 6
+    assert first_reports(runtime) == (None, set())
+    engine.step()
+    assert first_reports(runtime) == (5, reports(BOTH, ("HEAD", "RECHECK"), "SWA", ("verify_missing_slot",),
+                                                 [(0, 6, req.row)]))
+
+
+# ---- 6. write_token ---------------------------------------------------------------------------------------
+
+
+def decode_feeds_the_previous_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode batch's input is the token before each request's newest one (an input buffer not
+    updated with the last sample), while the engine's bookkeeping holds the newest."""
+    make_batch = Scheduler._batch
+
+    def batch(self, reqs, locs, is_prefill):
+        made = make_batch(self, reqs, locs, is_prefill)
+        if is_prefill:
+            return made
+        stale = [r.token_ids[r.kv_len - 1] for r in reqs]
+        return made._replace(input_ids=torch.tensor(stale, dtype=torch.int64))
+
+    monkeypatch.setattr(Scheduler, "_batch", batch)
+
+
+def test_a_forward_fed_another_token_than_the_engine_holds_is_a_write_token_at_tail(monkeypatch):
+    decode_feeds_the_previous_token(monkeypatch)
+    engine, runtime, (req,) = SCENARIOS["first decode"].run()
+    fed, held = req.token_ids[7], req.token_ids[8]
+    assert fed != held
+    assert kv_off_reference(engine, req) == {("FULL", 8)}
+    slot = int(engine.req_to_token_pool.table[req.row, 8])
+    assert first_reports(runtime) == (1, reports(BOTH, ("TAIL",), "FULL", ("write_token",), [(slot, 8, req.row)]))
+    assert {(v.stored, v.expected) for v in runtime.log.violations} == {(fed, held)}
