@@ -31,15 +31,16 @@ class HalfState:
     stored_hashes: torch.Tensor  # [len(sources), max_tokens] int64, filled by kv_stored
     stored: set[int]  # sources whose rows this forward handed over
 
-    def written_fingerprints(self) -> torch.Tensor | None:
-        """The fingerprints of what the forward computed, token by token, once every source layer
-        was handed over this forward; None otherwise. Forgets them (the next forward starts over)."""
+    def written_fingerprints(self, n_tokens: int) -> torch.Tensor | None:
+        """The fingerprints of what the forward computed for its first n_tokens tokens, once every
+        source layer was handed over this forward; None otherwise. Forgets them (the next forward
+        starts over)."""
         complete = bool(self.sources) and len(self.stored) == len(self.sources)
         self.stored.clear()
         if not complete:
             return None
-        acc = torch.zeros_like(self.stored_hashes[0])
-        for row in self.stored_hashes:
+        acc = torch.zeros_like(self.stored_hashes[0, :n_tokens])
+        for row in self.stored_hashes[:, :n_tokens]:
             acc = mix_torch(acc ^ row)
         return acc
 

@@ -1,5 +1,6 @@
-"""The sweep's entries: what the prefix cache holds, as one group's slots, padded to the group's
-pool size so the sweep's grid never depends on how much is cached."""
+"""The sweep's entries: what the prefix cache holds, as one group's slots, padded to the size of
+the slot space the walk names (the FULL pool) so the sweep's grid never depends on how much is
+cached."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def sweep_entries(walk: CacheWalk, group: GroupState, *, unlocked_only: bool = F
     slots = group.to_group_slots(full)
     prev = group.to_group_slots(prev_full.clamp(min=0))
     prev = torch.where(prev_full < 0, PREV_CHAIN_HEAD, torch.where(prev == 0, PREV_SKIP, prev))
-    pad = group.pool.num_slots - slots.numel()
+    f2g = group.mapping.full_to_group
+    pad = (group.pool.num_slots if f2g is None else f2g.shape[0]) - slots.numel()  # walks name FULL slots
     assert pad >= 0, "a cache walk holds each slot at most once"
 
     def padded(t: torch.Tensor, fill: int) -> torch.Tensor:

@@ -127,7 +127,7 @@ class CanaryRuntime:
                     state.records, state.sources, group.mapping, args, self.ring,
                     launch_tag(Phase.TAIL, half, group.pool.kind),
                     check_tokens=self.config.check_tokens, check_write_inputs=self.config.check_write_inputs,
-                    written_hashes=state.written_fingerprints(),
+                    written_hashes=state.written_fingerprints(view.input_ids.shape[0]),
                 )
         if self.observers and not _capturing():
             for observer in self.observers:
@@ -207,8 +207,8 @@ class CanaryRuntime:
 
     def stats(self) -> CanaryStats:
         self.drain()
-        stamped = [launch_tag(Phase.TAIL, next(iter(g.halves)), g.pool.kind) for g in self.groups]
-        protected = int(self.ring.slot_runs[stamped].sum().item())
+        full = self.groups[0]  # every token has a FULL-group slot
+        protected = int(self.ring.slot_runs[launch_tag(Phase.TAIL, next(iter(full.halves)), full.pool.kind)])
         problems = self.health_problems()
         return CanaryStats(
             forwards=self.forwards,

@@ -73,14 +73,15 @@ class FakeHost:
     def forward(self, batch: dict[int, list[int]], share: dict[int, int] | None = None, pad_to: int = 0,
                 context_keys: dict[int, int] | None = None,
                 during: Callable[[list[int]], None] | None = None) -> ForwardView:
-        """Append tokens to rows. `share={row: src_row}` first copies src_row's mapping (a cached
-        prefix) for the positions the row does not have yet. pad_to: pad the batch with empty rows
+        """Append tokens to rows. `share={row: src_row}` first gives the row src_row's cached prefix:
+        its whole blocks (a partly filled block is not shared, as block engines do). pad_to: pad the batch with empty rows
         and the token arrays with junk, as a graph-replaying engine does. during(written slots):
         called inside the forward, after its KV writes (to damage something there)."""
         for row, src in (share or {}).items():
-            n = len(self.tokens[src])
-            self.table[row, :(n + self.page - 1) // self.page] = self.table[src, :(n + self.page - 1) // self.page]
-            self.tokens[row] = list(self.tokens[src])
+            blocks = len(self.tokens[src]) // self.page
+            n = blocks * self.page
+            self.table[row, :blocks] = self.table[src, :blocks]
+            self.tokens[row] = self.tokens[src][:n]
             self.token_table[row, :n] = self.token_table[src, :n]
         rows, prefix, extend, ids, pos, written = [], [], [], [], [], []
         for row, new in batch.items():
@@ -123,7 +124,7 @@ def make_host():
     from pytest_kvcanary.config import CanaryConfig
 
     def make(window: int | None = None, jsonl_path=None, page: int = 1, write_through: bool = False,
-             kernels: str = "triton", **config) -> FakeHost:
+             kernels: str = "torch", **config) -> FakeHost:
         config.setdefault("drain_interval", 1)
         host = FakeHost(window=window, page=page, write_through=write_through)
         host.runtime = CanaryRuntime(CanaryConfig(**config), host, jsonl_path=jsonl_path, kernels=kernels)

@@ -249,3 +249,33 @@ def test_violations_also_go_to_a_json_lines_file_another_process_can_read(make_h
     host.forward({1: [77]})
     assert read_jsonl(path) == host.runtime.log.violations != []
     assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+@pytest.mark.parametrize("page, window", [(1, 3), (4, None)])
+def test_triton_kernels_report_what_the_references_report(make_host, page, window):
+    """One damaged workload (a flipped byte, a misplaced write, a hole, a wrong mapping entry) on
+    the Triton kernels and on the torch references: the same violations, clean until damaged."""
+
+    def run(kernels: str) -> set[tuple]:
+        host = make_host(window=window, page=page, real_data="all", write_through=True, kernels=kernels,
+                         sweep_interval=2)
+        _prefill_and_decode(host, steps=2)
+        host.forward({2: [1, 2]}, share={2: 0}, pad_to=4)
+        assert host.runtime.drain() == []
+        host.k[1].view(-1, 8).view(torch.uint8)[host.slot(1, 1), 5] ^= 2
+        host.table[0, 1] = host.table[1, 0]
+
+        def misplace(written):
+            host.v[0].view(-1, 8)[written[0]] = 1
+
+        host.forward({0: [7], 2: [8]}, during=misplace)
+        if window is not None:
+            host.full_to_swa[host.slot(1, len(host.tokens[1]) - 1)] = 0
+        host.forward({1: [9]})
+        host.runtime.check_health()
+        return {(v.step, v.phase, v.half, v.group, v.reasons, v.slot, v.position, v.row, v.stored, v.expected)
+                for v in host.runtime.log.violations}
+
+    reference = run("torch")
+    assert len({v[4] for v in reference}) >= 3
+    assert run("triton") == reference
