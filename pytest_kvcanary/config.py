@@ -13,7 +13,7 @@ REAL_DATA_MODES = ("none", "partial", "all")
 PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward")
 SIDES = ("prefill", "decode")
 TARGET_GROUPS = ("full", "swa")
-ATTENTION_KINDS = ("mha", "swa")
+ATTENTION_KINDS = ("mha", "swa", "mla")
 
 
 def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -1,7 +1,9 @@
 """Attention over K/V: one masked-softmax core and two ways to feed it (no cache, paged pools).
 
 The model calls ``kv(layer, q, k, v, window)`` with the new tokens' q [T, H, D] and k, v
-[T, KVH, D] (RoPE applied) and gets the attention output [T, H, D] back.
+[T, KVH, D] (RoPE applied) and gets the attention output [T, H, D] back. A latent (mla) layer
+passes v None: its values are its keys (one latent row per token, k [T, 1, latent_dim]), and it
+stores only those.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ from kvcanary_kernels.records import GroupKind
 
 from .kv_pool import KVPools
 
-KVAccess = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "int | None"], torch.Tensor]
+KVAccess = Callable[[int, torch.Tensor, torch.Tensor, "torch.Tensor | None", "int | None"], torch.Tensor]
 # Told, at each layer's KV-store point, the pool group, the layer's index in it and the K and V rows
-# just computed for the batch's tokens (a canary's write-through).
-KVStoreListener = Callable[[GroupKind, int, torch.Tensor, torch.Tensor], None]
+# just computed for the batch's tokens (V None for a latent layer; a canary's write-through).
+KVStoreListener = Callable[[GroupKind, int, torch.Tensor, "torch.Tensor | None"], None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor,
            window: int | None) -> torch.Tensor:
     """Causal GQA attention: query i sees key j iff k_pos[j] <= q_pos[i] and, for a windowed
-    layer, q_pos[i] - k_pos[j] <= window."""
+    layer, q_pos[i] - k_pos[j] <= window. v None: the values are the keys (a latent layer)."""
+    v = k if v is None else v
     delta = q_pos[:, None] - k_pos[None, :]
     mask = delta >= 0
     if window is not None:
@@ -41,7 +44,7 @@ class DenseKV:
     def __init__(self, positions: torch.Tensor) -> None:
         self.positions = positions
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                  window: int | None) -> torch.Tensor:
         return attend(q, k, v, self.positions, self.positions, window)
 
@@ -61,11 +64,13 @@ class PagedKV:
         self.positions, self.out_cache_loc = positions, out_cache_loc
         self.on_store = on_store
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                  window: int | None) -> torch.Tensor:
         buf = self.pools.layer(layer)
         loc = self.out_cache_loc if buf.slot_map is None else buf.slot_map[self.out_cache_loc]
-        buf.k[loc], buf.v[loc] = k, v
+        buf.k[loc] = k
+        if buf.v is not None:
+            buf.v[loc] = v
         if self.on_store is not None:
             self.on_store(buf.group, buf.index, k, v)
         outs, t = [], 0
@@ -75,6 +80,7 @@ class PagedKV:
             if buf.slot_map is not None:
                 slots = buf.slot_map[slots]
             k_pos = torch.arange(start, end, device=q.device)
-            outs.append(attend(q[t:t + extend], buf.k[slots], buf.v[slots], self.positions[t:t + extend], k_pos, window))
+            values = None if buf.v is None else buf.v[slots]
+            outs.append(attend(q[t:t + extend], buf.k[slots], values, self.positions[t:t + extend], k_pos, window))
             t += extend
         return torch.cat(outs)

@@ -10,7 +10,7 @@ import torch
 
 from kvcanary_kernels.records import GroupKind
 
-ATTENTION_KINDS = ("mha", "swa")
+ATTENTION_KINDS = ("mha", "swa", "mla")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -24,10 +24,13 @@ def _positive(obj: Any, *names: str) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama/Qwen-style decoder. attention: "mha" (every layer full; GQA when num_kv_heads <
-    num_heads) or "swa" (every `full_every`-th layer full, the rest windowed). A windowed layer's
-    query at position p sees positions [p - window, p], so it reads the last `window` tokens of the
-    cached prefix (SGLang's convention; HF's sliding_window is window + 1). qkv_bias: Qwen2-style
-    q/k/v biases. seed: the random weights' seed."""
+    num_heads), "swa" (every `full_every`-th layer full, the rest windowed) or "mla" (every layer
+    full, DeepSeek-V2-style latent attention: a token's KV is one latent row of kv_lora_rank
+    compressed KV plus qk_rope_head_dim rotary key, from which each head's K and V of head_dim are
+    up-projected; num_kv_heads is unused). A windowed layer's query at position p sees positions
+    [p - window, p], so it reads the last `window` tokens of the cached prefix (SGLang's
+    convention; HF's sliding_window is window + 1). qkv_bias: Qwen2-style q/k/v biases (mha, swa).
+    seed: the random weights' seed."""
 
     vocab_size: int = 512
     hidden: int = 64
@@ -42,6 +45,8 @@ class ModelConfig:
     attention: str = "mha"
     window: int = 32
     full_every: int = 2
+    kv_lora_rank: int = 32
+    qk_rope_head_dim: int = 16
     tie_embeddings: bool = True
     qkv_bias: bool = False
     dtype: torch.dtype = torch.float32
@@ -49,25 +54,45 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "intermediate", "max_context", "window", "full_every")
+                  "intermediate", "max_context", "window", "full_every", "kv_lora_rank", "qk_rope_head_dim")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}; got {self.attention!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads; got {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (RoPE rotates pairs); got {self.head_dim}")
+        if self.rope_dim % 2:
+            name = "qk_rope_head_dim" if self.attention == "mla" else "head_dim"
+            raise ValueError(f"{name} must be even (RoPE rotates pairs); got {self.rope_dim}")
         if self.attention == "swa" and not 2 <= self.full_every <= self.num_layers:
             raise ValueError(f"full_every must be in [2, num_layers={self.num_layers}] for swa so both "
                              f"full and windowed layers exist; got {self.full_every}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(map(str, DTYPES))}; got {self.dtype!r}")
+        row_bytes = self.latent_dim * torch.empty(0, dtype=self.dtype).element_size()
+        if self.attention == "mla" and row_bytes % 16:
+            raise ValueError(f"kv_lora_rank + qk_rope_head_dim ({self.latent_dim}) must make a latent row of a "
+                             f"multiple of 16 bytes in {self.dtype}; got {row_bytes} bytes")
         if not self.rope_theta > 0 or not self.rms_eps > 0:
             raise ValueError(f"rope_theta and rms_eps must be > 0; got {self.rope_theta!r}, {self.rms_eps!r}")
 
     @property
+    def latent_dim(self) -> int:
+        """An mla layer's latent row per token: compressed KV, then the rotary key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates per head."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def kv_row(self) -> tuple[int, ...]:
+        """One token's row in one layer's K (or V) buffer; mla keeps one latent row and no V."""
+        return (self.latent_dim,) if self.attention == "mla" else (self.num_kv_heads, self.head_dim)
+
+    @property
     def layer_groups(self) -> tuple[GroupKind, ...]:
-        """The pool group each layer's KV lives in (a latent pool would be one more kind)."""
-        if self.attention == "mha":
+        """The pool group each layer's KV lives in."""
+        if self.attention != "swa":
             return (GroupKind.FULL,) * self.num_layers
         return tuple(GroupKind.FULL if i % self.full_every == self.full_every - 1 else GroupKind.SWA
                      for i in range(self.num_layers))

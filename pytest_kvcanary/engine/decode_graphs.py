@@ -24,10 +24,10 @@ from .model import CausalLM
 
 class PaddedDecodeKV:
     """One decode token per batch row over the paged pools, shapes fixed by the batch size and
-    max_context. Each layer writes the rows' new K/V into their slots (a padding row writes slot
-    0's own bytes back, leaving the reserved slot as it was), tells the store listener, then
-    attends to positions [0, prefix] (a windowed layer: [prefix - window, prefix]) gathered through
-    each row's table row."""
+    max_context. Each layer writes the rows' new K/V (a latent layer: K only) into their slots (a
+    padding row writes slot 0's own bytes back, leaving the reserved slot as it was), tells the store
+    listener, then attends to positions [0, prefix] (a windowed layer: [prefix - window, prefix])
+    gathered through each row's table row."""
 
     def __init__(self, pools: KVPools, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
                  extend_lens: torch.Tensor, on_store: Callable | None) -> None:
@@ -35,7 +35,7 @@ class PaddedDecodeKV:
         self.rows, self.prefix_lens, self.valid = rows, prefix_lens, extend_lens > 0
         self.on_store = on_store
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                  window: int | None) -> torch.Tensor:
         buf = self.pools.layer(layer)
         slots = self.table[self.rows]  # [B, max_context] FULL slots
@@ -45,7 +45,8 @@ class PaddedDecodeKV:
         loc = torch.where(self.valid, loc, 0)
         keep = self.valid[:, None, None]
         buf.k[loc] = torch.where(keep, k, buf.k[loc])
-        buf.v[loc] = torch.where(keep, v, buf.v[loc])
+        if buf.v is not None:
+            buf.v[loc] = torch.where(keep, v, buf.v[loc])
         if self.on_store is not None:
             self.on_store(buf.group, buf.index, k, v)
         k_pos = torch.arange(slots.shape[1], device=q.device)
@@ -55,7 +56,7 @@ class PaddedDecodeKV:
             mask &= delta <= window
         rep = q.shape[1] // k.shape[1]
         keys = buf.k[slots].repeat_interleave(rep, dim=2)  # [B, C, H, D]
-        values = buf.v[slots].repeat_interleave(rep, dim=2)
+        values = keys if buf.v is None else buf.v[slots].repeat_interleave(rep, dim=2)
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=mask[:, None, None, :])
         return out[:, :, 0, :]

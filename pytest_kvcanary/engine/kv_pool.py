@@ -1,7 +1,8 @@
 """KV pools, their slot allocators and the req_to_token table.
 
 A slot is one token's K/V in every layer of a pool (page_size 1): ``k_layers[i][slot]`` is a
-``[num_kv_heads, head_dim]`` row. Slot 0 is reserved in every pool: never allocated, padding
+``[num_kv_heads, head_dim]`` row, or a ``[latent_dim]`` row of a latent (mla) pool, which has no V
+buffers. Slot 0 is reserved in every pool: never allocated, padding
 points there. Slots handed out and taken back are CPU int64 tensors; the buffers, the SWA map and
 the req_to_token table live on the engine's device.
 """
@@ -19,14 +20,15 @@ from .config import EngineConfig
 
 
 class KVPool:
-    """Per-layer K and V buffers ``[num_slots, num_kv_heads, head_dim]`` plus a free list."""
+    """Per-layer K and V buffers ``[num_slots, *row]`` plus a free list; latent: K buffers only
+    (v_layers empty)."""
 
-    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_slots, num_kv_heads, head_dim)
+    def __init__(self, num_slots: int, num_layers: int, row: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, latent: bool = False) -> None:
+        shape = (num_slots, *row)
         self.num_slots = num_slots
         self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_layers = [] if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free_slots = torch.arange(1, num_slots, dtype=torch.int64)  # read-only for callers
         self._is_free = torch.ones(num_slots, dtype=torch.bool)
         self._is_free[0] = False
@@ -61,9 +63,9 @@ class SWAPool(KVPool):
     """The windowed layers' pool. ``full_to_swa[full_slot]`` is the SWA slot holding that token's
     windowed-layer K/V, 0 when it has none (never mapped, or slid out of every window)."""
 
-    def __init__(self, num_slots: int, full_num_slots: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, listeners: list[FreeListener]) -> None:
-        super().__init__(num_slots, num_layers, num_kv_heads, head_dim, dtype, device)
+    def __init__(self, num_slots: int, full_num_slots: int, num_layers: int, row: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device, listeners: list[FreeListener]) -> None:
+        super().__init__(num_slots, num_layers, row, dtype, device)
         self.full_to_swa = torch.zeros(full_num_slots, dtype=torch.int64, device=device)
         self._listeners = listeners
 
@@ -94,12 +96,13 @@ class SWAPool(KVPool):
 
 
 class LayerKV(NamedTuple):
-    """Where one layer's K/V live: buffers indexed by the pool's slots, and for a windowed layer
+    """Where one layer's K/V live: buffers indexed by the pool's slots (a latent layer: k a
+    one-head view ``[num_slots, 1, latent_dim]`` of its buffer, v None), and for a windowed layer
     the map from FULL-pool slots to them (None: FULL slots index the buffers directly); the pool
     group and the layer's index among that group's layers."""
 
     k: torch.Tensor
-    v: torch.Tensor
+    v: torch.Tensor | None
     slot_map: torch.Tensor | None
     group: GroupKind
     index: int
@@ -116,10 +119,12 @@ class KVPools:
         groups = m.layer_groups
         full_layers = [i for i, g in enumerate(groups) if g is GroupKind.FULL]
         swa_layers = [i for i, g in enumerate(groups) if g is GroupKind.SWA]
-        self.full = KVPool(config.num_slots, len(full_layers), m.num_kv_heads, m.head_dim, m.dtype, device)
-        self.swa = (SWAPool(config.swa_num_slots, config.num_slots, len(swa_layers), m.num_kv_heads,
-                            m.head_dim, m.dtype, device, self.free_listeners) if swa_layers else None)
-        self._layers = {i: LayerKV(self.full.k_layers[j], self.full.v_layers[j], None, GroupKind.FULL, j)
+        latent = m.attention == "mla"
+        self.full = KVPool(config.num_slots, len(full_layers), m.kv_row, m.dtype, device, latent)
+        self.swa = (SWAPool(config.swa_num_slots, config.num_slots, len(swa_layers), m.kv_row, m.dtype, device,
+                            self.free_listeners) if swa_layers else None)
+        self._layers = {i: LayerKV(self.full.k_layers[j].unsqueeze(1), None, None, GroupKind.FULL, j) if latent
+                        else LayerKV(self.full.k_layers[j], self.full.v_layers[j], None, GroupKind.FULL, j)
                         for j, i in enumerate(full_layers)}
         if self.swa is not None:
             self._layers |= {i: LayerKV(self.swa.k_layers[j], self.swa.v_layers[j], self.swa.full_to_swa,

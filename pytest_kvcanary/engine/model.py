@@ -1,4 +1,5 @@
-"""A Llama/Qwen2-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied or untied head.
+"""A Llama/Qwen2-style decoder: RMSNorm, RoPE, GQA or latent (MLA) attention, SwiGLU MLP, tied or
+untied head.
 
 Module names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...), so the
 state dict is an HF checkpoint. A request's context key (an adapter id; 0 = none) adds a fixed
@@ -59,6 +60,45 @@ class Attention(nn.Module):
         return self.o_proj(kv(self.layer, q, k, v, self.window).reshape(t, -1))
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek-V2-style multi-head latent attention, simplified (no query compression). A token's
+    KV is one latent row ``[c, k_rope]``: c = its compressed KV (kv_lora_rank, RMS-normed), k_rope =
+    its rotary key (qk_rope_head_dim, RoPE applied, shared by all heads). Head h's key is
+    ``[W_UK[h] c, k_rope]`` and its value ``W_UV[h] c`` (kv_b_proj). Attention runs over the latent
+    rows themselves, W_UK applied to the query and W_UV to the output (weight absorption, as MLA
+    decode kernels do; the same attention): the KV access sees one KV head whose values are its keys,
+    and the rotary part of the output is dropped."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.num_heads, self.head_dim = layer, cfg.num_heads, cfg.head_dim
+        self.rank, self.rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.num_heads * (cfg.head_dim + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_eps)
+        self.kv_b_proj = nn.Linear(self.rank, cfg.num_heads * 2 * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden, bias=False)
+        # Attention scales scores by latent_dim ** -0.5; a head's true key dimension is head_dim + rope.
+        self.q_scale = (cfg.latent_dim / (cfg.head_dim + self.rope)) ** 0.5
+
+    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The latent rows [T, latent_dim] the tokens store."""
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), apply_rope(k_rope[:, None, :], cos, sin)[:, 0]], dim=-1)
+
+    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK, W_UV: [heads, head_dim, kv_lora_rank] each."""
+        return self.kv_b_proj.weight.view(self.num_heads, 2 * self.head_dim, self.rank).split(self.head_dim, dim=1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+        t = x.shape[0]
+        q_nope, q_rope = self.q_proj(x).view(t, self.num_heads, -1).split([self.head_dim, self.rope], dim=-1)
+        w_uk, w_uv = self.up_projections()
+        q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), apply_rope(q_rope, cos, sin)], dim=-1)
+        out = kv(self.layer, q * self.q_scale, self.latent(x, cos, sin)[:, None, :], None, None)
+        return self.o_proj(torch.einsum("thr,hdr->thd", out[..., :self.rank], w_uv).reshape(t, -1))
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -74,7 +114,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = LatentAttention(cfg, layer) if cfg.attention == "mla" else Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
@@ -95,7 +135,7 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
                 context_keys: torch.Tensor | None = None) -> torch.Tensor:
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         x = self.embed_tokens(input_ids)
         if context_keys is not None:  # sin(0) = 0: no context, no offset
             x = x + (0.5 * torch.sin(context_keys.float()[:, None] * self.adapter_freqs[None, :])).to(x.dtype)

@@ -64,8 +64,11 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
 
 def save_checkpoint(model: CausalLM, path: str | Path) -> None:
     """Write model as an HF checkpoint (config.json + model.safetensors) that read_config and
-    load_weights read back."""
+    load_weights read back. Llama / Qwen2 layouts only (attention mha or swa)."""
     cfg, path = model.cfg, Path(path)
+    if cfg.attention == "mla":
+        raise ValueError(f"save_checkpoint writes Llama / Qwen2 checkpoints: attention must be mha or swa; "
+                         f"got {cfg.attention!r}")
     path.mkdir(parents=True, exist_ok=True)
     hf = dict(
         model_type="qwen2" if cfg.qkv_bias else "llama",

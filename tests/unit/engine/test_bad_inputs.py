@@ -9,7 +9,7 @@ from pytest_kvcanary.engine import ByteTokenizer, Engine, EngineConfig, ModelCon
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(attention="mla"), "attention must be one of mha, swa; got 'mla'"),
+    (dict(attention="gqa"), "attention must be one of mha, swa, mla; got 'gqa'"),
     (dict(hidden=0), "hidden must be an integer >= 1; got 0"),
     (dict(num_layers=2.5), "num_layers must be an integer >= 1; got 2.5"),
     (dict(num_heads=4, num_kv_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads; got 3"),
@@ -18,6 +18,11 @@ from pytest_kvcanary.engine import ByteTokenizer, Engine, EngineConfig, ModelCon
     (dict(attention="swa", window=0), "window must be an integer >= 1; got 0"),
     (dict(dtype=torch.int32), "dtype must be one of"),
     (dict(rope_theta=0.0), "rope_theta and rms_eps must be > 0"),
+    (dict(attention="mla", qk_rope_head_dim=7), "qk_rope_head_dim must be even"),
+    (dict(attention="mla", kv_lora_rank=0), "kv_lora_rank must be an integer >= 1; got 0"),
+    (dict(attention="mla", kv_lora_rank=30, qk_rope_head_dim=4, dtype=torch.bfloat16),
+     r"kv_lora_rank \+ qk_rope_head_dim \(34\) must make a latent row of a multiple of 16 bytes in "
+     r"torch.bfloat16; got 68 bytes"),
 ])
 def test_model_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -37,7 +42,7 @@ def test_engine_config_errors(kwargs, match):
         EngineConfig(**kwargs)
 
 
-@pytest.mark.parametrize("attention", ["mha", "swa"])
+@pytest.mark.parametrize("attention", ["mha", "swa", "mla"])
 def test_submit_errors(attention):
     model = ModelConfig(attention=attention, max_context=32)
     engine = Engine(EngineConfig(model=model, num_slots=40, swa_num_slots=12, max_batch_tokens=32))

@@ -10,12 +10,12 @@ from kvcanary_kernels.records import PREV_CHAIN_HEAD, GroupKind
 from pytest_kvcanary.canary.host import CanaryHost, ForwardHooks
 
 
-@pytest.mark.parametrize("attention", ["mha", "swa"])
+@pytest.mark.parametrize("attention", ["mha", "swa", "mla"])
 def test_canary_groups_cover_the_pools(attention, make_engine):
     engine = make_engine(attention, num_slots=64, swa_num_slots=32)
     assert isinstance(engine, CanaryHost)
     groups = engine.canary_groups()
-    assert [g.kind for g in groups] == ([GroupKind.FULL] if attention == "mha" else [GroupKind.FULL, GroupKind.SWA])
+    assert [g.kind for g in groups] == ([GroupKind.FULL, GroupKind.SWA] if attention == "swa" else [GroupKind.FULL])
     full = groups[0]
     table = engine.req_to_token_pool.table
     assert full.num_slots == 64 and full.page_size == 1 and full.window is None
@@ -23,6 +23,9 @@ def test_canary_groups_cover_the_pools(attention, make_engine):
     assert table.shape == (engine.config.max_running, engine.config.model.max_context)
     assert all(k is p for k, p in zip(full.k_layers, engine.pools.full.k_layers))
     assert sum(len(g.k_layers) for g in groups) == engine.config.model.num_layers
+    if attention == "mla":  # one latent half
+        model = engine.config.model
+        assert full.v_layers == [] and full.k_layers[0].shape == (64, model.kv_lora_rank + model.qk_rope_head_dim)
     if attention == "swa":
         swa = groups[1]
         assert swa.num_slots == 32 and swa.window == engine.config.model.window

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.mark.parametrize("attention", ["mha", "swa"])
+@pytest.mark.parametrize("attention", ["mha", "swa", "mla"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matches_reference_with_roomy_pools(attention, seed, make_engine, random_prompts, assert_reference,
                                             shadow_canary):
@@ -20,7 +20,7 @@ def test_matches_reference_with_roomy_pools(attention, seed, make_engine, random
     assert len({t for out in outputs for t in out}) > 10, "outputs too uniform to tell KV errors apart"
 
 
-@pytest.mark.parametrize("attention", ["mha", "swa"])
+@pytest.mark.parametrize("attention", ["mha", "swa", "mla"])
 def test_matches_reference_under_memory_pressure(attention, make_engine, random_prompts, assert_reference,
                                                  shadow_canary, check_invariants):
     engine = make_engine(attention, num_slots=56, swa_num_slots=40, max_running=4)

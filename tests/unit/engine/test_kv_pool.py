@@ -11,7 +11,7 @@ from pytest_kvcanary.engine.kv_pool import KVPool, KVPools, ReqToTokenPool
 
 
 def test_alloc_free_never_hands_out_slot_zero():
-    pool = KVPool(5, 2, 2, 16, torch.float32, torch.device("cpu"))
+    pool = KVPool(5, 2, (2, 16), torch.float32, torch.device("cpu"))
     assert pool.k_layers[0].shape == (5, 2, 16) and len(pool.v_layers) == 2
     slots = pool.alloc(4)
     assert sorted(slots.tolist()) == [1, 2, 3, 4] and pool.alloc(1) is None and pool.num_free == 0
@@ -40,6 +40,19 @@ def test_pools_keep_full_and_swa_in_step():
     assert pools.swa.full_to_swa[a[0]] > 0 and pools.swa.full_to_swa[b[0]] == 0
     pools.free(torch.cat([a, b]), "test")
     assert pools.full.num_free == 9 and pools.swa.num_free == 3 and not pools.swa.full_to_swa.any()
+
+
+def test_mla_pool_holds_one_latent_row_per_slot_and_layer():
+    model = ModelConfig(attention="mla", num_layers=3, kv_lora_rank=24, qk_rope_head_dim=8)
+    pools = KVPools(EngineConfig(model=model, num_slots=10))
+    assert pools.swa is None and pools.full.v_layers == []
+    assert [t.shape for t in pools.full.k_layers] == [(10, 32)] * 3
+    layer = pools.layer(2)
+    assert layer.v is None and layer.group is GroupKind.FULL and layer.index == 2
+    assert layer.k.shape == (10, 1, 32) and layer.k.data_ptr() == pools.full.k_layers[2].data_ptr()
+    slots = pools.alloc(2)
+    layer.k[slots] = torch.ones(2, 1, 32)
+    assert pools.full.k_layers[2][slots].eq(1).all(), "the one-head view writes the latent buffer"
 
 
 def test_req_to_token_rows_and_reads_are_copies():

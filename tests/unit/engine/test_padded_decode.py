@@ -8,7 +8,7 @@ import torch
 from pytest_kvcanary.engine import EngineConfig
 
 
-@pytest.mark.parametrize("attention", ["mha", "swa"])
+@pytest.mark.parametrize("attention", ["mha", "swa", "mla"])
 def test_padded_decode_equals_eager_decode_and_the_no_cache_reference(attention, make_engine, random_prompts,
                                                                       assert_reference, check_invariants):
     prompts = random_prompts(7, 5)  # 7 requests: decode batches of 7 run padded to 8, fewer to 4 / 2 / 1

@@ -21,7 +21,7 @@ from pytest_kvcanary.perturb.targets import read_targets
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SEED_SWEEP_KERNELS = "triton" if DEVICE == "cuda" else "torch"
 # The pool groups of each attention kind.
-POOL_GROUPS = {"mha": ("full",), "swa": ("full", "swa")}
+POOL_GROUPS = {"mha": ("full",), "swa": ("full", "swa"), "mla": ("full",)}
 BYTE_TOKENS = 256  # prompt tokens below this; first tokens above it, one per request of a run
 LATENCY_PROPERTY = "detection_latency"
 
