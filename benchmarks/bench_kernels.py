@@ -1,22 +1,27 @@
-"""GPU benchmark of the stamp and verify kernels against device-to-device copy bandwidth.
+"""GPU benchmark of the view kernels (verify_view, stamp_view) against device-to-device copy bandwidth.
 
     python benchmarks/bench_kernels.py              # DEFAULT_TILING
     python benchmarks/bench_kernels.py --sweep      # also time a grid of tilings, keep the best
-    python benchmarks/bench_kernels.py --seq-len 64
+    python benchmarks/bench_kernels.py --seq-len 64 --page-sizes 1
 
-A pool of 2**20 slots (slot 0 reserved, every other slot live), one KV source per case:
+A pool of 2**20 slots (slot 0 reserved; with pages, block 0), one KV source per case:
   layer   bf16 [num_slots, 8 heads x 128 dim] = 2048 bytes per slot (one layer's K of a GQA model)
   row256  bf16 [num_slots, 128]               =  256 bytes per slot
-Entries cover all live slots in a random order (a fragmented pool), as sequences of --seq-len
-positions: verify checks position, chain (previous slot's record), token and, in partial/all
-mode, the fingerprint; stamp writes the records and runs the write checks (one launch), then the
-per-sequence chains (a second launch, one lane per sequence: its steps are serial, so stamp time
-grows with --seq-len).
+The batch is every live slot once, as rows of --seq-len positions mapped through an engine table
+in a random order (a fragmented pool): a per-token table (page 1) or a block table (page > 1).
+verify_view reads every row's whole prefix (a HEAD with a huge batch) and checks position, chain,
+token (a token table) and, in partial/all mode, the fingerprint; stamp_view writes the same
+positions as one extend per row (two launches: records, then one serial chain lane per row, so
+its time grows with --seq-len).
 
-Bytes counted per live entry are what the kernels must move: the entry arrays read once, the
-record fields read or written (8 bytes each; verify also reads 3 fields of the previous slot's
-record), and read_bytes of the source. GB/s is bytes / median time; "% copy" compares it with a
-``copy_`` of the source tensor, counting bytes read plus bytes written.
+Bytes counted per position are the distinct bytes a launch must move: the table entry (its
+element size / page size), the record fields read or written (8 bytes each; the predecessor's
+record is the previous position's, already counted), the token-table entry, the token arrays
+(stamp), and read_bytes of the source. Times are device times of a launch replayed from a CUDA
+graph (the way an engine that captures its forward runs the canary; L2 flushed before each
+replay), median of ``triton.testing.do_bench``. GB/s is bytes / time; "% copy" compares it with a
+``copy_`` of the source tensor, counting bytes read plus bytes written. "host us" is the host
+time of one eager call (argument checks and launch), which a captured forward does not pay.
 
 Tilings are fixed per launch, not autotuned: the kernels write records and ring counters and must
 be capturable in a CUDA graph, so benchmarking inside a launch is not an option. --sweep is how
@@ -26,6 +31,7 @@ DEFAULT_TILING was chosen.
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Callable, NamedTuple
 
 import torch
@@ -33,10 +39,10 @@ import triton
 import triton.testing
 
 from kvcanary_kernels import (
-    DEFAULT_TILING, RealDataMode, Tiling, VerifyEntries, ViolationRing, WriteEntries, layer_source,
-    stamp_records, stamp_records_ref, verify_records, verify_records_ref,
+    DEFAULT_TILING, MappingArgs, RealDataMode, Tiling, ViewArgs, ViolationRing, fingerprint_ref, layer_source,
+    stamp_view, stamp_view_ref, verify_view, verify_view_ref,
 )
-from kvcanary_kernels.records import RECORD_WIDTH
+from kvcanary_kernels.records import FIELD_REAL_KV_HASH, RECORD_WIDTH, GroupKind, Half, Phase, launch_tag
 
 
 class Case(NamedTuple):
@@ -46,89 +52,140 @@ class Case(NamedTuple):
 
 CASES = (Case("layer", 8 * 128), Case("row256", 128))
 MODES = (RealDataMode.NONE, RealDataMode.PARTIAL, RealDataMode.ALL)
+HEAD = launch_tag(Phase.HEAD, Half.K, GroupKind.FULL)
+TAIL = launch_tag(Phase.TAIL, Half.K, GroupKind.FULL)
+RECHECK = launch_tag(Phase.RECHECK, Half.K, GroupKind.FULL)
 
 
-class Plan(NamedTuple):
-    verify: VerifyEntries
-    write: WriteEntries
+class Batch(NamedTuple):
+    mapping: MappingArgs
+    head: ViewArgs  # reads every row's seq_len positions
+    tail: ViewArgs  # writes them
+    positions: int  # live positions in the batch
 
 
-def make_plan(num_slots: int, seq_len: int, device: torch.device, gen: torch.Generator) -> Plan:
-    """Every live slot once, in random order, as sequences of seq_len positions from 0."""
-    n = num_slots - 1
-    slots = (torch.randperm(n, generator=gen) + 1).to(device)
-    index = torch.arange(n, device=device)
-    positions = index % seq_len
-    prev = torch.where(positions == 0, -1, torch.roll(slots, 1))
-    tokens = torch.randint(0, 50_000, (n,), generator=gen).to(device)
-    rows = index // seq_len
-    seg_starts = torch.arange(0, n, seq_len, device=device)
-    seg_lens = (n - seg_starts).clamp(max=seq_len)
-    verify = VerifyEntries(slots, positions, prev, tokens, rows)
-    write = WriteEntries(slots, tokens, positions, positions.clone(), tokens.clone(), rows,
-                         seg_starts, seg_lens, torch.full_like(seg_starts, -1))
-    return Plan(verify, write)
+def make_batch(num_slots: int, seq_len: int, page_size: int, device: torch.device, gen: torch.Generator) -> Batch:
+    """Every live slot (every block past block 0) once, in random order, as rows of seq_len."""
+    pages_per_row = -(-seq_len // page_size)
+    rows = (num_slots // page_size - 1) // pages_per_row
+    blocks = torch.randperm(num_slots // page_size - 1, generator=gen)[: rows * pages_per_row] + 1
+    table = blocks.view(rows, pages_per_row).to(device)
+    n = rows * seq_len
+    tokens = torch.randint(0, 50_000, (rows, seq_len), generator=gen).to(device)
+    index = torch.arange(rows, device=device)
+    full = torch.full((rows,), seq_len, dtype=torch.int64, device=device)
+    none = torch.zeros(rows, dtype=torch.int64, device=device)
+    head = ViewArgs(index, full, none, torch.zeros(1, dtype=torch.int64, device=device),
+                    torch.zeros(1, dtype=torch.int64, device=device), tokens, None)
+    positions = torch.arange(seq_len, device=device).repeat(rows)
+    tail = ViewArgs(index, none, full, tokens.flatten(), positions, tokens, None)
+    return Batch(MappingArgs(table, page_size, 0, None), head, tail, n)
 
 
-def verify_bytes(plan: Plan, sources) -> int:
-    v = plan.verify
-    live = int((v.slots != 0).sum())
-    with_prev = int((v.prev_slots >= 0).sum())
-    entry = 4 * 8  # slots, positions, prev_slots, tokens
-    record = (3 + (1 if sources else 0)) * 8  # position, prev_hash, token (+ real_kv_hash)
-    return live * (entry + record + sum(s.read_bytes for s in sources)) + with_prev * 3 * 8
+def verify_bytes(batch: Batch, sources) -> int:
+    table = batch.mapping.table.element_size() / batch.mapping.page_size
+    record = (4 if sources else 3) * 8  # position, prev_hash, token (+ real_kv_hash)
+    return int(batch.positions * (table + record + 8 + sum(s.read_bytes for s in sources)))  # + token table
 
 
-def stamp_bytes(plan: Plan, sources) -> int:
-    w = plan.write
-    live = int((w.slots != 0).sum())
-    entry = 5 * 8  # slots, tokens, positions, expected_positions, expected_tokens
-    record = RECORD_WIDTH * 8
-    return live * (entry + record + sum(s.read_bytes for s in sources))
+def stamp_bytes(batch: Batch, sources) -> int:
+    table = batch.mapping.table.element_size() / batch.mapping.page_size
+    inputs = 3 * 8  # input id, position, token-table entry
+    return int(batch.positions * (table + inputs + RECORD_WIDTH * 8 + sum(s.read_bytes for s in sources)))
 
 
 def median_ms(fn: Callable[[], None]) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def check_against_reference(device: torch.device) -> None:
-    """Kernels == references on a small pool of each case and mode, clean and corrupted, and a
-    verify launch replayed from a CUDA graph."""
+def copy_ms(src: torch.Tensor) -> float:
+    """Median time of a device-to-device ``copy_`` of ``src``."""
+    dst = torch.empty_like(src)
+    return median_ms(lambda: dst.copy_(src))
+
+
+def device_ms(fn: Callable[[], None]) -> float:
+    """Median device time of one call of ``fn``, replayed from a CUDA graph (as inside a captured
+    forward), so the host's launch cost does not count; L2 is flushed before each replay."""
+    fn()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
+def host_us(fn: Callable[[], None], calls: int = 200) -> float:
+    """Host time of one eager call (argument checks and the launch), the device kept busy."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def attach(num_slots: int, sources, device: torch.device) -> torch.Tensor:
+    """Records with slot 0's fingerprint, as the runtime writes them when it attaches."""
+    records = torch.zeros(num_slots, RECORD_WIDTH, dtype=torch.int64, device=device)
+    records[0, FIELD_REAL_KV_HASH] = fingerprint_ref(sources, torch.zeros(1, dtype=torch.int64, device=device))[0]
+    return records
+
+
+def check_against_reference(device: torch.device, page_sizes: list[int]) -> None:
+    """Kernels == references on a small pool of each case, mode and mapping, clean and corrupted,
+    and a HEAD + TAIL + RECHECK forward replayed from a CUDA graph."""
     gen = torch.Generator().manual_seed(0)
     for case in CASES:
         kv = torch.randn(4096, case.row_elems, generator=gen).to(device, torch.bfloat16)
-        plan = make_plan(kv.shape[0], 100, device, gen)
-        for mode in MODES:
-            src = layer_source(kv, 1, mode)
-            sources = [src] if src else []
-            results = []
-            for stamp, verify in ((stamp_records, verify_records), (stamp_records_ref, verify_records_ref)):
-                records = torch.zeros(kv.shape[0], RECORD_WIDTH, dtype=torch.int64, device=device)
-                ring = ViolationRing(64, device)
-                stamp(records, plan.write, sources, ring, 2)
-                verify(records, plan.verify, sources, ring, 0)
-                clean = ring.total()
-                records[plan.verify.slots[::500], 0] += 1
-                verify(records, plan.verify, sources, ring, 0)
-                rows = sorted(map(tuple, ring.read(0, ring.total()).tolist()))
-                results.append((records.cpu(), clean, ring.total(), rows))
-            (rec_k, clean_k, total_k, rows_k), (rec_r, clean_r, total_r, rows_r) = results
-            assert torch.equal(rec_k, rec_r), f"{case.name}/{mode.value}: records differ"
-            assert clean_k == clean_r == 0, f"{case.name}/{mode.value}: clean verify reported {clean_k}"
-            assert total_k == total_r > 0 and rows_k == rows_r, f"{case.name}/{mode.value}: rows differ"
-    records = torch.zeros(kv.shape[0], RECORD_WIDTH, dtype=torch.int64, device=device)
-    ring = ViolationRing(64, device)
+        for page_size in page_sizes:
+            batch = make_batch(kv.shape[0], 100, page_size, device, gen)
+            for mode in MODES:
+                src = layer_source(kv, 1, mode)
+                sources = [src] if src else []
+                results = []
+                for stamp, verify in ((stamp_view, verify_view), (stamp_view_ref, verify_view_ref)):
+                    records = attach(kv.shape[0], sources, device)
+                    ring = ViolationRing(64, device)
+                    opts = dict(max_context=100, check_tokens=True, sentinel=True)
+                    stamp(records, sources, batch.mapping, batch.tail, ring, TAIL, check_tokens=True,
+                          check_write_inputs=True)
+                    verify(records, sources, batch.mapping, batch.head, ring, HEAD, window=0, **opts)
+                    clean = int(ring.count)
+                    records[batch.mapping.table[::7, 80 // page_size] * page_size + 80 % page_size, 0] += 1
+                    verify(records, sources, batch.mapping, batch.head, ring, HEAD, window=30, **opts)
+                    claimed = int(ring.count)
+                    rows = sorted(map(tuple, ring.rows[:claimed].tolist()))
+                    results.append((records.cpu(), clean, claimed, rows))
+                (rec_k, clean_k, total_k, rows_k), (rec_r, clean_r, total_r, rows_r) = results
+                what = f"{case.name}/page {page_size}/{mode.value}"
+                assert torch.equal(rec_k, rec_r), f"{what}: records differ"
+                assert clean_k == clean_r == 0, f"{what}: clean verify reported {clean_k}"
+                assert total_k == total_r > 0 and rows_k == rows_r, f"{what}: rows differ"
     sources = [layer_source(kv, 1, RealDataMode.ALL)]
-    stamp_records(records, plan.write, sources, ring, 2)
-    verify_records(records, plan.verify, sources, ring, 0)  # compiles outside the capture
+    records = attach(kv.shape[0], sources, device)
+    ring = ViolationRing(64, device)
+
+    def forward() -> None:
+        verify_view(records, sources, batch.mapping, batch.head, ring, HEAD, window=0, max_context=100,
+                    check_tokens=True, sentinel=True)
+        stamp_view(records, sources, batch.mapping, batch.tail, ring, TAIL, check_tokens=True,
+                   check_write_inputs=True)
+        verify_view(records, sources, batch.mapping, batch.head, ring, RECHECK, window=0, max_context=100,
+                    check_tokens=True, sentinel=True)
+
+    stamp_view(records, sources, batch.mapping, batch.tail, ring, TAIL, check_tokens=True, check_write_inputs=True)
+    forward()  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        verify_records(records, plan.verify, sources, ring, 0)
+        forward()
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    assert ring.kernel_runs[0].item() == 4 and ring.total() == 0, "graph replay"
-    print("check: kernels == references on every case and mode; graph replay counts launches")
+    runs = ring.kernel_runs.tolist()
+    assert (runs[HEAD], runs[TAIL], runs[RECHECK]) == (4, 5, 4) and int(ring.count) == 0, f"graph replay: {runs}"
+    print("check: kernels == references on every case, mode and mapping; graph replay counts launches")
 
 
 def sweep_tilings(read_words: int) -> list[Tiling]:
@@ -137,69 +194,86 @@ def sweep_tilings(read_words: int) -> list[Tiling]:
     return [Tiling(b, c, w) for b in (64, 128, 256) for w in (2, 4, 8) if b == 32 * w for c in chunks]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--slots", type=int, default=1 << 20)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16], help="mapping pages to time")
+    parser.add_argument("--ops", nargs="+", choices=("verify", "stamp"), default=["verify", "stamp"])
     parser.add_argument("--sweep", action="store_true", help="time a grid of tilings per row")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for page in args.page_sizes:
+        if page < 1 or page & (page - 1) or args.slots % page:
+            parser.error(f"--page-sizes takes powers of two that divide --slots; got {page}")
+    if args.seq_len < 1 or args.slots < 4 * args.seq_len:
+        parser.error(f"--seq-len must be >= 1 and --slots >= 4 * --seq-len; got {args.seq_len} and {args.slots}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
-          f"triton {triton.__version__}; {args.slots} slots, sequences of {args.seq_len}")
-    check_against_reference(device)
+          f"triton {triton.__version__}; {args.slots} slots, rows of {args.seq_len}")
+    check_against_reference(device, args.page_sizes)
 
     gen = torch.Generator().manual_seed(1)
-    plan = make_plan(args.slots, args.seq_len, device, gen)
     kv_gen = torch.Generator(device).manual_seed(2)
     table = []
     for case in CASES:
         kv = torch.randn(args.slots, case.row_elems, generator=kv_gen, device=device, dtype=torch.bfloat16)
-        copy_dst = torch.empty_like(kv)
         copy_bytes = 2 * kv.numel() * kv.element_size()
-        copy_gbs = copy_bytes / median_ms(lambda: copy_dst.copy_(kv)) / 1e6
-        del copy_dst
+        copy_gbs = copy_bytes / copy_ms(kv) / 1e6
         print(f"\n{case.name}: {kv.shape[1] * 2} bytes per slot; copy {copy_gbs:.0f} GB/s")
-        table.append((case.name, "copy", "-", "-", copy_bytes / copy_gbs / 1e3, copy_bytes, copy_gbs, 1.0))
-        records = torch.zeros(args.slots, RECORD_WIDTH, dtype=torch.int64, device=device)
-        ring = ViolationRing(1024, device)
-        for mode in MODES:
-            src = layer_source(kv, 1, mode)
-            sources = [src] if src else []
-            stamp_records(records, plan.write, sources, ring, 2)
-            ops = {
-                "verify": (verify_bytes(plan, sources),
-                           lambda t: verify_records(records, plan.verify, sources, ring, 0, tiling=t)),
-                "stamp": (stamp_bytes(plan, sources),
-                          lambda t: stamp_records(records, plan.write, sources, ring, 2, tiling=t)),
-            }
-            for op, (nbytes, run) in ops.items():
-                candidates = [DEFAULT_TILING]
-                if args.sweep:
-                    candidates += [t for t in sweep_tilings(src.read_bytes // 8 if src else 0)
-                                   if t != DEFAULT_TILING]
-                timings = {}
-                for tiling in candidates:
-                    timings[tiling] = median_ms(lambda: run(tiling))
-                    gbs = nbytes / timings[tiling] / 1e6
-                    print(f"  {op:6s} {mode.value:7s} block={tiling.block:4d} chunk={tiling.chunk:3d} "
-                          f"warps={tiling.num_warps}: "
-                          f"{timings[tiling] * 1e3:8.1f} us {gbs:7.0f} GB/s {gbs / copy_gbs:6.1%}")
-                chosen = min(timings, key=timings.get)
-                ms = timings[chosen]
-                gbs = nbytes / ms / 1e6
-                table.append((case.name, op, mode.value, "/".join(map(str, chosen)), ms * 1e3,
-                              nbytes, gbs, gbs / copy_gbs))
-        torch.cuda.synchronize()
-        assert ring.total() == 0, f"clean runs reported {ring.total()} violations"
-        del kv, records
+        table.append((case.name, "copy", "-", "-", "-", copy_bytes / copy_gbs / 1e3, copy_bytes, copy_gbs, 1.0,
+                      float("nan")))
+        for page_size in args.page_sizes:
+            batch = make_batch(args.slots, args.seq_len, page_size, device, gen)
+            ring = ViolationRing(1024, device)
+            for mode in MODES:
+                src = layer_source(kv, 1, mode)
+                sources = [src] if src else []
+                records = attach(args.slots, sources, device)
+                stamp_view(records, sources, batch.mapping, batch.tail, ring, TAIL, check_tokens=True,
+                           check_write_inputs=True)
+                ops = {
+                    "verify": (verify_bytes(batch, sources), lambda t: verify_view(
+                        records, sources, batch.mapping, batch.head, ring, HEAD, window=0, max_context=args.seq_len,
+                        check_tokens=True, sentinel=True, tiling=t)),
+                    "stamp": (stamp_bytes(batch, sources), lambda t: stamp_view(
+                        records, sources, batch.mapping, batch.tail, ring, TAIL, check_tokens=True,
+                        check_write_inputs=True, tiling=t)),
+                }
+                for op in args.ops:
+                    nbytes, run = ops[op]
+                    candidates = [DEFAULT_TILING]
+                    if args.sweep:
+                        candidates += [t for t in sweep_tilings(src.read_bytes // 8 if src else 0)
+                                       if t != DEFAULT_TILING]
+                    timings = {}
+                    for tiling in candidates:
+                        timings[tiling] = device_ms(lambda: run(tiling))
+                        gbs = nbytes / timings[tiling] / 1e6
+                        print(f"  page {page_size:2d} {op:6s} {mode.value:7s} block={tiling.block:4d} "
+                              f"chunk={tiling.chunk:3d} warps={tiling.num_warps}: "
+                              f"{timings[tiling] * 1e3:8.1f} us {gbs:7.0f} GB/s {gbs / copy_gbs:6.1%}")
+                    chosen = min(timings, key=timings.get)
+                    ms = timings[chosen]
+                    gbs = nbytes / ms / 1e6
+                    table.append((case.name, op, page_size, mode.value, "/".join(map(str, chosen)), ms * 1e3,
+                                  nbytes, gbs, gbs / copy_gbs, host_us(lambda: run(chosen))))
+            torch.cuda.synchronize()
+            assert int(ring.count) == 0, f"clean runs reported {int(ring.count)} violations"
+        del kv
 
-    print("\n| case | op | mode | block/chunk/warps | time (us) | MB moved | GB/s | % of copy |")
-    print("|---|---|---|---|---:|---:|---:|---:|")
-    for name, op, mode, tiling, us, nbytes, gbs, ratio in table:
-        print(f"| {name} | {op} | {mode} | {tiling} | {us:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | {ratio:.0%} |")
+    print("\n| case | op | page | mode | block/chunk/warps | time (us) | MB moved | GB/s | % of copy | host us |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for name, op, page, mode, tiling, us, nbytes, gbs, ratio, host in table:
+        print(f"| {name} | {op} | {page} | {mode} | {tiling} | {us:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | {ratio:.0%} "
+              f"| {host:.0f} |")
 
 
 if __name__ == "__main__":

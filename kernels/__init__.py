@@ -14,6 +14,7 @@ from typing import Any
 _LAZY = {
     "CHAIN_HEAD_HASH": "hashing",
     "head_hash_int": "hashing",
+    "head_hash_torch": "hashing",
     "mix3_int": "hashing",
     "mix3_torch": "hashing",
     "mix_int": "hashing",

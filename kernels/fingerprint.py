@@ -4,8 +4,9 @@ Per source, over the slot's first ``read_words`` int64 words ``w_i``:
 ``source_hash = sum_i mix(w_i ^ mix(i + 1))`` (wrapping uint64). Per slot, over the sources in
 order: ``acc = 0; acc = mix(acc ^ source_hash)``. With no sources the fingerprint is 0.
 
-Each source is passed as ``(words, row_stride, page_size, words_per_token)`` plus constexpr
-``READ_WORDS`` and ``CHUNK`` (a power of two); slot ``s`` reads
+The sources travel as two tuples, ``launch.source_args(sources, chunk)``: per source
+``(words, row_stride, words_per_token)`` and the constexpr ``(READ_WORDS, CHUNK, PAGE_SIZE)``
+(CHUNK a power of two); slot ``s`` reads
 ``words[(s // page_size) * row_stride + (s % page_size) * words_per_token + i]``. A program walks
 its slots' words in ``[BLOCK, CHUNK]`` tiles (coalesced 16-byte loads along each slot's row, one
 tile ahead of the hashing, streamed past L2 so records stay cached), adds the hashed words into a
@@ -21,11 +22,11 @@ from .hashing import as_u64, mix
 
 
 @triton.jit
-def source_hash(words, row_stride, page_size, words_per_token, slots, mask,
-                READ_WORDS: tl.constexpr, CHUNK: tl.constexpr):
+def source_hash(words, row_stride, words_per_token, slots, mask, READ_WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                PAGE_SIZE: tl.constexpr):
     """uint64 hash of one source's words for each lane's slot (lanes off ``mask``: meaningless)."""
     # Every source offset is a multiple of 16 bytes (validated on the host).
-    base = tl.multiple_of((slots // page_size) * row_stride + (slots % page_size) * words_per_token, 2)
+    base = tl.multiple_of((slots // PAGE_SIZE) * row_stride + (slots % PAGE_SIZE) * words_per_token, 2)
     cols = tl.arange(0, CHUNK)
     ptrs = words + base[:, None] + cols[None, :]
     tile = tl.load(ptrs, mask=mask[:, None] & (cols < READ_WORDS)[None, :], other=0,
@@ -45,22 +46,12 @@ def source_hash(words, row_stride, page_size, words_per_token, slots, mask,
 
 
 @triton.jit
-def slot_fingerprint(slots, mask,
-                     src0, stride0, page0, wpt0,
-                     src1, stride1, page1, wpt1,
-                     src2, stride2, page2, wpt2,
-                     src3, stride3, page3, wpt3,
-                     NUM_SOURCES: tl.constexpr,
-                     RW0: tl.constexpr, CHUNK0: tl.constexpr, RW1: tl.constexpr, CHUNK1: tl.constexpr,
-                     RW2: tl.constexpr, CHUNK2: tl.constexpr, RW3: tl.constexpr, CHUNK3: tl.constexpr):
-    """uint64 fingerprint of each lane's slot over the first NUM_SOURCES sources."""
+def slot_fingerprint(sources, READS: tl.constexpr, slots, mask):
+    """uint64 fingerprint of each lane's slot over the sources (0 with none)."""
     acc = tl.zeros(slots.shape, tl.uint64)
-    if NUM_SOURCES > 0:
-        acc = mix(acc ^ source_hash(src0, stride0, page0, wpt0, slots, mask, RW0, CHUNK0))
-    if NUM_SOURCES > 1:
-        acc = mix(acc ^ source_hash(src1, stride1, page1, wpt1, slots, mask, RW1, CHUNK1))
-    if NUM_SOURCES > 2:
-        acc = mix(acc ^ source_hash(src2, stride2, page2, wpt2, slots, mask, RW2, CHUNK2))
-    if NUM_SOURCES > 3:
-        acc = mix(acc ^ source_hash(src3, stride3, page3, wpt3, slots, mask, RW3, CHUNK3))
+    for k in tl.static_range(len(READS)):
+        words, row_stride, words_per_token = sources[k]
+        # Indexed, not unpacked: unpacking a constexpr tuple loses constexpr-ness when compiled.
+        acc = mix(acc ^ source_hash(words, row_stride, words_per_token, slots, mask,
+                                    READS[k][0], READS[k][1], READS[k][2]))
     return acc

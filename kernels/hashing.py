@@ -2,7 +2,8 @@
 
 ``mix`` is the splitmix64 finalizer; ``mix3(a, b, c)`` folds three values in order
 (``h = mix(a); h = mix(h ^ b); h = mix(h ^ c)``). A record passes ``mix3(prev_hash, token,
-position)`` to its successor; a chain head (position 0) holds ``mix(ANCHOR)``.
+position)`` to its successor; a chain head (position 0) of a request with context key c holds
+``head_hash(c) = mix(ANCHOR ^ c)`` (c = 0: no context, ``mix(ANCHOR)``).
 
 Hashes are uint64 values; tensors hold their int64 bit pattern. ``to_signed`` converts a Python
 uint64 to that pattern.
@@ -45,8 +46,13 @@ def mix3_int(a: int, b: int, c: int) -> int:
     return mix_int(mix_int(mix_int(a) ^ (b & _U64)) ^ (c & _U64))
 
 
-# The prev_hash a chain head holds, as uint64 and as its int64 bit pattern.
-CHAIN_HEAD_HASH_U64 = mix_int(ANCHOR)
+def head_hash_int(context_key: int = 0) -> int:
+    """The prev_hash a chain head with this context key holds (uint64)."""
+    return mix_int(ANCHOR ^ (context_key & _U64))
+
+
+# The prev_hash a chain head without a context key holds, as uint64 and as its int64 bit pattern.
+CHAIN_HEAD_HASH_U64 = head_hash_int(0)
 CHAIN_HEAD_HASH = to_signed(CHAIN_HEAD_HASH_U64)
 
 
@@ -74,9 +80,14 @@ def mix3_torch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tenso
     return mix_torch(mix_torch(mix_torch(a) ^ b) ^ c)
 
 
+def head_hash_torch(context_keys: torch.Tensor) -> torch.Tensor:
+    """``head_hash`` of each int64 context key."""
+    return mix_torch(context_keys ^ ANCHOR)
+
+
 # ---- Triton (uint64 inside kernels) -------------------------------------------------------
 
-CHAIN_HEAD_HASH_JIT = tl.constexpr(CHAIN_HEAD_HASH_U64)
+ANCHOR_JIT = tl.constexpr(ANCHOR)
 
 
 @triton.jit
@@ -104,3 +115,9 @@ def mix(x):
 def mix3(a, b, c):
     """mix3 on uint64 values."""
     return mix(mix(mix(a) ^ b) ^ c)
+
+
+@triton.jit
+def head_hash(context_keys):
+    """uint64 prev_hash of a chain head for each int64 context key."""
+    return mix(as_u64(context_keys) ^ ANCHOR_JIT)

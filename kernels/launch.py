@@ -1,5 +1,6 @@
 """Host side of a kernel launch, shared by the kernels and their references: argument checks,
-the tile choice, and the per-source kernel arguments.
+the tile choice, the grid sizes, and the packed kernel arguments (tuples: a source, the mapping,
+the ring), so each kernel names them once.
 
 Checks read only shapes, dtypes and devices, so they never synchronise with the device.
 """
@@ -9,14 +10,21 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
-import triton
 
+from .entries import MappingArgs, VerifyEntries, ViewArgs
 from .records import RECORD_WIDTH, split_tag
 from .ring import ViolationRing
 from .sources import MAX_SOURCES, RealKvSource
 
-# Segment fields of WriteEntries; every other field has one value per entry.
-SEGMENT_FIELDS = ("seg_starts", "seg_lens", "seed_slots")
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b) (Triton's helpers cost microseconds per call on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Host-side smallest power of two >= n (>= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class Tiling(NamedTuple):
@@ -29,9 +37,16 @@ class Tiling(NamedTuple):
     num_warps: int
 
 
-# 128 entries x 16 words (128 bytes) per slot per step, 4 warps: the best verify tiling on an H200
-# for 256- and 2048-byte slots (benchmarks/bench_kernels.py --sweep).
+# 128 entries x 16 words (128 bytes) per slot per step, 4 warps: the best verify_view tiling on an
+# H100 for 256-byte slots and within 2% of the best for 2048-byte ones (benchmarks/bench_kernels.py
+# --sweep); the entry-based verify chose it on an H200 too.
 DEFAULT_TILING = Tiling(block=128, chunk=16, num_warps=4)
+
+# A view launch has about this many programs per multiprocessor at most (CPU: programs in all,
+# since Triton's interpreter runs them one after another); a batch row's tiles are shared among
+# its programs, which loop over them.
+PROGRAMS_PER_SM = 64
+CPU_PROGRAMS = 4
 
 
 def check_tiling(tiling: Tiling) -> None:
@@ -40,9 +55,7 @@ def check_tiling(tiling: Tiling) -> None:
             raise ValueError(f"tiling.{name} must be a power of two; got {value}")
 
 
-def check_launch(records: torch.Tensor, entries: NamedTuple, sources: Sequence[RealKvSource],
-                 ring: ViolationRing, tag: int) -> None:
-    """Raises ValueError naming the offending argument and value."""
+def check_records(records: torch.Tensor) -> None:
     if not isinstance(records, torch.Tensor):
         raise ValueError(f"records must be a tensor; got {type(records).__name__}")
     if records.dtype != torch.int64:
@@ -51,8 +64,12 @@ def check_launch(records: torch.Tensor, entries: NamedTuple, sources: Sequence[R
         raise ValueError(f"records must be [num_slots, {RECORD_WIDTH}]; got {tuple(records.shape)}")
     if not records.is_contiguous():
         raise ValueError(f"records must be contiguous; got strides {records.stride()}")
+
+
+def check_common(records: torch.Tensor, sources: Sequence[RealKvSource], ring: ViolationRing, tag: int) -> None:
+    """Records, sources (on the records' device, covering every slot), ring and tag."""
+    check_records(records)
     device = records.device
-    _check_entries(entries, device)
     if len(sources) > MAX_SOURCES:
         raise ValueError(f"sources holds at most {MAX_SOURCES}; got {len(sources)}")
     for i, src in enumerate(sources):
@@ -61,9 +78,7 @@ def check_launch(records: torch.Tensor, entries: NamedTuple, sources: Sequence[R
         if src.tensor.device != device:
             raise ValueError(f"sources[{i}].tensor is on {src.tensor.device}; records are on {device}")
         if src.num_slots < records.shape[0]:
-            raise ValueError(
-                f"sources[{i}] covers {src.num_slots} slots; records have {records.shape[0]}"
-            )
+            raise ValueError(f"sources[{i}] covers {src.num_slots} slots; records have {records.shape[0]}")
     if not isinstance(ring, ViolationRing):
         raise ValueError(f"ring must be a ViolationRing; got {type(ring).__name__}")
     if ring.rows.device != device:
@@ -71,39 +86,149 @@ def check_launch(records: torch.Tensor, entries: NamedTuple, sources: Sequence[R
     split_tag(tag)
 
 
-def _check_entries(entries: NamedTuple, device: torch.device) -> None:
-    kind = type(entries).__name__
-    lengths: dict[bool, tuple[str, int]] = {}
+def check_vector(name: str, t: object, device: torch.device, length: int | None = None) -> None:
+    """``t`` is a contiguous 1-D int64 tensor on ``device`` (of ``length``, when given)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor; got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise ValueError(f"{name} must be int64; got {t.dtype}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be 1-D and contiguous; got shape {tuple(t.shape)}, strides {t.stride()}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; records are on {device}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} has length {t.shape[0]}; expected {length}")
+
+
+def check_entries(entries: VerifyEntries, device: torch.device) -> None:
+    if not isinstance(entries, VerifyEntries):
+        raise ValueError(f"entries must be VerifyEntries; got {type(entries).__name__}")
+    first = entries._fields[0]
     for name, t in zip(entries._fields, entries):
-        field = f"{kind}.{name}"
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{field} must be a tensor; got {type(t).__name__}")
-        if t.dtype != torch.int64:
-            raise ValueError(f"{field} must be int64; got {t.dtype}")
-        if t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"{field} must be 1-D and contiguous; got shape {tuple(t.shape)}, strides {t.stride()}")
-        if t.device != device:
-            raise ValueError(f"{field} is on {t.device}; records are on {device}")
-        per_segment = name in SEGMENT_FIELDS
-        first = lengths.setdefault(per_segment, (name, t.shape[0]))
-        if first[1] != t.shape[0]:
-            raise ValueError(f"{field} has length {t.shape[0]}; {kind}.{first[0]} has {first[1]}")
+        field = f"VerifyEntries.{name}"
+        check_vector(field, t, device)
+        if t.shape[0] != entries.slots.shape[0]:
+            raise ValueError(f"{field} has length {t.shape[0]}; VerifyEntries.{first} has {entries.slots.shape[0]}")
 
 
-def source_args(sources: Sequence[RealKvSource], dummy: torch.Tensor, chunk: int) -> tuple[list, dict[str, int]]:
-    """Positional ``(words, row_stride, page_size, words_per_token)`` x MAX_SOURCES (unused slots
-    point at ``dummy``) and the constexprs NUM_SOURCES, RW<k>, CHUNK<k> of ``slot_fingerprint``."""
-    args: list = []
-    consts = {"NUM_SOURCES": len(sources)}
-    for k in range(MAX_SOURCES):
-        if k < len(sources):
-            src = sources[k]
-            words = src.words()
-            args += [words, words.stride(0), src.page_size, src.num_bytes_per_token // 8]
-            read_words = src.read_bytes // 8
-        else:
-            args += [dummy, 0, 1, 0]
-            read_words = 0
-        consts[f"RW{k}"] = read_words
-        consts[f"CHUNK{k}"] = min(chunk, triton.next_power_of_2(max(read_words, 1)))
-    return args, consts
+def check_mapping(mapping: MappingArgs, device: torch.device) -> None:
+    if not isinstance(mapping, MappingArgs):
+        raise ValueError(f"mapping must be MappingArgs; got {type(mapping).__name__}")
+    table = mapping.table
+    if not isinstance(table, torch.Tensor) or table.dim() != 2:
+        raise ValueError(f"MappingArgs.table must be a 2-D tensor; got {_desc(table)}")
+    if table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"MappingArgs.table must be int32 or int64; got {table.dtype}")
+    if table.device != device:
+        raise ValueError(f"MappingArgs.table is on {table.device}; records are on {device}")
+    page_size, ring = mapping.page_size, mapping.ring
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"MappingArgs.page_size must be an integer >= 1; got {page_size!r}")
+    if isinstance(ring, bool) or not isinstance(ring, int) or ring < 0:
+        raise ValueError(f"MappingArgs.ring must be an integer >= 0; got {ring!r}")
+    if mapping.full_to_group is not None:
+        check_vector("MappingArgs.full_to_group", mapping.full_to_group, device)
+
+
+def check_view(view: ViewArgs, device: torch.device) -> None:
+    if not isinstance(view, ViewArgs):
+        raise ValueError(f"view must be ViewArgs; got {type(view).__name__}")
+    batch = view.rows.shape[0] if isinstance(view.rows, torch.Tensor) else None
+    for name in ("rows", "prefix_lens", "extend_lens"):
+        check_vector(f"ViewArgs.{name}", getattr(view, name), device, batch)
+    check_vector("ViewArgs.input_ids", view.input_ids, device)
+    check_vector("ViewArgs.positions", view.positions, device, view.input_ids.shape[0])
+    if view.context_keys is not None:
+        check_vector("ViewArgs.context_keys", view.context_keys, device, batch)
+    tt = view.token_table
+    if tt is not None:
+        if not isinstance(tt, torch.Tensor) or tt.dim() != 2 or tt.dtype != torch.int64:
+            raise ValueError(f"ViewArgs.token_table must be a 2-D int64 tensor; got {_desc(tt)}")
+        if tt.device != device:
+            raise ValueError(f"ViewArgs.token_table is on {tt.device}; records are on {device}")
+
+
+def check_view_launch(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs,
+                      view: ViewArgs, ring: ViolationRing, tag: int) -> None:
+    """Everything a view kernel reads; raises ValueError naming the argument and value."""
+    check_common(records, sources, ring, tag)
+    check_mapping(mapping, records.device)
+    check_view(view, records.device)
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+
+
+def rows_source(rows: torch.Tensor, read_bytes: int, out: torch.Tensor) -> RealKvSource | None:
+    """The arguments of ``source_hash_rows``, checked, as a source of one slot per row (None when
+    there are no rows)."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() < 2:
+        raise ValueError(f"rows must be a tensor with >= 2 dims; got {_desc(rows)}")
+    check_vector("out", out, rows.device, rows.shape[0])
+    if rows.shape[0] == 0:
+        return None
+    return RealKvSource(rows, page_size=1, num_bytes_per_token=rows[0].numel() * rows.element_size(),
+                        read_bytes=read_bytes)
+
+
+def _desc(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} tensor of shape {tuple(t.shape)}"
+    return type(t).__name__
+
+
+# ---- packed kernel arguments ---------------------------------------------------------------
+
+
+def source_args(sources: Sequence[RealKvSource], chunk: int) -> tuple[tuple, tuple]:
+    """Per source ``(words, row_stride, words_per_token)`` and the matching constexpr
+    ``(read_words, chunk, page_size)``, as two tuples for ``slot_fingerprint``."""
+    args, reads = [], []
+    for src in sources:
+        words = src.words()
+        args.append((words, words.stride(0), src.num_bytes_per_token // 8))
+        read_words = src.read_bytes // 8
+        reads.append((read_words, min(chunk, next_power_of_2(read_words)), src.page_size))
+    return tuple(args), tuple(reads)
+
+
+def ring_args(ring: ViolationRing) -> tuple:
+    """``(rows, count, step, kernel_runs, slot_runs, capacity)`` for ``violation_log``."""
+    return ring.rows, ring.count, ring.step, ring.kernel_runs, ring.slot_runs, ring.capacity
+
+
+def mapping_args(mapping: MappingArgs, records: torch.Tensor) -> tuple[tuple, tuple[int, int, bool]]:
+    """The tuple ``lookup.map_slot`` takes (full_to_group points at ``records`` when absent) and
+    its constexpr ``MAP``."""
+    table, f2g = mapping.table, mapping.full_to_group
+    args = (table, table.stride(0), table.stride(1), table.shape[0], table.shape[1],
+            records if f2g is None else f2g, 0 if f2g is None else f2g.shape[0], records.shape[0])
+    return args, (mapping.page_size, mapping.ring, f2g is not None)
+
+
+def token_args(view: ViewArgs, records: torch.Tensor) -> tuple[tuple, bool]:
+    """The tuple ``lookup.known_token`` takes (pointing at ``records`` with no token table) and
+    whether there is a token table."""
+    tt = view.token_table
+    if tt is None:
+        return (records, 0, 0, 0, 0), False
+    return (tt, tt.stride(0), tt.stride(1), tt.shape[0], tt.shape[1]), True
+
+
+def batch_lanes(view: ViewArgs) -> int:
+    """The constexpr lane count that holds a batch's per-row vectors (a power of two)."""
+    return next_power_of_2(max(view.rows.shape[0], 1))
+
+
+def row_grid(batch: int, span_cap: int, block: int, device: torch.device) -> tuple[int, int]:
+    """The grid of a view launch: (batch rows, programs per row), from capacities only: a row
+    spans at most ``span_cap`` positions, one tile of ``block`` each per program while the
+    launch stays within its program budget."""
+    if device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
+    else:
+        budget = CPU_PROGRAMS
+    per_row = max(1, min(cdiv(span_cap, block), budget // max(batch, 1)))
+    return max(batch, 1), per_row

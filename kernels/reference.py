@@ -1,8 +1,10 @@
-"""Pure-torch references of the stamp and verify kernels and the real-KV fingerprint.
+"""Pure-torch references of the kernels and the real-KV fingerprint.
 
 Same signatures and same effect on records, ring.count, kernel_runs and slot_runs as the kernels;
-the ring rows are the same set, in entry order (the kernels' order may differ). Written to be read,
-not to be fast: they synchronise with the device.
+the ring rows are the same set, in entry order (the kernels' order may differ, so where one
+launch claims more than the ring's capacity, which rows survive may differ too). Written to be
+read, not to be fast: they synchronise with the device. ``tiling`` is accepted so a caller can
+swap kernels for references; it changes nothing here.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from typing import Sequence
 
 import torch
 
-from .entries import VerifyEntries, WriteEntries
-from .hashing import CHAIN_HEAD_HASH, CHAIN_HEAD_HASH_U64, mix3_int, mix3_torch, mix_torch, to_signed
-from .launch import check_launch
+from .entries import MappingArgs, VerifyEntries, ViewArgs
+from .hashing import head_hash_int, head_hash_torch, mix3_int, mix3_torch, mix_torch, to_signed
+from .launch import (
+    Tiling, check_common, check_entries, check_int, check_vector, check_view_launch, rows_source,
+)
 from .records import (
     COL_EXPECTED, COL_POSITION, COL_REASONS, COL_ROW, COL_SLOT, COL_STEP, COL_STORED, COL_TAG,
     FIELD_POSITION, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN, PREV_SKIP,
@@ -24,6 +28,9 @@ from .sources import RealKvSource
 
 # A failing check per reason: (failing entries, stored values, expected values).
 Checks = dict[Reason, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+# ---- hashes -------------------------------------------------------------------------------
 
 
 def source_hash_ref(source: RealKvSource, slots: torch.Tensor) -> torch.Tensor:
@@ -50,82 +57,199 @@ def successor_hash_ref(records: torch.Tensor, slots: torch.Tensor) -> torch.Tens
     return mix3_torch(rec[:, FIELD_PREV_HASH], rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION])
 
 
+def source_hash_rows_ref(rows: torch.Tensor, read_bytes: int, out: torch.Tensor,
+                         tiling: Tiling | None = None) -> None:
+    """Reference of ``source_hash_rows``."""
+    source = rows_source(rows, read_bytes, out)
+    if source is not None:
+        out.copy_(source_hash_ref(source, torch.arange(rows.shape[0], device=rows.device)))
+
+
+# ---- lookups through the engine's tables ---------------------------------------------------
+
+
+def map_slot_ref(mapping: MappingArgs, rows: torch.Tensor, positions: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The slot of each (row, position >= 0); 0 wherever the lookup leaves the table,
+    full_to_group or the pool."""
+    logical = positions % mapping.ring if mapping.ring else positions
+    cols = logical // mapping.page_size
+    table = mapping.table
+    ok = (rows >= 0) & (rows < table.shape[0]) & (cols < table.shape[1])
+    slots = _gather(table, ok, rows, cols).long() * mapping.page_size + logical % mapping.page_size
+    f2g = mapping.full_to_group
+    if f2g is not None:
+        ok &= (slots >= 0) & (slots < f2g.shape[0])
+        slots = _gather(f2g, ok, slots)
+    return torch.where(ok & (slots >= 0) & (slots < num_slots), slots, 0)
+
+
+def known_token_ref(view: ViewArgs, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """token_table[row, position], UNKNOWN off the table."""
+    tt = view.token_table
+    ok = (rows >= 0) & (rows < tt.shape[0]) & (positions < tt.shape[1])
+    return torch.where(ok, _gather(tt, ok, rows, positions), UNKNOWN)
+
+
+def _gather(table: torch.Tensor, ok: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` where ok, 0 elsewhere (indices off ok may be out of range)."""
+    if table.numel() == 0:
+        return torch.zeros_like(ok, dtype=table.dtype)
+    return torch.where(ok, table[tuple(torch.where(ok, i, 0) for i in index)], 0)
+
+
+def _batch_entries(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For per-row counts ``lens``, each entry's batch row and its index within the row, in order."""
+    b = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens)
+    first = torch.cumsum(lens, 0) - lens
+    return b, torch.arange(b.shape[0], device=lens.device) - first[b]
+
+
+# ---- kernels ------------------------------------------------------------------------------
+
+
 def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: Sequence[RealKvSource],
-                       ring: ViolationRing, tag: int, check_tokens: bool = True) -> None:
+                       ring: ViolationRing, tag: int, check_tokens: bool = True,
+                       tiling: Tiling | None = None) -> None:
     """Reference of ``verify_records``."""
-    check_launch(records, entries, sources, ring, tag)
+    check_common(records, sources, ring, tag)
+    check_entries(entries, records.device)
     e = VerifyEntries(*(t[entries.slots != 0] for t in entries))
     rec = records[e.slots]
     has_prev = e.prev_slots >= 0
     expected_prev = torch.where(has_prev, successor_hash_ref(records, e.prev_slots.clamp(min=0)),
-                                CHAIN_HEAD_HASH)
-    stored_prev = rec[:, FIELD_PREV_HASH]
-    checks: Checks = {
-        Reason.VERIFY_POSITION: (rec[:, FIELD_POSITION] != e.positions, rec[:, FIELD_POSITION], e.positions),
-        Reason.VERIFY_CHAIN_HASH: (
-            (e.prev_slots != PREV_SKIP) & (stored_prev != expected_prev), stored_prev, expected_prev
-        ),
-    }
-    if sources:
-        fingerprint = fingerprint_ref(sources, e.slots)
-        stored_kv = rec[:, FIELD_REAL_KV_HASH]
-        checks[Reason.VERIFY_REAL_KV_HASH] = (stored_kv != fingerprint, stored_kv, fingerprint)
+                                head_hash_torch(e.context_keys))
+    checks = _record_checks(rec, e.positions, expected_prev, e.prev_slots != PREV_SKIP,
+                            _fingerprint_check(sources, e.slots, rec))
     if check_tokens:
-        stored_token = rec[:, FIELD_TOKEN]
-        bad_token = (e.tokens != UNKNOWN) & (stored_token != e.tokens)
-        checks[Reason.VERIFY_TOKEN] = (bad_token, stored_token, e.tokens)
-    _log(ring, tag, checks, e.slots, e.positions, e.rows)
+        checks[Reason.VERIFY_TOKEN] = _token_check(rec, e.tokens)
+    _count(ring, tag, e.slots.shape[0])
+    _append(ring, tag, checks, e.slots, e.positions, e.rows)
 
 
-def stamp_records_ref(records: torch.Tensor, entries: WriteEntries, sources: Sequence[RealKvSource],
-                      ring: ViolationRing, tag: int, check_tokens: bool = True,
-                      check_write_inputs: bool = True) -> None:
-    """Reference of ``stamp_records``."""
-    check_launch(records, entries, sources, ring, tag)
-    chained, prev_hashes = _chain_ref(records, entries)
-    records[entries.slots[chained], FIELD_PREV_HASH] = prev_hashes
-    live = entries.slots != 0
-    slots, tokens, positions = entries.slots[live], entries.tokens[live], entries.positions[live]
-    expected_positions, expected_tokens = entries.expected_positions[live], entries.expected_tokens[live]
+def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
+                    ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
+                    sentinel: bool, tiling: Tiling | None = None) -> None:
+    """Reference of ``verify_view``."""
+    check_view_launch(records, sources, mapping, view, ring, tag)
+    check_int("window", window, 0)
+    check_int("max_context", max_context, 1)
+    prefix = view.prefix_lens
+    starts = (prefix - window).clamp(min=0) if window else torch.zeros_like(prefix)
+    b, i = _batch_entries(prefix - starts)
+    positions, rows, window_starts = starts[b] + i, view.rows[b], starts[b]
+    slots = map_slot_ref(mapping, rows, positions, records.shape[0])
+    live = slots != 0
+    rec = records[slots]
+    head = live & (positions == 0)
+    has_prev = live & (positions > window_starts)
+    prev_slots = torch.where(has_prev, map_slot_ref(mapping, rows, (positions - 1).clamp(min=0), records.shape[0]), 0)
+    context = view.context_keys[b] if view.context_keys is not None else torch.zeros_like(positions)
+    expected_prev = torch.where(head, head_hash_torch(context), successor_hash_ref(records, prev_slots))
+    checks = _record_checks(rec, positions, expected_prev, head | (prev_slots != 0),
+                            _fingerprint_check(sources, slots, rec))
+    if check_tokens and view.token_table is not None:
+        checks[Reason.VERIFY_TOKEN] = _token_check(rec, known_token_ref(view, rows, positions))
+    checks = {reason: (bad & live, stored, expected) for reason, (bad, stored, expected) in checks.items()}
+    zeros = torch.zeros_like(slots)
+    checks[Reason.VERIFY_MISSING_SLOT] = (~live, zeros, zeros)
+    _count(ring, tag, slots.shape[0])
+    _append(ring, tag, checks, slots, positions, rows)
+    if sentinel and sources:
+        slot0 = torch.zeros(1, dtype=torch.int64, device=records.device)
+        fingerprint, stored = fingerprint_ref(sources, slot0), records[:1, FIELD_REAL_KV_HASH]
+        _append(ring, tag, {Reason.RESERVED_SLOT_WRITTEN: (stored != fingerprint, stored, fingerprint)},
+                slot0, slot0 - 1, slot0 - 1)
+
+
+def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
+                   ring: ViolationRing, tag: int, *, check_tokens: bool, check_write_inputs: bool,
+                   written_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
+    """Reference of ``stamp_view``."""
+    check_view_launch(records, sources, mapping, view, ring, tag)
+    n_tokens = view.input_ids.shape[0]
+    if written_hashes is not None:
+        check_vector("written_hashes", written_hashes, records.device, n_tokens)
+        if not sources:
+            raise ValueError("written_hashes needs >= 1 source (with none, every fingerprint is 0); got 0 sources")
+    b, j = _batch_entries(view.extend_lens)
+    token_index = (torch.cumsum(view.extend_lens, 0) - view.extend_lens)[b] + j
+    positions, rows = view.prefix_lens[b] + j, view.rows[b]
+    slots = torch.where(token_index < n_tokens, map_slot_ref(mapping, rows, positions, records.shape[0]), 0)
+    live = slots != 0
+    b, token_index, positions, rows, slots = b[live], token_index[live], positions[live], rows[live], slots[live]
+    tokens, written_positions = view.input_ids[token_index], view.positions[token_index]
+    prev_hashes = _chain_ref(records, mapping, view, b, tokens, written_positions)
+    fingerprint = fingerprint_ref(sources, slots)
     records[slots, FIELD_TOKEN] = tokens
-    records[slots, FIELD_POSITION] = positions
-    records[slots, FIELD_REAL_KV_HASH] = fingerprint_ref(sources, slots)
+    records[slots, FIELD_POSITION] = written_positions
+    records[slots, FIELD_PREV_HASH] = prev_hashes
+    records[slots, FIELD_REAL_KV_HASH] = fingerprint
     checks: Checks = {}
+    if written_hashes is not None:
+        written = written_hashes[token_index]
+        checks[Reason.WRITE_REAL_KV_HASH] = (fingerprint != written, fingerprint, written)
     if check_write_inputs:
-        checks[Reason.WRITE_POSITION] = (positions != expected_positions, positions, expected_positions)
-        if check_tokens:
-            bad_token = (expected_tokens != UNKNOWN) & (tokens != expected_tokens)
-            checks[Reason.WRITE_TOKEN] = (bad_token, tokens, expected_tokens)
-    _log(ring, tag, checks, slots, expected_positions, entries.rows[live])
+        checks[Reason.WRITE_POSITION] = (written_positions != positions, written_positions, positions)
+        if check_tokens and view.token_table is not None:
+            want = known_token_ref(view, rows, positions)
+            checks[Reason.WRITE_TOKEN] = ((want != UNKNOWN) & (want != tokens), tokens, want)
+    _count(ring, tag, slots.shape[0])
+    _append(ring, tag, checks, slots, positions, rows)
 
 
-def _chain_ref(records: torch.Tensor, entries: WriteEntries) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which entries get a prev_hash (live entries inside a segment) and their values, in order."""
-    slots, tokens, positions = entries.slots.tolist(), entries.tokens.tolist(), entries.positions.tolist()
-    chained = torch.zeros(len(slots), dtype=torch.bool)
-    values: list[int] = []
-    for start, length, seed in zip(entries.seg_starts.tolist(), entries.seg_lens.tolist(),
-                                   entries.seed_slots.tolist()):
-        if seed >= 0:
-            rec = records[seed].tolist()
-            chain = mix3_int(rec[FIELD_PREV_HASH], rec[FIELD_TOKEN], rec[FIELD_POSITION])
+def _chain_ref(records: torch.Tensor, mapping: MappingArgs, view: ViewArgs, b: torch.Tensor, tokens: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+    """The prev_hash of each stamped entry (batch row b, in order), each row's chain seeded before
+    anything is written."""
+    prefix, rows = view.prefix_lens.tolist(), view.rows.tolist()
+    context = view.context_keys.tolist() if view.context_keys is not None else [0] * len(prefix)
+    chains = []
+    for row, p, c in zip(rows, prefix, context):
+        if p > 0:
+            at = torch.tensor([row, p - 1], device=records.device)
+            rec = records[map_slot_ref(mapping, at[:1], at[1:], records.shape[0])][0].tolist()
+            chains.append(mix3_int(rec[FIELD_PREV_HASH], rec[FIELD_TOKEN], rec[FIELD_POSITION]))
         else:
-            chain = CHAIN_HEAD_HASH_U64
-        for i in range(start, start + length):
-            if slots[i] == 0:
-                continue
-            chained[i] = True
-            values.append(to_signed(chain))
-            chain = mix3_int(chain, tokens[i], positions[i])
-    device = records.device
-    return chained.to(device), torch.tensor(values, dtype=torch.int64, device=device)
+            chains.append(head_hash_int(c))
+    values = []
+    for row_b, token, position in zip(b.tolist(), tokens.tolist(), positions.tolist()):
+        values.append(to_signed(chains[row_b]))
+        chains[row_b] = mix3_int(chains[row_b], token, position)
+    return torch.tensor(values, dtype=torch.int64, device=records.device)
 
 
-def _log(ring: ViolationRing, tag: int, checks: Checks, slots: torch.Tensor, positions: torch.Tensor,
-         rows: torch.Tensor) -> None:
-    """Counts the launch and its live entries, and appends one row per entry failing a check."""
+# ---- checks and the ring -------------------------------------------------------------------
+
+
+def _record_checks(rec: torch.Tensor, positions: torch.Tensor, expected_prev: torch.Tensor,
+                   chain_checked: torch.Tensor, checks: Checks) -> Checks:
+    """Adds the position and chain checks of the records ``rec`` to ``checks``."""
+    stored_position, stored_prev = rec[:, FIELD_POSITION], rec[:, FIELD_PREV_HASH]
+    checks[Reason.VERIFY_POSITION] = (stored_position != positions, stored_position, positions)
+    checks[Reason.VERIFY_CHAIN_HASH] = (chain_checked & (stored_prev != expected_prev), stored_prev, expected_prev)
+    return checks
+
+
+def _fingerprint_check(sources: Sequence[RealKvSource], slots: torch.Tensor, rec: torch.Tensor) -> Checks:
+    if not sources:
+        return {}
+    fingerprint, stored = fingerprint_ref(sources, slots), rec[:, FIELD_REAL_KV_HASH]
+    return {Reason.VERIFY_REAL_KV_HASH: (stored != fingerprint, stored, fingerprint)}
+
+
+def _token_check(rec: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    stored = rec[:, FIELD_TOKEN]
+    return (tokens != UNKNOWN) & (stored != tokens), stored, tokens
+
+
+def _count(ring: ViolationRing, tag: int, entries: int) -> None:
     ring.kernel_runs[tag] += 1
-    ring.slot_runs[tag] += slots.shape[0]
+    ring.slot_runs[tag] += entries
+
+
+def _append(ring: ViolationRing, tag: int, checks: Checks, slots: torch.Tensor, positions: torch.Tensor,
+            rows: torch.Tensor) -> None:
+    """One row per entry failing a check, claimed in entry order at ``count % capacity``."""
     reasons = torch.zeros_like(slots)
     stored = torch.zeros_like(slots)
     expected = torch.zeros_like(slots)
@@ -137,7 +261,6 @@ def _log(ring: ViolationRing, tag: int, checks: Checks, slots: torch.Tensor, pos
             expected = torch.where(bad, expected_value, expected)
     fail = reasons != 0
     n_fail = int(fail.sum())
-    start = ring.total()
     new = torch.empty(n_fail, ROW_WIDTH, dtype=torch.int64, device=slots.device)
     new[:, COL_REASONS] = reasons[fail]
     new[:, COL_TAG] = tag
@@ -147,6 +270,7 @@ def _log(ring: ViolationRing, tag: int, checks: Checks, slots: torch.Tensor, pos
     new[:, COL_ROW] = rows[fail]
     new[:, COL_STORED] = stored[fail]
     new[:, COL_EXPECTED] = expected[fail]
-    kept = max(0, min(n_fail, ring.capacity - start))
-    ring.rows[start : start + kept] = new[:kept]
+    claims = int(ring.count) + torch.arange(n_fail, device=slots.device)
+    kept = slice(max(0, n_fail - ring.capacity), n_fail)  # the last capacity claims survive
+    ring.rows[claims[kept] % ring.capacity] = new[kept]
     ring.count += n_fail

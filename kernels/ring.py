@@ -1,4 +1,4 @@
-"""The device-side violation log: a fill-once ring of rows plus launch counters."""
+"""The device-side violation log: a wrap-around ring of rows plus launch counters."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from .records import NUM_TAGS, ROW_WIDTH
 
 
 class ViolationRing:
-    """Device buffers the kernels write and the host pumps.
+    """Device buffers the kernels write and the host drains asynchronously.
 
-    rows [capacity, ROW_WIDTH] int64; count [1] int32, claimed with atomic adds (it keeps counting
-    past capacity; rows past capacity are dropped); step [1] int64, the forward index stamped into
-    rows; kernel_runs / slot_runs [NUM_TAGS] int64, launches and entries seen per launch tag.
+    count [1] int64: a monotonic claim counter, never reset by a drain; claim i lands in
+    ``rows[i % capacity]``, so a claim past capacity overwrites the oldest row (a host that has
+    drained up to claim d has lost the claims in [d, count - capacity)). rows [capacity, ROW_WIDTH]
+    int64. step [1] int64: the forward index stamped into rows. kernel_runs / slot_runs [NUM_TAGS]
+    int64: launches and entries checked or stamped per launch tag.
     """
 
     def __init__(self, capacity: int, device: torch.device | str) -> None:
@@ -21,7 +23,7 @@ class ViolationRing:
         self.capacity = capacity
         self.device = torch.device(device)
         self.rows = torch.zeros(capacity, ROW_WIDTH, dtype=torch.int64, device=self.device)
-        self.count = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.count = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.step = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.kernel_runs = torch.zeros(NUM_TAGS, dtype=torch.int64, device=self.device)
         self.slot_runs = torch.zeros(NUM_TAGS, dtype=torch.int64, device=self.device)
@@ -29,17 +31,6 @@ class ViolationRing:
     def advance_step(self) -> None:
         """Next forward: in place on the device, so it can live inside a captured graph."""
         self.step.add_(1)
-
-    def total(self) -> int:
-        """Violations claimed so far, including those dropped past capacity (syncs)."""
-        return int(self.count.item())
-
-    def read(self, start: int, stop: int) -> torch.Tensor:
-        """Stored rows [start, min(stop, capacity)) on the host."""
-        stop = min(stop, self.capacity)
-        if stop <= start:
-            return torch.empty(0, ROW_WIDTH, dtype=torch.int64)
-        return self.rows[start:stop].cpu()
 
     def clear(self) -> None:
         for t in (self.rows, self.count, self.step, self.kernel_runs, self.slot_runs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 import torch
 
@@ -79,7 +80,13 @@ class RealKvSource:
         return self.tensor.shape[0] * self.page_size
 
     def words(self) -> torch.Tensor:
-        """The source as int64 words, shape [num_pages, page_size * num_bytes_per_token // 8]."""
+        """The source as int64 words, shape [num_pages, page_size * num_bytes_per_token // 8]
+        (a view of the tensor)."""
+        return self._words
+
+    @cached_property
+    def _words(self) -> torch.Tensor:
+        """``words()``, made once: every kernel launch reads it."""
         t = self.tensor
         flat = t.as_strided((t.shape[0], t[0].numel()), (t.stride(0), 1))
         return flat.view(torch.uint8).view(torch.int64)

@@ -1,4 +1,4 @@
-"""HEAD / SWEEP: check the records of the slots a forward (or the radix cache) is about to read."""
+"""SWEEP: check the records of an explicit list of slots (what a prefix cache holds)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import triton.language as tl
 from . import records as R
 from .entries import VerifyEntries
 from .fingerprint import slot_fingerprint
-from .hashing import CHAIN_HEAD_HASH_JIT, as_i64
-from .launch import DEFAULT_TILING, Tiling, check_launch, check_tiling, source_args
+from .hashing import as_i64, head_hash
+from .launch import DEFAULT_TILING, Tiling, cdiv, check_common, check_entries, check_tiling, ring_args, source_args
 from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
 from .ring import ViolationRing
 from .sources import RealKvSource
@@ -22,24 +22,20 @@ _CHAIN = tl.constexpr(int(R.Reason.VERIFY_CHAIN_HASH))
 _POSITION = tl.constexpr(int(R.Reason.VERIFY_POSITION))
 _REAL_KV = tl.constexpr(int(R.Reason.VERIFY_REAL_KV_HASH))
 _TOKEN = tl.constexpr(int(R.Reason.VERIFY_TOKEN))
+_PREV_CHAIN_HEAD = tl.constexpr(R.PREV_CHAIN_HEAD)
 _PREV_SKIP = tl.constexpr(R.PREV_SKIP)
 _UNKNOWN = tl.constexpr(R.UNKNOWN)
 
 
 @triton.jit
-def _verify_kernel(records, slots_ptr, positions_ptr, prev_slots_ptr, tokens_ptr, rows_ptr, n_entries,
-                   ring_rows, ring_count, ring_step, kernel_runs, slot_runs, capacity, tag,
-                   src0, stride0, page0, wpt0, src1, stride1, page1, wpt1,
-                   src2, stride2, page2, wpt2, src3, stride3, page3, wpt3,
-                   NUM_SOURCES: tl.constexpr,
-                   RW0: tl.constexpr, CHUNK0: tl.constexpr, RW1: tl.constexpr, CHUNK1: tl.constexpr,
-                   RW2: tl.constexpr, CHUNK2: tl.constexpr, RW3: tl.constexpr, CHUNK3: tl.constexpr,
+def _verify_kernel(records, sources, entries, n_entries, ring, tag, READS: tl.constexpr,
                    CHECK_TOKENS: tl.constexpr, BLOCK: tl.constexpr):
-    count_launch(kernel_runs, tag)
+    slots_ptr, positions_ptr, prev_slots_ptr, tokens_ptr, rows_ptr, context_ptr = entries
+    count_launch(ring, tag)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     slots = tl.load(slots_ptr + offs, mask=offs < n_entries, other=0)
     live = slots != 0
-    count_slots(slot_runs, tag, live)
+    count_slots(ring, tag, tl.sum(live.to(tl.int64), axis=0))
 
     positions = tl.load(positions_ptr + offs, mask=live, other=0)
     prev_slots = tl.load(prev_slots_ptr + offs, mask=live, other=_PREV_SKIP)
@@ -47,15 +43,14 @@ def _verify_kernel(records, slots_ptr, positions_ptr, prev_slots_ptr, tokens_ptr
     stored_prev_hash = tl.load(field_ptrs(records, slots, PREV_HASH), mask=live, other=0)
 
     has_prev = live & (prev_slots >= 0)
+    head = live & (prev_slots == _PREV_CHAIN_HEAD)
+    context = tl.load(context_ptr + offs, mask=head, other=0)
     expected_prev_hash = as_i64(tl.where(has_prev, successor_hash(records, prev_slots, has_prev),
-                                         CHAIN_HEAD_HASH_JIT))
+                                         head_hash(context)))
     zeros = tl.zeros([BLOCK], tl.int64)
     reasons, stored, expected = zeros, zeros, zeros
-    if NUM_SOURCES > 0:
-        fingerprint = as_i64(slot_fingerprint(slots, live,
-                                              src0, stride0, page0, wpt0, src1, stride1, page1, wpt1,
-                                              src2, stride2, page2, wpt2, src3, stride3, page3, wpt3,
-                                              NUM_SOURCES, RW0, CHUNK0, RW1, CHUNK1, RW2, CHUNK2, RW3, CHUNK3))
+    if len(READS) > 0:
+        fingerprint = as_i64(slot_fingerprint(sources, READS, slots, live))
         stored_kv = tl.load(field_ptrs(records, slots, REAL_KV_HASH), mask=live, other=0)
         reasons, stored, expected = note_failure(live & (stored_kv != fingerprint), _REAL_KV,
                                                  stored_kv, fingerprint, reasons, stored, expected)
@@ -73,8 +68,7 @@ def _verify_kernel(records, slots_ptr, positions_ptr, prev_slots_ptr, tokens_ptr
 
     fail = reasons != 0
     rows = tl.load(rows_ptr + offs, mask=fail, other=0)
-    append_violations(ring_rows, ring_count, ring_step, capacity, fail, reasons, tag,
-                      slots, positions, rows, stored, expected)
+    append_violations(ring, tag, fail, reasons, slots, positions, rows, stored, expected)
 
 
 def verify_records(records: torch.Tensor, entries: VerifyEntries, sources: Sequence[RealKvSource],
@@ -82,22 +76,21 @@ def verify_records(records: torch.Tensor, entries: VerifyEntries, sources: Seque
                    tiling: Tiling | None = None) -> None:
     """Check each entry's record (slot 0 skipped) and append one ring row per failing entry.
 
-    Reasons: stored position != expected (verify_position); stored prev_hash != ``mix(ANCHOR)``
-    for prev_slot -1 or != the successor hash of the record at prev_slot >= 0, unchecked for -2
-    (verify_chain_hash); with >= 1 source, the slot's recomputed fingerprint != real_kv_hash
-    (verify_real_kv_hash); with check_tokens, a known expected token != stored (verify_token).
-    Counts the launch in ring.kernel_runs[tag] (also when entries are empty) and the live entries
-    in ring.slot_runs[tag]. No host synchronisation; the grid depends on tensor sizes only.
-    ``tiling`` (default DEFAULT_TILING) changes speed only.
+    Reasons: stored position != expected (verify_position); stored prev_hash !=
+    ``head_hash(context_keys[i])`` for prev_slot -1 or != the successor hash of the record at
+    prev_slot >= 0, unchecked for -2 (verify_chain_hash); with >= 1 source, the slot's
+    recomputed fingerprint != real_kv_hash (verify_real_kv_hash); with check_tokens, a known
+    expected token != stored (verify_token). Counts the launch in ring.kernel_runs[tag] (also
+    when entries are empty) and the live entries in ring.slot_runs[tag]. No host
+    synchronisation; the grid depends on tensor sizes only. ``tiling`` (default DEFAULT_TILING)
+    changes speed only.
     """
-    check_launch(records, entries, sources, ring, tag)
+    check_common(records, sources, ring, tag)
+    check_entries(entries, records.device)
     tiling = tiling or DEFAULT_TILING
     check_tiling(tiling)
-    src, consts = source_args(sources, records, tiling.chunk)
+    src, reads = source_args(sources, tiling.chunk)
     n = entries.slots.shape[0]
-    grid = (max(1, triton.cdiv(n, tiling.block)),)
-    _verify_kernel[grid](
-        records, entries.slots, entries.positions, entries.prev_slots, entries.tokens, entries.rows, n,
-        ring.rows, ring.count, ring.step, ring.kernel_runs, ring.slot_runs, ring.capacity, tag,
-        *src, **consts, CHECK_TOKENS=check_tokens, BLOCK=tiling.block, num_warps=tiling.num_warps,
-    )
+    grid = (max(1, cdiv(n, tiling.block)),)
+    _verify_kernel[grid](records, src, tuple(entries), n, ring_args(ring), tag, READS=reads,
+                         CHECK_TOKENS=check_tokens, BLOCK=tiling.block, num_warps=tiling.num_warps)

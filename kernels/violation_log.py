@@ -1,7 +1,9 @@
 """Device-side writes to a ViolationRing: launch counters and violation rows.
 
-Graph-safe: everything is an atomic or a masked store into fixed buffers; nothing returns to the
-host. Atomics are relaxed: the host reads the buffers only after the launch completes.
+The ring travels into a kernel as one tuple, ``launch.ring_args(ring)``:
+``(rows, count, step, kernel_runs, slot_runs, capacity)``. Graph-safe: everything is an atomic or
+a masked store into fixed buffers; nothing returns to the host. Atomics are relaxed: the host
+reads the buffers only after the launch completes.
 """
 
 from __future__ import annotations
@@ -23,16 +25,22 @@ COL_EXPECTED = tl.constexpr(R.COL_EXPECTED)
 
 
 @triton.jit
-def count_launch(kernel_runs, tag):
-    """One launch of ``tag``: program 0 adds 1 to kernel_runs[tag]."""
-    if tl.program_id(0) == 0:
-        tl.atomic_add(kernel_runs + tag, 1, sem="relaxed")
+def first_program():
+    """True in program (0, 0) of a launch (1-D or 2-D)."""
+    return (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
 
 
 @triton.jit
-def count_slots(slot_runs, tag, live):
-    """Adds this program's live entries (slot != 0) to slot_runs[tag]."""
-    tl.atomic_add(slot_runs + tag, tl.sum(live.to(tl.int64), axis=0), sem="relaxed")
+def count_launch(ring, tag):
+    """One launch of ``tag``: the first program adds 1 to kernel_runs[tag]."""
+    if first_program():
+        tl.atomic_add(ring[3] + tag, 1, sem="relaxed")
+
+
+@triton.jit
+def count_slots(ring, tag, n):
+    """Adds ``n`` entries to slot_runs[tag]."""
+    tl.atomic_add(ring[4] + tag, n, sem="relaxed")
 
 
 @triton.jit
@@ -46,19 +54,18 @@ def note_failure(bad, bit, stored_value, expected_value, reasons, stored, expect
 
 
 @triton.jit
-def append_violations(ring_rows, ring_count, ring_step, capacity, fail, reasons, tag,
-                      slots, positions, rows, stored, expected):
-    """Each lane in ``fail`` claims a ring row; rows claimed past capacity are dropped while
-    ring_count keeps counting. Values are int64 tensors shaped like ``fail``."""
+def append_violations(ring, tag, fail, reasons, slots, positions, rows, stored, expected):
+    """Each lane in ``fail`` claims the next count and writes its row at ``count % capacity``
+    (wrapping over the oldest rows). Values are int64 tensors shaped like ``fail`` (or scalars)."""
+    ring_rows, ring_count, ring_step, _, _, capacity = ring
     claimed = tl.atomic_add(ring_count + tl.zeros(fail.shape, tl.int32), 1, mask=fail, sem="relaxed")
-    keep = fail & (claimed < capacity)
-    row_ptr = ring_rows + claimed.to(tl.int64) * ROW_WIDTH
-    step = tl.load(ring_step)
-    tl.store(row_ptr + COL_REASONS, reasons, mask=keep)
-    tl.store(row_ptr + COL_TAG, tl.zeros(fail.shape, tl.int64) + tag, mask=keep)
-    tl.store(row_ptr + COL_STEP, tl.zeros(fail.shape, tl.int64) + step, mask=keep)
-    tl.store(row_ptr + COL_SLOT, slots, mask=keep)
-    tl.store(row_ptr + COL_POSITION, positions, mask=keep)
-    tl.store(row_ptr + COL_ROW, rows, mask=keep)
-    tl.store(row_ptr + COL_STORED, stored, mask=keep)
-    tl.store(row_ptr + COL_EXPECTED, expected, mask=keep)
+    row_ptr = ring_rows + (claimed % capacity) * ROW_WIDTH
+    zeros = tl.zeros(fail.shape, tl.int64)
+    tl.store(row_ptr + COL_REASONS, reasons, mask=fail)
+    tl.store(row_ptr + COL_TAG, zeros + tag, mask=fail)
+    tl.store(row_ptr + COL_STEP, zeros + tl.load(ring_step), mask=fail)
+    tl.store(row_ptr + COL_SLOT, zeros + slots, mask=fail)
+    tl.store(row_ptr + COL_POSITION, zeros + positions, mask=fail)
+    tl.store(row_ptr + COL_ROW, zeros + rows, mask=fail)
+    tl.store(row_ptr + COL_STORED, stored, mask=fail)
+    tl.store(row_ptr + COL_EXPECTED, expected, mask=fail)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 import kvcanary_kernels as K
-from kvcanary_kernels.hashing import CHAIN_HEAD_HASH_U64, as_i64, as_u64, mix, mix3
+from kvcanary_kernels.hashing import CHAIN_HEAD_HASH_U64, as_i64, as_u64, head_hash, head_hash_torch, mix, mix3
 from kvcanary_kernels.records import ANCHOR, Reason
 
 
@@ -31,6 +31,25 @@ def test_splitmix64_known_value():
     assert K.mix_int(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
     assert K.mix_int(0) == 0
     assert K.CHAIN_HEAD_HASH == K.to_signed(K.mix_int(ANCHOR)) == K.to_signed(CHAIN_HEAD_HASH_U64)
+    assert K.head_hash_int(0) == CHAIN_HEAD_HASH_U64
+
+
+@triton.jit
+def _head_hash_kernel(keys_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out_ptr + offs, as_i64(head_hash(tl.load(keys_ptr + offs, mask=m))), mask=m)
+
+
+def test_head_hash_int_torch_and_triton_agree(device):
+    keys = _edge_and_random(seed=8, device=device)
+    want = [K.to_signed(K.mix_int(ANCHOR ^ (k & (2**64 - 1)))) for k in keys.tolist()]
+    assert [K.to_signed(K.head_hash_int(k)) for k in keys.tolist()] == want
+    assert head_hash_torch(keys).tolist() == want
+    out = torch.empty_like(keys)
+    _head_hash_kernel[(1,)](keys, out, keys.numel(), BLOCK=64)
+    assert out.tolist() == want
+    assert len(set(want)) == len(want)  # every context key anchors its own chain
 
 
 def test_mix_int_torch_and_triton_agree(device):
@@ -91,23 +110,19 @@ def test_fingerprint_depends_on_source_order(world_factory):
 
 
 def _assert_kernel_fingerprint_matches(sources, slots, want):
-    """The stamp kernel writes the fingerprint into real_kv_hash: it must equal the reference."""
-    n, device = slots.numel(), slots.device
-    records = torch.zeros(n + 1, 4, dtype=torch.int64, device=device)
-    zeros = torch.zeros(n, dtype=torch.int64, device=device)
-    no_segments = torch.zeros(0, dtype=torch.int64, device=device)  # the chain is not under test
-    entries = K.WriteEntries(slots, zeros, zeros, zeros, zeros, zeros, *[no_segments] * 3)
-    K.stamp_records(records, entries, sources, K.ViolationRing(4, device), tag=0)
-    assert torch.equal(records[slots, 3], want)
+    """The write-through kernel hashes the same bytes as rows: one source folds to mix(hash)."""
+    (source,) = sources
+    out = torch.empty(source.tensor.shape[0], dtype=torch.int64, device=slots.device)
+    K.source_hash_rows(source.tensor, source.read_bytes, out)
+    assert torch.equal(K.mix_torch(out[slots]), want)
 
 
 def _byte_flip_rows(world_factory, mode: str, byte: int) -> list[tuple[int, ...]]:
     w = world_factory(6, specs=((torch.bfloat16, 1, 32, mode),))  # 64 bytes per slot
     req = w.add_request(6)
-    w.fill_kv(req.slots)
-    assert w.stamp(w.write_entries([(req, 0, 6)])) == []
-    w.kv_bytes(0, req.slots[2])[byte] ^= 0x10
-    return w.verify(w.verify_entries([(req, 0, 6)]))
+    assert w.step([(req, 6)]) == []
+    w.kv_bytes(0, w.slot(req, 2))[byte] ^= 0x10
+    return w.verify(w.head_view([req]))
 
 
 def test_partial_mode_reads_only_the_first_16_bytes(world_factory):

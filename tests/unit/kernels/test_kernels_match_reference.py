@@ -1,4 +1,4 @@
-"""Kernels == torch references, bit for bit, on random pools, plans and corruptions.
+"""Kernels == torch references, bit for bit, on random pools, mappings, forwards and corruptions.
 
 Every launch goes through ``World.launch``, which runs the kernel and its reference on copies of
 the same state and compares records, ring rows and counters.
@@ -10,106 +10,192 @@ import pytest
 import torch
 
 import kvcanary_kernels as K
+from kvcanary_kernels.records import PREV_CHAIN_HEAD, PREV_SKIP, UNKNOWN
+
+from kv_world import Forward, World, i64
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 LAYOUTS = {
-    "row-bf16-all": ((BF16, 1, 64),),
-    "row-none": ((BF16, 1, 64, "none"),),
-    "paged-fp16-partial": ((FP16, 4, 24, "partial"),),
-    "paged-2src-strided": ((BF16, 4, 64), (FP32, 2, 8, "partial", 4)),
+    "none": ((BF16, 1, 64, "none"),),
+    "1src-all": ((BF16, 1, 64),),
+    "2src-paged-strided": ((BF16, 4, 64), (FP32, 2, 8, "partial", 4)),
+    "3src": ((FP16, 16, 8), (BF16, 1, 24, "partial"), (FP32, 2, 4)),
     "4src-mixed": ((FP16, 1, 8), (BF16, 2, 16, "partial"), (FP32, 4, 12, "all", 4), (FP16, 8, 8)),
 }
+# Small tiles walk a row's positions in several tiles and each slot's words in several chunks,
+# the last one partial where read_words is not a multiple of the chunk.
+TILINGS = {"default": None, "small": K.Tiling(block=32, chunk=4, num_warps=1)}
+CASES = [
+    ("token", "1src-all", "default", 11),
+    ("token", "4src-mixed", "small", 12),
+    ("block4", "2src-paged-strided", "default", 13),
+    ("block16", "3src", "small", 14),
+    ("ring", "1src-all", "small", 15),
+    ("ring-block4", "4src-mixed", "default", 16),
+    ("full_to_group", "2src-paged-strided", "small", 17),
+    ("full_to_group", "none", "default", 18),
+]
 
 
-def _corrupt_write_inputs(w, entries: K.WriteEntries) -> K.WriteEntries:
-    """Random engine-input mismatches (at least one) and unknown expected tokens for the write checks."""
-    n = entries.slots.numel()
-    pick = lambda p: (torch.rand(n, generator=w.gen) < p).to(w.device)  # noqa: E731
-    surely = torch.arange(n, device=w.device) == w.randint(0, int((entries.slots != 0).sum()))
-    expected_positions = torch.where(pick(0.1) | surely, entries.expected_positions + 1, entries.expected_positions)
-    expected_tokens = torch.where(pick(0.1), entries.expected_tokens + 7, entries.expected_tokens)
-    expected_tokens = torch.where(pick(0.2), K.records.UNKNOWN, expected_tokens)
-    return entries._replace(expected_positions=expected_positions, expected_tokens=expected_tokens)
+def _written_hashes(w: World, fwd: Forward, written: list[int]) -> torch.Tensor:
+    """What the forward computed for each token (write-through): the written slots' fingerprints,
+    a few of them wrong, and anything for padding tokens."""
+    hashes = torch.randint(-(2**62), 2**62, (fwd.view.input_ids.shape[0],), generator=w.gen)
+    hashes[: len(written)] = w.fingerprints(written).cpu()
+    for _ in range(w.randint(0, 2)):
+        if written:
+            hashes[w.randint(0, len(written))] ^= 1
+    return hashes.to(w.device)
 
 
-def _corrupt_state(w, live_slots: list[int]) -> None:
-    """Random KV bit flips and record field overwrites at live slots."""
+def _corrupt_write_inputs(w: World, view: K.ViewArgs) -> K.ViewArgs:
+    """Random engine-input mismatches: positions that disagree with the batch, input ids that
+    disagree with the token table."""
+    n = int(view.extend_lens.sum())
+    positions, input_ids = view.positions.clone(), view.input_ids.clone()
+    for _ in range(w.randint(0, 3)):
+        if n:
+            positions[w.randint(0, n)] += 1
+            input_ids[w.randint(0, n)] += 7
+    return view._replace(positions=positions, input_ids=input_ids)
+
+
+def _forward(w: World, batch, window: int, tokens_known: bool, sentinel: bool) -> int:
+    """HEAD, write, TAIL (with write-through and corrupted inputs), RECHECK; returns rows logged."""
+    fwd = w.forward(batch, pad_rows=w.randint(0, 3), pad_tokens=w.randint(0, 4), known_tokens=tokens_known,
+                    context=bool(w.randint(0, 4)))
+    rows = w.verify(fwd.view, tag=0, window=window, sentinel=sentinel)
+    written = w.write(fwd)
+    view = _corrupt_write_inputs(w, fwd.view)
+    hashes = _written_hashes(w, fwd, written) if w.sources and w.randint(0, 2) else None
+    rows += w.stamp(view, tag=2, check_tokens=bool(w.randint(0, 4)), check_write_inputs=bool(w.randint(0, 4)),
+                    written_hashes=hashes)
+    rows += w.verify(fwd.view, tag=12, window=window, check_tokens=bool(w.randint(0, 2)), sentinel=sentinel)
+    w.commit(fwd)
+    w.ring.advance_step()
+    return len(rows)
+
+
+def _corrupt_state(w: World, reqs) -> None:
+    """Random KV bit flips, record overwrites, mapping entries moved or dropped, slot 0 written."""
+    live = sorted({s for r in reqs for s in w.slots(r, 0, r.cached)} - {0})
     for _ in range(4):
-        slot = live_slots[w.randint(0, len(live_slots))]
-        if w.sources and w.randint(0, 2):
+        slot = live[w.randint(0, len(live))]
+        what = w.randint(0, 4)
+        if what == 0 and w.sources:
             kv = w.kv_bytes(w.randint(0, len(w.sources)), slot)
             kv[w.randint(0, kv.numel())] ^= 1 << w.randint(0, 8)
-        else:
+        elif what == 1:
             w.records[slot, w.randint(0, 4)] += w.randint(1, 1000)
+        else:
+            row = reqs[w.randint(0, len(reqs))].row
+            col = w.randint(0, w.table.shape[1])
+            w.table[row, col] = 0 if what == 2 else w.table[reqs[0].row, 0]
+    if w.sources and w.randint(0, 2):
+        w.kv_bytes(0, 0)[0] ^= 0x80
 
 
-def _corrupt_plan(w, entries: K.VerifyEntries, live_slots: list[int]) -> K.VerifyEntries:
-    slots, tokens = entries.slots.clone(), entries.tokens.clone()
-    for _ in range(2):
-        i = w.randint(0, slots.numel())
-        if slots[i] != 0:
-            slots[i] = live_slots[w.randint(0, len(live_slots))]
-        tokens[w.randint(0, tokens.numel())] += 1
-    return entries._replace(slots=slots, tokens=tokens)
-
-
-# Small tiles walk each slot's words in several chunks, the last one partial where read_words is
-# not a multiple of the chunk.
-TILINGS = {"default": None, "small": K.Tiling(block=32, chunk=4, num_warps=1)}
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("seed, tiling", [(11, "default"), (22, "small")])
-def test_kernels_match_reference(world_factory, layout, seed, tiling):
-    w = world_factory(seed, specs=LAYOUTS[layout])
+@pytest.mark.parametrize("mapping, layout, tiling, seed", CASES)
+def test_view_kernels_match_reference(world_factory, mapping, layout, tiling, seed):
+    w = world_factory(seed, mapping, specs=LAYOUTS[layout])
     w.tiling = TILINGS[tiling]
-    roots = [w.add_request(w.randint(4, 20)) for _ in range(3)]
-    cuts = [w.randint(1, len(r.tokens)) for r in roots]
-    derived = []
-    for root, cut in zip(roots, cuts):
-        shared = w.randint(1, cut + 1)
-        derived.append((w.add_request(shared + w.randint(1, 12), prefix=root, prefix_len=shared), shared))
+    ring = w.kind.ring
+    window = 8 if ring else w.randint(0, 2) * w.randint(1, 12)
+    longest = 28 if ring else w.max_context  # a ring of 16 wraps
+    roots = [w.add_request(w.randint(10, longest), context_key=w.randint(0, 2) * w.randint(1, 2**40))
+             for _ in range(3)]
+    sentinel, tokens_known = bool(seed % 2), bool(seed % 3)
+    logged = 0
+    # Chunked prefill and decode (extends of at most 8 keep a ring's window intact).
+    max_extend = 8 if ring else 24
+    while any(r.cached < len(r.tokens) for r in roots):
+        batch = [(r, min(w.randint(1, max_extend + 1), len(r.tokens) - r.cached))
+                 for r in roots if r.cached < len(r.tokens)]
+        logged += _forward(w, batch, window, tokens_known, sentinel)
+    reqs = list(roots)
+    if not ring:  # prefix reuse: a new row shares a root's first blocks
+        page = w.kind.page_size
+        root = roots[0]
+        shared = page * w.randint(1, root.cached // page + 1) if root.cached >= page else 0
+        derived = w.add_request(shared + w.randint(1, 6), prefix=root, shared=shared, context_key=root.context_key)
+        logged += _forward(w, [(derived, len(derived.tokens) - shared)], window, tokens_known, sentinel)
+        reqs.append(derived)
+    assert logged > 0
 
-    # Chunked prefill: a seed slot is always stamped by an earlier launch.
-    launches = [
-        [(r, 0, c) for r, c in zip(roots, cuts)],
-        [(r, c, len(r.tokens)) for r, c in zip(roots, cuts)] + [(d, s, s + 1) for d, s in derived],
-        [(d, s + 1, len(d.tokens)) for d, s in derived],
-    ]
-    check_rows = 0
-    for tag, spans in enumerate(launches):
-        spans = [span for span in spans if span[1] < span[2]]
-        for req, start, stop in spans:
-            w.fill_kv(req.slots[start:stop])
-        entries = _corrupt_write_inputs(w, w.write_entries(spans, pad=w.randint(0, 3)))
-        check_rows += len(w.stamp(entries, tag=tag, check_tokens=bool(seed % 2)))
-        w.ring.advance_step()
-    assert check_rows > 0
-
-    requests = roots + [d for d, _ in derived]
-    full = [(r, 0, len(r.tokens)) for r in requests]
-    windowed = [(r, w.randint(0, len(r.tokens)), len(r.tokens)) for r in requests]
-    assert w.verify(w.verify_entries(full, pad=2), tag=4) == []
-    assert w.verify(w.verify_entries(windowed, known_tokens=False), tag=5) == []
-
-    live = sorted({s for r in requests for s in r.slots})
-    _corrupt_state(w, live)
-    plan = _corrupt_plan(w, w.verify_entries(full, pad=1), live)
-    rows = w.verify(plan, tag=6, check_tokens=False) + w.verify(plan, tag=7)
+    _corrupt_state(w, reqs)
+    view = w.head_view(reqs, pad_rows=1)
+    rows = w.verify(view, tag=8, window=window, sentinel=True)
+    rows += w.verify(view, tag=9, window=0 if ring else 5, check_tokens=False)
     assert rows
-    w.verify(w.verify_entries(windowed), tag=8)
 
 
-def test_slot_zero_inside_a_segment_is_skipped(world):
-    """A padding entry (slot 0) inside a segment neither gets a record nor advances the chain."""
-    a = world.add_request(6)
-    world.fill_kv(a.slots)
-    e = world.write_entries([(a, 0, 6)])
-    pad = lambda t: torch.cat([t[:3], t.new_zeros(1), t[3:]])  # noqa: E731
-    padded = K.WriteEntries(pad(e.slots), pad(e.tokens), pad(e.positions), pad(e.expected_positions),
-                            pad(e.expected_tokens), pad(e.rows), e.seg_starts, e.seg_lens + 1, e.seed_slots)
-    record_zero = world.records[0].clone()
-    assert world.stamp(padded) == []
-    assert torch.equal(world.records[0], record_zero)
-    assert world.verify(world.verify_entries([(a, 0, 6)])) == []
+def test_clean_forwards_log_nothing(world_factory):
+    """No corruption, every option on: chunked prefill, prefix reuse, decode, padding."""
+    for mapping in ("token", "block4", "full_to_group"):
+        w = world_factory(21, mapping, specs=LAYOUTS["2src-paged-strided"])
+        a, b = w.add_request(20, context_key=99), w.add_request(9)
+        assert w.step([(a, 7), (b, 9)], pad_rows=2, pad_tokens=3) == []
+        assert w.step([(a, 13), (b, 0)], pad_rows=1) == []
+        c = w.add_request(16 + 3, prefix=a, shared=16, context_key=99)
+        for _ in range(3):
+            assert w.step([(c, 1)], window=4) == []
+        view = w.head_view([a, b, c], pad_rows=2)
+        assert w.verify(view, window=0, sentinel=True) == []
+        assert w.verify(view, window=6, sentinel=True) == []
+        assert int(w.ring.count) == 0
+
+
+def _sweep_entries(w: World, reqs, pad: int) -> K.VerifyEntries:
+    """SWEEP entries over the cached positions of each request, the last one's from a random start
+    (a window start: chain skipped); tokens sometimes unknown."""
+    cols: dict[str, list[int]] = {k: [] for k in K.VerifyEntries._fields}
+    for req in reqs:
+        start = w.randint(0, req.cached) if req is reqs[-1] else 0
+        for p in range(start, req.cached):
+            cols["slots"].append(w.slot(req, p))
+            cols["positions"].append(p)
+            cols["prev_slots"].append(PREV_CHAIN_HEAD if p == 0 else PREV_SKIP if p == start else w.slot(req, p - 1))
+            cols["tokens"].append(req.tokens[p] if w.randint(0, 4) else UNKNOWN)
+            cols["rows"].append(-1)
+            cols["context_keys"].append(req.context_key)
+    for values in cols.values():
+        values.extend([0] * pad)
+    return K.VerifyEntries(**{k: i64(v) for k, v in cols.items()})
+
+
+@pytest.mark.parametrize("layout", ["none", "4src-mixed"])
+def test_sweep_matches_reference(world_factory, layout):
+    w = world_factory(31, specs=LAYOUTS[layout])
+    reqs = [w.add_request(w.randint(3, 20), context_key=k) for k in (0, 12345, -7)]
+    assert w.step([(r, len(r.tokens)) for r in reqs]) == []
+    assert w.sweep(_sweep_entries(w, reqs, pad=3)) == []
+    _corrupt_state(w, reqs)
+    entries = _sweep_entries(w, reqs, pad=1)
+    context = entries.context_keys.clone()
+    context[entries.prev_slots == PREV_CHAIN_HEAD] += 1  # another context reused the cached KV
+    assert w.sweep(entries._replace(context_keys=context))
+    w.tiling = TILINGS["small"]
+    assert w.sweep(entries, check_tokens=False)
+
+
+@pytest.mark.parametrize("dtype, shape, read_bytes", [
+    (BF16, (37, 4, 16), 128),
+    (FP32, (5, 8), 16),
+    (FP16, (70, 48), 48),
+])
+def test_source_hash_rows_matches_reference_and_the_slot_fingerprint(device, dtype, shape, read_bytes):
+    gen = torch.Generator().manual_seed(41)
+    padded = torch.randint(-(2**62), 2**62, (shape[0], 2 * 64), generator=gen).view(torch.uint8)
+    width = torch.Size(shape[1:]).numel() * torch.empty(0, dtype=dtype).element_size()
+    rows = padded[:, :width].view(dtype).view(shape).to(device)  # rows strided past their bytes
+    out, ref = (torch.full((shape[0],), 5, dtype=torch.int64, device=device) for _ in range(2))
+    K.source_hash_rows(rows, read_bytes, out)
+    K.source_hash_rows_ref(rows, read_bytes, ref)
+    assert torch.equal(out, ref)
+    # A pool slot holding row t's bytes fingerprints as mix(out[t]) (one source).
+    pool = K.RealKvSource(rows.contiguous().view(shape[0], -1), 1, width, read_bytes)
+    slots = torch.arange(shape[0], device=device)
+    assert torch.equal(K.mix_torch(out), K.fingerprint_ref([pool], slots))
+    K.source_hash_rows(rows, read_bytes, out, tiling=TILINGS["small"])
+    assert torch.equal(out, ref)

@@ -1,4 +1,4 @@
-"""The violation ring's overflow and counters, and argument validation of sources and launches."""
+"""The violation ring's wrap-around and counters, and argument validation of sources and launches."""
 
 from __future__ import annotations
 
@@ -8,46 +8,85 @@ import torch
 import kvcanary_kernels as K
 from kvcanary_kernels.records import COL_POSITION, COL_REASONS, COL_SLOT, COL_STEP, COL_TAG, NUM_TAGS, Reason
 
-STAMP = (K.stamp_records, K.stamp_records_ref)
-VERIFY = (K.verify_records, K.verify_records_ref)
+from kv_world import i64
+
+VERIFY = {"kernel": K.verify_view, "reference": K.verify_view_ref}
+STAMP = {"kernel": K.stamp_view, "reference": K.stamp_view_ref}
+SWEEP = {"kernel": K.verify_records, "reference": K.verify_records_ref}
+HASH_ROWS = {"kernel": K.source_hash_rows, "reference": K.source_hash_rows_ref}
 
 
-@pytest.mark.parametrize("impl", [0, 1], ids=["kernel", "reference"])
-def test_ring_overflow_keeps_the_true_total_and_stores_capacity_rows(world_factory, impl):
-    w = world_factory(5, ring_capacity=3)
+def _flipped_world(world_factory, capacity: int, flipped: range):
+    """A stamped request of 10 tokens whose KV is flipped at positions ``flipped``."""
+    w = world_factory(5, ring_capacity=capacity)
     a = w.add_request(10)
-    w.fill_kv(a.slots)
-    STAMP[impl](w.records, w.write_entries([(a, 0, 10)]), w.sources, w.ring, 0)
+    assert w.step([(a, 10)]) == []
+    for p in flipped:
+        w.kv_bytes(0, w.slot(a, p))[0] ^= 1
+    return w, a
+
+
+def _verify(w, impl: str, view, tag: int, window: int = 0) -> None:
+    VERIFY[impl](w.records, w.sources, w.mapping, view, w.ring, tag, window=window, max_context=w.max_context,
+                 check_tokens=True, sentinel=False)
+
+
+@pytest.mark.parametrize("impl", list(VERIFY))
+def test_ring_wraps_over_the_oldest_rows_and_count_keeps_counting(world_factory, impl):
+    w, a = _flipped_world(world_factory, capacity=4, flipped=range(2, 6))
+    view = w.head_view([a])
     w.ring.step.fill_(42)
-    for slot in a.slots[2:9]:  # seven corrupted slots
-        w.kv_bytes(0, slot)[0] ^= 1
-    VERIFY[impl](w.records, w.verify_entries([(a, 0, 10)]), w.sources, w.ring, tag=3)
-    assert w.ring.total() == 7
-    stored = w.ring.read(0, 100)
-    assert stored.shape[0] == 3
-    for row in stored.tolist():
-        assert row[COL_SLOT] in a.slots[2:9]
-        assert row[COL_SLOT] == a.slots[row[COL_POSITION]]
-        assert (row[COL_REASONS], row[COL_TAG], row[COL_STEP]) == (Reason.VERIFY_REAL_KV_HASH, 3, 42)
-    assert len({row[COL_SLOT] for row in stored.tolist()}) == 3
+    _verify(w, impl, view, tag=3, window=6)  # positions 4..9: two rows, claims 0 and 1
+    w.ring.step.fill_(43)
+    _verify(w, impl, view, tag=5, window=7)  # positions 3..9: three rows, claims 2, 3, 4
+    assert int(w.ring.count) == 5
+    rows = w.ring.rows.tolist()
+    # Claim 4 overwrote claim 0 (rows[0]); claim 1 is still in rows[1].
+    assert [(r[COL_STEP], r[COL_TAG]) for r in rows] == [(43, 5), (42, 3), (43, 5), (43, 5)]
+    assert rows[1][COL_POSITION] in (4, 5)
+    assert sorted(r[COL_POSITION] for r in rows if r[COL_STEP] == 43) == [3, 4, 5]
+    for row in rows:
+        assert row[COL_SLOT] == w.slot(a, row[COL_POSITION])
+        assert row[COL_REASONS] == Reason.VERIFY_REAL_KV_HASH
+
+
+@pytest.mark.parametrize("impl", list(VERIFY))
+def test_one_launch_past_capacity_keeps_the_true_count(world_factory, impl):
+    w, a = _flipped_world(world_factory, capacity=3, flipped=range(2, 9))
+    _verify(w, impl, w.head_view([a]), tag=3)
+    assert int(w.ring.count) == 7
+    positions = [r[COL_POSITION] for r in w.ring.rows.tolist()]
+    assert len(set(positions)) == 3 and set(positions) <= set(range(2, 9))
 
 
 def test_counters_are_per_tag_and_count_empty_launches(world):
     a = world.add_request(5)
-    world.fill_kv(a.slots)
-    world.stamp(world.write_entries([(a, 0, 5)], pad=3), tag=2)
-    world.verify(world.verify_entries([(a, 0, 5)], pad=4), tag=7)
-    world.verify(world.verify_entries([(a, 2, 5)]), tag=7)
-    world.verify(world.verify_entries([]), tag=9)
-    world.stamp(world.write_entries([]), tag=11)
-    runs = [0] * NUM_TAGS
-    slots = [0] * NUM_TAGS
+    fwd = world.forward([(a, 5)], pad_rows=3, pad_tokens=4)
+    world.write(fwd)
+    world.stamp(fwd.view, tag=2)
+    world.commit(fwd)
+    view = world.head_view([a], pad_rows=2)
+    world.verify(view, tag=7)
+    world.verify(view, tag=7, window=3)
+    world.verify(world.head_view([]), tag=9)
+    world.stamp(world.head_view([]), tag=11)
+    world.sweep(K.VerifyEntries(*[i64([])] * 6), tag=13)
+    runs, slots = [0] * NUM_TAGS, [0] * NUM_TAGS
     runs[2], slots[2] = 1, 5
     runs[7], slots[7] = 2, 8
-    runs[9] = runs[11] = 1
+    runs[9] = runs[11] = runs[13] = 1
     assert world.ring.kernel_runs.tolist() == runs
     assert world.ring.slot_runs.tolist() == slots
-    assert world.ring.total() == 0
+    assert int(world.ring.count) == 0
+
+
+def test_clear_resets_every_buffer(world_factory):
+    w, a = _flipped_world(world_factory, capacity=4, flipped=range(3, 4))
+    w.verify(w.head_view([a]), tag=1)
+    w.ring.advance_step()
+    w.ring.clear()
+    for name in ("rows", "count", "step", "kernel_runs", "slot_runs"):
+        assert not getattr(w.ring, name).any(), name
 
 
 def _bf16(*shape: int) -> torch.Tensor:
@@ -71,67 +110,105 @@ def test_bad_source_args_raise_naming_the_field(kwargs, field):
         K.RealKvSource(**kwargs)
 
 
-def _bad_launch(world, case: str):
-    """(records, entries, sources, ring, tag) for a verify launch broken in one way."""
+def _view_launch(world, case: str) -> dict:
+    """Keyword arguments of a view launch broken in one way."""
     a = world.add_request(4)
-    entries = world.verify_entries([(a, 0, 4)])
-    records, sources, ring, tag = world.records, world.sources, world.ring, 0
-    if case == "records dtype":
-        records = records.to(torch.int32)
-    elif case == "records shape":
-        records = records[:, :3].contiguous()
-    elif case == "records strided":
-        records = torch.zeros(records.shape[0], 8, dtype=torch.int64, device=records.device)[:, :4]
-    elif case == "entry dtype":
-        entries = entries._replace(tokens=entries.tokens.to(torch.int32))
-    elif case == "entry length":
-        entries = entries._replace(prev_slots=entries.prev_slots[:-1])
-    elif case == "entry shape":
-        entries = entries._replace(rows=entries.rows[:, None])
-    elif case == "entry device":
-        entries = entries._replace(positions=entries.positions.to("meta"))
-    elif case == "too many sources":
-        sources = sources * 5
-    elif case == "source too small":
-        src = sources[0]
-        sources = [K.RealKvSource(src.tensor[:8], src.page_size, src.num_bytes_per_token, src.read_bytes)]
-    elif case == "tag":
-        tag = NUM_TAGS
-    return records, entries, sources, ring, tag
+    args = dict(records=world.records, sources=world.sources, mapping=world.mapping,
+                view=world.head_view([a], pad_rows=1), ring=world.ring, tag=0)
+    mapping, view = args["mapping"], args["view"]
+    broken = {
+        "records dtype": lambda: dict(records=world.records.to(torch.int32)),
+        "records shape": lambda: dict(records=world.records[:, :3].contiguous()),
+        "records strided": lambda: dict(records=torch.zeros(256, 8, dtype=torch.int64, device=world.device)[:, :4]),
+        "too many sources": lambda: dict(sources=world.sources * 5),
+        "source too small": lambda: dict(sources=[K.RealKvSource(world.sources[0].tensor[:8], 1, 128, 128)]),
+        "tag": lambda: dict(tag=NUM_TAGS),
+        "table dtype": lambda: dict(mapping=mapping._replace(table=mapping.table.float())),
+        "table dims": lambda: dict(mapping=mapping._replace(table=mapping.table[0])),
+        "page size": lambda: dict(mapping=mapping._replace(page_size=0)),
+        "ring": lambda: dict(mapping=mapping._replace(ring=-1)),
+        "full_to_group dtype": lambda: dict(mapping=mapping._replace(full_to_group=i64([0, 1]).int())),
+        "rows dtype": lambda: dict(view=view._replace(rows=view.rows.int())),
+        "prefix length": lambda: dict(view=view._replace(prefix_lens=view.prefix_lens[:1])),
+        "positions length": lambda: dict(view=view._replace(positions=i64([1, 2, 3]))),
+        "context length": lambda: dict(view=view._replace(context_keys=i64([0, 0, 0]))),
+        "extend device": lambda: dict(view=view._replace(extend_lens=view.extend_lens.to("meta"))),
+        "token table": lambda: dict(view=view._replace(token_table=view.token_table[0])),
+    }[case]()
+    return args | broken
 
 
-BAD_LAUNCHES = {
+BAD_VIEW_LAUNCHES = {
     "records dtype": "records must be int64; got torch.int32",
     "records shape": r"records must be \[num_slots, 4\]; got \(256, 3\)",
     "records strided": "records must be contiguous",
-    "entry dtype": "VerifyEntries.tokens must be int64; got torch.int32",
-    "entry length": "VerifyEntries.prev_slots has length 3; VerifyEntries.slots has 4",
-    "entry shape": r"VerifyEntries.rows must be 1-D and contiguous; got shape \(4, 1\)",
-    "entry device": "VerifyEntries.positions is on meta",
     "too many sources": "sources holds at most 4; got 5",
     "source too small": "sources.0. covers 8 slots; records have 256",
     "tag": "launch tag must be in",
+    "table dtype": "MappingArgs.table must be int32 or int64; got torch.float32",
+    "table dims": "MappingArgs.table must be a 2-D tensor; got torch.int64 tensor of shape",
+    "page size": "MappingArgs.page_size must be an integer >= 1; got 0",
+    "ring": "MappingArgs.ring must be an integer >= 0; got -1",
+    "full_to_group dtype": "MappingArgs.full_to_group must be int64; got torch.int32",
+    "rows dtype": "ViewArgs.rows must be int64; got torch.int32",
+    "prefix length": "ViewArgs.prefix_lens has length 1; expected 2",
+    "positions length": "ViewArgs.positions has length 3; expected 4",
+    "context length": "ViewArgs.context_keys has length 3; expected 2",
+    "extend device": "ViewArgs.extend_lens is on meta",
+    "token table": "ViewArgs.token_table must be a 2-D int64 tensor",
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_LAUNCHES))
-@pytest.mark.parametrize("verify", VERIFY, ids=["kernel", "reference"])
-def test_bad_verify_launch_raises_naming_the_argument(world, verify, case):
-    records, entries, sources, ring, tag = _bad_launch(world, case)
-    with pytest.raises(ValueError, match=BAD_LAUNCHES[case]):
-        verify(records, entries, sources, ring, tag)
+@pytest.mark.parametrize("case", list(BAD_VIEW_LAUNCHES))
+@pytest.mark.parametrize("impl", list(VERIFY))
+def test_bad_view_launch_raises_naming_the_argument(world, impl, case):
+    args = _view_launch(world, case)
+    if case == "positions length":
+        args["view"] = args["view"]._replace(input_ids=i64([1, 2, 3, 4]))
+    with pytest.raises(ValueError, match=BAD_VIEW_LAUNCHES[case]):
+        VERIFY[impl](**args, window=0, max_context=64, check_tokens=True, sentinel=False)
+    with pytest.raises(ValueError, match=BAD_VIEW_LAUNCHES[case]):
+        STAMP[impl](**args, check_tokens=True, check_write_inputs=True)
 
 
-@pytest.mark.parametrize("stamp", STAMP, ids=["kernel", "reference"])
-def test_bad_stamp_entries_raise_naming_the_field(world, stamp):
-    a = world.add_request(4)
-    entries = world.write_entries([(a, 0, 4)])
-    bad = entries._replace(seed_slots=torch.tensor([-1, -1], device=world.device))
-    with pytest.raises(ValueError, match="WriteEntries.seed_slots has length 2; WriteEntries.seg_starts has 1"):
-        stamp(world.records, bad, world.sources, world.ring, 0)
-    bad = entries._replace(expected_tokens=entries.expected_tokens.float())
-    with pytest.raises(ValueError, match="WriteEntries.expected_tokens must be int64"):
-        stamp(world.records, bad, world.sources, world.ring, 0)
+@pytest.mark.parametrize("impl", list(VERIFY))
+def test_bad_view_options_raise_naming_the_option(world, impl):
+    args = _view_launch(world, "tag") | dict(tag=0)
+    with pytest.raises(ValueError, match="window must be an integer >= 0; got -1"):
+        VERIFY[impl](**args, window=-1, max_context=64, check_tokens=True, sentinel=False)
+    with pytest.raises(ValueError, match="max_context must be an integer >= 1; got 0"):
+        VERIFY[impl](**args, window=0, max_context=0, check_tokens=True, sentinel=False)
+    n_tokens = args["view"].input_ids.shape[0]
+    with pytest.raises(ValueError, match=f"written_hashes has length {n_tokens + 1}; expected {n_tokens}"):
+        STAMP[impl](**args, check_tokens=True, check_write_inputs=True, written_hashes=i64([0] * (n_tokens + 1)))
+    with pytest.raises(ValueError, match="written_hashes needs >= 1 source"):
+        STAMP[impl](**args | dict(sources=[]), check_tokens=True, check_write_inputs=True,
+                    written_hashes=i64([0] * n_tokens))
+
+
+@pytest.mark.parametrize("impl", list(SWEEP))
+def test_bad_sweep_entries_raise_naming_the_field(world, impl):
+    entries = K.VerifyEntries(*[i64([1, 2, 3])] * 6)
+    with pytest.raises(ValueError, match="VerifyEntries.context_keys has length 2; VerifyEntries.slots has 3"):
+        SWEEP[impl](world.records, entries._replace(context_keys=i64([0, 0])), world.sources, world.ring, 0)
+    with pytest.raises(ValueError, match="VerifyEntries.tokens must be int64; got torch.int32"):
+        SWEEP[impl](world.records, entries._replace(tokens=entries.tokens.int()), world.sources, world.ring, 0)
+    with pytest.raises(ValueError, match=r"VerifyEntries.rows must be 1-D and contiguous; got shape \(3, 1\)"):
+        SWEEP[impl](world.records, entries._replace(rows=entries.rows[:, None]), world.sources, world.ring, 0)
+
+
+@pytest.mark.parametrize("rows, read_bytes, out, message", [
+    (_bf16(8), 16, torch.zeros(8, dtype=torch.int64), "rows must be a tensor with >= 2 dims"),
+    (_bf16(4, 16), 24, torch.zeros(4, dtype=torch.int64), "RealKvSource.read_bytes must be a positive multiple of 16"),
+    (_bf16(4, 16), 48, torch.zeros(4, dtype=torch.int64), r"<= num_bytes_per_token \(32\); got 48"),
+    (_bf16(4, 20)[:, :16], 32, torch.zeros(4, dtype=torch.int64), "16-byte"),
+    (_bf16(4, 16), 32, torch.zeros(3, dtype=torch.int64), "out has length 3; expected 4"),
+    (_bf16(4, 16), 32, torch.zeros(4, dtype=torch.int32), "out must be int64; got torch.int32"),
+])
+@pytest.mark.parametrize("impl", list(HASH_ROWS))
+def test_bad_hash_rows_args_raise_naming_the_argument(impl, rows, read_bytes, out, message):
+    with pytest.raises(ValueError, match=message):
+        HASH_ROWS[impl](rows, read_bytes, out)
 
 
 @pytest.mark.parametrize("tiling, message", [
@@ -139,10 +216,10 @@ def test_bad_stamp_entries_raise_naming_the_field(world, stamp):
     (K.Tiling(block=128, chunk=0, num_warps=4), "tiling.chunk must be a power of two; got 0"),
 ])
 def test_bad_tiling_raises(world, tiling, message):
-    a = world.add_request(2)
+    args = _view_launch(world, "tag") | dict(tag=0)
     with pytest.raises(ValueError, match=message):
-        K.verify_records(world.records, world.verify_entries([(a, 0, 2)]), world.sources, world.ring, 0,
-                         tiling=tiling)
+        K.verify_view(**args, window=0, max_context=64, check_tokens=True, sentinel=False, tiling=tiling)
     with pytest.raises(ValueError, match=message):
-        K.stamp_records(world.records, world.write_entries([(a, 0, 2)]), world.sources, world.ring, 0,
-                        tiling=tiling)
+        K.stamp_view(**args, check_tokens=True, check_write_inputs=True, tiling=tiling)
+    with pytest.raises(ValueError, match=message):
+        K.source_hash_rows(_bf16(4, 16), 32, torch.zeros(4, dtype=torch.int64), tiling=tiling)

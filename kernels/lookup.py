@@ -1,0 +1,47 @@
+"""Device-side lookups through the engine's per-(row, position) tables: the slot mapping (see
+entries.MappingArgs) and the token table.
+
+Each table travels into a kernel as one tuple: ``launch.mapping_args(mapping, records)`` gives
+``(table, row_stride, col_stride, table_rows, table_cols, full_to_group, n_full, num_slots)`` and
+the constexpr ``MAP = (page_size, ring, has_full_to_group)`` (constants, so page and ring
+arithmetic compiles to shifts and masks); ``launch.token_args(view, records)`` gives
+``(token_table, row_stride, col_stride, table_rows, table_cols)`` plus HAS_TOKENS. ``rows`` may be
+a scalar (one batch row per tile).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import records as R
+
+_UNKNOWN = tl.constexpr(R.UNKNOWN)
+
+
+@triton.jit
+def map_slot(mapping, MAP: tl.constexpr, rows, positions, mask):
+    """int64 slot holding (rows, positions) in each lane. 0 off ``mask`` and wherever the lookup
+    leaves the table, full_to_group or the pool (not resident)."""
+    table, row_stride, col_stride, table_rows, table_cols, full_to_group, n_full, num_slots = mapping
+    rows = tl.zeros_like(positions) + rows  # a lane per position (bool scalars do not mix with masks)
+    logical = positions
+    if MAP[1] > 0:
+        logical = positions % MAP[1]
+    cols = logical // MAP[0]
+    ok = mask & (rows >= 0) & (rows < table_rows) & (cols < table_cols)
+    entry = tl.load(table + rows * row_stride + cols * col_stride, mask=ok, other=0).to(tl.int64)
+    slots = entry * MAP[0] + logical % MAP[0]
+    if MAP[2]:
+        ok &= (slots >= 0) & (slots < n_full)
+        slots = tl.load(full_to_group + slots, mask=ok, other=0)
+    return tl.where(ok & (slots >= 0) & (slots < num_slots), slots, 0)
+
+
+@triton.jit
+def known_token(tokens, rows, positions, mask):
+    """The token the engine believes (rows, positions) holds; UNKNOWN off ``mask`` and off the table."""
+    table, row_stride, col_stride, table_rows, table_cols = tokens
+    rows = tl.zeros_like(positions) + rows
+    ok = mask & (rows >= 0) & (rows < table_rows) & (positions < table_cols)
+    return tl.load(table + rows * row_stride + positions * col_stride, mask=ok, other=_UNKNOWN)

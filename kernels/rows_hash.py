@@ -1,0 +1,37 @@
+"""Write-through: the source hash of each row a forward computed, before it lands in the pool."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fingerprint import source_hash
+from .hashing import as_i64
+from .launch import DEFAULT_TILING, Tiling, cdiv, check_tiling, rows_source, source_args
+
+
+@triton.jit
+def _source_hash_rows_kernel(source, n_rows, out, READS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    on = offs < n_rows
+    words, row_stride, words_per_token = source[0]
+    hashes = source_hash(words, row_stride, words_per_token, offs, on, READS[0][0], READS[0][1], READS[0][2])
+    tl.store(out + offs, as_i64(hashes), mask=on)
+
+
+def source_hash_rows(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, tiling: Tiling | None = None) -> None:
+    """``out[t]`` = the source hash of row t's first read_bytes (``sum_i mix(w_i ^ mix(i + 1))``
+    over its int64 words, as ``fingerprint.source_hash``), for rows ``[T, ...]`` contiguous past
+    dim 0 with 16-byte aligned rows (one layer's new K or V, in token order) and out int64 [T].
+    A slot holding row t's bytes then fingerprints as ``mix(acc ^ out[t])`` folded over its
+    sources. Graph-safe; the grid depends on T only."""
+    source = rows_source(rows, read_bytes, out)
+    tiling = tiling or DEFAULT_TILING
+    check_tiling(tiling)
+    if source is None:
+        return
+    src, reads = source_args([source], tiling.chunk)
+    n = rows.shape[0]
+    _source_hash_rows_kernel[(cdiv(n, tiling.block),)](src, n, out, READS=reads, BLOCK=tiling.block,
+                                                             num_warps=tiling.num_warps)

@@ -1,0 +1,194 @@
+"""TAIL: stamp the records of the slots a forward has just written, walked from its view."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from . import records as R
+from .entries import MappingArgs, ViewArgs
+from .fingerprint import slot_fingerprint
+from .hashing import as_i64, as_u64, head_hash, mix3
+from .launch import (
+    DEFAULT_TILING, Tiling, batch_lanes, cdiv, check_tiling, check_vector, check_view_launch, mapping_args,
+    ring_args, row_grid, source_args, token_args,
+)
+from .lookup import known_token, map_slot
+from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
+from .ring import ViolationRing
+from .sources import RealKvSource
+from .violation_log import append_violations, count_launch, count_slots, note_failure
+
+_WRITE_POSITION = tl.constexpr(int(R.Reason.WRITE_POSITION))
+_WRITE_TOKEN = tl.constexpr(int(R.Reason.WRITE_TOKEN))
+_WRITE_REAL_KV = tl.constexpr(int(R.Reason.WRITE_REAL_KV_HASH))
+_UNKNOWN = tl.constexpr(R.UNKNOWN)
+_CHAIN_LANES = 32  # batch rows per chain program (one warp)
+
+
+@triton.jit
+def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, input_ids,
+                          positions_ptr, written_ptr, n_batch, n_tokens, ring, tag, READS: tl.constexpr,
+                          MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
+                          CHECK_WRITE: tl.constexpr, HAS_WRITTEN: tl.constexpr, BATCH: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Token, position and fingerprint of each written slot's record (not PREV_HASH), and the
+    write checks. Program (b, j) stamps tiles j, j + J, ... of batch row b's extend."""
+    count_launch(ring, tag)
+    b = tl.program_id(0)
+    in_batch = b < n_batch
+    lanes = tl.arange(0, BATCH)
+    token_start = tl.sum(tl.load(extend_ptr + lanes, mask=lanes < b, other=0), axis=0)
+    row = tl.load(rows_ptr + b, mask=in_batch, other=0)
+    prefix = tl.load(prefix_ptr + b, mask=in_batch, other=0)
+    extend = tl.load(extend_ptr + b, mask=in_batch, other=0)
+    offs = tl.arange(0, BLOCK)
+    zeros = tl.zeros([BLOCK], tl.int64)
+    stamped = zeros
+    for t in range(tl.program_id(1), tl.cdiv(extend, BLOCK), tl.num_programs(1)):
+        j = t * BLOCK + offs
+        token_index = token_start + j
+        pos = prefix + j
+        slots = map_slot(mapping, MAP, row, pos, (j < extend) & (token_index < n_tokens))
+        live = slots != 0
+        stamped += live.to(tl.int64)
+        token = tl.load(input_ids + token_index, mask=live, other=0)
+        position = tl.load(positions_ptr + token_index, mask=live, other=0)
+        tl.store(field_ptrs(records, slots, TOKEN), token, mask=live)
+        tl.store(field_ptrs(records, slots, POSITION), position, mask=live)
+        fingerprint = zeros
+        if len(READS) > 0:
+            fingerprint = as_i64(slot_fingerprint(sources, READS, slots, live))
+        tl.store(field_ptrs(records, slots, REAL_KV_HASH), fingerprint, mask=live)
+        if CHECK_WRITE or HAS_WRITTEN:
+            reasons, stored, expected = zeros, zeros, zeros
+            if HAS_WRITTEN:
+                written = tl.load(written_ptr + token_index, mask=live, other=0)
+                reasons, stored, expected = note_failure(live & (fingerprint != written), _WRITE_REAL_KV,
+                                                         fingerprint, written, reasons, stored, expected)
+            if CHECK_WRITE:
+                if HAS_TOKENS:
+                    want = known_token(tokens, row, pos, live)
+                    reasons, stored, expected = note_failure((want != _UNKNOWN) & (token != want), _WRITE_TOKEN,
+                                                             token, want, reasons, stored, expected)
+                reasons, stored, expected = note_failure(live & (position != pos), _WRITE_POSITION,
+                                                         position, pos, reasons, stored, expected)
+            append_violations(ring, tag, reasons != 0, reasons, slots, pos, row, stored, expected)
+    count_slots(ring, tag, tl.sum(stamped, axis=0))
+
+
+@triton.jit
+def _chain_entry(mapping, MAP: tl.constexpr, inputs, lanes, j):
+    """(slot, token, position) of each lane's entry j; slot 0 past the lane's extend.
+    inputs: (input_ids, positions, n_tokens); lanes: (rows, prefix_lens, extend_lens, token starts)."""
+    input_ids, positions_ptr, n_tokens = inputs
+    rows, prefix, extend, starts = lanes
+    on = (j < extend) & (starts + j < n_tokens)
+    slots = map_slot(mapping, MAP, rows, prefix + j, on)
+    tokens = tl.load(input_ids + starts + j, mask=on, other=0)
+    positions = tl.load(positions_ptr + starts + j, mask=on, other=0)
+    return slots, tokens, positions
+
+
+@triton.jit
+def _chain_step(records, chain, slots, tokens, positions):
+    """Stores the running hash as the prev_hash of each lane's written slot and folds the entry in."""
+    written = slots != 0
+    tl.store(field_ptrs(records, slots, PREV_HASH), as_i64(chain), mask=written)
+    return tl.where(written, mix3(chain, as_u64(tokens), as_u64(positions)), chain)
+
+
+@triton.jit
+def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, context_ptr, n_batch,
+                        MAP: tl.constexpr, HAS_CONTEXT: tl.constexpr, BATCH: tl.constexpr, LANES: tl.constexpr):
+    """One lane per batch row: run its prev_hash chain serially and store each written slot's
+    prev_hash (the PREV_HASH field only). Launched with one warp per program: each step's
+    accesses are scattered, so fewer rows per multiprocessor means shorter steps."""
+    mine = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
+    in_batch = mine < n_batch
+    batch = tl.arange(0, BATCH)
+    extend_all = tl.load(extend_ptr + batch, mask=batch < n_batch, other=0)
+    starts = tl.sum(tl.where(batch[None, :] < mine[:, None], extend_all[None, :], 0), axis=1)
+    rows = tl.load(rows_ptr + mine, mask=in_batch, other=0)
+    prefix = tl.load(prefix_ptr + mine, mask=in_batch, other=0)
+    extend = tl.load(extend_ptr + mine, mask=in_batch, other=0)
+    lanes = (rows, prefix, extend, starts)
+    context = tl.zeros([LANES], tl.int64)
+    if HAS_CONTEXT:
+        context = tl.load(context_ptr + mine, mask=in_batch, other=0)
+    seeded = in_batch & (prefix > 0)
+    seed_slots = map_slot(mapping, MAP, rows, prefix - 1, seeded)
+    chain = tl.where(seeded, successor_hash(records, seed_slots, seeded), head_hash(context))
+    # The chain is latency-bound: four entries are hashed while the next four load.
+    slots0, tokens0, positions0 = _chain_entry(mapping, MAP, inputs, lanes, 0)
+    slots1, tokens1, positions1 = _chain_entry(mapping, MAP, inputs, lanes, 1)
+    slots2, tokens2, positions2 = _chain_entry(mapping, MAP, inputs, lanes, 2)
+    slots3, tokens3, positions3 = _chain_entry(mapping, MAP, inputs, lanes, 3)
+    for j in range(0, tl.max(extend, axis=0), 4):
+        slots4, tokens4, positions4 = _chain_entry(mapping, MAP, inputs, lanes, j + 4)
+        slots5, tokens5, positions5 = _chain_entry(mapping, MAP, inputs, lanes, j + 5)
+        slots6, tokens6, positions6 = _chain_entry(mapping, MAP, inputs, lanes, j + 6)
+        slots7, tokens7, positions7 = _chain_entry(mapping, MAP, inputs, lanes, j + 7)
+        chain = _chain_step(records, chain, slots0, tokens0, positions0)
+        chain = _chain_step(records, chain, slots1, tokens1, positions1)
+        chain = _chain_step(records, chain, slots2, tokens2, positions2)
+        chain = _chain_step(records, chain, slots3, tokens3, positions3)
+        slots0, tokens0, positions0 = slots4, tokens4, positions4
+        slots1, tokens1, positions1 = slots5, tokens5, positions5
+        slots2, tokens2, positions2 = slots6, tokens6, positions6
+        slots3, tokens3, positions3 = slots7, tokens7, positions7
+
+
+def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
+               ring: ViolationRing, tag: int, *, check_tokens: bool, check_write_inputs: bool,
+               written_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
+    """Write ``(token, position, prev_hash, fingerprint)`` into the record of every slot the
+    forward wrote: for batch row b and j in [0, extend_lens[b]), token t = start_b + j, position
+    p = prefix_lens[b] + j, slot = mapping(rows[b], p); slot 0 is skipped (no record, no chain
+    step), and so are tokens past T.
+
+    The record takes input_ids[t], positions[t], the slot's fingerprint, and the running chain of
+    its row: seeded with ``head_hash(context_keys[b])`` when prefix_lens[b] is 0, else with the
+    successor hash of the record at ``mapping(rows[b], prefix_lens[b] - 1)`` (a slot this call
+    must not write; when it is 0, record 0, whose chain no HEAD checks across the hole); each
+    stamped entry takes the running value, then folds in its token and position.
+
+    One ring row (slot, position p, row rows[b]) per entry failing a check: with
+    check_write_inputs, positions[t] != p (write_position) and, with check_tokens and a token
+    table, a known token != input_ids[t] (write_token); with written_hashes ([T] int64, what the
+    forward computed), the fingerprint != written_hashes[t] (write_real_kv_hash).
+
+    Counts the call once in ring.kernel_runs[tag] and the stamped slots in ring.slot_runs[tag].
+    Two launches, graph-safe, grids from the batch and token capacities only: one over (batch
+    rows, programs per row) that writes all but prev_hash (bandwidth-bound), and one over batch
+    rows (one lane each; its steps are serial, so its time grows with the longest extend).
+    """
+    check_view_launch(records, sources, mapping, view, ring, tag)
+    n_tokens = view.input_ids.shape[0]
+    if written_hashes is not None:
+        check_vector("written_hashes", written_hashes, records.device, n_tokens)
+        if not sources:
+            raise ValueError("written_hashes needs >= 1 source (with none, every fingerprint is 0); got 0 sources")
+    tiling = tiling or DEFAULT_TILING
+    check_tiling(tiling)
+    src, reads = source_args(sources, tiling.chunk)
+    mapping_tuple, map_consts = mapping_args(mapping, records)
+    token_tuple, has_tokens = token_args(view, records)
+    batch, lanes = view.rows.shape[0], batch_lanes(view)
+    _stamp_records_kernel[row_grid(batch, n_tokens, tiling.block, records.device)](
+        records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens, view.extend_lens, view.input_ids,
+        view.positions, records if written_hashes is None else written_hashes, batch, n_tokens,
+        ring_args(ring), tag, READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
+        CHECK_WRITE=check_write_inputs, HAS_WRITTEN=written_hashes is not None, BATCH=lanes,
+        BLOCK=tiling.block, num_warps=tiling.num_warps,
+    )
+    if batch:
+        _stamp_chain_kernel[(cdiv(batch, _CHAIN_LANES),)](
+            records, mapping_tuple, (view.input_ids, view.positions, n_tokens), view.rows, view.prefix_lens,
+            view.extend_lens, records if view.context_keys is None else view.context_keys, batch,
+            MAP=map_consts, HAS_CONTEXT=view.context_keys is not None, BATCH=lanes, LANES=_CHAIN_LANES,
+            num_warps=1,
+        )
