@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# The GPU pass, on a machine with CUDA and no network: install the project, run the test suite on
-# the GPU, the example suite under two xdist workers, and the kernel benchmark; a table comes last.
+# The GPU pass, on a machine with CUDA and no network: install the project, then run the selected
+# steps (default: all), each time-boxed; a table comes last.
 #
-#   OUT=/some/dir bash benchmarks/gpu_run.sh
+#   OUT=/some/dir bash benchmarks/gpu_run.sh                       # every step
+#   STEPS="tests overhead" OUT=/some/dir bash benchmarks/gpu_run.sh  # some of them
 #
-# Wheels the machine lacks (pytest-xdist, execnet) may be placed in .whl/ beforehand.
+# Steps: tests (the GPU-relevant tests: kernels, runtime, graph decode, bug scenarios), kernels
+# (bench_kernels.py), overhead (bench_overhead.py), examples (the example suite under two xdist
+# workers), transformers (the example suite on the transformers engine, eager and with CUDA graphs,
+# and bench_transformers.py). Wheels the machine lacks (pytest-xdist, execnet) may be placed in
+# .whl/ beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvcanary-gpu}
+STEPS=${STEPS:-tests kernels overhead examples transformers}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -16,37 +22,49 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
 nvidia-smi -L
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 
 summary="$OUT/summary.txt"
 : >"$summary"
-step() {  # step NAME COMMAND...: run, keep the log, note exit code, time and pytest's last line
-  local name=$1 start=$SECONDS rc
-  shift
-  "$@" >"$OUT/$name.log" 2>&1
+step() {  # step NAME SECONDS COMMAND...: run time-boxed, keep the log, note exit code, time, last result line
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   printf '| %s | %s | %ss | %s |\n' "$name" "$rc" "$((SECONDS - start))" \
     "$(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -n 1 | tr -d '=')" >>"$summary"
-  tail -n 25 "$OUT/$name.log"
+  tail -n 30 "$OUT/$name.log"
 }
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
 
-# Each step is time-boxed (TESTS selects the GPU tests; the whole suite is the default).
-step bench timeout 150 python3 benchmarks/bench_kernels.py
-step examples timeout 150 python3 -m pytest --kv-canary examples/ -n 2 -p no:cacheprovider -rA \
-  --kv-canary-report "$OUT/examples-report.json"
-# shellcheck disable=SC2086
-step tests timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest ${TESTS:-tests/} -q -p no:cacheprovider --durations=10
-
-echo
-python3 - "$OUT/examples-report.json" <<'PY'
+if wants tests; then
+  step tests 300 python3 -m pytest -q -p no:cacheprovider -x --durations=5 tests/unit/kernels tests/unit/canary \
+    tests/unit/engine/test_cuda_graph_canary.py tests/unit/engine/test_padded_decode.py tests/unit/scenarios
+fi
+wants kernels && step kernels 150 python3 benchmarks/bench_kernels.py
+wants overhead && step overhead 300 python3 benchmarks/bench_overhead.py
+if wants examples; then
+  step examples 150 python3 -m pytest --kv-canary examples/ -n 2 -p no:cacheprovider -rA \
+    --kv-canary-report "$OUT/examples-report.json"
+  python3 - "$OUT/examples-report.json" <<'PY'
 import json, sys
 data = json.load(open(sys.argv[1]))
-pairs = sorted({(t["worker"], t["kind"], t["device"]) for t in data["tests"]})
-print("examples: worker -> device:", "; ".join(f"{w} {k} {d}" for w, k, d in pairs))
+pairs = sorted({(t.get("worker"), t.get("device")) for t in data["tests"]})
+print("examples: worker -> device:", "; ".join(f"{w} {d}" for w, d in pairs))
 PY
+fi
+if wants transformers; then
+  step tf-eager 150 python3 -m pytest --kv-canary --kv-canary-engine transformers examples/ -p no:cacheprovider -q
+  KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 step tf-graphs 150 python3 -m pytest --kv-canary \
+    --kv-canary-engine transformers examples/ -p no:cacheprovider -q
+  [ -f benchmarks/bench_transformers.py ] && step tf-bench 150 python3 benchmarks/bench_transformers.py
+fi
+
 echo
 echo "| step | exit | time | result |"
 echo "|---|---|---|---|"
 cat "$summary"
-echo
-sed -n '/^| case/,$p' "$OUT/bench.log"
+for f in kernels overhead tf-bench; do
+  [ -f "$OUT/$f.log" ] && { echo; echo "== $f"; grep -E '^(\||device)' "$OUT/$f.log"; }
+done

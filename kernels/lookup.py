@@ -21,8 +21,9 @@ _UNKNOWN = tl.constexpr(R.UNKNOWN)
 
 @triton.jit
 def map_slot(mapping, MAP: tl.constexpr, rows, positions, mask):
-    """int64 slot holding (rows, positions) in each lane. 0 off ``mask`` and wherever the lookup
-    leaves the table, full_to_group or the pool (not resident)."""
+    """int64 slot holding (rows, positions) in each lane. 0 off ``mask``, where the table entry is 0
+    (block 0 of a block table is the null block) and wherever the lookup leaves the table,
+    full_to_group or the pool (not resident)."""
     table, row_stride, col_stride, table_rows, table_cols, full_to_group, n_full, num_slots = mapping
     rows = tl.zeros_like(positions) + rows  # a lane per position (bool scalars do not mix with masks)
     logical = positions
@@ -31,6 +32,7 @@ def map_slot(mapping, MAP: tl.constexpr, rows, positions, mask):
     cols = logical // MAP[0]
     ok = mask & (rows >= 0) & (rows < table_rows) & (cols < table_cols)
     entry = tl.load(table + rows * row_stride + cols * col_stride, mask=ok, other=0).to(tl.int64)
+    ok &= entry != 0
     slots = entry * MAP[0] + logical % MAP[0]
     if MAP[2]:
         ok &= (slots >= 0) & (slots < n_full)

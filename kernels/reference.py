@@ -69,13 +69,16 @@ def source_hash_rows_ref(rows: torch.Tensor, read_bytes: int, out: torch.Tensor,
 
 
 def map_slot_ref(mapping: MappingArgs, rows: torch.Tensor, positions: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """The slot of each (row, position >= 0); 0 wherever the lookup leaves the table,
+    """The slot of each (row, position >= 0); 0 wherever the table entry is 0 (block 0 of a block
+    table is the null block: no position in it is resident) or the lookup leaves the table,
     full_to_group or the pool."""
     logical = positions % mapping.ring if mapping.ring else positions
     cols = logical // mapping.page_size
     table = mapping.table
     ok = (rows >= 0) & (rows < table.shape[0]) & (cols < table.shape[1])
-    slots = _gather(table, ok, rows, cols).long() * mapping.page_size + logical % mapping.page_size
+    entry = _gather(table, ok, rows, cols).long()
+    ok &= entry != 0
+    slots = entry * mapping.page_size + logical % mapping.page_size
     f2g = mapping.full_to_group
     if f2g is not None:
         ok &= (slots >= 0) & (slots < f2g.shape[0])

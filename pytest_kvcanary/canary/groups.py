@@ -107,7 +107,8 @@ class GroupState:
         lp = positions.to(m.table.device, torch.int64)
         if m.ring:
             lp = lp % m.ring
-        space = m.table[rows, lp // m.page_size].to(torch.int64) * m.page_size + lp % m.page_size
+        entry = m.table[rows, lp // m.page_size].to(torch.int64)
+        space = torch.where(entry != 0, entry * m.page_size + lp % m.page_size, 0)
         return space, self.to_group_slots(space)
 
     def seal_reserved_slot(self) -> None:

@@ -44,6 +44,8 @@ class SlotMapping:
     ``lp = position % ring if ring else position``;
     ``slot = table[row, lp // page_size] * page_size + lp % page_size``; then, when full_to_group is
     given, ``slot = full_to_group[slot]`` (a pool indexed through FULL-pool slots; 0 = not resident).
+    A table entry 0 means not resident: block 0 of a block table is the null block, as slot 0 of a
+    per-token table is the reserved slot.
 
     page_size 1: a per-token table (``req_to_token``, SGLang's layout); > 1: a block table of
     block ids (vLLM, transformers). ring > 0: a ring-buffer window allocator whose table indexes
