@@ -1,0 +1,38 @@
+"""Hugging Face transformers continuous batching as an engine under test (``--kv-canary-engine
+transformers``). Needs the transformers package: ``pip install "pytest-kvcanary[transformers]"``.
+
+    versions.py   what differs between the supported transformers releases (cache layout, config)
+    block_log.py  what the prefix cache does not keep about its blocks; the sweep's cache walk
+    model.py      a local checkpoint, or the seeded random one written on first use
+    engine.py     TransformersEngine: the CanaryHost seam around ContinuousBatchProcessor
+"""
+
+from __future__ import annotations
+
+import os
+
+from .engine import TransformersEngine
+from .model import load, random_checkpoint
+
+__all__ = ["CUDA_GRAPHS_VARIABLE", "TransformersEngine", "load", "make_transformers_engine", "random_checkpoint"]
+
+CUDA_GRAPHS_VARIABLE = "KVCANARY_TRANSFORMERS_CUDA_GRAPHS"
+
+
+def cuda_graphs_requested() -> bool:
+    """KVCANARY_TRANSFORMERS_CUDA_GRAPHS: 1 runs the forward in CUDA graphs, 0 or unset eagerly."""
+    value = os.environ.get(CUDA_GRAPHS_VARIABLE, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{CUDA_GRAPHS_VARIABLE} must be one of 0, 1; got {value!r}")
+    return value == "1"
+
+
+def make_transformers_engine(attention: str, device: str, seed: int, model: str | None) -> TransformersEngine:
+    """The engine `--kv-canary-engine transformers` runs: the checkpoint directory `model`, else a
+    small seeded random Llama (attention "mha") or Qwen2 alternating sliding-window and full
+    layers (attention "swa"). With KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 (CUDA only) transformers
+    captures its forward in CUDA graphs."""
+    graphs = cuda_graphs_requested()
+    path = model if model is not None else random_checkpoint(attention, seed)
+    hf_model, tokenizer = load(path, device)
+    return TransformersEngine(hf_model, tokenizer, use_cuda_graph=graphs)

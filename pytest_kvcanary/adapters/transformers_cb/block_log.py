@@ -1,0 +1,83 @@
+"""What transformers' prefix cache does not keep about its hashed blocks: where each sits in its
+sequence, its tokens and its parent block. The sweep's cache walk is built from it."""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from ...canary.host import CacheWalk
+from kvcanary_kernels.records import PREV_CHAIN_HEAD
+
+
+class LoggedBlock(NamedTuple):
+    index: int  # the block holds positions [index * page_size, (index + 1) * page_size)
+    parent: int  # block id at index - 1; -1 at index 0
+    tokens: tuple[int, ...]
+
+
+class BlockLog:
+    """Logged FULL blocks by id. A block's entry lives from the forward that completed it (the
+    engine calls `note` once transformers hashed it) until the block goes back to the free pool
+    (`forget`)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.blocks: dict[int, LoggedBlock] = {}
+
+    def note(self, table: Sequence[int], tokens: Sequence[int], hashed: Mapping[int, bool]) -> None:
+        """Log the hashed blocks of one request's block table (`tokens`: its sequence so far). A
+        block already logged is logged again when it now follows another parent (transformers
+        re-created an evicted parent)."""
+        page = self.page_size
+        for index, block in enumerate(table):
+            if block not in hashed:
+                continue
+            parent = table[index - 1] if index else -1
+            entry = self.blocks.get(block)
+            if entry is None or entry.parent != parent:
+                self.blocks[block] = LoggedBlock(index, parent, tuple(tokens[index * page:(index + 1) * page]))
+
+    def forget(self, blocks: Iterable[int]) -> None:
+        """Drop the blocks and their logged descendants: a child whose parent block was freed is
+        no longer known to follow what its parent id holds next."""
+        gone = {b for b in blocks if self.blocks.pop(b, None) is not None}
+        while gone:
+            gone = {b for b, entry in self.blocks.items() if entry.parent in gone}
+            for block in gone:
+                del self.blocks[block]
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+    def intact(self, hashed: Mapping[int, bool]) -> list[int]:
+        """Logged blocks still hashed whose whole ancestry is too, parents before children: the
+        blocks whose slots and predecessors hold what the log says."""
+        kept: set[int] = set()
+        order = []
+        for block, entry in sorted(self.blocks.items(), key=lambda item: item[1].index):
+            if block not in hashed:
+                continue
+            if entry.index == 0 or entry.parent in kept:
+                kept.add(block)
+                order.append(block)
+        return order
+
+    def walk(self, hashed: Mapping[int, bool], device: torch.device) -> CacheWalk:
+        """The sweep's view of every intact block: slot, position, previous slot (the parent's
+        last slot at a block's first position), token, locked (a live request holds it)."""
+        page = self.page_size
+        blocks = self.intact(hashed)
+        offsets = torch.arange(page, dtype=torch.int64)
+        ids = torch.tensor(blocks, dtype=torch.int64).reshape(-1, 1)
+        index = torch.tensor([self.blocks[b].index for b in blocks], dtype=torch.int64).reshape(-1, 1)
+        parent = torch.tensor([self.blocks[b].parent for b in blocks], dtype=torch.int64).reshape(-1, 1)
+        slots = ids * page + offsets
+        prev = slots - 1
+        prev[:, 0] = torch.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent[:, 0] * page + page - 1)
+        tokens = torch.tensor([self.blocks[b].tokens for b in blocks], dtype=torch.int64).reshape(-1, page)
+        locked = torch.tensor([hashed[b] for b in blocks], dtype=torch.bool).reshape(-1, 1).expand(-1, page)
+        return CacheWalk(slots=slots.flatten().to(device), positions=(index * page + offsets).flatten().to(device),
+                         prev_slots=prev.flatten().to(device), tokens=tokens.flatten().to(device),
+                         locked=locked.flatten().to(device))

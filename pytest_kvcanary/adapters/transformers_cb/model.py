@@ -1,0 +1,81 @@
+"""The models the adapter runs: a local Hugging Face checkpoint, or a small seeded random one it
+writes itself (nothing is downloaded).
+
+The random checkpoints are a Llama (attention "mha") and a Qwen2 whose layers alternate sliding
+window and full attention (attention "swa"), with a byte-level tokenizer (one token per UTF-8
+byte, no merges). Each is written once per process and (attention, seed) into a temporary
+directory and loaded from there like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ATTENTION_KINDS = ("mha", "swa")
+SLIDING_WINDOW = 24  # tokens; test prompts slide past it
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+
+_checkpoints: dict[tuple[str, int], tempfile.TemporaryDirectory] = {}
+
+
+def byte_tokenizer() -> Any:
+    """A PreTrainedTokenizerFast with one token per byte and ids 256-258 for pad, bos, eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({PAD: 256, BOS: 257, EOS: 258})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+
+
+def random_model_config(attention: str) -> Any:
+    """A tiny config: 2 Llama layers (mha), or 4 Qwen2 layers alternating sliding and full (swa)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}; got {attention!r}")
+    shape = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=1024, pad_token_id=256, bos_token_id=257, eos_token_id=258,
+                 tie_word_embeddings=False)
+    if attention == "mha":
+        return LlamaConfig(num_hidden_layers=2, **shape)
+    return Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=SLIDING_WINDOW,
+                       max_window_layers=0, layer_types=["sliding_attention", "full_attention"] * 2, **shape)
+
+
+def random_checkpoint(attention: str, seed: int) -> Path:
+    """The directory of the seeded random checkpoint (model and tokenizer), written on first use."""
+    key = (attention, seed)
+    if key not in _checkpoints:
+        from transformers import AutoModelForCausalLM
+
+        config = random_model_config(attention)
+        directory = tempfile.TemporaryDirectory(prefix=f"kvcanary-{attention}-{seed}-")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(directory.name)
+        byte_tokenizer().save_pretrained(directory.name)
+        _checkpoints[key] = directory
+    return Path(_checkpoints[key].name)
+
+
+def load(path: str | Path, device: str) -> tuple[Any, Any]:
+    """(model, tokenizer) from a local checkpoint directory, the model in eval mode on `device`
+    with SDPA attention (what continuous batching runs on any device)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--kv-canary-model must be a local Hugging Face checkpoint directory (with config.json); "
+                         f"got {str(path)!r}")
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="auto", attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.to(device).eval(), tokenizer

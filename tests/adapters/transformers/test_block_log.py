@@ -1,0 +1,47 @@
+"""BlockLog: what the adapter remembers of transformers' hashed blocks, and the walk it gives the
+sweep (no transformers needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from pytest_kvcanary.adapters.transformers_cb.block_log import BlockLog
+from kvcanary_kernels.records import PREV_CHAIN_HEAD
+
+PAGE = 4
+TOKENS = list(range(100, 112))  # three pages
+
+
+def logged(table, hashed) -> BlockLog:
+    log = BlockLog(PAGE)
+    log.note(table, TOKENS, hashed)
+    return log
+
+
+def test_walk_chains_each_block_to_its_parents_last_slot():
+    log = logged([7, 3, 9], {7: False, 3: True, 9: True})
+    walk = log.walk({7: False, 3: True, 9: True}, torch.device("cpu"))
+    assert walk.slots.tolist() == [28, 29, 30, 31, 12, 13, 14, 15, 36, 37, 38, 39]
+    assert walk.positions.tolist() == list(range(12))
+    assert walk.prev_slots.tolist() == [PREV_CHAIN_HEAD, 28, 29, 30, 31, 12, 13, 14, 15, 36, 37, 38]
+    assert walk.tokens.tolist() == TOKENS
+    assert walk.locked.tolist() == [False] * 4 + [True] * 8
+
+
+def test_only_hashed_blocks_are_logged_and_walked_while_hashed():
+    log = logged([7, 3, 9], {7: False, 3: False})  # block 9 not complete yet
+    assert set(log.blocks) == {7, 3}
+    assert log.intact({7: False}) == [7]  # 3 lost its hash: gone from the walk
+
+
+def test_a_block_whose_parent_was_freed_is_forgotten_with_its_descendants():
+    log = logged([7, 3, 9], dict.fromkeys([7, 3, 9], False))
+    log.forget([3])
+    assert set(log.blocks) == {7}
+
+
+def test_a_block_following_a_new_parent_is_logged_again():
+    log = logged([7, 3], {7: False, 3: False})
+    log.note([5, 3], TOKENS, {5: True, 3: True})  # the parent's content was recomputed into block 5
+    assert log.blocks[3].parent == 5
+    assert log.intact({5: True, 3: True, 7: False}) == [7, 5, 3]

@@ -1,0 +1,155 @@
+"""The adapter's view of transformers, checked without the canary: for every forward, each
+(row, position) the mapping gives holds exactly the K/V a cacheless transformers forward computes
+for that request's tokens, the view says what the batch holds, and the cache walk's slots hold
+what its tokens make. Block 0 (the reserved slot 0) is never any request's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from .support import INSTALL, make_engine, prompts_with_shared_prefixes, reference_kv, stems
+
+pytest.importorskip("transformers", reason=INSTALL)
+
+from pytest_kvcanary.adapters.transformers_cb import load, random_checkpoint  # noqa: E402
+from kvcanary_kernels.records import PREV_CHAIN_HEAD, UNKNOWN, GroupKind  # noqa: E402
+
+ATOL = 1e-4
+
+
+def mapped_slots(table: torch.Tensor, row: int, positions: torch.Tensor, page: int, ring: int) -> torch.Tensor:
+    local = positions % ring if ring else positions
+    return table[row, local // page] * page + local % page
+
+
+def kv_at(layers: tuple[torch.Tensor, ...], i: int, slots: torch.Tensor, page: int) -> torch.Tensor:
+    return layers[i][slots // page, slots % page]
+
+
+class MappingChecker:
+    """Forward hooks that check, after each forward, every position each batch row holds, and
+    every few forwards the cache walk."""
+
+    def __init__(self, engine, reference_model) -> None:
+        self.engine, self.model = engine, reference_model
+        self.forwards = self.rows_checked = self.walked_blocks = 0
+
+    def before_forward(self, view) -> None:
+        pass
+
+    def after_forward(self, view) -> None:
+        engine = self.engine
+        tables = {g.kind: table for g, table in zip(engine.groups, (p.mapping.table for p in engine.canary_groups()))}
+        start = 0
+        for row in range(view.rows.numel()):
+            prefix, extend = int(view.prefix_lens[row]), int(view.extend_lens[row])
+            if extend == 0:
+                assert prefix == 0, "a padded row reads nothing"
+                continue
+            assert int(view.rows[row]) == row
+            length = prefix + extend
+            tokens = view.token_table[row, :length]
+            assert (tokens != UNKNOWN).all()
+            assert torch.equal(view.input_ids[start:start + extend], tokens[prefix:])
+            assert torch.equal(view.positions[start:start + extend],
+                               torch.arange(prefix, length, device=view.positions.device))
+            start += extend
+            reference = reference_kv(self.model, tokens.tolist())
+            for group in engine.groups:
+                first = max(0, length - group.ring) if group.ring else 0
+                positions = torch.arange(first, length, device=view.positions.device)
+                slots = mapped_slots(tables[group.kind], row, positions, group.page_size, group.ring)
+                assert (slots // group.page_size != 0).all(), "block 0 holds the reserved slot 0"
+                for i, layer in enumerate(group.layers):
+                    k, v = reference[layer]
+                    torch.testing.assert_close(kv_at(group.k_layers, i, slots, group.page_size), k[first:],
+                                               atol=ATOL, rtol=0)
+                    torch.testing.assert_close(kv_at(group.v_layers, i, slots, group.page_size), v[first:],
+                                               atol=ATOL, rtol=0)
+            self.rows_checked += 1
+
+    def end_forward(self) -> None:
+        self.forwards += 1
+        if self.forwards % 3 == 0:
+            self.check_walk()
+
+    def check_walk(self) -> None:
+        """Each walked block's slots hold the K/V of the token path the walk gives up to it."""
+        walk = self.engine.cache_walk()
+        if walk is None:
+            return
+        group = self.engine.groups[0]
+        page = group.page_size
+        entry = {s: (t, p, prev) for s, t, p, prev in zip(walk.slots.tolist(), walk.tokens.tolist(),
+                                                          walk.positions.tolist(), walk.prev_slots.tolist())}
+        for slot, (_, position, _) in entry.items():
+            if slot % page != page - 1:
+                continue  # one check per block, from its last slot
+            path, cursor = [], slot
+            while cursor != PREV_CHAIN_HEAD:
+                token, pos, prev = entry[cursor]
+                path.append((cursor, token, pos))
+                cursor = prev
+            path.reverse()
+            assert [p for _, _, p in path] == list(range(position + 1))
+            reference = reference_kv(self.model, [t for _, t, _ in path])
+            slots = torch.tensor([s for s, _, _ in path[-page:]], device=walk.slots.device)
+            for i, layer in enumerate(group.layers):
+                torch.testing.assert_close(kv_at(group.k_layers, i, slots, page), reference[layer][0][-page:],
+                                           atol=ATOL, rtol=0)
+            self.walked_blocks += 1
+
+
+@pytest.mark.parametrize("attention", ["mha", "swa"])
+def test_every_mapped_slot_holds_what_transformers_computed(attention):
+    # 64-token forwards split the longer prompts' prefill; 96 blocks keep the prefix cache busy.
+    engine = make_engine(attention, max_batch_tokens=64, num_blocks=96)
+    checker = MappingChecker(engine, load(random_checkpoint(attention, 0), engine.device.type)[0])
+    engine.set_forward_hooks(checker)
+    rng = random.Random(0)
+    shared = stems(rng)
+    for wave in range(3):
+        engine.generate(prompts_with_shared_prefixes(rng, 6, shared), max_new_tokens=rng.randrange(4, 12))
+    assert checker.rows_checked > 50
+    if attention == "mha":
+        assert checker.walked_blocks > 10
+    else:
+        assert [g.kind for g in engine.groups] == [GroupKind.FULL, GroupKind.SWA]
+        assert engine.cache_walk() is None  # transformers shares no prefix in hybrid models
+
+
+def test_reset_frees_every_block_and_says_so():
+    engine = make_engine("mha")
+    freed = []
+    engine.add_free_listener(lambda kind, slots, cause: freed.append((kind, cause, slots.numel())))
+    engine.generate([[5] * 40, [6] * 40], max_new_tokens=4)
+    held = engine.layout.hashed_blocks()
+    assert held and not any(held.values())  # cached, no request holds them
+    freed.clear()
+    engine.reset()
+    assert engine.layout.hashed_blocks() == {} and engine.cache_walk().slots.numel() == 0
+    assert sum(n for _, cause, n in freed if cause == "engine reset") == len(held) * engine.page_size
+    assert engine.request_at(0, 0) is None
+
+
+class Passive:
+    def before_forward(self, view) -> None:
+        pass
+
+    def after_forward(self, view) -> None:
+        pass
+
+    def end_forward(self) -> None:
+        pass
+
+
+def test_request_at_names_the_request_of_each_row_and_forward():
+    engine = make_engine("mha")
+    engine.set_forward_hooks(Passive())
+    engine.generate(["first prompt", "second prompt"], max_new_tokens=2)
+    assert engine.request_at(0, 0) == ("kvcanary-0", "first prompt")
+    assert engine.request_at(1, 0) == ("kvcanary-1", "second prompt")
+    assert engine.request_at(2, 0) is None
