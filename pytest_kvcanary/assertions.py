@@ -1,40 +1,36 @@
 """The kv_canary fixture: assertions over an engine handle's violation log and fault ledger.
 
-Every failure message carries the table of violations and the ledger of injected faults, so a
-failed assertion says what the canary saw and what happened to each fault, not just "no".
-Names (reason, phase, group, side, half) are checked against the allowed values and matched
-case-insensitively.
+Every failure message carries the table of violations (with the request each row held, where the
+engine can tell) and the ledger of injected faults, so a failed assertion says what the canary
+saw and what happened to each fault, not just "no". Names (reason, phase, group, side, half) are
+checked against the allowed values and matched case-insensitively.
+
+A test that reads the log through this fixture owns its violations: the plugin does not list them
+again as unexpected (`consulted`), and does not print the tables a second time under a failure
+that an assertion here raised (`raised`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
+
+from kvcanary_kernels.records import Half, Phase, Reason
 
 from .canary.violation import Violation
 from .config import TARGET_GROUPS
+from .handle import Handle
 from .report import ledger_table, violations_table
 
-REASONS = ("verify_chain_hash", "verify_position", "verify_real_kv_hash", "verify_token", "write_token",
-           "write_position")
-PHASES = ("HEAD", "TAIL", "SWEEP")
-HALVES = ("K", "V")
+REASONS = tuple(r.label for r in Reason)
+PHASES = tuple(p.name for p in Phase)
+HALVES = tuple(h.name for h in Half)
 
 DEDUP_HINT = (
     "the radix cache dedups identical prompts of one batch and frees the duplicates' slots before "
     "anything reads them, so a fault placed on a duplicate can escape every check; send distinct "
     "prompts (send_parallel_requests(n, distinct_prompts=True))"
 )
-
-
-class Handle(Protocol):
-    """What KvCanary reads from an engine handle (kv_engine or kv_pd)."""
-
-    def violations(self) -> list[Violation]: ...
-
-    def injections(self) -> list[Any]: ...
-
-    def prompts_since_reset(self) -> list[str]: ...
 
 
 def _name(argument: str, value: str | None, allowed: Sequence[str]) -> str | None:
@@ -68,9 +64,19 @@ class KvCanary:
     def __init__(self, handle: Handle, sides: tuple[str, ...]) -> None:
         self._handle = handle
         self._sides = sides
+        self.consulted = False
+        self.raised: AssertionError | None = None
 
     def _context(self) -> str:
-        return f"{violations_table(self._handle.violations())}\n{ledger_table(self._handle.injections())}"
+        found = self._handle.violations()
+        requests = [self._handle.request_label(v) for v in found]
+        return f"{violations_table(found, requests)}\n{ledger_table(self._handle.injections())}"
+
+    def _fail(self, message: str) -> AssertionError:
+        """The error to raise for a message that ends with the tables, remembered so the plugin
+        knows the failure shows them."""
+        self.raised = AssertionError(message)
+        return self.raised
 
     def violations(self, reason: str | None = None, *, phase: str | None = None, group: str | None = None,
                    side: str | None = None, half: str | None = None) -> list[Violation]:
@@ -83,10 +89,12 @@ class KvCanary:
             "half": _name("half", half, HALVES),
         }
         wanted = _name("reason", reason, REASONS)
+        self.consulted = True
         return [v for v in self._handle.violations() if _matches(v, wanted, attrs)]
 
     def perturbations(self) -> list[Any]:
         """The fault ledger since the test's reset: one entry per injected fault."""
+        self.consulted = True
         return self._handle.injections()
 
     def assert_no_violation(self, side: str | None = None) -> None:
@@ -94,8 +102,8 @@ class KvCanary:
         __tracebackhide__ = True
         found = self.violations(side=side)
         if found:
-            raise AssertionError(f"expected no violation{_describe_filters(side=side)}, found {len(found)}\n"
-                                 + self._context())
+            raise self._fail(f"expected no violation{_describe_filters(side=side)}, found {len(found)}\n"
+                             + self._context())
 
     def assert_violation(self, reason: str, *, phase: str | None = None, group: str | None = None,
                          side: str | None = None, within_steps: int | None = None,
@@ -122,7 +130,7 @@ class KvCanary:
         lines += [f"escaped: {_fault(i)}" for i in escaped]
         if escaped and repeated:
             lines.append(f"hint: {DEDUP_HINT}")
-        raise AssertionError("\n".join(lines) + "\n" + self._context())
+        raise self._fail("\n".join(lines) + "\n" + self._context())
 
     def assert_perturbations_detected(self) -> None:
         """Fail unless at least one fault was injected and every injected fault was detected;
@@ -130,10 +138,10 @@ class KvCanary:
         __tracebackhide__ = True
         injections = self.perturbations()
         if not injections:
-            raise AssertionError("no fault was injected since the reset (no kv_perturb marker, or its "
-                                 "warm-up or probability kept it off)\n" + self._context())
+            raise self._fail("no fault was injected since the reset (no kv_perturb marker, or its "
+                             "warm-up or probability kept it off)\n" + self._context())
         missed = [i for i in injections if i.status != "detected"]
         if missed:
             lines = [f"{len(missed)} of {len(injections)} injected faults were not detected"]
             lines += [f"{i.status}: {_fault(i)}" for i in missed]
-            raise AssertionError("\n".join(lines) + "\n" + self._context())
+            raise self._fail("\n".join(lines) + "\n" + self._context())

@@ -1,26 +1,36 @@
 """Device leasing: which GPU each test process (each xdist worker) drives.
 
-A process leases slot k of GPU i by holding the file lock `gpu{i}.{k}.lock` (k < workers_per_gpu)
-in a lock directory shared by the run, and keeps it until `release()` or process exit. Slots are
-filled GPU by GPU before a second slot of any GPU is taken, so workers spread over the GPUs.
+A process leases slot k of GPU i by holding the file lock `gpu{i}.{k}.lock` in a lock directory
+shared by the run, and keeps it until `release()` or its exit (the lock dies with the process).
+Slots are filled level by level (slot 0 of every GPU, then slot 1, ...), so workers spread over
+the GPUs and share them only when there are more workers than GPUs. workers_per_gpu None (auto)
+sets no cap: a run never fails for oversubscription. With a cap, a process that finds every slot
+taken says so and waits for one to free up.
+
+A prefill/decode pair leases a second GPU only from spares: when the run has more GPUs than
+workers, a GPU nobody's primary needs; otherwise both sides share the primary.
+
 GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L` without initialising CUDA; torch
-is asked only as a last resort, and only by the process that leases (never an xdist controller).
-Devices are returned as "cuda:i" (an index into the visible devices); the environment is left as
-it is.
+is asked only as a last resort. Devices are returned as "cuda:i" (an index into the visible
+devices); the environment is left as it is.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import uuid
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from filelock import FileLock, Timeout
 
-DEVICE_SETTINGS = ("auto", "cpu", "cuda")
+AUTO = "auto"
+DEVICE_SETTINGS = (AUTO, "cpu", "cuda")
 
 
 class DeviceLeaseError(RuntimeError):
@@ -54,28 +64,46 @@ def count_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def default_lock_dir(env: Mapping[str, str] = os.environ) -> Path:
-    """A directory under the system temp dir named after this run: xdist's run id, which all
-    workers of a run share, else this process's id."""
-    run = env.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    return Path(tempfile.gettempdir()) / f"pytest-kvcanary-{run}"
+def runs_on_cpu(setting: str, gpu_count: Callable[[], int] = count_gpus) -> bool:
+    """Whether engines under this --kv-canary-device setting run on the CPU (so the kernels
+    must run under Triton's interpreter)."""
+    return setting == "cpu" or (setting == AUTO and gpu_count() == 0)
+
+
+def new_lock_dir() -> Path:
+    """A fresh lock directory path under the system temp dir for one run (created on first lease;
+    the run's owner removes it with `remove_lock_dir` when the run ends)."""
+    return Path(tempfile.gettempdir()) / f"pytest-kvcanary-{uuid.uuid4().hex[:16]}"
+
+
+def remove_lock_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _tell(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 class DeviceLeases:
-    """The devices one process drives. `setting`: auto / cpu / cuda; `gpu_count` is called once,
-    on the first lease. A pair takes a second GPU's slot, so every process should lease its
-    primary before any process asks for a pair, or a late process may find no slot left."""
+    """The devices one process drives. setting: auto / cpu / cuda; workers_per_gpu: a cap, or
+    None (auto: no cap); workers: processes of the run (xdist workers, else 1). gpu_count is
+    called once, on the first lease; on_wait hears the message a capped, full lease waits with;
+    poll_s: how long it waits on one slot before trying the next."""
 
-    def __init__(self, setting: str, lock_dir: Path, workers_per_gpu: int,
-                 gpu_count: Callable[[], int] = count_gpus) -> None:
+    def __init__(self, setting: str, lock_dir: Path, workers_per_gpu: int | None, *, workers: int = 1,
+                 gpu_count: Callable[[], int] = count_gpus, on_wait: Callable[[str], None] = _tell,
+                 poll_s: float = 0.5) -> None:
         if setting not in DEVICE_SETTINGS:
             raise ValueError(f"device must be one of {', '.join(DEVICE_SETTINGS)}; got {setting!r}")
         self._setting = setting
         self._lock_dir = lock_dir
-        self._workers_per_gpu = workers_per_gpu
+        self._cap = workers_per_gpu
+        self._workers = workers
         self._gpu_count = gpu_count
+        self._on_wait = on_wait
+        self._poll_s = poll_s
         self._count: int | None = None
-        self._held: dict[int, FileLock] = {}  # GPU index -> the lock of the slot held on it
+        self._held: dict[int, FileLock] = {}  # GPU index -> the lock of the slot held on it; primary first
         self._pair: tuple[str, str] | None = None
 
     def _gpus(self) -> int:
@@ -85,13 +113,17 @@ class DeviceLeases:
             raise DeviceLeaseError("device 'cuda' was asked for, but no GPU is visible")
         return self._count
 
-    def _lease(self, exclude: int | None) -> int | None:
+    def _lock(self, gpu: int, slot: int) -> FileLock:
+        return FileLock(self._lock_dir / f"gpu{gpu}.{slot}.lock", thread_local=False)
+
+    def _take(self, levels: Iterable[int], exclude: int | None = None) -> int | None:
+        """The first free slot, level by level; its GPU, or None when every slot is taken."""
         self._lock_dir.mkdir(parents=True, exist_ok=True)
-        for k in range(self._workers_per_gpu):
+        for k in levels:
             for i in range(self._gpus()):
                 if i == exclude:
                     continue
-                lock = FileLock(self._lock_dir / f"gpu{i}.{k}.lock", thread_local=False)
+                lock = self._lock(i, k)
                 try:
                     lock.acquire(timeout=0)
                 except Timeout:
@@ -100,25 +132,52 @@ class DeviceLeases:
                 return i
         return None
 
-    def primary(self) -> str:
-        """This process's device: "cpu", or "cuda:i" for the GPU it leased (leased on first call)."""
+    def _levels(self) -> Iterable[int]:
+        # Without a cap some level always has a free slot (each live process holds finitely many).
+        return itertools.count() if self._cap is None else range(self._cap)
+
+    def _wait(self) -> int:
+        """Wait for any slot under the cap, after saying so."""
+        assert self._cap is not None
+        self._on_wait(
+            f"kv-canary: all {self._gpus() * self._cap} GPU slots ({self._gpus()} GPUs x {self._cap} workers per "
+            f"GPU, --kv-canary-workers-per-gpu) under {self._lock_dir} are leased; waiting for one to free up "
+            f"(raise the cap, or set it to {AUTO} to share)")
+        slots = [(i, k) for k in range(self._cap) for i in range(self._gpus())]
+        while True:
+            for i, k in slots:
+                lock = self._lock(i, k)
+                try:
+                    lock.acquire(timeout=self._poll_s / len(slots))
+                except Timeout:
+                    continue
+                self._held[i] = lock
+                return i
+
+    def try_primary(self) -> str | None:
+        """The primary device when one can be had without waiting, else None."""
         if self._gpus() == 0:
             return "cpu"
-        if not self._held:
-            if self._lease(exclude=None) is None:
-                raise DeviceLeaseError(
-                    f"all {self._gpus() * self._workers_per_gpu} GPU slots ({self._gpus()} GPUs x "
-                    f"{self._workers_per_gpu} workers per GPU) under {self._lock_dir} are leased; "
-                    "run fewer xdist workers or raise --kv-canary-workers-per-gpu"
-                )
+        if not self._held and self._take(self._levels()) is None:
+            return None
         return f"cuda:{next(iter(self._held))}"
 
+    def primary(self) -> str:
+        """This process's device: "cpu", or "cuda:i" for the GPU it leased (leased on first call,
+        waiting for a slot when a cap is set and every slot is taken)."""
+        device = self.try_primary()
+        if device is None:
+            device = f"cuda:{self._wait()}"
+        return device
+
     def pair(self) -> tuple[str, str]:
-        """(prefill, decode) devices: the primary and a second GPU leased on the first call, or
-        the primary twice when no other GPU has a free slot then."""
+        """(prefill, decode) devices: the primary and, when the run has more GPUs than workers, a
+        spare GPU (slot 0 of another GPU, leased on the first call); else the primary twice."""
         if self._pair is None:
             first = self.primary()
-            second = None if first == "cpu" else self._lease(exclude=int(first.split(":")[1]))
+            second = None
+            if first != "cpu" and self._gpus() > self._workers:
+                second = self._take([0], exclude=int(first.split(":")[1]))
             self._pair = (first, first if second is None else f"cuda:{second}")
         return self._pair
 

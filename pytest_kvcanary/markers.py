@@ -62,6 +62,24 @@ def perturbs(node: pytest.Item, *, pd: bool) -> tuple[PerturbSpec, ...]:
     return tuple(_perturb(mark, pd) for mark in node.iter_markers("kv_perturb"))
 
 
+def check_perturbs_fit(node: pytest.Item, *, groups: tuple[str, ...], real_data: str, engine: str) -> None:
+    """MarkerError unless every kv_perturb marker fits the engine the test got: its target_group
+    is one of the engine's pool `groups` (and is given when there are several), and a mode that
+    flips real KV bytes runs where the canary fingerprints them. engine: how the error names
+    the engine (e.g. "reference/swa")."""
+    for mark in node.iter_markers("kv_perturb"):
+        spec = _perturb(mark, pd=True)
+        if spec.target_group is None and len(groups) > 1:
+            raise MarkerError(f"{_show(mark)}: target_group is required: engine {engine!r} has pool groups "
+                              f"{', '.join(groups)}; allowed: {', '.join(groups)}")
+        if spec.target_group is not None and spec.target_group not in groups:
+            raise MarkerError(f"{_show(mark)}: target_group={spec.target_group!r} is not a pool group of engine "
+                              f"{engine!r}; its groups: {', '.join(groups)}")
+        if spec.mode != "req_to_token" and real_data == "none":
+            raise MarkerError(f"{_show(mark)}: mode {spec.mode!r} flips real KV bytes, which the canary "
+                              "fingerprints only with real_data partial or all; got real_data='none'")
+
+
 def attention_kinds(node: pytest.Item) -> tuple[str, ...]:
     """The kinds of the closest kv_attention marker, duplicates dropped; ("mha",) without one."""
     mark = node.get_closest_marker("kv_attention")

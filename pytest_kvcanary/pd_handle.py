@@ -1,39 +1,41 @@
-"""PDHandle: a prefill/decode pair of reference engines, each side guarded by its own canary.
+"""PDHandle: a prefill/decode pair of engines, each side guarded by its own canary.
 
-The KV transfer carries the canary records of the transferred slots (every group, both halves) to
-the decode side, so its first decode forward's HEAD re-verifies the whole transferred prefix, and
-tells the fault ledger where damaged data went.
+It drives any PrefillDecodePair (adapters/protocol.py). Each transfer carries the canary records
+of the transferred slots (every group, both halves) to the decode side, so its first decode
+forward's HEAD re-verifies the whole transferred prefix, and tells the fault ledger where
+damaged data went.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
-
+from .adapters.protocol import PrefillDecodePair
 from .config import CanaryConfig
-from .engine import Engine, PDPair
-from .harness import Side, _Handle
 from .perturb.ledger import Place
+from .side import Side, SidedHandle
+
+if TYPE_CHECKING:
+    import torch
 
 
-class PDHandle(_Handle):
-    """Sides "prefill" and "decode" share the handle's ledger; kernels as for EngineHandle."""
+class PDHandle(SidedHandle):
+    """Sides "prefill" and "decode" share the handle's ledger; kernels as for Side."""
 
-    def __init__(self, prefill_engine: Engine, decode_engine: Engine, canary: CanaryConfig,
-                 kernels: str = "triton") -> None:
-        for engine in (prefill_engine, decode_engine):
-            if not isinstance(engine, Engine):
-                raise TypeError(f"a prefill/decode pair runs reference engines; got {type(engine).__name__}")
+    def __init__(self, pair: PrefillDecodePair, canary: CanaryConfig, kernels: str = "triton") -> None:
+        if not isinstance(pair, PrefillDecodePair):
+            raise TypeError(f"kv_pd drives a PrefillDecodePair (prefill, decode, generate, add_transfer_listener); "
+                            f"got {type(pair).__name__}")
         super().__init__()
-        self.prefill = Side("prefill", prefill_engine, canary, self.ledger, kernels)
-        self.decode = Side("decode", decode_engine, canary, self.ledger, kernels)
+        self.pair = pair
+        self.prefill = Side("prefill", pair.prefill, canary, self.ledger, kernels)
+        self.decode = Side("decode", pair.decode, canary, self.ledger, kernels)
         self.sides = [self.prefill, self.decode]
-        self.pair = PDPair(prefill_engine, decode_engine)
-        self.pair.transfer_listeners.append(self._on_transfer)
+        pair.add_transfer_listener(self._on_transfer)
 
-    def _generate(self, prompts: Sequence[str], max_new_tokens: int) -> list[list[int]]:
-        return self.pair.generate(prompts, max_new_tokens)
+    def _engine_generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int,
+                         **contexts: list[int]) -> list[list[int]]:
+        return self.pair.generate(prompts, max_new_tokens, **contexts)
 
     def _on_transfer(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Send the records along with the KV (prefill FULL slots src -> decode FULL slots dst),

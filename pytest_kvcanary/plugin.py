@@ -1,4 +1,5 @@
-"""pytest entry point of pytest-kvcanary: options, ini keys, markers, fixtures and reporting.
+"""pytest entry point of pytest-kvcanary: the hooks and fixtures (options: settings.py, engine
+handles: engine_pool.py, results: report.py).
 
 Loaded by every pytest run of the environment, so it imports nothing heavy: torch, triton and the
 engines load inside the fixtures that start engines.
@@ -8,6 +9,10 @@ ini file. The mode is the one exception: --kv-canary (or the kv_canary ini key) 
 and sets its default mode, and a kv_canary(mode=...) marker sets one test's mode: "log" for a test
 that asserts on the faults it injects (raise mode would stop it at the first violation), "off" to
 opt out. A marker cannot turn on a run that is off.
+
+Violations are recorded, never warned about. A test's violations are its own business when it
+injected faults (kv_perturb) or read them through kv_canary; any others, in log mode, are listed
+once in the terminal summary (and in the test's report sections and the JSON report).
 """
 
 from __future__ import annotations
@@ -16,173 +21,59 @@ import contextlib
 import functools
 import os
 import shlex
-from collections import Counter
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn
 
 import pytest
 
 from . import markers
-from .config import CANARY_MODES, REAL_DATA_MODES, SIDES, CanaryConfig, PerturbSpec
-from .gpu import DEVICE_SETTINGS, DeviceLeaseError, DeviceLeases, default_lock_dir
-from .report import RunResults, failure_section
+from .engine_pool import EngineKey, EnginePool, Guarded
+from .engines import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
+from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
+from .report import RunResults, failure_section, guarded_test_entry, violations_table
+from .settings import OPTIONS, Settings, resolve, split_bare_flag
 
 if TYPE_CHECKING:
     from .assertions import KvCanary
+    from .config import PerturbSpec
 
 OFF_REASON = "kv-canary is off: run pytest with --kv-canary (or set kv_canary = log in the ini file)"
 SINGLE_SIDES = ("single",)
-
-
-# ----------------------------------------------------------------------------------- settings
-
-def _one_of(*allowed: str) -> Callable[[str], str]:
-    def parse(value: str) -> str:
-        if value not in allowed:
-            raise ValueError(f"one of {', '.join(allowed)}")
-        return value
-
-    return parse
-
-
-def _int_at_least(lo: int) -> Callable[[str], int]:
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            number = lo - 1
-        if number < lo:
-            raise ValueError(f"an integer >= {lo}")
-        return number
-
-    return parse
-
-
-def _text(value: str) -> str:
-    if not value.strip():
-        raise ValueError("a non-empty name")
-    return value.strip()
-
-
-class _Option(NamedTuple):
-    name: str  # the ini key, and the dest of the command-line flag
-    flag: str
-    metavar: str
-    default: str  # as the ini file would spell it; "" = unset
-    parse: Callable[[str], Any]
-    help: str
-
-
-_DEFAULT = CanaryConfig()
-_OPTIONS = (
-    _Option("kv_canary", "--kv-canary", "MODE", "off", _one_of(*CANARY_MODES),
-            "turn the KV canary on: log (default when given without a value: record violations) or "
-            "raise (the engine raises on a violation); off by default"),
-    _Option("kv_canary_real_data", "--kv-canary-real-data", "MODE", _DEFAULT.real_data, _one_of(*REAL_DATA_MODES),
-            "how much of each slot's real KV bytes the canary fingerprints: none, partial, all"),
-    _Option("kv_canary_sweep_interval", "--kv-canary-sweep-interval", "N", str(_DEFAULT.sweep_interval),
-            _int_at_least(0), "forwards between radix-cache sweeps (0 = never)"),
-    _Option("kv_canary_seed", "--kv-canary-seed", "N", "0", _int_at_least(0),
-            "seed of engines and fault injection; a failed test prints it in its replay command"),
-    _Option("kv_canary_device", "--kv-canary-device", "DEVICE", "auto", _one_of(*DEVICE_SETTINGS),
-            "device of the engines: auto (a leased GPU if any, else cpu), cpu, cuda"),
-    _Option("kv_canary_engine", "--kv-canary-engine", "NAME", "reference", _text,
-            "engine to test, as named to the pytest_kvcanary_make_engine hook"),
-    _Option("kv_canary_report", "--kv-canary-report", "PATH", "", str, "write a JSON report to PATH"),
-    _Option("kv_canary_workers_per_gpu", "--kv-canary-workers-per-gpu", "N", "1", _int_at_least(1),
-            "xdist workers that may share one GPU"),
-    _Option("kv_canary_lock_dir", "--kv-canary-lock-dir", "PATH", "", str,
-            "directory of the GPU lease locks; share it to share GPUs between runs (default: one per run)"),
-)
-# Options that set a CanaryConfig field; all but the mode, given on the command line, win over markers.
-_CANARY_FIELDS = {"kv_canary": "mode", "kv_canary_real_data": "real_data", "kv_canary_sweep_interval": "sweep_interval"}
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The run's options, resolved once: command line over ini file over defaults.
-
-    pinned: CanaryConfig fields (other than mode) given on the command line, which kv_canary
-    markers cannot change.
-    report / lock_dir: absolute, or None when unset.
-    """
-
-    canary: CanaryConfig
-    seed: int
-    device: str
-    engine: str
-    report: Path | None
-    workers_per_gpu: int
-    lock_dir: Path | None
-    pinned: frozenset[str]
-
-    def header(self) -> str:
-        if not self.canary.enabled:
-            return "kv-canary: off (enable with --kv-canary)"
-        c = self.canary
-        return (f"kv-canary: mode={c.mode} real_data={c.real_data} sweep_interval={c.sweep_interval} "
-                f"seed={self.seed} device={self.device} engine={self.engine}")
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(report=str(self.report) if self.report else None,
-                 lock_dir=str(self.lock_dir) if self.lock_dir else None, pinned=sorted(self.pinned))
-        return d
-
-
-def _resolve(config: pytest.Config) -> Settings:
-    """Raises pytest.UsageError naming the option (or ini key), the value and the allowed values."""
-    values: dict[str, Any] = {}
-    from_cli: set[str] = set()
-    for opt in _OPTIONS:
-        raw = config.getoption(opt.name)
-        source = opt.flag
-        if raw is None:
-            raw, source = config.getini(opt.name), f"ini option {opt.name}"
-        else:
-            from_cli.add(opt.name)
-        try:
-            values[opt.name] = opt.parse(raw)
-        except ValueError as e:
-            raise pytest.UsageError(f"{source} must be {e}; got {raw!r}") from None
-
-    def path(name: str) -> Path | None:
-        if not values[name]:
-            return None
-        ini_dir = config.inipath.parent if config.inipath else config.rootpath
-        return (config.invocation_params.dir if name in from_cli else ini_dir) / values[name]
-
-    return Settings(
-        canary=CanaryConfig(**{f: values[name] for name, f in _CANARY_FIELDS.items()}),
-        seed=values["kv_canary_seed"],
-        device=values["kv_canary_device"],
-        engine=values["kv_canary_engine"],
-        report=path("kv_canary_report"),
-        workers_per_gpu=values["kv_canary_workers_per_gpu"],
-        lock_dir=path("kv_canary_lock_dir"),
-        pinned=frozenset(f for name, f in _CANARY_FIELDS.items() if name in from_cli and f != "mode"),
-    )
-
-
-def _split_bare_flag(args: list[str]) -> list[str]:
-    """`--kv-canary tests/` means canary on, run tests/; argparse would read tests/ as the mode."""
-    return [
-        "--kv-canary=log" if arg == "--kv-canary" and i + 1 < len(args) and args[i + 1] not in CANARY_MODES
-        and not args[i + 1].startswith("-") else arg
-        for i, arg in enumerate(args)
-    ]
-
+PD_SIDES = ("prefill", "decode")
 
 _SETTINGS = pytest.StashKey[Settings]()
 _RESULTS = pytest.StashKey[RunResults]()
 _LEASES = pytest.StashKey[DeviceLeases]()
+_POOL = pytest.StashKey[EnginePool]()
+_LOCK_DIR = pytest.StashKey[Path]()
+_OWN_LOCK_DIR = pytest.StashKey[bool]()  # this process made the lock dir and removes it at the end
 _KV_FIXTURES = frozenset({"kv_engine", "kv_pd", "kv_canary", "kv_device"})
+_COLLECTOR = "kv-canary-results"  # the name of the plugin object that collects the results
 
+
+def _fail(message: str) -> NoReturn:
+    raise pytest.fail.Exception(message, pytrace=False) from None
+
+
+def _worker(config: pytest.Config) -> str:
+    return getattr(config, "workerinput", {}).get("workerid", "main")
+
+
+def _tell(config: pytest.Config, message: str) -> None:
+    """Show a message on the terminal now, also from inside a test's setup (past the output
+    capture) and from an xdist worker (whose stderr is the terminal's)."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- start-up, end
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kv-canary", "KV-cache canary (pytest-kvcanary)")
-    for opt in _OPTIONS:
+    for opt in OPTIONS:
         bare = {"nargs": "?", "const": "log"} if opt.name == "kv_canary" else {}
         group.addoption(opt.flag, dest=opt.name, default=None, metavar=opt.metavar, help=opt.help, **bare)
         parser.addini(opt.name, f"{opt.help} (the {opt.flag} option wins)", default=opt.default)
@@ -194,26 +85,56 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspecs)
 
 
+def _early_value(early_config: pytest.Config, name: str) -> str:
+    value = getattr(early_config.known_args_namespace, name, None)
+    return value if value is not None else early_config.getini(name)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
-    fixed = _split_bare_flag(args)
+    """Before any conftest is imported: read a bare --kv-canary as "log", and when the canary
+    will run on the CPU, choose Triton's interpreter (TRITON_INTERPRET=1, unless set) before
+    anything can import triton."""
+    fixed = split_bare_flag(args)
     if fixed != args:
         args[:] = fixed
-        early_config.known_args_namespace.file_or_dir = parser.parse_known_args(args).file_or_dir
+        early_config.known_args_namespace = parser.parse_known_args(args, namespace=early_config.known_args_namespace)
+    if "TRITON_INTERPRET" in os.environ or _early_value(early_config, "kv_canary") in ("off", ""):
+        return
+    if runs_on_cpu(_early_value(early_config, "kv_canary_device")):
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for line in markers.MARKER_LINES:
         config.addinivalue_line("markers", line)
-    settings = config.stash[_SETTINGS] = _resolve(config)
+    settings = config.stash[_SETTINGS] = resolve(config)
     config.stash[_RESULTS] = RunResults()
-    config.stash[_LEASES] = DeviceLeases(settings.device, settings.lock_dir or default_lock_dir(),
-                                         settings.workers_per_gpu)
+    workerinput = getattr(config, "workerinput", None)
+    own = settings.lock_dir is None and workerinput is None
+    lock_dir = settings.lock_dir or (new_lock_dir() if own else Path(workerinput["kv_canary_lock_dir"]))
+    config.stash[_LOCK_DIR], config.stash[_OWN_LOCK_DIR] = lock_dir, own
+    workers = workerinput["workercount"] if workerinput else 1
+    config.stash[_LEASES] = DeviceLeases(settings.device, lock_dir, settings.workers_per_gpu, workers=workers,
+                                         on_wait=functools.partial(_tell, config))
+    if workerinput is None:
+        config.pluginmanager.register(_Collector(config.stash[_RESULTS]), _COLLECTOR)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist controller: the run's workers share its lock directory."""
+    node.workerinput["kv_canary_lock_dir"] = str(node.config.stash[_LOCK_DIR])
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    collector = config.pluginmanager.get_plugin(_COLLECTOR)
+    if collector is not None:
+        config.pluginmanager.unregister(collector)
     if _LEASES in config.stash:
         config.stash[_LEASES].release()
+    if config.stash.get(_OWN_LOCK_DIR, False):
+        remove_lock_dir(config.stash[_LOCK_DIR])
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -222,14 +143,15 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before an xdist worker reports its collection as finished
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Lease this process's device before any test runs. xdist starts tests only once every worker
-    has collected, so every worker holds its GPU before a PD test may lease a second one."""
+    """Lease this process's device, if one is free, before any test runs: xdist starts tests only
+    once every worker has collected, so every worker holds its GPU before a PD test looks for a
+    spare one. A worker that finds none free under a cap waits later, in its first kv test."""
     config = session.config
     if config.stash[_SETTINGS].canary.enabled and not config.option.collectonly and any(
         _KV_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items
     ):
         with contextlib.suppress(DeviceLeaseError):  # kv_device and the handles report it
-            config.stash[_LEASES].primary()
+            config.stash[_LEASES].try_primary()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -245,114 +167,37 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 # ------------------------------------------------------------------------------ engine handles
 
-class _Guarded:
-    """An engine handle that notes when a call on it raises (the pool then replaces it)."""
-
-    def __init__(self, target: Any) -> None:
-        self._target = target
-        self._raised = False
-
-    def __repr__(self) -> str:
-        return repr(self._target)
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._target, name)
-        if not callable(attr):
-            return attr
-
-        @functools.wraps(attr)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return attr(*args, **kwargs)
-            except BaseException:
-                self._raised = True
-                raise
-
-        return call
-
-
-class _EngineKey(NamedTuple):
-    kind: str  # "single" or "pd"
-    canary: CanaryConfig
-    attention: str
-    device: str  # "cuda:0"; for a pd pair on two GPUs "cuda:0,cuda:1"
-    engine: str
-
-
-class _EnginePool:
-    """This process's engine handles, one per key, reused by the tests that share a key. A handle
-    that raised or reports itself unhealthy is closed after its test and replaced on next use;
-    every closed handle leaves an engine entry (its stats) in the results."""
-
-    def __init__(self, start: Callable[..., Any], config: pytest.Config) -> None:
-        self._start = start
-        self._config = config
-        self._handles: dict[_EngineKey, _Guarded] = {}
-        self._tests: Counter[_EngineKey] = Counter()
-
-    def checkout(self, key: _EngineKey, seed: int, perturbs: tuple[PerturbSpec, ...]) -> _Guarded:
-        handle = self._handles.get(key)
-        if handle is None:
-            handle = self._handles[key] = _Guarded(self._start(
-                key.kind, canary=key.canary, attention=key.attention, device=key.device, seed=seed,
-                engine_name=key.engine, pluginmanager=self._config.pluginmanager))
-        self._tests[key] += 1
-        try:
-            handle.reset(seed, perturbs)
-        except Exception:
-            self._retire(key, "reset raised")
-            raise
-        return handle
-
-    def checkin(self, key: _EngineKey) -> None:
-        handle = self._handles[key]
-        try:
-            healthy = not handle._raised and handle.healthy()
-        except Exception:
-            healthy = False
-        if not healthy:
-            self._retire(key, "raised" if handle._raised else "unhealthy")
-
-    def close(self) -> None:
-        for key in list(self._handles):
-            self._retire(key, None)
-
-    def _retire(self, key: _EngineKey, why: str | None) -> None:
-        target = self._handles.pop(key)._target
-        try:
-            sides = target.stats()
-        except Exception as e:
-            sides = {key.kind: {"health": f"stats unavailable: {e!r}"}}
-        self._config.stash[_RESULTS].add_engine(
-            worker=_worker(self._config), engine=key.engine, kind=key.kind, attention=key.attention,
-            device=key.device, canary=asdict(key.canary), tests=self._tests.pop(key), retired=why, sides=sides)
-        target.close()
-
-
-def _worker(config: pytest.Config) -> str:
-    return getattr(config, "workerinput", {}).get("workerid", "main")
-
-
 @dataclass
 class _TestRecord:
-    """The handle a test got and the configuration it ran with; violations and injections are
-    read from the handle when the test's call phase ends."""
+    """The handle a test got and the configuration it ran with; what the handle logged is read
+    when the test's call phase ends."""
 
-    key: _EngineKey
-    handle: _Guarded
+    key: EngineKey
+    serial: int
+    handle: Guarded
     sides: tuple[str, ...]
     perturbs: tuple[PerturbSpec, ...]
     seed: int
+    canary: KvCanary | None = None
     violations: list[Any] = field(default_factory=list)
+    requests: list[str | None] = field(default_factory=list)
     injections: list[Any] = field(default_factory=list)
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     read_error: str | None = None
 
-    def read_log(self) -> None:
+    def read(self) -> None:
         try:
             self.violations = list(self.handle.violations())
+            self.requests = [self.handle.request_label(v) for v in self.violations]
             self.injections = list(self.handle.injections())
+            self.stats = self.handle.stats()
         except Exception as e:  # the handle is marked as raised, and replaced after the test
             self.read_error = repr(e)
+
+    @property
+    def expected(self) -> bool:
+        """The test caused its violations or read them itself."""
+        return bool(self.perturbs) or (self.canary is not None and self.canary.consulted)
 
 
 _RECORD = pytest.StashKey[_TestRecord]()
@@ -362,13 +207,30 @@ def _marker_value(read: Callable[..., Any], node: pytest.Item, **kwargs: Any) ->
     try:
         return read(node, **kwargs)
     except markers.MarkerError as e:
-        pytest.fail(str(e), pytrace=False)
+        _fail(str(e))
 
 
-def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) -> Iterator[_Guarded]:
+def _devices(config: pytest.Config, kind: str) -> str:
+    leases = config.stash[_LEASES]
+    try:
+        return leases.primary() if kind == "single" else ",".join(dict.fromkeys(leases.pair()))
+    except DeviceLeaseError as e:
+        _fail(str(e))
+
+
+def _checkout(pool: EnginePool, key: EngineKey, seed: int) -> Any:
+    try:
+        return pool.checkout(key, seed)
+    except NoPrefillDecodePair as e:
+        raise pytest.skip.Exception(str(e)) from None
+    except (UnknownEngine, NotAnEngineUnderTest) as e:
+        _fail(str(e))
+
+
+def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) -> Iterator[Guarded]:
     """Set up the test's engine handle of this kind (see kv_engine / kv_pd)."""
     if {"kv_engine", "kv_pd"} <= set(request.fixturenames):
-        pytest.fail("a test drives one engine handle: use kv_engine or kv_pd, not both", pytrace=False)
+        _fail("a test drives one engine handle: use kv_engine or kv_pd, not both")
     node = request.node
     settings = request.config.stash[_SETTINGS]
     perturbs = _marker_value(markers.perturbs, node, pd=kind == "pd")
@@ -378,16 +240,15 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
         pytest.skip(OFF_REASON)
     if not canary.enabled:
         pytest.skip("kv-canary is off for this test: its kv_canary marker sets mode='off'")
-    leases = request.config.stash[_LEASES]
-    try:
-        device = leases.primary() if kind == "single" else ",".join(dict.fromkeys(leases.pair()))
-    except DeviceLeaseError as e:
-        pytest.fail(str(e), pytrace=False)
-    key = _EngineKey(kind, canary, attention, device, settings.engine)
-    pool: _EnginePool = request.getfixturevalue("_kv_engines")
-    handle = pool.checkout(key, settings.seed, perturbs)
-    node.stash[_RECORD] = _TestRecord(key, handle, SINGLE_SIDES if kind == "single" else SIDES, perturbs,
-                                      settings.seed)
+    model = str(settings.model) if settings.model else None
+    key = EngineKey(kind, canary, attention, _devices(request.config, kind), settings.engine, model)
+    pool: EnginePool = request.getfixturevalue("_kv_engines")
+    serial, handle = _checkout(pool, key, settings.seed)
+    _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), real_data=canary.real_data,
+                  engine=f"{settings.engine}/{attention}")
+    pool.reset(key, settings.seed, perturbs)
+    node.stash[_RECORD] = _TestRecord(key, serial, handle, SINGLE_SIDES if kind == "single" else PD_SIDES,
+                                      perturbs, settings.seed)
     yield handle
     pool.checkin(key)
 
@@ -395,22 +256,18 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
 # ------------------------------------------------------------------------------------ fixtures
 
 @pytest.fixture(scope="session")
-def kv_start_engine(kv_device: str) -> Callable[..., Any]:
+def kv_start_engine() -> Callable[..., Any]:
     """The function that starts engine handles (`pytest_kvcanary.harness.start_engine`).
-    Override it in a conftest.py to drive the kv fixtures with another harness.
-
-    On CPU it first sets TRITON_INTERPRET=1 (unless set): the kernels then run under Triton's
-    interpreter, which must be chosen before they are imported."""
-    if kv_device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    Override it in a conftest.py to drive the kv fixtures with another harness."""
     from . import harness
 
     return harness.start_engine
 
 
 @pytest.fixture(scope="session")
-def _kv_engines(pytestconfig: pytest.Config, kv_start_engine: Callable[..., Any]) -> Iterator[_EnginePool]:
-    pool = _EnginePool(kv_start_engine, pytestconfig)
+def _kv_engines(pytestconfig: pytest.Config, kv_start_engine: Callable[..., Any]) -> Iterator[EnginePool]:
+    pool = EnginePool(kv_start_engine, pytestconfig.pluginmanager, _worker(pytestconfig))
+    pytestconfig.stash[_POOL] = pool  # kept after the session: reports made later still read it
     yield pool
     pool.close()
 
@@ -418,10 +275,7 @@ def _kv_engines(pytestconfig: pytest.Config, kv_start_engine: Callable[..., Any]
 @pytest.fixture(scope="session")
 def kv_device(pytestconfig: pytest.Config) -> str:
     """The torch device this process leased: "cpu" or "cuda:i" (held until pytest exits)."""
-    try:
-        return pytestconfig.stash[_LEASES].primary()
-    except DeviceLeaseError as e:
-        pytest.fail(str(e), pytrace=False)
+    return _devices(pytestconfig, "single")
 
 
 @pytest.fixture
@@ -442,8 +296,8 @@ def kv_engine(request: pytest.FixtureRequest, kv_attention_kind: str) -> Iterato
 
 @pytest.fixture
 def kv_pd(request: pytest.FixtureRequest, kv_attention_kind: str) -> Iterator[Any]:
-    """A prefill/decode engine pair handle, reset for this test; on two GPUs when a second one
-    can be leased. Skips when the canary is off."""
+    """A prefill/decode engine pair handle, reset for this test; on two GPUs when the run has a
+    spare one. Skips when the canary is off, or when the engine has no prefill/decode pair."""
     yield from _engine_handle(request, "pd", kv_attention_kind)
 
 
@@ -453,7 +307,9 @@ def kv_canary(request: pytest.FixtureRequest, kv_attention_kind: str) -> KvCanar
     from .assertions import KvCanary
 
     handle = request.getfixturevalue("kv_pd" if "kv_pd" in request.fixturenames else "kv_engine")
-    return KvCanary(handle, request.node.stash[_RECORD].sides)
+    record = request.node.stash[_RECORD]
+    record.canary = KvCanary(handle, record.sides)
+    return record.canary
 
 
 # ----------------------------------------------------------------------------------- reporting
@@ -463,59 +319,94 @@ def _replay(item: pytest.Item, record: _TestRecord, settings: Settings) -> str:
     _, sep, rest = item.nodeid.partition("::")
     target = os.path.relpath(item.path, item.config.invocation_params.dir) + sep + rest
     c = record.key.canary
+    model = [f"--kv-canary-model={record.key.model}"] if record.key.model else []
     return shlex.join([
         "pytest", target, f"--kv-canary={c.mode}", f"--kv-canary-seed={record.seed}",
         f"--kv-canary-real-data={c.real_data}", f"--kv-canary-sweep-interval={c.sweep_interval}",
-        f"--kv-canary-device={settings.device}", f"--kv-canary-engine={record.key.engine}",
+        f"--kv-canary-device={settings.device}", f"--kv-canary-engine={record.key.engine}", *model,
     ])
+
+
+def _test_payload(item: pytest.Item, record: _TestRecord, report: pytest.TestReport,
+                  call: pytest.CallInfo[None]) -> dict[str, Any]:
+    """The test's entry for the results; adds the kv-canary section to the report: on failure
+    the seed, the replay command and (unless a kv_canary assertion's message shows them) the
+    tables; on unexpected violations in log mode, their table."""
+    key, settings = record.key, item.config.stash[_SETTINGS]
+    entry = guarded_test_entry(
+        **item.config.stash[_POOL].describe(key, record.serial), nodeid=item.nodeid, outcome=report.outcome,
+        seed=record.seed, perturbs=[asdict(p) for p in record.perturbs], violations=record.violations,
+        requests=record.requests, injections=record.injections, stats=record.stats, expected=record.expected,
+        read_error=record.read_error)
+    if report.failed:
+        shown = record.canary is not None and call.excinfo is not None and call.excinfo.value is record.canary.raised
+        report.sections.append(("kv-canary", failure_section(
+            record.seed, _replay(item, record, settings), record.violations, record.requests, record.injections,
+            record.read_error, tables=not shown)))
+    elif record.violations and not record.expected:
+        report.sections.append(("kv-canary", "unexpected " + violations_table(record.violations, record.requests)))
+    return entry
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Attach what the results need to the report: the test's entry (call phase) and engine
+    handles replaced since the last report. It travels with the report to an xdist controller."""
     record = item.stash.get(_RECORD, None)
-    if record is None or call.when != "call":
-        yield
-        return
-    record.read_log()
-    item.user_properties += [("kv_canary_violations", len(record.violations)), ("kv_canary_seed", record.seed)]
+    if record is not None and call.when == "call":
+        record.read()
+        item.user_properties += [("kv_canary_violations", len(record.violations)), ("kv_canary_seed", record.seed)]
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
-    settings = item.config.stash[_SETTINGS]
-    key = record.key
-    item.config.stash[_RESULTS].add_test(
-        nodeid=item.nodeid, outcome=report.outcome, worker=_worker(item.config), seed=record.seed,
-        kind=key.kind, attention=key.attention, device=key.device, engine=key.engine, canary=asdict(key.canary),
-        perturbs=[asdict(p) for p in record.perturbs], violations=record.violations,
-        injections=record.injections, read_error=record.read_error)
-    if report.failed:
-        report.sections.append(("kv-canary", failure_section(
-            record.seed, _replay(item, record, settings), record.violations, record.injections, record.read_error)))
+    payload: dict[str, Any] = {}
+    if record is not None and call.when == "call":
+        payload["test"] = _test_payload(item, record, report, call)
+    pool = item.config.stash.get(_POOL, None)
+    if pool is not None and (retired := pool.take_retired()):
+        payload["retired"] = retired
+    if payload:
+        report.kv_canary = payload  # type: ignore[attr-defined]
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: object | None) -> None:
-    """xdist controller: merge a finished worker's results."""
-    payload = getattr(node, "workeroutput", {}).get("kv_canary")
-    if payload is not None:
-        node.config.stash[_RESULTS].merge(payload)
+class _Collector:
+    """Registered where the results are kept (the xdist controller, or the only process): takes
+    what test reports carry and notes how the run ended."""
+
+    def __init__(self, results: RunResults) -> None:
+        self.results = results
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        payload = getattr(report, "kv_canary", None)
+        if payload is not None:
+            self.results.add(payload)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object | None) -> None:
+        """A worker went down; `error` says why when it did not finish normally."""
+        if error == "keyboard-interrupt":
+            self.results.interrupted = "keyboard interrupt"
+        elif error is not None:
+            lines = str(error).strip().splitlines()
+            self.results.worker_crashed(node.gateway.id, lines[-1] if lines else "no reason given")
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        if excinfo.type is KeyboardInterrupt:  # not pytest's own stops (collection errors, -x)
+            self.results.interrupted = "keyboard interrupt"
 
 
 @pytest.hookimpl(trylast=True)  # after the runner has torn down session fixtures (closing engines)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
-    results = config.stash[_RESULTS]
-    if hasattr(config, "workeroutput"):
-        config.workeroutput["kv_canary"] = results.payload()
-        return
     settings = config.stash[_SETTINGS]
-    if settings.report is not None:
-        results.write_json(settings.report, settings.to_json())
+    if not hasattr(config, "workerinput") and settings.report is not None:
+        config.stash[_RESULTS].write_json(settings.report, settings.to_json())
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     results = config.stash[_RESULTS]
     settings = config.stash[_SETTINGS]
-    if not (results.tests or results.engines or settings.report):
+    abnormal = settings.canary.enabled and (results.interrupted or results.crashed_workers)
+    if not (results.tests or results.engines or abnormal or settings.report):
         return
     terminalreporter.section("kv-canary")
     for line in results.summary_lines():

@@ -1,8 +1,11 @@
 """Tables, failure sections, the terminal summary and the JSON report (no torch).
 
-A process collects its results in `RunResults`: one entry per guarded test and one per engine it
-closed. Entries are plain JSON values, so an xdist worker can ship them to the controller, which
-merges them into one summary and one report.
+The process that runs a guarded test turns it into a plain-JSON entry (`guarded_test_entry`) and
+attaches it to the test's report, so it reaches the process that writes the summary (the xdist
+controller, or the only process) with the report itself: a worker that dies later loses nothing
+it finished.
+`RunResults` collects the entries there; per-engine lines are sums over the entries of the tests
+each engine served, so the summary, the JSON report and the per-test numbers always agree.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ if TYPE_CHECKING:
 
 # The attributes every ledger entry (an injected fault) has.
 INJECTION_FIELDS = ("mode", "side", "group", "slot", "position", "row", "byte", "step", "status", "cause")
-STAT_FIELDS = ("forwards", "protected_tokens", "sweeps", "violations")
+# Per-side counters of an engine: summed over its tests (each test's counters start at its reset).
+COUNTERS = ("forwards", "protected_tokens", "sweeps", "violations", "rows", "dropped")
+SHOWN_COUNTERS = COUNTERS[:4]
 
 
 def _count(n: int, noun: str) -> str:
@@ -29,16 +34,22 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
-def violations_table(violations: Sequence[Violation]) -> str:
-    """A heading and one row per violation, or `violations: none`."""
+def violations_table(violations: Sequence[Violation], requests: Sequence[str | None] = ()) -> str:
+    """A heading and one row per violation, or `violations: none`. requests: per violation, the
+    request its row held ("req <id> '<prompt start>'") where the engine could tell; the column is
+    left out when none is known."""
     if not violations:
         return "violations: none"
-    headers = ("side", "step", "phase", "half", "group", "reasons", "slot", "pos", "row", "stored", "expected")
-    rows = (
-        (v.side, v.step, v.phase, v.half, v.group, ",".join(v.reasons), v.slot, v.position, v.row,
-         f"{v.stored:#x}", f"{v.expected:#x}")
+    headers = ["side", "step", "phase", "half", "group", "reasons", "slot", "pos", "row", "stored", "expected"]
+    rows = [
+        [v.side, v.step, v.phase, v.half, v.group, ",".join(v.reasons), v.slot, v.position, v.row,
+         f"{v.stored:#x}", f"{v.expected:#x}"]
         for v in violations
-    )
+    ]
+    if any(requests):
+        headers.insert(9, "request")
+        for row, request in zip(rows, requests):
+            row.insert(9, request or "-")
     return f"violations ({len(violations)}):\n{_table(headers, rows)}"
 
 
@@ -54,72 +65,134 @@ def ledger_table(injections: Sequence[Any]) -> str:
     return f"ledger ({_count(len(injections), 'injection')}):\n{_table(INJECTION_FIELDS, rows)}"
 
 
-def failure_section(seed: int, replay: str, violations: Sequence[Violation], injections: Sequence[Any],
-                    read_error: str | None) -> str:
-    """The text a failed test's report carries under the `kv-canary` heading."""
+def guarded_test_entry(*, nodeid: str, outcome: str, worker: str, handle: int, seed: int, kind: str,
+                       attention: str, device: str, engine: str, canary: dict[str, Any], perturbs: list[dict[str, Any]],
+                       violations: Sequence[Violation], requests: Sequence[str | None],
+                       injections: Sequence[Any], stats: dict[str, dict[str, Any]], expected: bool,
+                       read_error: str | None) -> dict[str, Any]:
+    """One guarded test as the report stores it. handle: the engine handle's number in its
+    worker; stats: per side, the canary's counters for this test; expected: the test injected
+    faults or asserted on violations, so its violations are its business (not shown as
+    unexpected)."""
+    return {
+        "nodeid": nodeid, "outcome": outcome, "worker": worker, "handle": handle, "seed": seed, "kind": kind,
+        "attention": attention, "device": device, "engine": engine, "canary": canary, "perturbs": perturbs,
+        "violations": [{**v.to_json(), "request": r} for v, r in zip(violations, requests, strict=True)],
+        "injections": [injection_to_json(i) for i in injections], "stats": stats, "expected": expected,
+        "read_error": read_error,
+    }
+
+
+def entry_violations(entry: dict[str, Any]) -> tuple[list[Violation], list[str | None]]:
+    from .canary.violation import Violation
+
+    rows = [{k: v for k, v in d.items() if k != "request"} for d in entry["violations"]]
+    return [Violation.from_json(d) for d in rows], [d["request"] for d in entry["violations"]]
+
+
+def failure_section(seed: int, replay: str, violations: Sequence[Violation], requests: Sequence[str | None],
+                    injections: Sequence[Any], read_error: str | None, tables: bool) -> str:
+    """The text a failed test's report carries under the `kv-canary` heading. tables: False when
+    the failure message already shows them (a kv_canary assertion failed)."""
     lines = [f"seed: {seed}", f"replay: {replay}"]
     if read_error is not None:
         lines.append(f"could not read the engine's log: {read_error}")
-    lines += [violations_table(violations), ledger_table(injections)]
+    if tables:
+        lines += [violations_table(violations, requests), ledger_table(injections)]
     return "\n".join(lines)
 
 
 def _engine_line(engine: dict[str, Any], side: str, stats: dict[str, Any]) -> str:
     where = (f"{engine['engine']}/{engine['kind']}/{engine['attention']} on {engine['device']} "
              f"[{engine['worker']}, {_count(engine['tests'], 'test')}]")
-    counts = " ".join(f"{name}={stats.get(name, '?')}" for name in STAT_FIELDS)
+    counts = " ".join(f"{name}={stats.get(name, '?')}" for name in SHOWN_COUNTERS)
     retired = f" (replaced: {engine['retired']})" if engine["retired"] else ""
     return f"{where} {side}: {counts} health={stats.get('health', '?')}{retired}"
 
 
 class RunResults:
-    """Results of guarded tests and closed engines, as JSON-ready dicts (the report's schema)."""
+    """What the summary and the JSON report say: test entries, engine retirements, and how the
+    run ended (interrupted, workers that died)."""
 
     def __init__(self) -> None:
         self.tests: list[dict[str, Any]] = []
-        self.engines: list[dict[str, Any]] = []
+        self._engines: dict[tuple[str, int], dict[str, Any]] = {}
+        self.interrupted: str | None = None
+        self.crashed_workers: list[dict[str, str]] = []
 
-    def add_test(self, *, nodeid: str, outcome: str, worker: str, seed: int, kind: str, attention: str,
-                 device: str, engine: str, canary: dict[str, Any], perturbs: list[dict[str, Any]],
-                 violations: Sequence[Violation], injections: Sequence[Any], read_error: str | None) -> None:
-        """One guarded test: its call-phase outcome, configuration, violations and ledger."""
-        self.tests.append({
-            "nodeid": nodeid, "outcome": outcome, "worker": worker, "seed": seed, "kind": kind,
-            "attention": attention, "device": device, "engine": engine, "canary": canary, "perturbs": perturbs,
-            "violations": [v.to_json() for v in violations],
-            "injections": [injection_to_json(i) for i in injections], "read_error": read_error,
-        })
+    def _engine(self, source: dict[str, Any]) -> dict[str, Any]:
+        key = (source["worker"], source["handle"])
+        if key not in self._engines:
+            self._engines[key] = {
+                **{k: source[k] for k in ("worker", "handle", "engine", "kind", "attention", "device", "canary")},
+                "tests": 0, "retired": None, "sides": {},
+            }
+        return self._engines[key]
 
-    def add_engine(self, *, worker: str, engine: str, kind: str, attention: str, device: str,
-                   canary: dict[str, Any], tests: int, retired: str | None, sides: dict[str, dict[str, Any]]) -> None:
-        """One closed engine handle: `tests` it served, `retired` (why it was replaced early, or
-        None) and `sides`, its stats() per side."""
-        self.engines.append({
-            "worker": worker, "engine": engine, "kind": kind, "attention": attention, "device": device,
-            "canary": canary, "tests": tests, "retired": retired, "sides": sides,
-        })
+    def add_test(self, entry: dict[str, Any]) -> None:
+        self.tests.append(entry)
+        engine = self._engine(entry)
+        engine["tests"] += 1
+        for side, stats in entry["stats"].items():
+            total = engine["sides"].setdefault(side, {**dict.fromkeys(COUNTERS, 0), "health": "ok"})
+            for name in COUNTERS:
+                total[name] += stats.get(name, 0)
+            if stats.get("health", "ok") != "ok":
+                total["health"] = stats["health"]
 
-    def payload(self) -> dict[str, Any]:
-        return {"tests": self.tests, "engines": self.engines}
+    def add_retired(self, event: dict[str, Any]) -> None:
+        """An engine handle replaced after a test: event has the engine fields of an entry and
+        `retired`, why."""
+        self._engine(event)["retired"] = event["retired"]
 
-    def merge(self, payload: dict[str, Any]) -> None:
-        """Add another process's `payload()`."""
-        self.tests += payload["tests"]
-        self.engines += payload["engines"]
+    def add(self, payload: dict[str, Any]) -> None:
+        """What a test report carried: {"test": entry} and/or {"retired": [event, ...]}."""
+        if "test" in payload:
+            self.add_test(payload["test"])
+        for event in payload.get("retired", ()):
+            self.add_retired(event)
+
+    def worker_crashed(self, worker: str, error: str) -> None:
+        self.crashed_workers.append({"worker": worker, "error": error})
+
+    @property
+    def engines(self) -> list[dict[str, Any]]:
+        return list(self._engines.values())
+
+    def unexpected(self) -> list[dict[str, Any]]:
+        """Entries with violations the test neither caused nor asserted on, and whose failure
+        section does not show them already."""
+        return [t for t in self.tests if t["violations"] and not t["expected"] and t["outcome"] != "failed"]
 
     def summary_lines(self) -> list[str]:
-        """One line per engine (per side of a PD pair), then the totals."""
-        lines = [
-            _engine_line(engine, side, stats)
-            for engine in self.engines
-            for side, stats in engine["sides"].items()
-        ]
+        """One line per engine (per side of a PD pair), the totals, then what needs attention:
+        unexpected violations as one block, an interrupt, workers that died."""
+        lines = [_engine_line(engine, side, stats)
+                 for engine in self.engines for side, stats in engine["sides"].items()]
         violations = sum(len(t["violations"]) for t in self.tests)
         lines.append(f"{_count(len(self.tests), 'guarded test')}, {_count(violations, 'violation')}, "
                      f"{_count(len(self.engines), 'engine handle')}")
+        unexpected = self.unexpected()
+        if unexpected:
+            n = sum(len(t["violations"]) for t in unexpected)
+            lines.append(f"unexpected violations: {_count(n, 'violation')} in {_count(len(unexpected), 'test')} "
+                         "that neither injected faults nor asserted on violations")
+            for t in unexpected:
+                lines += [f"{t['nodeid']} (seed {t['seed']}, {t['kind']}/{t['attention']} on {t['device']}):",
+                          violations_table(*entry_violations(t))]
+        if self.interrupted:
+            lines.append(f"run interrupted ({self.interrupted}): results of the {_count(len(self.tests), 'test')} "
+                         "that finished")
+        for crash in self.crashed_workers:
+            lines.append(f"worker {crash['worker']} died ({crash['error']}); the tests it finished are included")
         return lines
 
     def write_json(self, path: Path, config: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        document = {"config": config, "tests": self.tests, "engines": self.engines}
+        document = {
+            "config": config,
+            "run": {"interrupted": self.interrupted, "crashed_workers": self.crashed_workers},
+            "tests": self.tests,
+            "engines": self.engines,
+        }
         path.write_text(json.dumps(document, indent=2) + "\n")

@@ -10,22 +10,21 @@
 
 The decode side does not cache the transferred prompt: the request owns those slots, so its first
 decode forward reads (and a canary's HEAD re-verifies) the whole transferred prefix.
+
+PDPair implements the PrefillDecodePair seam (adapters/protocol.py) that the kv_pd fixture drives.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
+from ..adapters.protocol import TransferListener
 from .engine import Engine
 from .kv_pool import KVPool
 from .request import Request
-
-# Called with (prefill FULL slots, decode FULL slots) of one transferred prompt, position by
-# position, once its KV landed on the decode side and before the decode side's next forward.
-TransferListener = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def _copy_kv(src: KVPool, dst: KVPool, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -35,20 +34,29 @@ def _copy_kv(src: KVPool, dst: KVPool, src_slots: torch.Tensor, dst_slots: torch
 
 
 class PDPair:
-    """A prefill engine and a decode engine of the same model, each on its own device (or one).
-    transfer_listeners hear every transfer (a canary moves the slots' records there)."""
+    """A prefill engine and a decode engine of the same model, each on its own device (or one)."""
 
     def __init__(self, prefill: Engine, decode: Engine) -> None:
         if (prefill.config.model, prefill.config.checkpoint) != (decode.config.model, decode.config.checkpoint):
             raise ValueError("a prefill/decode pair needs the same model (config and weights) on both sides")
         self.prefill, self.decode = prefill, decode
-        self.transfer_listeners: list[TransferListener] = []
+        self._transfer_listeners: list[TransferListener] = []
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy output token ids per prompt, in order. A prefilled request waits on the prefill
-        side (holding its KV there) until the decode side has a row and memory for it; the next
-        prefill runs once every prefilled request has been transferred."""
-        reqs = [self.prefill.submit(p, max_new_tokens) for p in prompts]
+    def add_transfer_listener(self, listener: TransferListener) -> None:
+        """listener(prefill FULL slots, decode FULL slots) hears every transfer (a canary moves
+        the slots' records there)."""
+        self._transfer_listeners.append(listener)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int,
+                 context_keys: Sequence[int] | None = None) -> list[list[int]]:
+        """Greedy output token ids per prompt, in order; context_keys: one per prompt (default:
+        none), kept across the transfer. A prefilled request waits on the prefill side (holding
+        its KV there) until the decode side has a row and memory for it; the next prefill runs
+        once every prefilled request has been transferred."""
+        keys = [0] * len(prompts) if context_keys is None else list(context_keys)
+        if len(keys) != len(prompts):
+            raise ValueError(f"context_keys must hold one key per prompt ({len(prompts)}); got {len(keys)}")
+        reqs = [self.prefill.submit(p, max_new_tokens, k) for p, k in zip(prompts, keys)]
         on_decode: dict[Request, Request] = {}
         held: deque[Request] = deque()
         while held or self.prefill.scheduler.waiting or self.decode.scheduler.has_work:
@@ -67,8 +75,8 @@ class PDPair:
         """Admit a prefilled request on the decode side with a copy of its prompt's KV; None
         (nothing changed) when the decode side has no room. SWA: only the positions still
         SWA-resident on the prefill side are sent; the decode side gives the others no SWA slot."""
-        moved = Request(req.rid, req.prompt_ids, req.max_new_tokens, output_ids=list(req.output_ids),
-                        kv_len=req.kv_len)
+        moved = Request(req.rid, req.prompt_ids, req.max_new_tokens, context_key=req.context_key,
+                        output_ids=list(req.output_ids), kv_len=req.kv_len)
         dst = self.decode.scheduler.admit_transferred(moved)
         if dst is None:
             return None
@@ -81,6 +89,6 @@ class PDPair:
             receiver.swa.unmap(dst[~resident], "not SWA-resident on the prefill side, so not transferred")
             dst_swa = receiver.swa.full_to_swa[dst[resident].to(receiver.swa.full_to_swa.device)].cpu()
             _copy_kv(sender.swa, receiver.swa, src_swa[resident], dst_swa)
-        for listener in self.transfer_listeners:
+        for listener in self._transfer_listeners:
             listener(src, dst)
         return moved

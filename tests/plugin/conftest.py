@@ -19,16 +19,18 @@ def fake_harness():
 def kv_start_engine(fake_harness):
     return fake_harness.start_engine
 
-def pytest_kvcanary_make_engine(name, attention, device, seed):
-    return f"{name}:{attention}:{device}:{seed}"
+def pytest_kvcanary_make_engine(name, attention, device, seed, model):
+    return f"{name}:{attention}:{device}:{seed}:{model}"
 '''
 
 
 @pytest.fixture
 def kvtester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    """A pytester whose runs use the fake harness, with no GPU visible."""
+    """A pytester whose runs use the fake harness, with no GPU visible. TRITON_INTERPRET, which
+    such a run sets, is restored afterwards."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     pytester.makepyfile(fake_harness=(Path(__file__).parent / "fake_harness.py").read_text())
     pytester.makeconftest(_RUN_CONFTEST)
     return pytester

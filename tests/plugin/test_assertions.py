@@ -47,6 +47,9 @@ class _Handle:
     def prompts_since_reset(self) -> list[str]:
         return self.prompts
 
+    def request_label(self, violation: Violation) -> str | None:
+        return {0: "req 7 'Once upon a time'"}.get(violation.row)
+
 
 def _canary(sides: tuple[str, ...] = PD, **handle: Any) -> KvCanary:
     return KvCanary(_Handle(**handle), sides)
@@ -67,8 +70,9 @@ def test_filters_match_case_insensitively_and_on_any_reason() -> None:
     "kwargs, message",
     [
         ({"reason": "verify_hash"}, "reason must be one of verify_chain_hash, verify_position, verify_real_kv_hash, "
-                                    "verify_token, write_token, write_position; got 'verify_hash'"),
-        ({"phase": "BODY"}, "phase must be one of HEAD, TAIL, SWEEP; got 'BODY'"),
+                                    "verify_token, write_token, write_position, verify_missing_slot, "
+                                    "reserved_slot_written, write_real_kv_hash; got 'verify_hash'"),
+        ({"phase": "BODY"}, "phase must be one of HEAD, TAIL, SWEEP, RECHECK; got 'BODY'"),
         ({"group": "local"}, "group must be one of full, swa; got 'local'"),
         ({"side": "single"}, "side must be one of prefill, decode; got 'single'"),
         ({"half": "Q"}, "half must be one of K, V; got 'Q'"),
@@ -155,3 +159,42 @@ def test_assert_perturbations_detected() -> None:
 def test_perturbations_is_the_ledger() -> None:
     ledger = [_Injection("latent")]
     assert _canary(ledger=ledger).perturbations() == ledger
+
+
+def test_tables_name_the_request_beside_the_row() -> None:
+    sweep = Violation("decode", 4, "SWEEP", "K", "FULL", ("verify_real_kv_hash",), 17, 3, -1, 0xDEAD, 0xBEEF)
+    canary = _canary(logged=[_violation(), sweep])
+    with pytest.raises(AssertionError) as e:
+        canary.assert_no_violation()
+    lines = str(e.value).splitlines()
+    assert lines[2].split() == ["side", "step", "phase", "half", "group", "reasons", "slot", "pos", "row", "request",
+                                "stored", "expected"]
+    assert lines[3].split()[8:] == ["0", "req", "7", "'Once", "upon", "a", "time'", "0xdead", "0xbeef"]
+    assert lines[4].split()[8:] == ["-1", "-", "0xdead", "0xbeef"]
+
+
+def test_without_labels_the_table_has_no_request_column() -> None:
+    canary = _canary(logged=[_violation(side="prefill")])
+    canary._handle.request_label = lambda v: None
+    with pytest.raises(AssertionError) as e:
+        canary.assert_no_violation()
+    assert "request" not in str(e.value).splitlines()[2]
+
+
+def test_reading_the_log_marks_the_violations_as_the_tests_own() -> None:
+    reads = (lambda c: c.violations(), lambda c: c.perturbations(), lambda c: c.assert_violation("verify_real_kv_hash"))
+    for read in reads:
+        canary = _canary(logged=[_violation()])
+        assert not canary.consulted
+        read(canary)
+        assert canary.consulted
+
+
+def test_the_error_an_assertion_raised_is_remembered_when_it_shows_the_tables() -> None:
+    canary = _canary(logged=[_violation()], prompts=["a", "a"])
+    with pytest.raises(AssertionError) as distinct:
+        canary.assert_violation("verify_real_kv_hash", require_distinct_prompts=True)
+    assert canary.raised is None and "violations (" not in str(distinct.value)
+    with pytest.raises(AssertionError) as e:
+        canary.assert_no_violation()
+    assert canary.raised is e.value

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 
@@ -41,7 +43,7 @@ def test_handles_are_reused_per_configuration_and_closed_at_the_end(kvtester: py
 def test_hook_spec_is_registered_and_the_harness_gets_the_settings(kvtester: pytest.Pytester) -> None:
     kvtester.makepyfile("""
         def test_start(kv_engine, pytestconfig):
-            assert kv_engine.engine == "mine:mha:cpu:7"
+            assert kv_engine.engine == "mine:mha:cpu:7:None"
             assert kv_engine.device == "cpu"
             assert kv_engine.seed == 7
             assert kv_engine.resets == [(7, ())]
@@ -103,22 +105,94 @@ def test_cuda_without_a_gpu_errors_the_test(kvtester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["device 'cuda' was asked for, but no GPU is visible"])
 
 
-def test_default_harness_is_imported_lazily_with_the_interpreter_on_cpu(
-    kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("args, interpreted", [(["--kv-canary"], "1"), (["--kv-canary", "--kv-canary-device=cpu"], "1"),
+                                               ([], None)], ids=["auto-without-gpu", "cpu", "off"])
+def test_the_interpreter_is_chosen_before_any_conftest_imports_triton(
+    kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: list[str], interpreted: str | None
 ) -> None:
+    """An engine author's conftest imports the seam types, and may import triton, at module level:
+    by then the plugin has chosen Triton's interpreter when the canary runs on the CPU (and only
+    then)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    kvtester.makeconftest("""
-        import sys
-        import fake_harness
-
-        fake_harness.start_engine = fake_harness.FakeHarness().start_engine
-        sys.modules["pytest_kvcanary.harness"] = fake_harness
-    """)
-    kvtester.makepyfile("""
+    kvtester.makeconftest(f"""
         import os
+        from pytest_kvcanary.canary.host import PoolGroup, ForwardView, SlotMapping
+        from kvcanary_kernels.records import GroupKind
 
-        def test_engine(kv_engine):
-            assert os.environ["TRITON_INTERPRET"] == "1"
-            assert kv_engine.device == "cpu"
+        assert os.environ.get("TRITON_INTERPRET") == {interpreted!r}, os.environ.get("TRITON_INTERPRET")
+        import triton
     """)
+    kvtester.makepyfile("def test_a(): pass")
+    kvtester.runpytest_subprocess(*args).assert_outcomes(passed=1)
+
+
+def test_a_user_choice_of_interpreter_is_kept(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kvtester.makeconftest("import os\nassert os.environ['TRITON_INTERPRET'] == '0'")
+    kvtester.makepyfile("def test_a(): pass")
     kvtester.runpytest_subprocess("--kv-canary").assert_outcomes(passed=1)
+
+
+def test_with_a_gpu_the_kernels_are_compiled(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kvtester.makeconftest("import os\nassert 'TRITON_INTERPRET' not in os.environ")
+    kvtester.makepyfile("def test_a(): pass")
+    kvtester.runpytest_subprocess("--kv-canary").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("attention, marker, message", [
+    ("mha", 'kv_perturb("real_kv_used", target_group="swa")',
+     "kv_perturb('real_kv_used', target_group='swa'): target_group='swa' is not a pool group of engine "
+     "'reference/mha'; its groups: full"),
+    ("swa", 'kv_perturb("real_kv_used")',
+     "kv_perturb('real_kv_used'): target_group is required: engine 'reference/swa' has pool groups full, swa; "
+     "allowed: full, swa"),
+])
+def test_a_perturb_the_engine_cannot_take_is_a_marker_error(kvtester: pytest.Pytester, attention: str, marker: str,
+                                                           message: str) -> None:
+    kvtester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.kv_attention("{attention}")
+        @pytest.mark.{marker}
+        def test_bad(kv_engine): pass
+
+        @pytest.mark.kv_attention("{attention}")
+        def test_next(kv_engine):
+            assert kv_engine.serial == 0  # the handle was not replaced
+    """)
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_bad*", message])
+    out = result.stdout.str()
+    assert "Traceback" not in out and "replaced" not in out and out.count(message) == 1
+
+
+def test_flipping_bytes_the_canary_does_not_fingerprint_is_a_marker_error(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_canary(real_data="none")
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_bad(kv_engine): pass
+    """)
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["kv_perturb('real_kv_used'): mode 'real_kv_used' flips real KV bytes, which the "
+                                 "canary fingerprints only with real_data partial or all; got real_data='none'"])
+
+
+def test_handle_numbers_name_the_engines_in_the_results(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        def test_break(kv_engine):
+            kv_engine.crash()
+
+        def test_next(kv_engine):
+            pass
+    """)
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-report=kv.json")
+    result.assert_outcomes(passed=2)
+    report = json.loads((kvtester.path / "kv.json").read_text())
+    assert [(t["nodeid"].split("::")[1], t["handle"]) for t in report["tests"]] == [("test_break", 0), ("test_next", 1)]
+    assert [(e["handle"], e["tests"], e["retired"]) for e in report["engines"]] == [(0, 1, "unhealthy"), (1, 1, None)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_kvcanary.config import ATTENTION_KINDS
 from pytest_kvcanary.plugin import OFF_REASON
 
 
@@ -87,11 +88,11 @@ BAD_MARKERS = [
     ('kv_perturb("req_to_token", "real_kv_used")', "kv_perturb('req_to_token', 'real_kv_used'): takes one mode; *"),
     ('kv_perturb("req_to_token", side="prefill")',
      "kv_perturb('req_to_token', side='prefill'): side='prefill' needs the kv_pd fixture; kv_engine has one side"),
-    ('kv_attention("mla")', "kv_attention('mla'): kind must be one of mha, swa; got 'mla'"),
-    ("kv_attention()", "kv_attention(): takes one or more kinds; allowed kinds: mha, swa"),
+    ('kv_attention("gqa")', f"kv_attention('gqa'): kind must be one of {', '.join(ATTENTION_KINDS)}; got 'gqa'"),
+    ("kv_attention()", f"kv_attention(): takes one or more kinds; allowed kinds: {', '.join(ATTENTION_KINDS)}"),
     ("kv_canary(ring_size=8)",
      "kv_canary(ring_size=8): unknown canary setting 'ring_size'; allowed: check_tokens, check_write_inputs, "
-     "mode, real_data, ring_capacity, sweep_interval"),
+     "drain_interval, mode, real_data, recheck, ring_capacity, sweep_interval"),
     ('kv_canary(real_data="some")',
      "kv_canary(real_data='some'): real_data must be one of none, partial, all; got 'some'"),
     ('kv_canary("raise")', "kv_canary('raise'): takes keyword arguments only *"),

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 
-from pytest_kvcanary.plugin import _split_bare_flag
+from pytest_kvcanary.settings import split_bare_flag
 
 # A test that prints what the engine was started with, for the outer test to read.
 SHOW_ENGINE = """
 def test_show(kv_engine):
     c = kv_engine.canary
     print(f"ENGINE mode={c.mode} real_data={c.real_data} sweep_interval={c.sweep_interval} "
-          f"seed={kv_engine.seed} device={kv_engine.device} engine={kv_engine.engine_name}")
+          f"seed={kv_engine.seed} device={kv_engine.device} engine={kv_engine.engine_name} model={kv_engine.engine}")
 """
 
 
@@ -39,7 +40,8 @@ def test_header_shows_the_effective_configuration(kvtester: pytest.Pytester) -> 
 def test_defaults(kvtester: pytest.Pytester) -> None:
     kvtester.makepyfile(SHOW_ENGINE)
     line = _engine_line(kvtester, "--kv-canary")
-    assert line == "ENGINE mode=log real_data=partial sweep_interval=4 seed=0 device=cpu engine=reference"
+    assert line == ("ENGINE mode=log real_data=partial sweep_interval=4 seed=0 device=cpu engine=reference "
+                    "model=reference:mha:cpu:0:None")
 
 
 OPTIONS = [
@@ -62,6 +64,15 @@ def test_each_option_and_its_ini_twin(kvtester: pytest.Pytester, flag: str, ini:
     assert shown in _engine_line(kvtester, *on).split()
 
 
+def test_model_directory_reaches_the_engine_hook(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(SHOW_ENGINE)
+    ckpt = kvtester.mkdir("ckpt")
+    line = _engine_line(kvtester, "--kv-canary", "--kv-canary-model=ckpt")
+    assert line.endswith(f"model=reference:mha:cpu:0:{ckpt}")
+    kvtester.makeini("[pytest]\nkv_canary_model = ckpt\n")
+    assert _engine_line(kvtester, "--kv-canary").endswith(f"model=reference:mha:cpu:0:{ckpt}")
+
+
 def test_command_line_wins_over_ini(kvtester: pytest.Pytester) -> None:
     kvtester.makepyfile(SHOW_ENGINE)
     kvtester.makeini("[pytest]\nkv_canary = raise\nkv_canary_seed = 5\n")
@@ -82,6 +93,7 @@ def test_command_line_off_wins_over_ini(kvtester: pytest.Pytester) -> None:
 
 
 PRECEDENCE_TEST = """
+import importlib.util
 import json
 
 import pytest
@@ -115,7 +127,8 @@ def test_precedence_cli_marker_ini(kvtester: pytest.Pytester, args: tuple[str, .
         (["--kv-canary-seed=x"], "", "ERROR: --kv-canary-seed must be an integer >= 0; got 'x'"),
         (["--kv-canary-device=tpu"], "", "ERROR: --kv-canary-device must be one of auto, cpu, cuda; got 'tpu'"),
         (["--kv-canary-engine= "], "", "ERROR: --kv-canary-engine must be a non-empty name; got ' '"),
-        (["--kv-canary-workers-per-gpu=0"], "", "ERROR: --kv-canary-workers-per-gpu must be an integer >= 1; got '0'"),
+        (["--kv-canary-workers-per-gpu=0"], "",
+         "ERROR: --kv-canary-workers-per-gpu must be auto or an integer >= 1; got '0'"),
         ([], "kv_canary = yes", "ERROR: ini option kv_canary must be one of off, log, raise; got 'yes'"),
         ([], "kv_canary_sweep_interval = often",
          "ERROR: ini option kv_canary_sweep_interval must be an integer >= 0; got 'often'"),
@@ -137,10 +150,10 @@ def test_bare_flag_before_a_path_runs_that_path(kvtester: pytest.Pytester) -> No
 
 
 def test_split_bare_flag() -> None:
-    assert _split_bare_flag(["--kv-canary", "tests/"]) == ["--kv-canary=log", "tests/"]
-    assert _split_bare_flag(["--kv-canary", "raise", "tests/"]) == ["--kv-canary", "raise", "tests/"]
-    assert _split_bare_flag(["--kv-canary", "-n", "2"]) == ["--kv-canary", "-n", "2"]
-    assert _split_bare_flag(["tests/", "--kv-canary"]) == ["tests/", "--kv-canary"]
+    assert split_bare_flag(["--kv-canary", "tests/"]) == ["--kv-canary=log", "tests/"]
+    assert split_bare_flag(["--kv-canary", "raise", "tests/"]) == ["--kv-canary", "raise", "tests/"]
+    assert split_bare_flag(["--kv-canary", "-n", "2"]) == ["--kv-canary", "-n", "2"]
+    assert split_bare_flag(["tests/", "--kv-canary"]) == ["tests/", "--kv-canary"]
 
 
 def test_report_path_is_relative_to_the_invocation_dir(kvtester: pytest.Pytester) -> None:
@@ -160,6 +173,57 @@ def test_ini_report_path_is_relative_to_the_ini_file(kvtester: pytest.Pytester) 
     assert (kvtester.path / "reports" / "kv.json").is_file()
 
 
+UNUSABLE_PATHS = [
+    # (options, what stderr says)
+    (["--kv-canary-report=afile/kv.json"],
+     "ERROR: --kv-canary-report must be a writable file path (*afile is not a directory); got 'afile/kv.json'"),
+    (["--kv-canary-report=adir"],
+     "ERROR: --kv-canary-report must be a writable file path (is a directory); got 'adir'"),
+    (["--kv-canary", "--kv-canary-lock-dir=afile/locks"],
+     "ERROR: --kv-canary-lock-dir must be a writable directory (*afile is not a directory); got 'afile/locks'"),
+    (["--kv-canary-model=nowhere"],
+     "ERROR: --kv-canary-model must be an existing checkpoint directory (no such directory); got 'nowhere'"),
+    (["--kv-canary-model=afile"],
+     "ERROR: --kv-canary-model must be an existing checkpoint directory (not a directory); got 'afile'"),
+]
+
+
+@pytest.mark.parametrize("args, message", UNUSABLE_PATHS, ids=[a[-1] for a, _ in UNUSABLE_PATHS])
+def test_unusable_paths_are_usage_errors_before_any_test_runs(kvtester: pytest.Pytester, args: list[str],
+                                                              message: str) -> None:
+    kvtester.makepyfile("def test_a(): print('RAN')")
+    kvtester.path.joinpath("afile").write_text("")
+    kvtester.mkdir("adir")
+    result = kvtester.runpytest_subprocess("-s", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert "RAN" not in result.stdout.str() and "Traceback" not in result.stderr.str()
+
+
+def test_unusable_ini_path_names_the_ini_key(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    kvtester.path.joinpath("afile").write_text("")
+    kvtester.makeini("[pytest]\nkv_canary_report = afile/kv.json\n")
+    result = kvtester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini option kv_canary_report must be a writable file path (*)*"])
+
+
+def test_lock_dir_is_not_checked_when_the_canary_is_off(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    kvtester.path.joinpath("afile").write_text("")
+    kvtester.runpytest("--kv-canary-lock-dir=afile/locks").assert_outcomes(passed=1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_an_engine_whose_package_is_missing_says_how_to_install_it(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(kv_engine): pass")
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-engine=vllm")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(['ERROR: --kv-canary-engine needs the vllm package, which is not installed: '
+                                 'pip install "pytest-kvcanary[[]vllm[]]"; got \'vllm\''])
+
+
 def test_lease_options_and_their_ini_twins(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     kvtester.makepyfile("def test_a(kv_device): assert kv_device == 'cuda:0'")
@@ -168,8 +232,14 @@ def test_lease_options_and_their_ini_twins(kvtester: pytest.Pytester, monkeypatc
     kvtester.runpytest().assert_outcomes(passed=1)
     config = json.loads((kvtester.path / "kv.json").read_text())["config"]
     assert (config["workers_per_gpu"], config["lock_dir"]) == (2, str(kvtester.path / "ini-locks"))
+    # A lock directory the user names is theirs to share: it outlives the run.
     assert (kvtester.path / "ini-locks" / "gpu0.0.lock").exists()
 
     kvtester.runpytest("--kv-canary-workers-per-gpu=3", "--kv-canary-lock-dir=cli-locks").assert_outcomes(passed=1)
     config = json.loads((kvtester.path / "kv.json").read_text())["config"]
     assert (config["workers_per_gpu"], config["lock_dir"]) == (3, str(kvtester.path / "cli-locks"))
+
+    kvtester.makeini("[pytest]\nkv_canary = log\nkv_canary_report = kv.json\n")
+    kvtester.runpytest().assert_outcomes(passed=1)
+    config = json.loads((kvtester.path / "kv.json").read_text())["config"]
+    assert (config["workers_per_gpu"], config["lock_dir"]) == ("auto", None)

@@ -1,4 +1,6 @@
-"""Failure sections, the replay command, JUnit properties, the terminal summary and the JSON report."""
+"""The plugin's reporting logic over the fake harness: failure sections, the replay command, JUnit
+properties, quiet runs, unexpected violations, per-engine sums and the JSON report. What the
+real engine's reports say is checked in test_real_engine.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ SUITE = """
 import pytest
 
 @pytest.mark.kv_attention("mha", "swa")
-@pytest.mark.kv_perturb("real_kv_post_forward", side="prefill")
+@pytest.mark.kv_perturb("real_kv_post_forward", side="prefill", target_group="full")
 def test_detected(kv_pd, kv_canary):
     kv_pd.send_parallel_requests(4, distinct_prompts=True)
     kv_canary.assert_violation("verify_real_kv_hash", side="decode")
@@ -30,7 +32,7 @@ def test_clean(kv_engine, kv_canary):
 """
 
 
-def test_failure_section_has_seed_replay_and_tables(kvtester: pytest.Pytester) -> None:
+def test_failure_section_has_seed_and_replay_and_each_table_once(kvtester: pytest.Pytester) -> None:
     kvtester.makepyfile(test_suite=SUITE)
     result = kvtester.runpytest("--kv-canary", "--kv-canary-seed=3", "--kv-canary-device=cpu")
     result.assert_outcomes(passed=3, failed=1)
@@ -39,11 +41,25 @@ def test_failure_section_has_seed_replay_and_tables(kvtester: pytest.Pytester) -
         "seed: 3",
         "replay: pytest test_suite.py::test_escaped --kv-canary=log --kv-canary-seed=3 --kv-canary-real-data=partial "
         "--kv-canary-sweep-interval=2 --kv-canary-device=cpu --kv-canary-engine=reference",
-        "violations: none",
-        "ledger (1 injection):",
-        "*mode*side*group*slot*position*row*byte*step*status*cause",
-        "*real_kv_post_forward*prefill*full*escaped*slot freed by radix dedup before any read",
     ])
+    out = result.stdout.str()
+    # The assertion's message shows the tables; the section does not repeat them.
+    assert out.count("ledger (1 injection):") == 1 and out.count("violations: none") == 1
+
+
+def test_a_failure_the_canary_did_not_explain_gets_the_tables(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_fails(kv_engine, kv_canary):
+            kv_engine.send_parallel_requests(2, distinct_prompts=True)
+            assert kv_canary.violations() == []
+    """)
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["seed: 0", "replay: *", "violations (1):", "*side*step*phase*", "*",
+                                 "ledger (1 injection):"])
 
 
 def test_replay_command_reruns_the_failed_test(kvtester: pytest.Pytester) -> None:
@@ -83,18 +99,75 @@ def test_junit_properties(kvtester: pytest.Pytester) -> None:
     assert props["test_escaped"] == {"kv_canary_violations": "0", "kv_canary_seed": "3"}
 
 
-def test_terminal_summary_has_a_line_per_engine_side(kvtester: pytest.Pytester) -> None:
-    kvtester.makepyfile(test_suite=SUITE)
-    result = kvtester.runpytest("--kv-canary")
-    result.stdout.fnmatch_lines_random([
-        "reference/pd/mha on cpu [[]main, 1 test[]] prefill: forwards=9 protected_tokens=36 sweeps=0 violations=0 health=ok",
-        "reference/pd/mha on cpu [[]main, 1 test[]] decode: forwards=9 protected_tokens=36 sweeps=0 violations=1 health=ok",
-        "reference/pd/swa on cpu [[]main, 1 test[]] prefill: *",
-        "reference/pd/swa on cpu [[]main, 1 test[]] decode: *",
-        "reference/pd/mha on cpu [[]main, 1 test[]] decode: forwards=9 *",  # test_escaped: its own sweep_interval
-        "reference/single/mha on cpu [[]main, 1 test[]] single: forwards=3 *",
-        "4 guarded tests, 2 violations, 4 engine handles",
+def test_expected_violations_are_quiet_and_unexpected_ones_are_one_block(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_injects(kv_engine):
+            kv_engine.send_parallel_requests(2, distinct_prompts=True)
+
+        def test_asserts(kv_engine, kv_canary):
+            kv_engine.stray()
+            assert len(kv_canary.violations()) == 1
+
+        def test_stray_one(kv_engine):
+            kv_engine.stray()
+
+        def test_stray_two(kv_engine, kv_canary):
+            kv_engine.stray()
+    """)
+    result = kvtester.runpytest("--kv-canary", "-rP", "-W", "error")
+    result.assert_outcomes(passed=4)
+    out = result.stdout.str()
+    assert "warnings summary" not in out and "Warning" not in out
+    result.stdout.fnmatch_lines([
+        "*= kv-canary =*",
+        "4 guarded tests, 4 violations, 1 engine handle",
+        "unexpected violations: 2 violations in 2 tests that neither injected faults nor asserted on violations",
+        "test_expected_violations_are_quiet_and_unexpected_ones_are_one_block.py::test_stray_one (seed 0, single/mha "
+        "on cpu):",
+        "violations (1):",
+        "*",
+        "  single  2 * verify_chain_hash *",
+        "*::test_stray_two (seed 0, single/mha on cpu):",
     ])
+    assert "test_injects (seed" not in out and "test_asserts (seed" not in out
+    # -rP shows each passing test's sections: the stray ones carry their table.
+    result.stdout.fnmatch_lines(["*- kv-canary -*", "unexpected violations (1):"])
+
+
+def test_engine_lines_sum_the_tests_each_engine_served(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("n", [1, 2, 3])
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_single(kv_engine, n):
+            kv_engine.send_parallel_requests(n, distinct_prompts=True, max_new_tokens=n)
+
+        @pytest.mark.kv_perturb("real_kv_post_forward", side="prefill")
+        def test_pd(kv_pd):
+            kv_pd.send_parallel_requests(2, distinct_prompts=True, max_new_tokens=4)
+            kv_pd.send_parallel_requests(2, distinct_prompts=True, max_new_tokens=4)
+    """)
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-report=kv.json")
+    result.assert_outcomes(passed=4)
+    # forwards per generate = 1 + max_new_tokens: 2 + 3 + 4 on the single engine
+    result.stdout.fnmatch_lines_random([
+        "reference/single/mha on cpu [[]main, 3 tests[]] single: forwards=9 protected_tokens=36 sweeps=0 "
+        "violations=3 health=ok",
+        "reference/pd/mha on cpu [[]main, 1 test[]] decode: forwards=10 * violations=2 health=ok",
+        "4 guarded tests, 5 violations, 2 engine handles",
+    ])
+    report = json.loads((kvtester.path / "kv.json").read_text())
+    for engine in report["engines"]:
+        served = [t for t in report["tests"] if (t["worker"], t["handle"]) == (engine["worker"], engine["handle"])]
+        assert engine["tests"] == len(served)
+        for side, total in engine["sides"].items():
+            for counter in ("forwards", "protected_tokens", "sweeps", "violations", "rows", "dropped"):
+                assert total[counter] == sum(t["stats"][side][counter] for t in served), (side, counter)
+            assert total["violations"] == sum(v["side"] == side for t in served for v in t["violations"])
 
 
 def test_no_summary_when_nothing_was_guarded(kvtester: pytest.Pytester) -> None:
@@ -110,15 +183,18 @@ def test_json_report(kvtester: pytest.Pytester) -> None:
         [f"report: {kvtester.path / 'kv.json'}"])
     report = json.loads((kvtester.path / "kv.json").read_text())
     assert report["config"]["seed"] == 3 and report["config"]["canary"]["mode"] == "log"
+    assert report["run"] == {"interrupted": None, "crashed_workers": []}
     tests = {t["nodeid"]: t for t in report["tests"]}
     assert sorted(tests) == ["test_suite.py::test_clean", "test_suite.py::test_detected[mha]",
                              "test_suite.py::test_detected[swa]", "test_suite.py::test_escaped"]
     detected = tests["test_suite.py::test_detected[mha]"]
     assert detected["outcome"] == "passed" and detected["device"] == "cpu" and detected["kind"] == "pd"
+    assert detected["expected"] is True and tests["test_suite.py::test_clean"]["expected"] is True
     assert detected["perturbs"] == [{"mode": "real_kv_post_forward", "prob": 1.0, "side": "prefill",
-                                     "target_group": None, "warmup_steps": 0}]
-    assert [v["reasons"] for v in detected["violations"]] == [["verify_real_kv_hash"]]
-    assert detected["violations"][0]["side"] == "decode"
+                                     "target_group": "full", "warmup_steps": 0}]
+    assert [(v["reasons"], v["side"], v["request"]) for v in detected["violations"]] == [
+        (["verify_real_kv_hash"], "decode", None)]
+    assert set(detected["stats"]) == {"prefill", "decode"}
     escaped = tests["test_suite.py::test_escaped"]
     assert escaped["outcome"] == "failed" and escaped["canary"]["sweep_interval"] == 2
     assert [(i["status"], i["cause"]) for i in escaped["injections"]] == [

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
-from pytest_kvcanary.harness import BASE_PROMPT
+from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig, PDPair
 from pytest_kvcanary.pd_handle import PDHandle
+from pytest_kvcanary.side import BASE_PROMPT
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # A window longer than send_parallel_requests' prompts: decode's HEAD then reads every SWA slot sent.
@@ -36,14 +36,14 @@ def make_handle(attention: str, *, kernels: str = "torch", window: int = 16, swe
     """Both sides alike; sweep_interval 0 by default, as in SGLang's PD tests (a prefill-side
     sweep would also see a damaged slot the prefill radix cache still holds)."""
     canary = CanaryConfig(sweep_interval=sweep_interval, real_data=real_data)
-    return PDHandle(make_engine(attention, window=window, **engine_kw),
-                    make_engine(attention, window=window, **engine_kw), canary, kernels=kernels)
+    pair = PDPair(*(make_engine(attention, window=window, **engine_kw) for _ in range(2)))
+    return PDHandle(pair, canary, kernels=kernels)
 
 
 def assert_idle_and_whole(engine: Engine) -> None:
     """No request holds anything; every slot is free or cached by exactly one tree node."""
     assert not engine.scheduler.has_work
-    cached = engine.radix_walk().slots
+    cached = engine.cache_walk().slots
     assert cached.unique().numel() == cached.numel(), "a slot is cached twice"
     assert cached.numel() + engine.pools.full.num_free == engine.pools.full.num_slots - 1, "a FULL slot leaked"
     swa = engine.pools.swa

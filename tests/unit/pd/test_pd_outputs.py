@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary_kernels.records import Half
-from pytest_kvcanary.engine.pd import PDPair, TransferListener
+from pytest_kvcanary.adapters.protocol import TransferListener
+from pytest_kvcanary.engine.pd import PDPair
 from pytest_kvcanary.pd_handle import PDHandle
 
 from pd_support import assert_idle_and_whole, make_engine, make_handle
@@ -65,9 +65,15 @@ def test_decode_forwards_read_the_transferred_prefix_once_admitted():
 
     class Spy:
         def before_forward(self, view):
-            seen.append((view.prefix_lens.tolist(), view.extend_lens.tolist(), pair.decode.radix_walk().slots.numel()))
+            seen.append((view.prefix_lens.tolist(), view.extend_lens.tolist(), pair.decode.cache_walk().slots.numel()))
+
+        def kv_stored(self, kind, layer, k, v):
+            pass
 
         def after_forward(self, view):
+            pass
+
+        def end_forward(self):
             pass
 
     pair.decode.set_forward_hooks(Spy())
@@ -88,8 +94,9 @@ def record_checker(handle: PDHandle, not_resident: list[int]) -> TransferListene
             src_slots, dst_slots = sender.to_group_slots(src), receiver.to_group_slots(dst)
             resident = src_slots != 0
             assert torch.equal(dst_slots != 0, resident)
-            for half in Half:
-                assert torch.equal(receiver.records[half][dst_slots[resident]], sender.records[half][src_slots[resident]])
+            for half in sender.halves:
+                assert torch.equal(receiver.halves[half].records[dst_slots[resident]],
+                                   sender.halves[half].records[src_slots[resident]])
                 assert not records[half][~resident].any()
             not_resident.append(int((~resident).sum()))
 
@@ -100,7 +107,7 @@ def record_checker(handle: PDHandle, not_resident: list[int]) -> TransferListene
 def test_records_travel_with_the_kv(attention):
     handle = make_handle(attention, num_slots=200, swa_num_slots=72, max_running=4)
     not_resident: list[int] = []
-    handle.pair.transfer_listeners.append(record_checker(handle, not_resident))
+    handle.pair.add_transfer_listener(record_checker(handle, not_resident))
     handle.reset(0, ())
     for seed in (0, 1):
         handle.generate(mixed_prompts(seed, 8), 4)
@@ -113,7 +120,7 @@ def test_a_tombstoned_prefix_sends_no_swa_kv():
     cached) is sent without SWA KV for it; the decode side's windowed layers never read it."""
     handle = make_handle("swa")
     not_resident: list[int] = []
-    handle.pair.transfer_listeners.append(record_checker(handle, not_resident))
+    handle.pair.add_transfer_listener(record_checker(handle, not_resident))
     handle.reset(0, ())
     stem, ext = list(range(1, 31)), list(range(40, 60))  # ext is longer than the window (16)
     prompts = [stem, stem + ext, stem + ext + [7, 8]]

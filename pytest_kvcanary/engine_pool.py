@@ -1,0 +1,110 @@
+"""This process's engine handles: one per configuration, reused by the tests that share it, reset
+before each, replaced when broken (no torch: handles come from the kv_start_engine function)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict
+from typing import Any, Callable, NamedTuple
+
+from .config import CanaryConfig, PerturbSpec
+
+
+class Guarded:
+    """An engine handle that notes when a call on it raises (the pool then replaces it)."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.raised = False
+
+    def __repr__(self) -> str:
+        return repr(self.target)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.target, name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except BaseException:
+                self.raised = True
+                raise
+
+        return call
+
+
+class EngineKey(NamedTuple):
+    """Tests with equal keys share a handle."""
+
+    kind: str  # "single" or "pd"
+    canary: CanaryConfig
+    attention: str
+    device: str  # "cuda:0"; for a pd pair on two GPUs "cuda:0,cuda:1"
+    engine: str
+    model: str | None
+
+
+class Checkout(NamedTuple):
+    serial: int  # the handle's number in this process, naming it in the results
+    handle: Guarded
+
+
+class EnginePool:
+    """start: kv_start_engine's function. worker: this process's name in the results ("main" or
+    the xdist worker id). A handle that raised or reports itself unhealthy is closed after its
+    test and replaced on next use; `take_retired()` hands out the record of each such
+    replacement once, for the plugin to put on a test report."""
+
+    def __init__(self, start: Callable[..., Any], pluginmanager: Any, worker: str) -> None:
+        self._start = start
+        self._pluginmanager = pluginmanager
+        self._worker = worker
+        self._handles: dict[EngineKey, Checkout] = {}
+        self._serials = 0
+        self._retired: list[dict[str, Any]] = []
+
+    def describe(self, key: EngineKey, serial: int) -> dict[str, Any]:
+        """The engine fields of a report entry."""
+        return {"worker": self._worker, "handle": serial, "engine": key.engine, "kind": key.kind,
+                "attention": key.attention, "device": key.device, "canary": asdict(key.canary)}
+
+    def checkout(self, key: EngineKey, seed: int) -> Checkout:
+        """The handle for key, started on first use (whatever starting raises propagates)."""
+        if key not in self._handles:
+            handle = self._start(key.kind, canary=key.canary, attention=key.attention, device=key.device, seed=seed,
+                                 engine_name=key.engine, model=key.model, pluginmanager=self._pluginmanager)
+            self._handles[key] = Checkout(self._serials, Guarded(handle))
+            self._serials += 1
+        return self._handles[key]
+
+    def reset(self, key: EngineKey, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
+        try:
+            self._handles[key].handle.reset(seed, perturbs)
+        except Exception as e:
+            self._retire(key, f"reset raised {e!r}")
+            raise
+
+    def checkin(self, key: EngineKey) -> None:
+        guarded = self._handles[key].handle
+        try:
+            healthy = not guarded.raised and guarded.healthy()
+        except Exception:
+            healthy = False
+        if not healthy:
+            self._retire(key, "raised" if guarded.raised else "unhealthy")
+
+    def take_retired(self) -> list[dict[str, Any]]:
+        retired, self._retired = self._retired, []
+        return retired
+
+    def close(self) -> None:
+        for key in list(self._handles):
+            self._handles.pop(key).handle.target.close()
+
+    def _retire(self, key: EngineKey, why: str) -> None:
+        serial, guarded = self._handles.pop(key)
+        self._retired.append({**self.describe(key, serial), "retired": why})
+        guarded.target.close()

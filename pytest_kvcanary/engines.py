@@ -1,0 +1,105 @@
+"""Engines by name: the built-in ones, and those a conftest's hooks build (no torch at import).
+
+`--kv-canary-engine NAME` resolves to a built-in factory (reference; transformers and vllm, each
+loaded only when named and needing its optional package), else to the first
+`pytest_kvcanary_make_engine` hook implementation that knows the name. A prefill/decode pair
+(kv_pd) comes from the built-in reference pair or a `pytest_kvcanary_make_pd_pair` hook.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from .adapters.protocol import EngineUnderTest, PrefillDecodePair
+
+
+class Builtin(NamedTuple):
+    factory: str  # "module:function" with the signature (attention, device, seed, model)
+    package: str | None  # the optional package it drives, installed with the extra of that name
+
+
+BUILTIN_ENGINES = {
+    "reference": Builtin("pytest_kvcanary.adapters.reference:make_reference_engine", None),
+    "transformers": Builtin("pytest_kvcanary.adapters.transformers_cb:make_transformers_engine", "transformers"),
+    "vllm": Builtin("pytest_kvcanary.adapters.vllm:make_vllm_engine", "vllm"),
+}
+# What EngineUnderTest requires (adapters/protocol.py), named in the error for an engine lacking some.
+REQUIRED_METHODS = ("canary_groups", "canary_capacities", "cache_walk", "set_forward_hooks", "generate", "reset")
+
+
+class UnknownEngine(LookupError):
+    """No engine of that name can be built here; the message says why and what is known."""
+
+
+class NotAnEngineUnderTest(TypeError):
+    """What the hook returned lacks methods EngineUnderTest requires; the message names them."""
+
+
+class NoPrefillDecodePair(LookupError):
+    """The engine has no prefill/decode pair; kv_pd tests skip with this message."""
+
+
+def install_hint(package: str) -> str:
+    return f'pip install "pytest-kvcanary[{package}]"'
+
+
+def engine_problem(name: str) -> str | None:
+    """Why the built-in engine `name` cannot run here (its package is missing), or None."""
+    builtin = BUILTIN_ENGINES.get(name)
+    if builtin is None or builtin.package is None or importlib.util.find_spec(builtin.package) is not None:
+        return None
+    return f"needs the {builtin.package} package, which is not installed: {install_hint(builtin.package)}"
+
+
+def _load(factory: str) -> Any:
+    module, _, function = factory.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def make_engine(name: str, attention: str, device: str, seed: int, model: str | None,
+                pluginmanager: Any | None) -> EngineUnderTest:
+    """The built-in engine `name`, else the first pytest_kvcanary_make_engine result. Raises
+    UnknownEngine when nobody knows the name (or its package is missing), NotAnEngineUnderTest
+    when the result lacks a method the harness needs."""
+    builtin = BUILTIN_ENGINES.get(name)
+    engine = None
+    if builtin is not None:
+        if problem := engine_problem(name):
+            raise UnknownEngine(f"engine {name!r} {problem}")
+        engine = _load(builtin.factory)(attention, device, seed, model)
+    elif pluginmanager is not None:
+        engine = pluginmanager.hook.pytest_kvcanary_make_engine(name=name, attention=attention, device=device,
+                                                                seed=seed, model=model)
+    if engine is None:
+        raise UnknownEngine(f"no engine named {name!r}: --kv-canary-engine names {', '.join(BUILTIN_ENGINES)} or "
+                          "an engine a pytest_kvcanary_make_engine hook implementation returns")
+    missing = [m for m in REQUIRED_METHODS if not callable(getattr(engine, m, None))]
+    if missing:
+        raise NotAnEngineUnderTest(f"engine {name!r} ({type(engine).__name__}) does not implement EngineUnderTest "
+                                   f"(pytest_kvcanary/adapters/protocol.py): missing {', '.join(missing)}")
+    return engine
+
+
+def make_pd_pair(name: str, attention: str, devices: tuple[str, str], seed: int, model: str | None,
+                 pluginmanager: Any | None) -> PrefillDecodePair:
+    """A prefill/decode pair of engine `name` on (prefill, decode) devices: the reference pair,
+    else the first pytest_kvcanary_make_pd_pair result. Raises NoPrefillDecodePair when neither
+    builds one (before any engine is started)."""
+    pair = None
+    if name == "reference":
+        from .engine.pd import PDPair
+
+        pair = PDPair(*(make_engine(name, attention, device, seed, model, pluginmanager) for device in devices))
+    elif pluginmanager is not None:
+        pair = pluginmanager.hook.pytest_kvcanary_make_pd_pair(
+            name=name, attention=attention, prefill_device=devices[0], decode_device=devices[1], seed=seed,
+            model=model)
+    if pair is None:
+        raise NoPrefillDecodePair(
+            f"kv_pd needs a prefill/decode pair of engine {name!r}, and none is known: the reference engine "
+            "has one; for another engine, return one from a pytest_kvcanary_make_pd_pair hook "
+            "(the PrefillDecodePair seam in pytest_kvcanary/adapters/protocol.py)")
+    return pair

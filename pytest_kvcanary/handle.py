@@ -1,0 +1,70 @@
+"""The engine-handle protocol: what the kv fixtures hand a test, and what the plugin, its engine
+pool and the kv_canary assertions read from it (no torch). `harness.EngineHandle` (kv_engine),
+`pd_handle.PDHandle` (kv_pd) and test fakes implement it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from .canary.violation import Violation
+    from .config import PerturbSpec
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """One engine, or a prefill/decode pair, with the canary attached and a fault ledger.
+
+    side_names: ("single",) or ("prefill", "decode"). pool_groups: the engine's pool groups as
+    kv_perturb's target_group names them ("full", and "swa" on a hybrid model).
+    reset: flush caches, clear log, ledger and counters, restart step numbering, arm `perturbs`
+    seeded by `seed`; called before every test. violations / injections / prompts_since_reset:
+    since that reset. request_label: "req <id> '<prompt start>'" for the request a violation's
+    row held at its step, when the engine can tell (else None). stats: per side, the canary's
+    counters since the reset (forwards, protected_tokens, sweeps, violations, rows, dropped) and
+    its health ("ok" or the problems). healthy: False once the canary stopped guarding (the
+    plugin then replaces the handle). close: detach the canary.
+    """
+
+    side_names: tuple[str, ...]
+
+    def pool_groups(self) -> tuple[str, ...]: ...
+
+    def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None: ...
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 8, *,
+                 context_keys: Sequence[int] | None = None) -> list[list[int]]: ...
+
+    def send_parallel_requests(self, n: int, *, distinct_prompts: bool = False,
+                               max_new_tokens: int = 8) -> list[list[int]]: ...
+
+    def violations(self) -> list[Violation]: ...
+
+    def injections(self) -> list[Any]: ...
+
+    def prompts_since_reset(self) -> list[str]: ...
+
+    def request_label(self, violation: Violation) -> str | None: ...
+
+    def stats(self) -> dict[str, dict[str, Any]]: ...
+
+    def healthy(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def check_prompts(prompts: Any) -> None:
+    """TypeError unless `prompts` is a sequence of prompts: a bare string would run one request
+    per character."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError(f"prompts must be a sequence of prompts (a list of str or of token-id lists), not one "
+                        f"{type(prompts).__name__}; got {prompts!r:.60}: wrap it in a list")
+
+
+def check_request_count(n: Any) -> None:
+    """TypeError / ValueError unless `n` is an integer >= 1."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an integer >= 1 (the number of requests); got {n!r:.60}")
+    if n < 1:
+        raise ValueError(f"n must be an integer >= 1 (the number of requests); got {n}")

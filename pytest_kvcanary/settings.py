@@ -1,0 +1,225 @@
+"""The run's kv-canary options: declared once, resolved once into `Settings`, checked at start-up.
+
+Each option has an ini twin. Precedence: command line > ini file > default; markers come later
+(see plugin.py). Every bad value is a `pytest.UsageError` naming the option (or ini key), the
+value and what is allowed, raised before any test runs, so a run never fails late on a path it
+could have checked first.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import pytest
+
+from .config import CANARY_MODES, REAL_DATA_MODES, CanaryConfig
+from .engines import engine_problem
+from .gpu import AUTO, DEVICE_SETTINGS
+
+
+def _one_of(*allowed: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = lo - 1
+        if number < lo:
+            raise ValueError(f"an integer >= {lo}")
+        return number
+
+    return parse
+
+
+def _auto_or_int(value: str) -> int | None:
+    """None for auto."""
+    if value == AUTO:
+        return None
+    try:
+        return _int_at_least(1)(value)
+    except ValueError:
+        raise ValueError(f"{AUTO} or an integer >= 1") from None
+
+
+def _text(value: str) -> str:
+    if not value.strip():
+        raise ValueError("a non-empty name")
+    return value.strip()
+
+
+class _Option(NamedTuple):
+    name: str  # the ini key, and the dest of the command-line flag
+    flag: str
+    metavar: str
+    default: str  # as the ini file would spell it; "" = unset
+    parse: Callable[[str], Any]
+    help: str
+
+
+_DEFAULT = CanaryConfig()
+OPTIONS = (
+    _Option("kv_canary", "--kv-canary", "MODE", "off", _one_of(*CANARY_MODES),
+            "turn the KV canary on: log (default when given without a value: record violations) or "
+            "raise (the engine raises on a violation); off by default"),
+    _Option("kv_canary_real_data", "--kv-canary-real-data", "MODE", _DEFAULT.real_data, _one_of(*REAL_DATA_MODES),
+            "how much of each slot's real KV bytes the canary fingerprints: none, partial, all"),
+    _Option("kv_canary_sweep_interval", "--kv-canary-sweep-interval", "N", str(_DEFAULT.sweep_interval),
+            _int_at_least(0), "forwards between radix-cache sweeps (0 = never)"),
+    _Option("kv_canary_seed", "--kv-canary-seed", "N", "0", _int_at_least(0),
+            "seed of engines and fault injection; a failed test prints it in its replay command"),
+    _Option("kv_canary_device", "--kv-canary-device", "DEVICE", "auto", _one_of(*DEVICE_SETTINGS),
+            "device of the engines: auto (a leased GPU if any, else cpu), cpu, cuda"),
+    _Option("kv_canary_engine", "--kv-canary-engine", "NAME", "reference", _text,
+            "engine to test: reference, transformers, vllm, or a name a pytest_kvcanary_make_engine "
+            "hook knows"),
+    _Option("kv_canary_model", "--kv-canary-model", "PATH", "", str,
+            "a local Hugging Face checkpoint directory for the engines (default: the engine's own "
+            "small model)"),
+    _Option("kv_canary_report", "--kv-canary-report", "PATH", "", str, "write a JSON report to PATH"),
+    _Option("kv_canary_workers_per_gpu", "--kv-canary-workers-per-gpu", "N", AUTO, _auto_or_int,
+            "xdist workers that may share one GPU: auto (every worker gets a GPU, spread evenly) or a "
+            "cap (a worker past it waits for a free slot)"),
+    _Option("kv_canary_lock_dir", "--kv-canary-lock-dir", "PATH", "", str,
+            "directory of the GPU lease locks; share it to share GPUs between runs (default: one per "
+            "run, removed when it ends)"),
+)
+# Options that set a CanaryConfig field; all but the mode, given on the command line, win over markers.
+_CANARY_FIELDS = {"kv_canary": "mode", "kv_canary_real_data": "real_data", "kv_canary_sweep_interval": "sweep_interval"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's options, resolved once: command line over ini file over defaults.
+
+    pinned: CanaryConfig fields (other than mode) given on the command line, which kv_canary
+    markers cannot change. model / report / lock_dir: absolute, or None when unset.
+    workers_per_gpu: None for auto.
+    """
+
+    canary: CanaryConfig
+    seed: int
+    device: str
+    engine: str
+    model: Path | None
+    report: Path | None
+    workers_per_gpu: int | None
+    lock_dir: Path | None
+    pinned: frozenset[str]
+
+    def header(self) -> str:
+        if not self.canary.enabled:
+            return "kv-canary: off (enable with --kv-canary)"
+        c = self.canary
+        model = f" model={self.model}" if self.model else ""
+        return (f"kv-canary: mode={c.mode} real_data={c.real_data} sweep_interval={c.sweep_interval} "
+                f"seed={self.seed} device={self.device} engine={self.engine}{model}")
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update({name: str(getattr(self, name)) if getattr(self, name) else None
+                  for name in ("model", "report", "lock_dir")})
+        d.update(pinned=sorted(self.pinned), workers_per_gpu=self.workers_per_gpu or AUTO)
+        return d
+
+
+def resolve(config: pytest.Config) -> Settings:
+    """The settings in force; raises pytest.UsageError naming the option (or ini key), the value
+    and the allowed values, also for a path that cannot serve (see `check_paths`)."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    from_cli: set[str] = set()
+    for opt in OPTIONS:
+        raw = config.getoption(opt.name)
+        sources[opt.name] = opt.flag
+        if raw is None:
+            raw, sources[opt.name] = config.getini(opt.name), f"ini option {opt.name}"
+        else:
+            from_cli.add(opt.name)
+        try:
+            values[opt.name] = opt.parse(raw)
+        except ValueError as e:
+            raise pytest.UsageError(f"{sources[opt.name]} must be {e}; got {raw!r}") from None
+
+    def path(name: str) -> Path | None:
+        if not values[name]:
+            return None
+        ini_dir = config.inipath.parent if config.inipath else config.rootpath
+        return (config.invocation_params.dir if name in from_cli else ini_dir) / values[name]
+
+    settings = Settings(
+        canary=CanaryConfig(**{f: values[name] for name, f in _CANARY_FIELDS.items()}),
+        seed=values["kv_canary_seed"],
+        device=values["kv_canary_device"],
+        engine=values["kv_canary_engine"],
+        model=path("kv_canary_model"),
+        report=path("kv_canary_report"),
+        workers_per_gpu=values["kv_canary_workers_per_gpu"],
+        lock_dir=path("kv_canary_lock_dir"),
+        pinned=frozenset(f for name, f in _CANARY_FIELDS.items() if name in from_cli and f != "mode"),
+    )
+    check_paths(settings, sources, {name: values[name] for name in sources})
+    return settings
+
+
+def _usage(source: str, raw: str, problem: str) -> pytest.UsageError:
+    return pytest.UsageError(f"{source} {problem}; got {raw!r}")
+
+
+def _writable_dir(directory: Path) -> str | None:
+    """Why files cannot be created in `directory` (created first when missing), or None."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        return f"{e.strerror or e}: {e.filename or directory}"
+    return None
+
+
+def _writable_file(path: Path) -> str | None:
+    """Why `path` cannot be written (nothing is created but missing parent directories), or None."""
+    if path.is_dir():
+        return "is a directory"
+    return _writable_dir(path.parent)
+
+
+def check_paths(settings: Settings, sources: dict[str, str], raw: dict[str, str]) -> None:
+    """Every path option, and the engine, checked before the run starts: the report must be
+    writable, the lock directory usable (when the canary is on), the model an existing
+    directory, the engine's optional package installed."""
+    if settings.report is not None and (why := _writable_file(settings.report)):
+        raise _usage(sources["kv_canary_report"], raw["kv_canary_report"], f"must be a writable file path ({why})")
+    if settings.model is not None and not settings.model.is_dir():
+        raise _usage(sources["kv_canary_model"], raw["kv_canary_model"],
+                     "must be an existing checkpoint directory (" +
+                     ("not a directory" if settings.model.exists() else "no such directory") + ")")
+    if not settings.canary.enabled:
+        return
+    if settings.lock_dir is not None and (why := _writable_dir(settings.lock_dir)):
+        raise _usage(sources["kv_canary_lock_dir"], raw["kv_canary_lock_dir"],
+                     f"must be a writable directory ({why})")
+    if problem := engine_problem(settings.engine):
+        raise _usage(sources["kv_canary_engine"], raw["kv_canary_engine"], problem)
+
+
+def split_bare_flag(args: list[str]) -> list[str]:
+    """`--kv-canary tests/` means canary on, run tests/; argparse would read tests/ as the mode."""
+    return [
+        "--kv-canary=log" if arg == "--kv-canary" and i + 1 < len(args) and args[i + 1] not in CANARY_MODES
+        and not args[i + 1].startswith("-") else arg
+        for i, arg in enumerate(args)
+    ]
