@@ -79,6 +79,7 @@ class Half(IntEnum):
 class GroupKind(IntEnum):
     FULL = 0
     SWA = 1
+    DRAFT = 2  # a speculative-decoding draft model's own KV pool
 
 
 NUM_TAGS = len(Phase) * len(Half) * len(GroupKind)

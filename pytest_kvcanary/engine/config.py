@@ -112,7 +112,9 @@ class EngineConfig:
     checkpoint: a directory with config.json + model.safetensors whose weights replace the random
     ones (`weights.read_config` builds a matching `model`). decode_mode: "eager" (one attention per
     request), "padded" (decode batches padded to fixed sizes, as a graph replays them) or "graph"
-    (those padded steps captured in CUDA graphs and replayed; CUDA only)."""
+    (those padded steps captured in CUDA graphs and replayed; CUDA only). speculative_k: draft
+    tokens proposed per decode step (0: no speculative decoding; mha and mla, eager decode), by a
+    draft model made of the target's first draft_layers layers (speculative.py)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     num_slots: int = 1024
@@ -122,6 +124,8 @@ class EngineConfig:
     device: str = "cpu"
     checkpoint: str | None = None
     decode_mode: str = "eager"
+    speculative_k: int = 0
+    draft_layers: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -136,6 +140,15 @@ class EngineConfig:
                              f"got {self.max_batch_tokens}")
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {', '.join(DECODE_MODES)}; got {self.decode_mode!r}")
+        k = self.speculative_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"speculative_k must be an integer >= 0; got {k!r}")
+        if k and (self.model.attention == "swa" or self.decode_mode != "eager"):
+            raise ValueError(f"speculative_k > 0 needs attention mha or mla and decode_mode eager; got "
+                             f"attention={self.model.attention!r}, decode_mode={self.decode_mode!r}")
+        if not isinstance(self.draft_layers, int) or not 1 <= self.draft_layers <= self.model.num_layers:
+            raise ValueError(f"draft_layers must be an integer in [1, model.num_layers={self.model.num_layers}]; "
+                             f"got {self.draft_layers!r}")
         if self.decode_mode == "graph" and torch.device(self.device).type != "cuda":
             raise ValueError(f"decode_mode='graph' needs a CUDA device; got device={self.device!r}")
         try:

@@ -1,7 +1,7 @@
 """The reference engine: model + KV pools + radix cache + scheduler, one forward per step.
 
-    step -> Scheduler.schedule -> hooks.before_forward -> model (PagedKV) -> hooks.after_forward
-         -> greedy sample -> Scheduler.process
+    step -> Scheduler.schedule -> hooks.before_forward -> [draft model] -> model (PagedKV)
+         -> hooks.after_forward -> greedy sample (speculative: accept proposals) -> Scheduler.process
 
 It is a `CanaryHost`: the canary runtime attaches through `canary_groups` / `canary_capacities` /
 `cache_walk` and is called around every forward through `set_forward_hooks`, in the seam's order
@@ -28,6 +28,7 @@ from .model import CausalLM
 from .radix_cache import RadixCache
 from .request import Request
 from .scheduler import Batch, Scheduler
+from .speculative import Drafter
 from .tokenizer import ByteTokenizer
 from .weights import load_weights
 
@@ -37,7 +38,9 @@ class Engine:
     ``pools.swa`` KV pools, ``pools.swa.full_to_swa``), ``req_to_token_pool`` (``.table``),
     ``radix_cache``, ``scheduler`` (``running`` / ``waiting`` requests; each running request has
     ``row``, ``kv_len``, ``prefix_len``, ``token_ids``), ``forward_count``, ``token_table``
-    (``[rows, max_context]``: the token at each position of each row's request, -1 past it)."""
+    (``[rows, max_context]``: the token at each position of each row's request, -1 past it),
+    ``drafter`` (speculative decoding's draft model and its acceptance counts, or None; its KV
+    pool is ``pools.draft``)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -53,6 +56,8 @@ class Engine:
         self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window)
         self.scheduler = Scheduler(config, self.pools, self.req_to_token_pool, self.radix_cache)
         self.token_table = torch.full_like(self.req_to_token_pool.table, -1)
+        self.drafter = None if self.pools.draft is None else Drafter(
+            self.model, config, self.pools.draft, self.req_to_token_pool.table, self.token_table, self.device)
         self.forward_count = 0
         self._hooks: ForwardHooks | None = None
         self._next_rid = 0
@@ -148,12 +153,15 @@ class Engine:
 
     # CanaryHost
     def canary_groups(self) -> Sequence[PoolGroup]:
-        full, swa, table = self.pools.full, self.pools.swa, self.req_to_token_pool.table
+        full, swa, draft, table = self.pools.full, self.pools.swa, self.pools.draft, self.req_to_token_pool.table
         groups = [PoolGroup(GroupKind.FULL, full.k_layers, full.v_layers, full.num_slots, SlotMapping(table))]
         if swa is not None:
             groups.append(PoolGroup(GroupKind.SWA, swa.k_layers, swa.v_layers, swa.num_slots,
                                     SlotMapping(table, full_to_group=swa.full_to_swa),
                                     window=self.config.model.window))
+        if draft is not None:
+            groups.append(PoolGroup(GroupKind.DRAFT, draft.k_layers, draft.v_layers, draft.num_slots,
+                                    SlotMapping(table, full_to_group=draft.full_to_draft)))
         return groups
 
     def canary_capacities(self) -> Capacities:
@@ -176,35 +184,43 @@ class Engine:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
         try:
-            next_tokens = self._forward(batch)
+            new_tokens = self._forward(batch)
         except BaseException:
             self.scheduler.abort(batch)
             raise
-        return self.scheduler.process(batch, next_tokens)
+        return self.scheduler.process(batch, new_tokens)
 
     @torch.no_grad()
-    def _forward(self, batch: Batch) -> list[int]:
-        """The model forward over the batch (hooks around it); greedy next token per request."""
+    def _forward(self, batch: Batch) -> list[list[int]]:
+        """The model forward over the batch (hooks around it; the draft model, if any, first,
+        inside them); each request's new tokens: its greedy next token, or in a speculative decode
+        the proposals the target accepted and its own next token."""
         hooks = self._hooks
         self._note_rows(batch)
         if not batch.is_prefill and self._decode is not None:
             tokens = self._decode.run(hooks, [r.row for r in batch.reqs], batch.prefix_lens,
                                       batch.input_ids.tolist(), [r.context_key for r in batch.reqs])
             self._forwarded(hooks)
-            return tokens
+            return [[t] for t in tokens]
         view = self._view(batch)
         if hooks is not None:
             hooks.before_forward(view)
-        kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
-                     batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device),
-                     on_store=None if hooks is None else hooks.kv_stored)
+        on_store = None if hooks is None else hooks.kv_stored
         contexts = view.context_keys.repeat_interleave(view.extend_lens)
+        if self.drafter is not None and batch.is_prefill:
+            self.drafter.prefill(batch, view.input_ids, view.positions, contexts, on_store)
+        elif self.drafter is not None:
+            self.drafter.draft(batch, view.input_ids, contexts, on_store)
+        kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
+                     batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device), on_store=on_store)
         hidden = self.model(view.input_ids, view.positions, kv, contexts)
         if hooks is not None:
             hooks.after_forward(view)
         self._forwarded(hooks)
+        if self.drafter is not None and not batch.is_prefill:
+            return self.drafter.accept(batch, view.input_ids, self.model.compute_logits(hidden).argmax(-1).tolist())
         last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last]).argmax(-1).tolist()
+        return [[t] for t in self.model.compute_logits(hidden[last]).argmax(-1).tolist()]
 
     def _forwarded(self, hooks: ForwardHooks | None) -> None:
         self.forward_count += 1
@@ -214,14 +230,15 @@ class Engine:
 
     def _note_rows(self, batch: Batch) -> None:
         """Who holds each row from this forward on (request_at), and each row's tokens in
-        token_table: the prefix and what this forward writes, -1 past it."""
+        token_table: the prefix and what this forward writes (a speculative decode's proposals are
+        filled in by the draft), -1 past it."""
         for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             owners = self._row_owners.setdefault(req.row, [])
             if not owners or owners[-1][1] is not req:
                 owners.append((self._steps, req))
-            end = prefix + extend
-            self.token_table[req.row, :end] = torch.tensor(req.token_ids[:end], dtype=torch.int64)
-            self.token_table[req.row, end:] = -1
+            known = req.token_ids[:prefix + extend]
+            self.token_table[req.row, :len(known)] = torch.tensor(known, dtype=torch.int64)
+            self.token_table[req.row, len(known):] = -1
 
     def _view(self, batch: Batch) -> ForwardView:
         """The batch on the engine's device."""

@@ -9,6 +9,7 @@ the req_to_token table live on the engine's device.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -16,19 +17,25 @@ import torch
 from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.host import FreeListener
 
-from .config import EngineConfig
+from .config import EngineConfig, ModelConfig
+
+
+def kv_buffers(num_slots: int, num_layers: int, model: ModelConfig,
+               device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Zeroed per-layer K and V buffers ``[num_slots, *model.kv_row]``; no V for a latent model."""
+    def zeros() -> list[torch.Tensor]:
+        return [torch.zeros((num_slots, *model.kv_row), dtype=model.dtype, device=device) for _ in range(num_layers)]
+
+    return zeros(), [] if model.attention == "mla" else zeros()
 
 
 class KVPool:
-    """Per-layer K and V buffers ``[num_slots, *row]`` plus a free list; latent: K buffers only
-    (v_layers empty)."""
+    """Per-layer K and V buffers ``[num_slots, *model.kv_row]`` plus a free list; a latent (mla)
+    model's pool has K buffers only (v_layers empty)."""
 
-    def __init__(self, num_slots: int, num_layers: int, row: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, latent: bool = False) -> None:
-        shape = (num_slots, *row)
+    def __init__(self, num_slots: int, num_layers: int, model: ModelConfig, device: torch.device) -> None:
         self.num_slots = num_slots
-        self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_layers = [] if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_layers, self.v_layers = kv_buffers(num_slots, num_layers, model, device)
         self.free_slots = torch.arange(1, num_slots, dtype=torch.int64)  # read-only for callers
         self._is_free = torch.ones(num_slots, dtype=torch.bool)
         self._is_free[0] = False
@@ -63,9 +70,9 @@ class SWAPool(KVPool):
     """The windowed layers' pool. ``full_to_swa[full_slot]`` is the SWA slot holding that token's
     windowed-layer K/V, 0 when it has none (never mapped, or slid out of every window)."""
 
-    def __init__(self, num_slots: int, full_num_slots: int, num_layers: int, row: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device, listeners: list[FreeListener]) -> None:
-        super().__init__(num_slots, num_layers, row, dtype, device)
+    def __init__(self, num_slots: int, full_num_slots: int, num_layers: int, model: ModelConfig,
+                 device: torch.device, listeners: list[FreeListener]) -> None:
+        super().__init__(num_slots, num_layers, model, device)
         self.full_to_swa = torch.zeros(full_num_slots, dtype=torch.int64, device=device)
         self._listeners = listeners
 
@@ -108,9 +115,32 @@ class LayerKV(NamedTuple):
     index: int
 
 
+def layer_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], index: int, slot_map: torch.Tensor | None,
+             group: GroupKind) -> LayerKV:
+    """Layer `index` of a pool's buffers (no v_layers: a latent pool, seen as one KV head)."""
+    if not v_layers:
+        return LayerKV(k_layers[index].unsqueeze(1), None, slot_map, group, index)
+    return LayerKV(k_layers[index], v_layers[index], slot_map, group, index)
+
+
+class DraftPool:
+    """A speculative-decoding draft model's KV buffers, indexed by FULL slots: a FULL slot holds the
+    draft's KV of the token whose target KV it holds, so its slots are allocated and freed with the
+    FULL pool's. full_to_draft (the identity) maps FULL slots to it for the canary's sweep."""
+
+    def __init__(self, num_slots: int, model: ModelConfig, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.k_layers, self.v_layers = kv_buffers(num_slots, model.num_layers, model, device)
+        self.full_to_draft = torch.arange(num_slots, device=device)
+
+    def layer(self, i: int) -> LayerKV:
+        return layer_kv(self.k_layers, self.v_layers, i, None, GroupKind.DRAFT)
+
+
 class KVPools:
-    """The FULL pool (slot ids everyone uses) and, for swa models, the SWA pool behind it.
-    alloc/free work on FULL slots and keep the SWA side in step. free_listeners hear of every
+    """The FULL pool (slot ids everyone uses) and, for swa models, the SWA pool behind it; with
+    speculative decoding, the draft pool beside it. alloc/free work on FULL slots and keep the SWA
+    side in step. free_listeners hear of every
     free with its cause (the fault ledger uses it to tell why damage was never read)."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -119,16 +149,15 @@ class KVPools:
         groups = m.layer_groups
         full_layers = [i for i, g in enumerate(groups) if g is GroupKind.FULL]
         swa_layers = [i for i, g in enumerate(groups) if g is GroupKind.SWA]
-        latent = m.attention == "mla"
-        self.full = KVPool(config.num_slots, len(full_layers), m.kv_row, m.dtype, device, latent)
-        self.swa = (SWAPool(config.swa_num_slots, config.num_slots, len(swa_layers), m.kv_row, m.dtype, device,
-                            self.free_listeners) if swa_layers else None)
-        self._layers = {i: LayerKV(self.full.k_layers[j].unsqueeze(1), None, None, GroupKind.FULL, j) if latent
-                        else LayerKV(self.full.k_layers[j], self.full.v_layers[j], None, GroupKind.FULL, j)
+        self.full = KVPool(config.num_slots, len(full_layers), m, device)
+        self.swa = (SWAPool(config.swa_num_slots, config.num_slots, len(swa_layers), m, device, self.free_listeners)
+                    if swa_layers else None)
+        self.draft = (DraftPool(config.num_slots, replace(m, num_layers=config.draft_layers), device)
+                      if config.speculative_k else None)
+        self._layers = {i: layer_kv(self.full.k_layers, self.full.v_layers, j, None, GroupKind.FULL)
                         for j, i in enumerate(full_layers)}
         if self.swa is not None:
-            self._layers |= {i: LayerKV(self.swa.k_layers[j], self.swa.v_layers[j], self.swa.full_to_swa,
-                                        GroupKind.SWA, j)
+            self._layers |= {i: layer_kv(self.swa.k_layers, self.swa.v_layers, j, self.swa.full_to_swa, GroupKind.SWA)
                              for j, i in enumerate(swa_layers)}
 
     def layer(self, i: int) -> LayerKV:
@@ -151,8 +180,10 @@ class KVPools:
     def free(self, slots: torch.Tensor, cause: str) -> None:
         if self.swa is not None:
             self.swa.unmap(slots, cause)
+        kinds = [GroupKind.FULL] + ([GroupKind.DRAFT] if self.draft is not None else [])
         for listener in self.free_listeners:
-            listener(GroupKind.FULL, slots, cause)
+            for kind in kinds:
+                listener(kind, slots, cause)
         self.full.free(slots)
 
 

@@ -1,9 +1,11 @@
 """Continuous batching: a waiting queue, the running requests, prefill and decode batches.
 
 Each step is one batch: a prefill of waiting requests (extending their cached prefix) while rows,
-the token budget and memory allow, else a decode of every running request. Memory comes from the
-free lists, then from evicting the radix cache; a prefill that still does not fit waits, a decode
-that does not fit retracts the newest running request (frees what it owns, requeues it first).
+the token budget and memory allow, else a decode of every running request (with speculative
+decoding, up to k + 1 positions per request: the last token and k draft proposals). Memory comes
+from the free lists, then from evicting the radix cache; a prefill that still does not fit waits, a
+decode that does not fit retracts the newest running request (frees what it owns, requeues it
+first).
 In a prefill/decode pair the prefill side only runs schedule_prefill, and the decode side admits
 requests with admit_transferred instead of prefilling them.
 """
@@ -20,11 +22,15 @@ from .kv_pool import KVPools, ReqToTokenPool
 from .radix_cache import RadixCache
 from .request import Request
 
+DRAFT_TOKEN = -1  # a speculative decode's input id the draft has not proposed yet
+
 
 class Batch(NamedTuple):
     """One forward. Per request: prefix_lens (KV already in the cache, read by the forward) and
     extend_lens (tokens written). input_ids / positions / out_cache_loc (FULL slots written):
-    CPU int64, row-major in request order. The slots are already in each request's row."""
+    CPU int64, row-major in request order; in a speculative decode the input ids after each
+    request's first are DRAFT_TOKEN until the draft proposes them. The slots are already in each
+    request's row."""
 
     reqs: list[Request]
     is_prefill: bool
@@ -50,12 +56,17 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         return self.schedule_prefill() or self._schedule_decode()
 
-    def process(self, batch: Batch, next_tokens: list[int]) -> list[Request]:
-        """Account a finished forward and its sampled tokens; returns the requests that finished."""
+    def process(self, batch: Batch, new_tokens: list[list[int]]) -> list[Request]:
+        """Account a finished forward and each request's new tokens (one, or in a speculative decode
+        the accepted proposals and the target's next token); returns the requests that finished.
+        A speculative decode keeps the KV of as many positions as it produced tokens and rolls the
+        rest back."""
         finished = []
-        for req, extend, token in zip(batch.reqs, batch.extend_lens, next_tokens):
-            req.kv_len += extend
-            req.output_ids.append(token)
+        for req, extend, tokens in zip(batch.reqs, batch.extend_lens, new_tokens):
+            kept = extend if batch.is_prefill else len(tokens)
+            self._roll_back(req, kept, extend)
+            req.kv_len += kept
+            req.output_ids.extend(tokens)
             if req.finished:
                 self.finish(req)
                 finished.append(req)
@@ -132,16 +143,30 @@ class Scheduler:
     def _schedule_decode(self) -> Batch | None:
         if not self.running:
             return None
-        while (slots := self._alloc(len(self.running))) is None:
+        while (slots := self._alloc(sum(self._decode_lens()))) is None:
             assert len(self.running) > 1, "a lone request always fits (checked at submit)"
             self._retract(self.running[-1])
-        return self._batch(list(self.running), list(slots.split(1)), is_prefill=False)
+        return self._batch(list(self.running), list(slots.split(self._decode_lens())), is_prefill=False)
+
+    def _decode_lens(self) -> list[int]:
+        """Positions each running request's decode writes: 1, or with speculative decoding up to
+        k + 1, never more than the tokens it still needs (so never past its submitted size)."""
+        k = self.config.speculative_k
+        return [min(k + 1, r.max_new_tokens - len(r.output_ids)) for r in self.running]
+
+    def _roll_back(self, req: Request, kept: int, written: int) -> None:
+        """Free the slots of the positions [kv_len + kept, kv_len + written) a speculative decode
+        wrote and rejected (their row entries lie past kv_len: stale, never read)."""
+        if kept < written:
+            rejected = self.req_to_token.read(req.row, req.kv_len + kept, req.kv_len + written)
+            self.pools.free(rejected, "rejected draft position rolled back")
 
     def _batch(self, reqs: list[Request], locs: list[torch.Tensor], is_prefill: bool) -> Batch:
         ids, positions = [], []
         for req, loc in zip(reqs, locs):
             self.req_to_token.write(req.row, req.kv_len, loc)
-            ids.extend(req.token_ids[req.kv_len:req.kv_len + loc.numel()])
+            known = req.token_ids[req.kv_len:req.kv_len + loc.numel()]
+            ids.extend(known + [DRAFT_TOKEN] * (loc.numel() - len(known)))
             positions.append(torch.arange(req.kv_len, req.kv_len + loc.numel()))
         return Batch(reqs, is_prefill, [r.kv_len for r in reqs], [loc.numel() for loc in locs],
                      torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(locs))

@@ -11,7 +11,7 @@ from pytest_kvcanary.engine.kv_pool import KVPool, KVPools, ReqToTokenPool
 
 
 def test_alloc_free_never_hands_out_slot_zero():
-    pool = KVPool(5, 2, (2, 16), torch.float32, torch.device("cpu"))
+    pool = KVPool(5, 2, ModelConfig(num_kv_heads=2, head_dim=16), torch.device("cpu"))
     assert pool.k_layers[0].shape == (5, 2, 16) and len(pool.v_layers) == 2
     slots = pool.alloc(4)
     assert sorted(slots.tolist()) == [1, 2, 3, 4] and pool.alloc(1) is None and pool.num_free == 0

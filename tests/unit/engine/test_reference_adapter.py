@@ -18,6 +18,13 @@ def test_each_attention_kind_builds(attention, halves):
     assert [1 + bool(g.v_layers) for g in engine.canary_groups()] == halves
 
 
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_speculative_decoding_adds_the_draft_group(attention):
+    engine = make_reference_engine(attention, "cpu", seed=0, speculative_k=3)
+    assert engine.config.speculative_k == 3 and engine.drafter is not None
+    assert [g.kind.name for g in engine.canary_groups()] == ["FULL", "DRAFT"]
+
+
 def test_a_checkpoint_replaces_the_random_weights(tmp_path):
     source = CausalLM(ModelConfig(max_context=128, seed=11))
     save_checkpoint(source, tmp_path)

@@ -1,0 +1,120 @@
+"""Speculative decoding: a draft model proposes up to k tokens per request, the target model verifies
+them in one forward, and the positions it rejects are rolled back.
+
+The draft is the target's first `draft_layers` layers with its embeddings, final norm and head (a
+self-speculative early exit), with a KV pool of its own indexed by the same FULL slots
+(`KVPools.draft`). It runs in every forward, before the target, over the slots the target writes:
+in a prefill over the same tokens, so its KV covers every token the radix cache holds; in a decode
+over positions [L, L + e) of each request (L = its KV length, e = min(k + 1, tokens it still
+needs)), one position per draft forward:
+
+    draft forward j = 0..e-1   input: the last token (j = 0), else its own proposal j; writes the
+                               draft KV of position L + j and proposes the token after it
+    view.input_ids, token_table  now hold the last token and the e - 1 proposals
+    target forward             writes [L, L + e) and predicts the token after each position
+    accept                     the proposals the target agrees with, in order, then the target's
+                               own next token: 1..e new tokens, so greedy outputs equal plain
+                               greedy decoding
+
+For the canary the draft forwards and the target forward are one forward: HEAD before the draft
+checks both pools' slots of [0, L), TAIL after the target stamps both pools' slots of [L, L + e)
+with the tokens written there, rejected proposals included. The scheduler then frees the slots of
+the rejected positions (`Scheduler.process`); their records are stamped again when a forward
+writes the slots next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kvcanary_kernels.records import GroupKind
+
+from .attention import KVStoreListener, PagedKV
+from .config import EngineConfig
+from .kv_pool import DraftPool
+from .model import CausalLM
+from .scheduler import Batch
+
+
+class _ViewOrderRows:
+    """A store listener for the draft forwards of a decode: each layer's K (and V) rows, gathered
+    at the view token indices `index` of the forward running now, for one write-through per layer."""
+
+    def __init__(self, n_tokens: int) -> None:
+        self.n_tokens = n_tokens
+        self.index: torch.Tensor | None = None
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def __call__(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        def empty(rows: torch.Tensor) -> torch.Tensor:
+            return rows.new_empty((self.n_tokens, *rows.shape[1:]))
+
+        k_all, v_all = self.layers.setdefault(layer, (empty(k), None if v is None else empty(v)))
+        k_all[self.index] = k
+        if v_all is not None:
+            v_all[self.index] = v
+
+
+class Drafter:
+    """The draft model over its pool; ``draft`` fills a forward's proposals, ``accept`` checks them."""
+
+    def __init__(self, target: CausalLM, config: EngineConfig, pool: DraftPool, table: torch.Tensor,
+                 token_table: torch.Tensor, device: torch.device) -> None:
+        self.model = CausalLM(replace(config.model, num_layers=config.draft_layers))
+        own = self.model.state_dict()
+        self.model.load_state_dict({name: t for name, t in target.state_dict().items() if name in own})
+        self.model.to(device)
+        self.pool, self.table, self.token_table = pool, table, token_table
+        self.proposed = 0  # proposals made since the engine started
+        self.accepted = 0  # of them, accepted by the target
+
+    def prefill(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,
+                on_store: KVStoreListener | None) -> None:
+        """The draft's KV of the prefill's tokens, into the slots the target writes."""
+        kv = PagedKV(self.pool, self.table, [r.row for r in batch.reqs], batch.prefix_lens, batch.extend_lens,
+                     positions, batch.out_cache_loc.to(positions.device), on_store=on_store)
+        self.model(input_ids, positions, kv, contexts)
+
+    def draft(self, batch: Batch, input_ids: torch.Tensor, contexts: torch.Tensor,
+              on_store: KVStoreListener | None) -> None:
+        """Run the draft over each request's decode positions, writing its proposals into input_ids
+        (the view's, in place) and the token table. on_store hears each layer's draft KV rows once,
+        in the view's token order, after the last draft forward."""
+        device = input_ids.device
+        starts = torch.tensor([0] + batch.extend_lens[:-1]).cumsum(0).tolist()
+        rows = None if on_store is None else _ViewOrderRows(input_ids.numel())
+        for j in range(max(batch.extend_lens)):
+            live = [b for b, e in enumerate(batch.extend_lens) if e > j]
+            index = torch.tensor([starts[b] + j for b in live], device=device)
+            positions = torch.tensor([batch.prefix_lens[b] + j for b in live], device=device)
+            if rows is not None:
+                rows.index = index
+            kv = PagedKV(self.pool, self.table, [batch.reqs[b].row for b in live], positions.tolist(), [1] * len(live),
+                         positions, batch.out_cache_loc.to(device)[index], on_store=rows)
+            hidden = self.model(input_ids[index], positions, kv, contexts[index])
+            proposals = self.model.compute_logits(hidden).argmax(-1)
+            more = [i for i, b in enumerate(live) if batch.extend_lens[b] > j + 1]
+            if more:
+                input_ids[index[more] + 1] = proposals[more]
+                table_rows = torch.tensor([batch.reqs[live[i]].row for i in more], device=device)
+                self.token_table[table_rows, positions[more] + 1] = proposals[more]
+        if rows is not None:
+            for layer, (k, v) in sorted(rows.layers.items()):
+                on_store(GroupKind.DRAFT, layer, k, v)
+
+    def accept(self, batch: Batch, input_ids: torch.Tensor, predicted: list[int]) -> list[list[int]]:
+        """Per request, the new tokens: the proposals the target's greedy predictions (one per
+        token of the forward) agree with, in order, then the target's prediction after the last."""
+        ids = input_ids.tolist()
+        out, t = [], 0
+        for extend in batch.extend_lens:
+            n = 0
+            while n + 1 < extend and ids[t + n + 1] == predicted[t + n]:
+                n += 1
+            out.append(predicted[t:t + n + 1])
+            self.proposed += extend - 1
+            self.accepted += n
+            t += extend
+        return out
