@@ -66,7 +66,7 @@ class TransformersEngine:
         self.manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
         self.manager.warmup()  # creates the processor; captures CUDA graphs when they are on
         self.processor = self.manager.batch_processor
-        self.layout = cache_layout(self.processor.cache)
+        self.layout = cache_layout(self.processor)
         self.groups: list[GroupCache] = self.layout.groups
         self.page_size = page_size
         self.block_log = BlockLog(page_size)

@@ -39,7 +39,7 @@ FreeCallback = Callable[[GroupKind, list[int], str], None]
 MarkedCallback = Callable[[Any], None]  # called with the RequestState whose blocks were hashed
 
 CAUSE_RELEASED = "request released its blocks"
-CAUSE_OFFLOADED = "request offloaded (soft reset), its blocks freed uncached"
+CAUSE_OFFLOADED = "request offloaded (soft reset)"
 CAUSE_EVICTED = "evicted from the prefix cache"
 CAUSE_DEDUPLICATED = "deduplicated: the request adopted an identical hashed block"
 CAUSE_RESET = "engine reset"
@@ -134,8 +134,8 @@ def _group_window(kind: GroupKind, config: Any) -> tuple[int | None, int]:
 class SectorLayout:
     """transformers 5.18+: ``PagedAttentionCache.cache_allocators``."""
 
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
+    def __init__(self, processor: Any) -> None:
+        self.cache = cache = processor.cache
         names = list(cache.cache_allocators)
         if FULL_ATTENTION not in names:
             raise UnsupportedModel(f"the canary needs a full-attention layer group; this model has {names}")
@@ -212,8 +212,9 @@ class _NotifyingDeque(deque):
 class BlockManagerLayout:
     """transformers 5.17: ``PagedAttentionCache.group_cache_managers`` and ``_block_manager``."""
 
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.cache = cache = processor.cache
         types = [FULL_ATTENTION if type(cm).__name__.startswith("Full") else SLIDING_ATTENTION
                  for cm in cache.group_cache_managers]
         if FULL_ATTENTION not in types:
@@ -251,6 +252,8 @@ class BlockManagerLayout:
         self._hook_manager(self.cache._block_manager)
         for cm in self.cache.group_cache_managers:
             self.causes.wrap(cm, "free_blocks", CAUSE_RELEASED)
+        # 5.17 releases an offloaded request like a finished one; only the caller tells them apart.
+        self.causes.wrap(self.processor.offloading_manager, "offload_requests", CAUSE_OFFLOADED)
         _after(self.cache, "mark_shareable_blocks_as_complete", lambda state, n: on_marked(state))
 
     def _hook_manager(self, manager: Any) -> None:
@@ -313,11 +316,12 @@ def sdpa_attention() -> str:
     return "sdpa" if "auto_switch_to_flash" in _config_fields() else "paged|sdpa"
 
 
-def cache_layout(cache: Any) -> SectorLayout | BlockManagerLayout:
-    """The layout of this PagedAttentionCache's transformers version."""
+def cache_layout(processor: Any) -> SectorLayout | BlockManagerLayout:
+    """The layout of this ContinuousBatchProcessor's paged cache, by transformers version."""
+    cache = processor.cache
     if hasattr(cache, "cache_allocators"):
-        return SectorLayout(cache)
+        return SectorLayout(processor)
     if hasattr(cache, "_block_manager"):
-        return BlockManagerLayout(cache)
+        return BlockManagerLayout(processor)
     raise UnsupportedModel(f"unknown transformers paged-cache layout ({type(cache).__module__}); the adapter "
                            "supports the versions pytest-kvcanary[transformers] installs")
