@@ -16,8 +16,9 @@ PDPair implements the PrefillDecodePair seam (adapters/protocol.py) that the kv_
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch
 
@@ -31,6 +32,13 @@ def _copy_kv(src: KVPool, dst: KVPool, src_slots: torch.Tensor, dst_slots: torch
     """Every layer's K and V of src_slots into dst_slots (the pools may be on different devices)."""
     for s, d in zip(src.k_layers + src.v_layers, dst.k_layers + dst.v_layers, strict=True):
         d[dst_slots.to(d.device)] = s[src_slots.to(s.device)].to(d.device)
+
+
+def _current(engine: Engine) -> ContextManager[object]:
+    """The engine's GPU as the current CUDA device while it runs a forward, so work launched on
+    the current device (the canary's Triton kernels among it) runs where its tensors live, also
+    when the two sides are on different GPUs."""
+    return torch.cuda.device(engine.device) if engine.device.type == "cuda" else contextlib.nullcontext()
 
 
 class PDPair:
@@ -64,9 +72,11 @@ class PDPair:
                 on_decode[held[0]] = moved
                 self.prefill.scheduler.finish(held.popleft())
             if not held and self.prefill.scheduler.waiting:
-                held.extend(self.prefill.prefill_for_transfer())
+                with _current(self.prefill):
+                    held.extend(self.prefill.prefill_for_transfer())
             elif self.decode.scheduler.has_work:
-                self.decode.step()
+                with _current(self.decode):
+                    self.decode.step()
             elif held:
                 raise RuntimeError("the decode engine cannot hold a transferred request even when idle")
         return [on_decode.get(r, r).output_ids for r in reqs]

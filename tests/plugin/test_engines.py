@@ -196,3 +196,16 @@ def test_handle_numbers_name_the_engines_in_the_results(kvtester: pytest.Pyteste
     report = json.loads((kvtester.path / "kv.json").read_text())
     assert [(t["nodeid"].split("::")[1], t["handle"]) for t in report["tests"]] == [("test_break", 0), ("test_next", 1)]
     assert [(e["handle"], e["tests"], e["retired"]) for e in report["engines"]] == [(0, 1, "unhealthy"), (1, 1, None)]
+
+
+def test_the_fake_handle_satisfies_the_handle_protocol(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        from pytest_kvcanary.handle import Handle
+
+        def test_single(kv_engine):
+            assert isinstance(kv_engine.target, Handle)
+
+        def test_pd(kv_pd):
+            assert isinstance(kv_pd.target, Handle)
+    """)
+    kvtester.runpytest("--kv-canary").assert_outcomes(passed=2)

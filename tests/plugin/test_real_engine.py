@@ -251,6 +251,7 @@ def pytest_kvcanary_make_engine(name, attention, device, seed):
 def test_engines_the_harness_cannot_use_error_the_test(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
                                                         name: str, outcome: dict, message: str) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the run sets it; restored after
     pytester.makeconftest(ENGINE_HOOKS)
     pytester.makepyfile("def test_a(kv_engine): pass")
     result = pytester.runpytest("--kv-canary", f"--kv-canary-engine={name}")
@@ -261,6 +262,7 @@ def test_engines_the_harness_cannot_use_error_the_test(pytester: pytest.Pytester
 
 def test_kv_pd_skips_on_an_engine_without_a_pair(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the run sets it; restored after
     pytester.makeconftest(ENGINE_HOOKS + TORCH_KERNELS)
     pytester.makepyfile("""
         def test_single(kv_engine):
