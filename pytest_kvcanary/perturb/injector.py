@@ -142,9 +142,14 @@ class FaultInjector:
         def column(position: int) -> int:
             return (position % m.ring if m.ring else position) // page
 
-        # An entry this forward also writes through stays: the forward would write to the wrong place.
+        # An entry this forward also writes through stays (the forward would write to the wrong
+        # place), and so does the one holding a row's last prefix position (TAIL seeds the row's
+        # chain from it, so the damage would outlive the forward).
         writing = {w.full_slot // page for w in written_targets(view, group)}
-        targets = [o for o in targets if o.full_slot // page not in writing]
+        seeds = {(int(r), int(p) - 1) for r, p in zip(view.rows.tolist(), view.prefix_lens.tolist())}
+        seed_entries = {(o.row, column(o.position)) for o in targets if (o.row, o.position) in seeds}
+        targets = [o for o in targets
+                   if o.full_slot // page not in writing and (o.row, column(o.position)) not in seed_entries]
         if not targets:
             return
         t = self._rng.choice(targets)

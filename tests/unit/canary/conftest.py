@@ -11,6 +11,7 @@ from kvcanary_kernels.records import PREV_CHAIN_HEAD, GroupKind
 from pytest_kvcanary.canary.host import CacheWalk, Capacities, ForwardView, PoolGroup, SlotMapping
 
 MAX_ROWS, MAX_CONTEXT, MAX_TOKENS = 8, 32, 32
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class FakeHost:
@@ -24,10 +25,10 @@ class FakeHost:
         self.gen = torch.Generator().manual_seed(seed)
         words = row_bytes // 8
         self.page = page
-        self.k = [torch.zeros(num_slots // page, page, words, dtype=torch.int64) for _ in range(layers)]
-        self.v = [torch.zeros(num_slots // page, page, words, dtype=torch.int64) for _ in range(layers)]
-        self.table = torch.zeros(MAX_ROWS, MAX_CONTEXT // page, dtype=torch.int64)
-        self.token_table = torch.full((MAX_ROWS, MAX_CONTEXT), -1, dtype=torch.int64)
+        self.k = [torch.zeros(num_slots // page, page, words, dtype=torch.int64, device=DEVICE) for _ in range(layers)]
+        self.v = [torch.zeros(num_slots // page, page, words, dtype=torch.int64, device=DEVICE) for _ in range(layers)]
+        self.table = torch.zeros(MAX_ROWS, MAX_CONTEXT // page, dtype=torch.int64, device=DEVICE)
+        self.token_table = torch.full((MAX_ROWS, MAX_CONTEXT), -1, dtype=torch.int64, device=DEVICE)
         self.tokens: dict[int, list[int]] = {}
         self.next_entry = 1  # next free slot (page 1) or block (page > 1); entry 0 is reserved
         self.window = window
@@ -35,9 +36,9 @@ class FakeHost:
         full = SlotMapping(self.table, page_size=page)
         groups = [PoolGroup(GroupKind.FULL, self.k, self.v, num_slots, full, page_size=page)]
         if window is not None:
-            self.swa_k = [torch.zeros(num_slots, words, dtype=torch.int64)]
-            self.swa_v = [torch.zeros(num_slots, words, dtype=torch.int64)]
-            self.full_to_swa = torch.arange(num_slots)
+            self.swa_k = [torch.zeros(num_slots, words, dtype=torch.int64, device=DEVICE)]
+            self.swa_v = [torch.zeros(num_slots, words, dtype=torch.int64, device=DEVICE)]
+            self.full_to_swa = torch.arange(num_slots, device=DEVICE)
             swa = SlotMapping(self.table, page_size=page, full_to_group=self.full_to_swa)
             groups.append(PoolGroup(GroupKind.SWA, self.swa_k, self.swa_v, num_slots, swa, window=window))
         self.groups = groups
@@ -99,13 +100,13 @@ class FakeHost:
         pad = max(0, pad_to - len(rows))
         rows, prefix, extend, keys = rows + [0] * pad, prefix + [0] * pad, extend + [0] * pad, keys + [0] * pad
         junk = [0] * max(0, pad_to - len(ids))
-        t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=DEVICE)  # noqa: E731
         view = ForwardView(t(rows), t(prefix), t(extend), t(ids + junk), t(pos + junk),
                            token_table=self.token_table, context_keys=t(keys))
         self.runtime.before_forward(view)
         loc = t(written)
         for kind, i, k, v in self.layers():
-            new_k, new_v = (torch.randint(-2**62, 2**62, (len(loc), layer.shape[-1]), generator=self.gen)
+            new_k, new_v = (torch.randint(-2**62, 2**62, (len(loc), layer.shape[-1]), generator=self.gen).to(DEVICE)
                             for layer in (k, v))
             for layer, new in ((k, new_k), (v, new_v)):
                 layer.view(-1, layer.shape[-1])[loc] = new  # SWA slots equal FULL slots here
