@@ -13,7 +13,7 @@ alias the first (the canary never reads them, and the floor below counts them an
 Per cell: the canary's cost per decode step, before_forward + after_forward + end_forward, as
 median device time over the steps (eager: CUDA events around the Python calls; graph: the two
 device halves captured in one CUDA graph and replayed, end_forward between replays), and the host
-time per forward (eager calls, no synchronisation inside). The step's physical floor is the time to
+time per forward (the calls, or the replay and end_forward, with no synchronisation inside). The step's physical floor is the time to
 read the weights (16.06 GB) and the step's KV (batch x context x 32 layers x 2 halves x 2 KiB) at
 the copy bandwidth measured in the same run; the cost is given as a percentage of it.
 """
@@ -122,13 +122,6 @@ def measure(engine: FakeEngine, config: CanaryConfig, steps: int, graph: bool) -
         step()
         runtime.end_forward()
     torch.cuda.synchronize()
-    host = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        runtime.end_forward()
-        host.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
     replay = step
     if graph:
         g = torch.cuda.CUDAGraph()
@@ -141,13 +134,15 @@ def measure(engine: FakeEngine, config: CanaryConfig, steps: int, graph: bool) -
         with torch.cuda.graph(g):
             step()
         replay = g.replay
-    times = []
+    times, host = [], []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         replay()
         end.record()
         runtime.end_forward()
+        host.append(time.perf_counter() - t0)
         end.synchronize()
         times.append(start.elapsed_time(end))
     runtime.drain()
@@ -173,8 +168,8 @@ def main() -> None:
     bw = copy_bandwidth(device)
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e9:.0f} GB/s")
     print("| batch x context | real_data | tokens | recheck | floor ms | eager ms | eager % | graph ms | graph % "
-          "| host us/fwd |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+          "| eager host us | graph host us |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     variants = [(rd, True, True) for rd in args.real_data]
     for cell in cells:
         floor_ms = 1e3 * (WEIGHT_BYTES + cell.batch * cell.context * LAYERS * 2 * SLOT_BYTES) / bw
@@ -183,14 +178,16 @@ def main() -> None:
         except torch.OutOfMemoryError:
             print(f"| {cell.batch}x{cell.context} | does not fit in device memory |")
             continue
-        extra = [("partial", False, True), ("partial", True, False)] if (cell.batch, cell.context) == (32, 2048) else []
+        extra = [("partial", False, True)] + [(rd, True, False) for rd in args.real_data]
+        extra = extra if (cell.batch, cell.context) == (32, 2048) else []
         for real_data, tokens, recheck in variants + extra:
             config = CanaryConfig(real_data=real_data, check_tokens=tokens, recheck=recheck, sweep_interval=0)
             eager_ms, host_us = measure(engine, config, steps, graph=False)
-            graph_ms, _ = measure(engine, config, steps, graph=True)
+            graph_ms, graph_host_us = measure(engine, config, steps, graph=True)
             print(f"| {cell.batch}x{cell.context} | {real_data} | {'on' if tokens else 'off'} | "
                   f"{'on' if recheck else 'off'} | {floor_ms:.2f} | {eager_ms:.3f} | {100 * eager_ms / floor_ms:.2f}% | "
-                  f"{graph_ms:.3f} | {100 * graph_ms / floor_ms:.2f}% | {host_us:.0f} |", flush=True)
+                  f"{graph_ms:.3f} | {100 * graph_ms / floor_ms:.2f}% | {host_us:.0f} | {graph_host_us:.0f} |",
+                  flush=True)
         del engine
         torch.cuda.empty_cache()
 
