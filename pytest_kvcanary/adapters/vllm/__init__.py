@@ -1,0 +1,27 @@
+"""vLLM (its CPU build) behind the canary seam, through vLLM's KV-connector interface.
+
+`make_vllm_engine` is what ``--kv-canary-engine vllm`` builds. Modules: engine.py (the
+EngineUnderTest over an in-process ``LLM``), connector.py (the KV connector vLLM loads),
+blocks.py (the scheduler-side account of what each block holds), layout.py (where a slot's bytes
+lie in vLLM's CPU cache), checkpoint.py (the default seeded random model).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import VllmEngine
+
+
+def make_vllm_engine(attention: str, device: str, seed: int, model: str | None) -> VllmEngine:
+    """An in-process vLLM LLM on `model` (a local Hugging Face checkpoint directory, which decides
+    the attention kinds) or, by default, on a seeded random Llama of this attention kind ("mha",
+    or "swa": sliding-window layers alternating with full ones). vLLM's CPU build runs on the
+    CPU only."""
+    if device != "cpu":
+        raise ValueError(f"the vLLM adapter drives vLLM's CPU build: device must be cpu; got {device!r}")
+    from .checkpoint import random_checkpoint
+    from .engine import VllmEngine
+
+    return VllmEngine(model if model is not None else random_checkpoint(attention, seed), seed)

@@ -1,0 +1,189 @@
+"""BlockBook: the scheduler-side account of what vLLM's KV blocks hold, kept by the canary's
+connector.
+
+vLLM's blocks carry a ref count and, once full, a chained content hash, but no tokens, positions
+or parent. The book records them as each step is scheduled: for every scheduled request, the
+positions this step computes, the tokens there and, per block written, the hash key of the block
+before it. From that it plans the canary's view of the step (`plan`), walks the prefix cache for
+the sweep (`walk`), and tells free listeners when a block's data stops being anyone's (a request
+finished or was preempted holding a block no hash keeps, a block was handed out again, the prefix
+cache was reset).
+
+Everything here runs between forwards on the scheduler side; vLLM calls the connector, the
+connector calls the book.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+import torch
+
+from pytest_kvcanary.canary.host import CacheWalk
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+# Called with (block ids, cause) before the blocks' data is declared gone.
+BlocksFreed = Callable[[list[int], str], None]
+
+
+class RowPlan(NamedTuple):
+    """One scheduled request as the canary sees this step: it reads positions [0, prefix_len)
+    from its blocks and the forward computes [prefix_len, prefix_len + extend_len)."""
+
+    request: int  # the book's id of the request (admission order since the last reset)
+    blocks: list[int]  # its block ids, position p in blocks[p // block_size]
+    prefix_len: int
+    extend_len: int
+    tokens: list[int]  # token at each position [0, prefix_len + extend_len)
+
+
+class BlockContent(NamedTuple):
+    index: int  # the block's index in the request that wrote it: positions index * block_size + j
+    tokens: tuple[int, ...]  # tokens written so far
+    parent: Any  # vLLM's hash key (BlockHashWithGroupId) of the block before it; None at index 0
+
+
+@dataclass
+class BlockBook:
+    on_freed: BlocksFreed
+    manager: KVCacheManager | None = None  # bound once vLLM built its scheduler
+    planned: int = 0  # steps planned that run a forward (the worker side must see each)
+    _requests: dict[str, tuple[int, Request]] = field(default_factory=dict)  # vLLM id -> (book id, request)
+    _prompts: list[list[int]] = field(default_factory=list)  # prompt token ids by book id
+    _held: dict[str, list[int]] = field(default_factory=dict)  # blocks each request had when last scheduled
+    _contents: dict[int, BlockContent] = field(default_factory=dict)
+    _released: set[int] = field(default_factory=set)  # blocks whose data listeners already heard is gone
+
+    @property
+    def pool(self) -> BlockPool:
+        assert self.manager is not None, "vLLM has not bound its KV cache manager to the connector yet"
+        return self.manager.block_pool
+
+    @property
+    def block_size(self) -> int:
+        assert self.manager is not None, "vLLM has not bound its KV cache manager to the connector yet"
+        return self.manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+
+    def admit(self, request: Request) -> None:
+        self._requests[request.request_id] = (len(self._prompts), request)
+        self._prompts.append(list(request.prompt_token_ids or ()))
+
+    def prompt(self, book_id: int) -> list[int]:
+        """The prompt token ids of a request admitted since the last reset."""
+        return self._prompts[book_id]
+
+    def plan(self, step: SchedulerOutput) -> list[RowPlan]:
+        """The canary's rows for this step, in scheduling order.
+
+        A request can hit prefix blocks that another request of the same step computes (vLLM
+        caches a block when it schedules its computation). The forward writes those blocks before
+        attention reads them, but the canary cannot verify them before the forward: such a row
+        reads only the blocks computed before this step, and the blocks computed in it count as
+        computed by this row too (the records both rows stamp are the same: they chain content).
+        """
+        if step.scheduled_spec_decode_tokens or step.kv_cache_block_copies:
+            raise NotImplementedError("the vLLM canary connector guards neither speculative decoding nor KV "
+                                      "block copies (partial prefix hits)")
+        self._drop(step.preempted_req_ids or (), "request preempted")
+        computed = {r.req_id: r.num_computed_tokens for r in step.scheduled_new_reqs}
+        cached = step.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        blocks = {rid: list(self.manager.get_block_ids(rid)[0]) for rid in computed}
+        writer: dict[int, str] = {}
+        for rid, start in computed.items():
+            for i in self._indices(start, start + step.num_scheduled_tokens[rid]):
+                writer.setdefault(blocks[rid][i], rid)
+        rows = []
+        for rid, start in computed.items():
+            end = start + step.num_scheduled_tokens[rid]
+            mine = blocks[rid]
+            held = set(self._held.get(rid, ()))
+            self._reused([b for b in (mine[i] for i in self._indices(start, end)) if b not in held])
+            first = next((i * self.block_size for i in range(-(-start // self.block_size))
+                          if writer.get(mine[i], rid) != rid), start)
+            book_id, request = self._requests[rid]
+            tokens = list(request.all_token_ids[:end])
+            self._record(mine, tokens, first, end)
+            self._held[rid] = mine
+            rows.append(RowPlan(book_id, mine, first, end - first, tokens))
+        self.planned += bool(rows)
+        return rows
+
+    def finished(self, request: Request, block_ids: list[int]) -> None:
+        """vLLM is about to free a finished request's blocks: those only it holds and no hash
+        keeps in the prefix cache lose their data."""
+        blocks = self.pool.blocks
+        self._release([b for b in block_ids if blocks[b].ref_cnt == 1 and blocks[b].block_hash is None],
+                      "request finished")
+        self._held.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+
+    def reset(self) -> None:
+        """vLLM flushed its prefix cache (no request holds a block): every block's data is gone."""
+        self._release(list(self._contents), "prefix cache reset")
+        self._requests.clear()
+        self._held.clear()
+        self._contents.clear()
+        self._released.clear()
+        self._prompts.clear()
+
+    def walk(self) -> CacheWalk | None:
+        """Every position the prefix cache holds, as FULL slots; None without prefix caching. A
+        cached block whose parent hash no cached block carries any more is left out: vLLM can
+        never hit it again (a hit walks the hash chain from the first block)."""
+        if not self.pool.enable_caching:
+            return None
+        bs, blocks, index = self.block_size, self.pool.blocks, self.pool.cached_block_hash_to_block
+        cols: list[list[int]] = [[], [], [], [], []]  # slots, positions, prev slots, tokens, locked
+        for block_id, content in self._contents.items():
+            block = blocks[block_id]
+            if block.block_hash is None:
+                continue
+            prev = -1
+            if content.index:
+                parent = index.get_one_block(content.parent)
+                if parent is None:
+                    continue
+                prev = parent.block_id * bs + bs - 1
+            count = min(len(content.tokens), (block.block_hash_num_tokens or bs) - content.index * bs)
+            for j in range(count):
+                cols[0].append(block_id * bs + j)
+                cols[1].append(content.index * bs + j)
+                cols[2].append(prev if j == 0 else block_id * bs + j - 1)
+                cols[3].append(content.tokens[j])
+                cols[4].append(block.ref_cnt > 0)
+        slots, positions, prev_slots, tokens = (torch.tensor(c, dtype=torch.int64) for c in cols[:4])
+        return CacheWalk(slots, positions, prev_slots, tokens, torch.tensor(cols[4], dtype=torch.bool))
+
+    def _indices(self, start: int, end: int) -> range:
+        """Indices of the blocks holding positions [start, end)."""
+        return range(start // self.block_size, -(-end // self.block_size))
+
+    def _record(self, mine: list[int], tokens: list[int], start: int, end: int) -> None:
+        bs = self.block_size
+        for i in self._indices(start, end):
+            parent = self.pool.blocks[mine[i - 1]].block_hash if i else None
+            self._contents[mine[i]] = BlockContent(i, tuple(tokens[i * bs:min(end, (i + 1) * bs)]), parent)
+            self._released.discard(mine[i])
+
+    def _reused(self, fresh: list[int]) -> None:
+        """Blocks vLLM just handed to a request: what they held before is gone."""
+        self._release([b for b in fresh if b in self._contents], "block reallocated")
+
+    def _drop(self, request_ids: Any, cause: str) -> None:
+        """Requests that gave their blocks back without finishing: blocks no hash keeps are gone."""
+        blocks = self.pool.blocks
+        for rid in request_ids:
+            self._release([b for b in self._held.pop(rid, ()) if blocks[b].block_hash is None], cause)
+
+    def _release(self, block_ids: list[int], cause: str) -> None:
+        gone = [b for b in block_ids if b not in self._released]
+        if gone:
+            self._released.update(gone)
+            self.on_freed(gone, cause)

@@ -1,0 +1,71 @@
+"""The model the adapter runs by default: a small seeded random model with a byte-level tokenizer,
+written once per process and (attention, seed) into a temporary directory (nothing is downloaded).
+
+Its shapes fit vLLM's CPU attention backends. attention "mha": a Llama with 2 full-attention
+layers (head size 32); "swa": a Llama with 4 layers alternating sliding-window and full attention
+(``layer_types``, which vLLM honours), with a window short enough that test prompts slide past
+it; "mla": a DeepSeek-V2 with 2 dense layers of latent attention (vLLM's CPU MLA kernel needs a
+latent row of 512 + 64).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ATTENTION_KINDS = ("mha", "swa", "mla")
+SLIDING_WINDOW = 24  # tokens
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+
+_checkpoints: dict[tuple[str, int], tempfile.TemporaryDirectory] = {}
+
+
+def byte_tokenizer() -> Any:
+    """A PreTrainedTokenizerFast with one token per UTF-8 byte and ids 256-258 for pad, bos, eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({PAD: 256, BOS: 257, EOS: 258})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+
+
+def random_model_config(attention: str) -> Any:
+    from transformers import DeepseekV2Config, LlamaConfig
+
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}; got {attention!r}")
+    shape = dict(vocab_size=259, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 max_position_embeddings=1024, pad_token_id=256, bos_token_id=257, eos_token_id=258,
+                 tie_word_embeddings=False)
+    if attention == "mla":
+        return DeepseekV2Config(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+                                qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=2, **shape)
+    if attention == "mha":
+        return LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, **shape)
+    return LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, head_dim=32,
+                       layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=SLIDING_WINDOW, **shape)
+
+
+def random_checkpoint(attention: str, seed: int) -> Path:
+    """The directory of the seeded random checkpoint (bfloat16 weights, what vLLM's CPU build
+    computes in, and tokenizer), written on first use."""
+    key = (attention, seed)
+    if key not in _checkpoints:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        config = random_model_config(attention)
+        directory = tempfile.TemporaryDirectory(prefix=f"kvcanary-vllm-{attention}-{seed}-")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        model.save_pretrained(directory.name)
+        byte_tokenizer().save_pretrained(directory.name)
+        _checkpoints[key] = directory
+    return Path(_checkpoints[key].name)
