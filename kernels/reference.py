@@ -131,13 +131,15 @@ def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: S
 
 def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
                     ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
-                    sentinel: bool, tiling: Tiling | None = None) -> None:
+                    sentinel: bool, after_forward: bool = False, tiling: Tiling | None = None) -> None:
     """Reference of ``verify_view``."""
     check_view_launch(records, sources, mapping, view, ring, tag)
     check_int("window", window, 0)
     check_int("max_context", max_context, 1)
     prefix = view.prefix_lens
     starts = (prefix - window).clamp(min=0) if window else torch.zeros_like(prefix)
+    if after_forward and mapping.ring:
+        starts = torch.minimum(torch.maximum(starts, prefix + view.extend_lens - mapping.ring), prefix)
     b, i = _batch_entries(prefix - starts)
     positions, rows, window_starts = starts[b] + i, view.rows[b], starts[b]
     slots = map_slot_ref(mapping, rows, positions, records.shape[0])
@@ -179,9 +181,14 @@ def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mappi
     positions, rows = view.prefix_lens[b] + j, view.rows[b]
     slots = torch.where(token_index < n_tokens, map_slot_ref(mapping, rows, positions, records.shape[0]), 0)
     live = slots != 0
-    b, token_index, positions, rows, slots = b[live], token_index[live], positions[live], rows[live], slots[live]
+    b, j, token_index, positions, rows, slots = (t[live] for t in (b, j, token_index, positions, rows, slots))
     tokens, written_positions = view.input_ids[token_index], view.positions[token_index]
-    prev_hashes = _chain_ref(records, mapping, view, b, tokens, written_positions)
+    # Every entry with a slot folds into its row's chain; with a ring, only a row's last ring
+    # entries keep their slot and are stamped.
+    stamped = j >= (view.extend_lens[b] - mapping.ring if mapping.ring else 0)
+    prev_hashes = _chain_ref(records, mapping, view, b, tokens, written_positions)[stamped]
+    token_index, positions, rows, slots = token_index[stamped], positions[stamped], rows[stamped], slots[stamped]
+    tokens, written_positions = tokens[stamped], written_positions[stamped]
     fingerprint = fingerprint_ref(sources, slots)
     records[slots, FIELD_TOKEN] = tokens
     records[slots, FIELD_POSITION] = written_positions
@@ -202,8 +209,8 @@ def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mappi
 
 def _chain_ref(records: torch.Tensor, mapping: MappingArgs, view: ViewArgs, b: torch.Tensor, tokens: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-    """The prev_hash of each stamped entry (batch row b, in order), each row's chain seeded before
-    anything is written."""
+    """The prev_hash of each entry with a slot (batch row b, in order), each row's chain seeded
+    before anything is written."""
     prefix, rows = view.prefix_lens.tolist(), view.rows.tolist()
     context = view.context_keys.tolist() if view.context_keys is not None else [0] * len(prefix)
     chains = []

@@ -30,6 +30,16 @@ _CHAIN_LANES = 32  # batch rows per chain program (one warp)
 
 
 @triton.jit
+def _first_stamped(extend, MAP: tl.constexpr):
+    """The first entry of a row that keeps its slot: with a ring, only the last ``ring`` of its
+    ``extend`` entries (earlier ones are overwritten within the forward); else entry 0."""
+    first = extend * 0
+    if MAP[1] > 0:
+        first = tl.maximum(extend - MAP[1], 0)
+    return first
+
+
+@triton.jit
 def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, input_ids,
                           positions_ptr, written_ptr, n_batch, n_tokens, ring, tag, READS: tl.constexpr,
                           MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
@@ -45,11 +55,12 @@ def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_pt
     row = tl.load(rows_ptr + b, mask=in_batch, other=0)
     prefix = tl.load(prefix_ptr + b, mask=in_batch, other=0)
     extend = tl.load(extend_ptr + b, mask=in_batch, other=0)
+    first = _first_stamped(extend, MAP)
     offs = tl.arange(0, BLOCK)
     zeros = tl.zeros([BLOCK], tl.int64)
     stamped = zeros
-    for t in range(tl.program_id(1), tl.cdiv(extend, BLOCK), tl.num_programs(1)):
-        j = t * BLOCK + offs
+    for t in range(tl.program_id(1), tl.cdiv(extend - first, BLOCK), tl.num_programs(1)):
+        j = first + t * BLOCK + offs
         token_index = token_start + j
         pos = prefix + j
         slots = map_slot(mapping, MAP, row, pos, (j < extend) & (token_index < n_tokens))
@@ -82,29 +93,31 @@ def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_pt
 
 @triton.jit
 def _chain_entry(mapping, MAP: tl.constexpr, inputs, lanes, j):
-    """(slot, token, position) of each lane's entry j; slot 0 past the lane's extend.
-    inputs: (input_ids, positions, n_tokens); lanes: (rows, prefix_lens, extend_lens, token starts)."""
+    """(slot, token, position, stamped) of each lane's entry j; slot 0 past the lane's extend;
+    stamped: j >= the lane's first stamped entry. inputs: (input_ids, positions, n_tokens);
+    lanes: (rows, prefix_lens, extend_lens, token starts, first stamped entries)."""
     input_ids, positions_ptr, n_tokens = inputs
-    rows, prefix, extend, starts = lanes
+    rows, prefix, extend, starts, first = lanes
     on = (j < extend) & (starts + j < n_tokens)
     slots = map_slot(mapping, MAP, rows, prefix + j, on)
     tokens = tl.load(input_ids + starts + j, mask=on, other=0)
     positions = tl.load(positions_ptr + starts + j, mask=on, other=0)
-    return slots, tokens, positions
+    return slots, tokens, positions, j >= first
 
 
 @triton.jit
-def _chain_step(records, chain, slots, tokens, positions):
-    """Stores the running hash as the prev_hash of each lane's written slot and folds the entry in."""
+def _chain_step(records, chain, slots, tokens, positions, stamped):
+    """Stores the running hash as the prev_hash of each lane's stamped slot and folds every
+    written entry in (stamped or overwritten later in the forward)."""
     written = slots != 0
-    tl.store(field_ptrs(records, slots, PREV_HASH), as_i64(chain), mask=written)
+    tl.store(field_ptrs(records, slots, PREV_HASH), as_i64(chain), mask=written & stamped)
     return tl.where(written, mix3(chain, as_u64(tokens), as_u64(positions)), chain)
 
 
 @triton.jit
 def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, context_ptr, n_batch,
                         MAP: tl.constexpr, HAS_CONTEXT: tl.constexpr, BATCH: tl.constexpr, LANES: tl.constexpr):
-    """One lane per batch row: run its prev_hash chain serially and store each written slot's
+    """One lane per batch row: run its prev_hash chain serially and store each stamped slot's
     prev_hash (the PREV_HASH field only). Launched with one warp per program: each step's
     accesses are scattered, so fewer rows per multiprocessor means shorter steps."""
     mine = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
@@ -115,7 +128,7 @@ def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_p
     rows = tl.load(rows_ptr + mine, mask=in_batch, other=0)
     prefix = tl.load(prefix_ptr + mine, mask=in_batch, other=0)
     extend = tl.load(extend_ptr + mine, mask=in_batch, other=0)
-    lanes = (rows, prefix, extend, starts)
+    lanes = (rows, prefix, extend, starts, _first_stamped(extend, MAP))
     context = tl.zeros([LANES], tl.int64)
     if HAS_CONTEXT:
         context = tl.load(context_ptr + mine, mask=in_batch, other=0)
@@ -123,23 +136,23 @@ def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_p
     seed_slots = map_slot(mapping, MAP, rows, prefix - 1, seeded)
     chain = tl.where(seeded, successor_hash(records, seed_slots, seeded), head_hash(context))
     # The chain is latency-bound: four entries are hashed while the next four load.
-    slots0, tokens0, positions0 = _chain_entry(mapping, MAP, inputs, lanes, 0)
-    slots1, tokens1, positions1 = _chain_entry(mapping, MAP, inputs, lanes, 1)
-    slots2, tokens2, positions2 = _chain_entry(mapping, MAP, inputs, lanes, 2)
-    slots3, tokens3, positions3 = _chain_entry(mapping, MAP, inputs, lanes, 3)
+    slots0, tokens0, positions0, stamped0 = _chain_entry(mapping, MAP, inputs, lanes, 0)
+    slots1, tokens1, positions1, stamped1 = _chain_entry(mapping, MAP, inputs, lanes, 1)
+    slots2, tokens2, positions2, stamped2 = _chain_entry(mapping, MAP, inputs, lanes, 2)
+    slots3, tokens3, positions3, stamped3 = _chain_entry(mapping, MAP, inputs, lanes, 3)
     for j in range(0, tl.max(extend, axis=0), 4):
-        slots4, tokens4, positions4 = _chain_entry(mapping, MAP, inputs, lanes, j + 4)
-        slots5, tokens5, positions5 = _chain_entry(mapping, MAP, inputs, lanes, j + 5)
-        slots6, tokens6, positions6 = _chain_entry(mapping, MAP, inputs, lanes, j + 6)
-        slots7, tokens7, positions7 = _chain_entry(mapping, MAP, inputs, lanes, j + 7)
-        chain = _chain_step(records, chain, slots0, tokens0, positions0)
-        chain = _chain_step(records, chain, slots1, tokens1, positions1)
-        chain = _chain_step(records, chain, slots2, tokens2, positions2)
-        chain = _chain_step(records, chain, slots3, tokens3, positions3)
-        slots0, tokens0, positions0 = slots4, tokens4, positions4
-        slots1, tokens1, positions1 = slots5, tokens5, positions5
-        slots2, tokens2, positions2 = slots6, tokens6, positions6
-        slots3, tokens3, positions3 = slots7, tokens7, positions7
+        slots4, tokens4, positions4, stamped4 = _chain_entry(mapping, MAP, inputs, lanes, j + 4)
+        slots5, tokens5, positions5, stamped5 = _chain_entry(mapping, MAP, inputs, lanes, j + 5)
+        slots6, tokens6, positions6, stamped6 = _chain_entry(mapping, MAP, inputs, lanes, j + 6)
+        slots7, tokens7, positions7, stamped7 = _chain_entry(mapping, MAP, inputs, lanes, j + 7)
+        chain = _chain_step(records, chain, slots0, tokens0, positions0, stamped0)
+        chain = _chain_step(records, chain, slots1, tokens1, positions1, stamped1)
+        chain = _chain_step(records, chain, slots2, tokens2, positions2, stamped2)
+        chain = _chain_step(records, chain, slots3, tokens3, positions3, stamped3)
+        slots0, tokens0, positions0, stamped0 = slots4, tokens4, positions4, stamped4
+        slots1, tokens1, positions1, stamped1 = slots5, tokens5, positions5, stamped5
+        slots2, tokens2, positions2, stamped2 = slots6, tokens6, positions6, stamped6
+        slots3, tokens3, positions3, stamped3 = slots7, tokens7, positions7, stamped7
 
 
 def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
@@ -148,23 +161,27 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
     """Write ``(token, position, prev_hash, fingerprint)`` into the record of every slot the
     forward wrote: for batch row b and j in [0, extend_lens[b]), token t = start_b + j, position
     p = prefix_lens[b] + j, slot = mapping(rows[b], p); slot 0 is skipped (no record, no chain
-    step), and so are tokens past T.
+    step), and so are tokens past T. With a ring mapping (ring > 0), only the last ``ring``
+    entries of a row are stamped, ``j >= extend_lens[b] - ring`` (earlier ones land in slots the
+    same forward overwrites), so no two stamped entries of a row share a slot.
 
     The record takes input_ids[t], positions[t], the slot's fingerprint, and the running chain of
     its row: seeded with ``head_hash(context_keys[b])`` when prefix_lens[b] is 0, else with the
-    successor hash of the record at ``mapping(rows[b], prefix_lens[b] - 1)`` (a slot this call
-    must not write; when it is 0, record 0, whose chain no HEAD checks across the hole); each
-    stamped entry takes the running value, then folds in its token and position.
+    successor hash of the record at ``mapping(rows[b], prefix_lens[b] - 1)`` as it was before the
+    call (a ring rewrites it when extend_lens[b] >= ring; when the slot is 0, record 0, whose
+    chain no HEAD checks across the hole); every entry with a slot, stamped or not, folds its
+    token and position into the chain, and a stamped one first takes the running value.
 
-    One ring row (slot, position p, row rows[b]) per entry failing a check: with
+    One ring row (slot, position p, row rows[b]) per stamped entry failing a check: with
     check_write_inputs, positions[t] != p (write_position) and, with check_tokens and a token
     table, a known token != input_ids[t] (write_token); with written_hashes ([T] int64, what the
     forward computed), the fingerprint != written_hashes[t] (write_real_kv_hash).
 
     Counts the call once in ring.kernel_runs[tag] and the stamped slots in ring.slot_runs[tag].
-    Two launches, graph-safe, grids from the batch and token capacities only: one over (batch
-    rows, programs per row) that writes all but prev_hash (bandwidth-bound), and one over batch
-    rows (one lane each; its steps are serial, so its time grows with the longest extend).
+    Two launches, graph-safe, grids from the batch and token capacities only: one over batch
+    rows that writes prev_hash (one lane each; its steps are serial, so its time grows with the
+    longest extend; it reads the seed records first), then one over (batch rows, programs per
+    row) that writes the rest (bandwidth-bound).
     """
     check_view_launch(records, sources, mapping, view, ring, tag)
     n_tokens = view.input_ids.shape[0]
@@ -178,13 +195,6 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
     mapping_tuple, map_consts = mapping_args(mapping, records)
     token_tuple, has_tokens = token_args(view, records)
     batch, lanes = view.rows.shape[0], batch_lanes(view)
-    _stamp_records_kernel[row_grid(batch, n_tokens, tiling.block, records.device)](
-        records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens, view.extend_lens, view.input_ids,
-        view.positions, records if written_hashes is None else written_hashes, batch, n_tokens,
-        ring_args(ring), tag, READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
-        CHECK_WRITE=check_write_inputs, HAS_WRITTEN=written_hashes is not None, BATCH=lanes,
-        BLOCK=tiling.block, num_warps=tiling.num_warps,
-    )
     if batch:
         _stamp_chain_kernel[(cdiv(batch, _CHAIN_LANES),)](
             records, mapping_tuple, (view.input_ids, view.positions, n_tokens), view.rows, view.prefix_lens,
@@ -192,3 +202,10 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
             MAP=map_consts, HAS_CONTEXT=view.context_keys is not None, BATCH=lanes, LANES=_CHAIN_LANES,
             num_warps=1,
         )
+    _stamp_records_kernel[row_grid(batch, n_tokens, tiling.block, records.device)](
+        records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens, view.extend_lens, view.input_ids,
+        view.positions, records if written_hashes is None else written_hashes, batch, n_tokens,
+        ring_args(ring), tag, READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
+        CHECK_WRITE=check_write_inputs, HAS_WRITTEN=written_hashes is not None, BATCH=lanes,
+        BLOCK=tiling.block, num_warps=tiling.num_warps,
+    )

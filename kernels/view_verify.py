@@ -43,9 +43,10 @@ def _check_sentinel(records, sources, READS: tl.constexpr, ring, tag, BLOCK: tl.
 
 
 @triton.jit
-def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, context_ptr, n_batch, window,
-                        ring, tag, READS: tl.constexpr, MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
-                        HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr, BLOCK: tl.constexpr):
+def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, context_ptr, n_batch,
+                        window, ring, tag, READS: tl.constexpr, MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
+                        HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr, AFTER_FORWARD: tl.constexpr,
+                        BLOCK: tl.constexpr):
     """Program (b, j) checks tiles j, j + J, ... of batch row b's read positions [lo, hi)."""
     count_launch(ring, tag)
     if SENTINEL:
@@ -56,6 +57,9 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
     row = tl.load(rows_ptr + b, mask=in_batch, other=0)
     hi = tl.load(prefix_ptr + b, mask=in_batch, other=0)
     lo = tl.where(window > 0, tl.maximum(hi - window, 0), 0)
+    if AFTER_FORWARD:  # ring mappings only: the forward rewrote the slots of positions >= hi + extend - ring
+        extend = tl.load(extend_ptr + b, mask=in_batch, other=0)
+        lo = tl.minimum(tl.maximum(lo, hi + extend - MAP[1]), hi)
     if tl.program_id(1) == 0:
         count_slots(ring, tag, hi - lo)
     context = tl.zeros([BLOCK], tl.int64)
@@ -101,11 +105,14 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
 
 def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
                 ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
-                sentinel: bool, tiling: Tiling | None = None) -> None:
+                sentinel: bool, after_forward: bool = False, tiling: Tiling | None = None) -> None:
     """Check the record of every position batch row b reads, ``[ws_b, prefix_lens[b])`` with
     ``ws_b = max(0, prefix_lens[b] - window)`` (0 when window is 0), at
     ``slot = mapping(rows[b], p)``; one ring row (slot, position p, row rows[b]) per failing
-    position.
+    position. ``after_forward``: the call follows the view's forward (RECHECK; False for HEAD).
+    Then, with a ring mapping (ring > 0), positions whose ring slot the forward rewrote hold a
+    newer token and are left out: ``ws_b = max(ws_b, prefix_lens[b] + extend_lens[b] - ring)``
+    (at most prefix_lens[b]); other mappings ignore it.
 
     Reasons: slot 0 (verify_missing_slot; no other check); stored position != p
     (verify_position); stored prev_hash != ``head_hash(context_keys[b])`` at p = 0, or != the
@@ -132,9 +139,10 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
     batch = view.rows.shape[0]
     grid = row_grid(batch, window or max_context, tiling.block, records.device)
     _verify_view_kernel[grid](
-        records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens,
+        records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens, view.extend_lens,
         records if view.context_keys is None else view.context_keys, batch, window, ring_args(ring), tag,
         READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
         HAS_CONTEXT=view.context_keys is not None, SENTINEL=sentinel and bool(sources),
+        AFTER_FORWARD=after_forward and mapping.ring > 0,
         BLOCK=tiling.block, num_warps=tiling.num_warps,
     )

@@ -245,7 +245,7 @@ class World:
         rows = self.verify(fwd.view, window=window)
         self.write(fwd)
         rows += self.stamp(fwd.view)
-        rows += self.verify(fwd.view, window=window)
+        rows += self.verify(fwd.view, window=window, after_forward=True)
         self.commit(fwd)
         self.ring.advance_step()
         return rows
@@ -257,10 +257,10 @@ class World:
     # ---- launches --------------------------------------------------------------------------
 
     def verify(self, view: K.ViewArgs, tag: int = 0, window: int = 0, check_tokens: bool = True,
-               sentinel: bool = False) -> list[Row]:
+               sentinel: bool = False, after_forward: bool = False) -> list[Row]:
         return self.launch(K.verify_view, K.verify_view_ref, self.sources, self.mapping, view, self.ring, tag,
                            window=window, max_context=self.max_context, check_tokens=check_tokens,
-                           sentinel=sentinel)
+                           sentinel=sentinel, after_forward=after_forward)
 
     def stamp(self, view: K.ViewArgs, tag: int = 1, check_tokens: bool = True, check_write_inputs: bool = True,
               written_hashes: torch.Tensor | None = None) -> list[Row]:

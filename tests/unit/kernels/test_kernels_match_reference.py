@@ -71,7 +71,8 @@ def _forward(w: World, batch, window: int, tokens_known: bool, sentinel: bool) -
     hashes = _written_hashes(w, fwd, written) if w.sources and w.randint(0, 2) else None
     rows += w.stamp(view, tag=2, check_tokens=bool(w.randint(0, 4)), check_write_inputs=bool(w.randint(0, 4)),
                     written_hashes=hashes)
-    rows += w.verify(fwd.view, tag=12, window=window, check_tokens=bool(w.randint(0, 2)), sentinel=sentinel)
+    rows += w.verify(fwd.view, tag=12, window=window, check_tokens=bool(w.randint(0, 2)), sentinel=sentinel,
+                     after_forward=True)
     w.commit(fwd)
     w.ring.advance_step()
     return len(rows)
@@ -102,15 +103,14 @@ def test_view_kernels_match_reference(world_factory, mapping, layout, tiling, se
     w.tiling = TILINGS[tiling]
     ring = w.kind.ring
     window = 8 if ring else w.randint(0, 2) * w.randint(1, 12)
-    longest = 28 if ring else w.max_context  # a ring of 16 wraps
+    longest = 40 if ring else w.max_context  # a ring of 16 wraps
     roots = [w.add_request(w.randint(10, longest), context_key=w.randint(0, 2) * w.randint(1, 2**40))
              for _ in range(3)]
     sentinel, tokens_known = bool(seed % 2), bool(seed % 3)
     logged = 0
-    # Chunked prefill and decode (extends of at most 8 keep a ring's window intact).
-    max_extend = 8 if ring else 24
+    # Chunked prefill (longer than a ring of 16 at times) and decode.
     while any(r.cached < len(r.tokens) for r in roots):
-        batch = [(r, min(w.randint(1, max_extend + 1), len(r.tokens) - r.cached))
+        batch = [(r, min(w.randint(1, 25), len(r.tokens) - r.cached))
                  for r in roots if r.cached < len(r.tokens)]
         logged += _forward(w, batch, window, tokens_known, sentinel)
     reqs = list(roots)
