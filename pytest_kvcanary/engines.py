@@ -42,6 +42,11 @@ class NoPrefillDecodePair(LookupError):
     """The engine has no prefill/decode pair; kv_pd tests skip with this message."""
 
 
+class UnsupportedAttention(LookupError):
+    """An engine factory raises it for an attention kind its engine lacks (transformers has no
+    latent pool for mla); tests of that kind skip with this message, which names the engine."""
+
+
 def install_hint(package: str) -> str:
     return f'pip install "pytest-kvcanary[{package}]"'
 

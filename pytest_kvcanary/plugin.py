@@ -30,7 +30,7 @@ import pytest
 
 from . import markers
 from .engine_pool import EngineKey, EnginePool, Guarded
-from .engines import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
+from .engines import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine, UnsupportedAttention
 from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
 from .report import RunResults, failure_section, guarded_test_entry, violations_table
 from .settings import OPTIONS, Settings, resolve, split_bare_flag
@@ -221,7 +221,7 @@ def _devices(config: pytest.Config, kind: str) -> str:
 def _checkout(pool: EnginePool, key: EngineKey, seed: int) -> Any:
     try:
         return pool.checkout(key, seed)
-    except NoPrefillDecodePair as e:
+    except (NoPrefillDecodePair, UnsupportedAttention) as e:
         raise pytest.skip.Exception(str(e)) from None
     except (UnknownEngine, NotAnEngineUnderTest) as e:
         _fail(str(e))

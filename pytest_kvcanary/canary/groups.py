@@ -63,7 +63,8 @@ class GroupState:
         for half, layers in layers_of.items():
             if not layers:
                 continue
-            picked = [(i, layer_source(layers[i], pool.page_size, real_data)) for i in pick_layers(len(layers))]
+            readable = [] if half in pool.opaque_halves else pick_layers(len(layers))
+            picked = [(i, layer_source(layers[i], pool.page_size, real_data)) for i in readable]
             picked = [(i, s) for i, s in picked if s is not None]
             halves[half] = HalfState(
                 records=torch.zeros(pool.num_slots, RECORD_WIDTH, dtype=torch.int64, device=device),

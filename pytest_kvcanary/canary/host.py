@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
-from kvcanary_kernels.records import GroupKind
+from kvcanary_kernels.records import GroupKind, Half
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +84,9 @@ class PoolGroup:
     position) finds a slot. window: attention window in tokens (SWA: a forward reads positions
     [prefix_len - window, prefix_len)), None for FULL. fingerprintable: False when a slot's bytes
     are not one contiguous run at that address (only real_data none is honoured then).
+    opaque_halves: the halves for which that holds in an otherwise fingerprintable group (vLLM's
+    CPU cache stores K transposed inside a block, V token by token): the fingerprint skips them,
+    their records keep token, position and chain.
     """
 
     kind: GroupKind
@@ -94,6 +97,7 @@ class PoolGroup:
     page_size: int = 1
     window: int | None = None
     fingerprintable: bool = True
+    opaque_halves: frozenset[Half] = frozenset()
 
     def __post_init__(self) -> None:
         if self.kind is GroupKind.SWA and (self.window is None or self.window < 1):

@@ -3,8 +3,9 @@ for the call order); everything it does per forward is device work on buffers si
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, ContextManager, Protocol
 
 import torch
 
@@ -94,6 +95,10 @@ class CanaryRuntime:
         return [launch_tag(phase, half, g.pool.kind)
                 for g in (self.groups if groups is None else groups) for half in g.halves for phase in phases]
 
+    def _on_device(self) -> ContextManager:
+        """Kernels launch on the current CUDA device: make it the engine's for the launches."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def group(self, kind: GroupKind) -> GroupState:
         return next(g for g in self.groups if g.pool.kind is kind)
 
@@ -103,7 +108,8 @@ class CanaryRuntime:
         if self.observers and not _capturing():
             for observer in self.observers:
                 observer.before_forward(view)
-        self._verify_view(view, Phase.HEAD)
+        with self._on_device():
+            self._verify_view(view, Phase.HEAD)
 
     def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
         group = self.group(kind)
@@ -114,10 +120,19 @@ class CanaryRuntime:
             i = state.source_layers.index(layer)
             out = state.stored_hashes[i]
             out.zero_()
-            self.kernels.source_hash_rows(rows, state.sources[i].read_bytes, out[:rows.shape[0]])
+            with self._on_device():
+                self.kernels.source_hash_rows(rows, state.sources[i].read_bytes, out[:rows.shape[0]])
             state.stored.add(i)
 
     def after_forward(self, view: ForwardView) -> None:
+        with self._on_device():
+            self._recheck_and_stamp(view)
+        if self.observers and not _capturing():
+            for observer in self.observers:
+                observer.after_stamp(view)
+        self.ring.advance_step()
+
+    def _recheck_and_stamp(self, view: ForwardView) -> None:
         if self.config.recheck:
             self._verify_view(view, Phase.RECHECK)
         args = _view_args(view)
@@ -129,10 +144,6 @@ class CanaryRuntime:
                     check_tokens=self.config.check_tokens, check_write_inputs=self.config.check_write_inputs,
                     written_hashes=state.written_fingerprints(view.input_ids.shape[0]),
                 )
-        if self.observers and not _capturing():
-            for observer in self.observers:
-                observer.after_stamp(view)
-        self.ring.advance_step()
 
     def end_forward(self) -> None:
         self.forwards += 1
@@ -151,6 +162,7 @@ class CanaryRuntime:
                     launch_tag(phase, half, group.pool.kind),
                     window=group.window, max_context=self.capacities.max_context,
                     check_tokens=self.config.check_tokens, sentinel=True,
+                    after_forward=phase is Phase.RECHECK,
                 )
 
     # Between forwards -------------------------------------------------------------------------
@@ -162,12 +174,13 @@ class CanaryRuntime:
         if walk is None:
             return False
         groups = [g for g in self.groups if g.swept_by_walk()]
-        for group in groups:
-            entries = sweep_entries(walk, group, unlocked_only=unlocked_only)
-            for half, state in group.halves.items():
-                self.kernels.verify_records(state.records, entries, state.sources, self.ring,
-                                            launch_tag(Phase.SWEEP, half, group.pool.kind),
-                                            check_tokens=self.config.check_tokens)
+        with self._on_device():
+            for group in groups:
+                entries = sweep_entries(walk, group, unlocked_only=unlocked_only)
+                for half, state in group.halves.items():
+                    self.kernels.verify_records(state.records, entries, state.sources, self.ring,
+                                                launch_tag(Phase.SWEEP, half, group.pool.kind),
+                                                check_tokens=self.config.check_tokens)
         self.launches.sweep(self._tags([Phase.SWEEP], groups))
         self.sweeps += 1
         return True

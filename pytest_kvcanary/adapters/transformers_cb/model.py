@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ...engines import UnsupportedAttention
+
 ATTENTION_KINDS = ("mha", "swa")
 SLIDING_WINDOW = 24  # tokens; test prompts slide past it
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
@@ -40,7 +42,8 @@ def random_model_config(attention: str) -> Any:
     from transformers import LlamaConfig, Qwen2Config
 
     if attention not in ATTENTION_KINDS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}; got {attention!r}")
+        raise UnsupportedAttention(f"engine 'transformers' has no attention kind {attention!r}; it runs "
+                                   f"{', '.join(ATTENTION_KINDS)}")
     shape = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=1024, pad_token_id=256, bos_token_id=257, eos_token_id=258,
                  tie_word_embeddings=False)

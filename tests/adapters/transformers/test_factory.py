@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_kvcanary.engines import UnsupportedAttention
+
 from .support import INSTALL
 
 pytest.importorskip("transformers", reason=INSTALL)
@@ -35,7 +37,7 @@ def test_a_local_checkpoint_runs_as_the_default_does():
 def test_usage_errors_name_the_setting_and_value(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"--kv-canary-model must be a local Hugging Face checkpoint directory"):
         make_transformers_engine("mha", "cpu", 0, str(tmp_path))
-    with pytest.raises(ValueError, match=r"attention must be one of mha, swa; got 'mla'"):
+    with pytest.raises(UnsupportedAttention, match=r"engine 'transformers' has no attention kind 'mla'; it runs mha, swa"):
         make_transformers_engine("mla", "cpu", 0, None)
     monkeypatch.setenv(CUDA_GRAPHS_VARIABLE, "yes")
     with pytest.raises(ValueError, match=rf"{CUDA_GRAPHS_VARIABLE} must be one of 0, 1; got 'yes'"):
