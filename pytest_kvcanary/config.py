@@ -12,7 +12,7 @@ CANARY_MODES = ("off", "log", "raise")
 REAL_DATA_MODES = ("none", "partial", "all")
 PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward")
 SIDES = ("prefill", "decode")
-TARGET_GROUPS = ("full", "swa")
+TARGET_GROUPS = ("full", "swa", "draft")
 ATTENTION_KINDS = ("mha", "swa", "mla")
 
 

@@ -93,6 +93,8 @@ class PDPair:
         src = self.prefill.req_to_token_pool.read(req.row, 0, req.kv_len)  # the row as dedup left it
         sender, receiver = self.prefill.pools, self.decode.pools
         _copy_kv(sender.full, receiver.full, src, dst)
+        if sender.draft is not None:  # a speculative pair: the draft's KV lives at the same FULL slots
+            _copy_kv(sender.draft, receiver.draft, src, dst)
         if sender.swa is not None:
             src_swa = sender.swa.full_to_swa[src.to(sender.swa.full_to_swa.device)].cpu()
             resident = src_swa != 0

@@ -68,8 +68,9 @@ class FaultInjector:
     def _group_for(spec: PerturbSpec, kinds: list[GroupKind]) -> GroupKind:
         if spec.target_group is None:
             if len(kinds) > 1:
+                allowed = ", ".join(k.name.lower() for k in kinds)
                 raise PerturbError(f"kv_perturb({spec.mode!r}): target_group is required for a model with "
-                                   "full and swa pool groups; allowed: full, swa")
+                                   f"{' and '.join(k.name.lower() for k in kinds)} pool groups; allowed: {allowed}")
             return kinds[0]
         kind = GroupKind[spec.target_group.upper()]
         if kind not in kinds:

@@ -73,7 +73,7 @@ def test_filters_match_case_insensitively_and_on_any_reason() -> None:
                                     "verify_token, write_token, write_position, verify_missing_slot, "
                                     "reserved_slot_written, write_real_kv_hash; got 'verify_hash'"),
         ({"phase": "BODY"}, "phase must be one of HEAD, TAIL, SWEEP, RECHECK; got 'BODY'"),
-        ({"group": "local"}, "group must be one of full, swa; got 'local'"),
+        ({"group": "local"}, "group must be one of full, swa, draft; got 'local'"),
         ({"side": "single"}, "side must be one of prefill, decode; got 'single'"),
         ({"half": "Q"}, "half must be one of K, V; got 'Q'"),
     ],

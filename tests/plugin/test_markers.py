@@ -83,7 +83,7 @@ BAD_MARKERS = [
      "allowed: prob, side, target_group, warmup_steps"),
     ('kv_perturb("req_to_token", prob=2)', "kv_perturb('req_to_token', prob=2): prob must be a number in [[]0, 1[]]; got 2"),
     ('kv_perturb("req_to_token", target_group="local")',
-     "kv_perturb('req_to_token', target_group='local'): target_group must be one of full, swa; got 'local'"),
+     "kv_perturb('req_to_token', target_group='local'): target_group must be one of full, swa, draft; got 'local'"),
     ("kv_perturb(prob=1.0)", "kv_perturb(prob=1.0): needs a mode; allowed modes: req_to_token, *"),
     ('kv_perturb("req_to_token", "real_kv_used")', "kv_perturb('req_to_token', 'real_kv_used'): takes one mode; *"),
     ('kv_perturb("req_to_token", side="prefill")',
