@@ -150,7 +150,9 @@ class CanaryRuntime:
         self.launches.forward()
         if self.config.sweep_interval and self.forwards % self.config.sweep_interval == 0:
             self.sweep()
-        if self.forwards % self.config.drain_interval == 0:
+        if self.config.drain_interval == 1:
+            self.log.drain()  # the debugging setting: every forward, synchronously
+        elif self.forwards % self.config.drain_interval == 0:
             self.log.poll()
 
     def _verify_view(self, view: ForwardView, phase: Phase) -> None:
