@@ -78,8 +78,11 @@ class Injection:
                                                    and "verify_chain_hash" in v.reasons)
         if v.side == self.side and v.step < self.step:
             return False
-        # A violation after a place was freed or overwritten is about whatever lives there now.
-        return any((v.side, v.slot) == (p.side, p.slot) and v.step < self.gone.get(p, v.step + 1)
+        # A violation after a place was freed or overwritten is about whatever lives there now. A
+        # sweep runs after its forward and carries the next forward's step, as does a free made
+        # while scheduling that forward: the sweep came first.
+        return any((v.side, v.slot) == (p.side, p.slot)
+                   and (v.step < self.gone.get(p, v.step + 1) or (v.phase == "SWEEP" and v.step == self.gone[p]))
                    for p in self.places)
 
     def to_json(self) -> dict[str, Any]:

@@ -106,7 +106,8 @@ def test_faults_under_pressure_are_detected_or_escape_with_their_cause(attention
     assert {(i.mode, i.group) for i in injections} == {(s.mode, s.target_group) for s in perturbs}
     assert all(i.status == "detected" or (i.status == "escaped" and i.cause) for i in injections), \
         [i.describe() for i in injections if i.status != "detected"]
-    assert all(any(i.matches(v) for i in injections) for v in violations)
+    assert all(any(i.matches(v) for i in injections) for v in violations), \
+        [v.describe() for v in violations if not any(i.matches(v) for i in injections)]
     causes = {i.cause for i in injections}
     assert "evicted from the radix cache" in causes, causes
     assert attention == "mha" or "SWA slots evicted from the radix cache" in causes, causes
