@@ -22,6 +22,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SEED_SWEEP_KERNELS = "triton" if DEVICE == "cuda" else "torch"
 # The pool groups of each attention kind.
 POOL_GROUPS = {"mha": ("full",), "swa": ("full", "swa"), "mla": ("full",)}
+# The seed sweep also runs an mha engine decoding speculatively (k = 3), whose draft pool is a group.
+SEED_SWEEP_ENGINES = {**POOL_GROUPS, "speculative": ("full", "draft")}
 BYTE_TOKENS = 256  # prompt tokens below this; first tokens above it, one per request of a run
 LATENCY_PROPERTY = "detection_latency"
 
@@ -31,8 +33,11 @@ def group_name(group: GroupState) -> str:
 
 
 def make_handle(attention: str, kernels: str = SEED_SWEEP_KERNELS, **canary: object) -> EngineHandle:
-    """A fresh reference engine (window 16, roomy pools) with the canary on."""
-    return EngineHandle(make_reference_engine(attention, DEVICE, seed=0), CanaryConfig(**canary), kernels)
+    """A fresh reference engine (window 16, roomy pools) with the canary on; "speculative": mha
+    decoding speculatively with 3 draft tokens per step."""
+    engine = (make_reference_engine("mha", DEVICE, seed=0, speculative_k=3) if attention == "speculative"
+              else make_reference_engine(attention, DEVICE, seed=0))
+    return EngineHandle(engine, CanaryConfig(**canary), kernels)
 
 
 def send_waves(handle: EngineHandle, seed: int, waves: int = 3, per_wave: int = 4, longest_output: int = 7) -> None:

@@ -15,7 +15,7 @@ from pytest_kvcanary.harness import EngineHandle
 from pytest_kvcanary.perturb.ledger import DETECTING_REASONS, Injection
 
 from perturb_support import (
-    LATENCY_PROPERTY, POOL_GROUPS, SEED_SWEEP_KERNELS, HeadReads, final_sweep, make_handle, send_waves,
+    LATENCY_PROPERTY, POOL_GROUPS, SEED_SWEEP_ENGINES, SEED_SWEEP_KERNELS, HeadReads, final_sweep, make_handle, send_waves,
 )
 
 
@@ -94,7 +94,7 @@ def check_seeds(record_property: Callable[[str, object], None], kernels: str, mo
                 seeds: range, **workload: int) -> None:
     """Every seed's run; then per group recall 100% and the phases the mode is seen in, and a
     latency line recorded for the terminal summary."""
-    groups = POOL_GROUPS[attention]
+    groups = SEED_SWEEP_ENGINES[attention]
     injections = [inj for seed in seeds
                   for inj in run_seed(make_handle(attention, kernels), mode, groups, seed, **workload)]
     for group in groups:
@@ -110,7 +110,7 @@ def check_seeds(record_property: Callable[[str, object], None], kernels: str, mo
 
 
 @pytest.mark.parametrize("mode", PERTURB_MODES)
-@pytest.mark.parametrize("attention", POOL_GROUPS)
+@pytest.mark.parametrize("attention", SEED_SWEEP_ENGINES)
 def test_every_fault_is_detected_at_its_first_read_over_20_seeds(record_property, mode, attention):
     check_seeds(record_property, SEED_SWEEP_KERNELS, mode, attention, SEEDS)
 
