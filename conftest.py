@@ -7,6 +7,8 @@ pytest imports the tests.
 import os
 import shutil
 
+import pytest
+
 
 def _gpu_visible() -> bool:
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
@@ -21,3 +23,11 @@ if not _gpu_visible():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(autouse=True)
+def _pytest_output_as_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest leaves its short summary untruncated when CI or BUILD_NUMBER is set; the tests that
+    run pytest (pytester) assert on its output as a developer's terminal shows it."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("BUILD_NUMBER", raising=False)
