@@ -156,6 +156,16 @@ def check_view_launch(records: torch.Tensor, sources: Sequence[RealKvSource], ma
     check_view(view, records.device)
 
 
+def check_stamp_launch(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs,
+                       view: ViewArgs, ring: ViolationRing, tag: int, written_hashes: torch.Tensor | None) -> None:
+    """Everything stamp_view reads, written_hashes included; raises ValueError naming the argument."""
+    check_view_launch(records, sources, mapping, view, ring, tag)
+    if written_hashes is not None:
+        check_vector("written_hashes", written_hashes, records.device, view.input_ids.shape[0])
+        if not sources:
+            raise ValueError("written_hashes needs >= 1 source (with none, every fingerprint is 0); got 0 sources")
+
+
 def check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")

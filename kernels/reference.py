@@ -16,7 +16,8 @@ import torch
 from .entries import MappingArgs, VerifyEntries, ViewArgs
 from .hashing import head_hash_int, head_hash_torch, mix3_int, mix3_torch, mix_torch, to_signed
 from .launch import (
-    Tiling, check_common, check_entries, check_int, check_vector, check_view_launch, rows_source,
+    Tiling, check_common, check_entries, check_int, check_stamp_launch, check_view_launch,
+    rows_source,
 )
 from .records import (
     COL_EXPECTED, COL_POSITION, COL_REASONS, COL_ROW, COL_SLOT, COL_STEP, COL_STORED, COL_TAG,
@@ -170,12 +171,8 @@ def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mappi
                    ring: ViolationRing, tag: int, *, check_tokens: bool, check_write_inputs: bool,
                    written_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
     """Reference of ``stamp_view``."""
-    check_view_launch(records, sources, mapping, view, ring, tag)
+    check_stamp_launch(records, sources, mapping, view, ring, tag, written_hashes)
     n_tokens = view.input_ids.shape[0]
-    if written_hashes is not None:
-        check_vector("written_hashes", written_hashes, records.device, n_tokens)
-        if not sources:
-            raise ValueError("written_hashes needs >= 1 source (with none, every fingerprint is 0); got 0 sources")
     b, j = _batch_entries(view.extend_lens)
     token_index = (torch.cumsum(view.extend_lens, 0) - view.extend_lens)[b] + j
     positions, rows = view.prefix_lens[b] + j, view.rows[b]

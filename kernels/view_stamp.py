@@ -13,7 +13,7 @@ from .entries import MappingArgs, ViewArgs
 from .fingerprint import slot_fingerprint
 from .hashing import as_i64, as_u64, head_hash, mix3
 from .launch import (
-    DEFAULT_TILING, Tiling, batch_lanes, cdiv, check_tiling, check_vector, check_view_launch, mapping_args,
+    DEFAULT_TILING, Tiling, batch_lanes, cdiv, check_stamp_launch, check_tiling, mapping_args,
     ring_args, row_grid, source_args, token_args,
 )
 from .lookup import known_token, map_slot
@@ -183,12 +183,8 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
     longest extend; it reads the seed records first), then one over (batch rows, programs per
     row) that writes the rest (bandwidth-bound).
     """
-    check_view_launch(records, sources, mapping, view, ring, tag)
+    check_stamp_launch(records, sources, mapping, view, ring, tag, written_hashes)
     n_tokens = view.input_ids.shape[0]
-    if written_hashes is not None:
-        check_vector("written_hashes", written_hashes, records.device, n_tokens)
-        if not sources:
-            raise ValueError("written_hashes needs >= 1 source (with none, every fingerprint is 0); got 0 sources")
     tiling = tiling or DEFAULT_TILING
     check_tiling(tiling)
     src, reads = source_args(sources, tiling.chunk)
