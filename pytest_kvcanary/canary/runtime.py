@@ -109,7 +109,7 @@ class CanaryRuntime:
             for observer in self.observers:
                 observer.before_forward(view)
         with self._on_device():
-            self._verify_view(view, Phase.HEAD)
+            self._verify_view(_view_args(view), Phase.HEAD)
 
     def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
         group = self.group(kind)
@@ -133,9 +133,9 @@ class CanaryRuntime:
         self.ring.advance_step()
 
     def _recheck_and_stamp(self, view: ForwardView) -> None:
-        if self.config.recheck:
-            self._verify_view(view, Phase.RECHECK)
         args = _view_args(view)
+        if self.config.recheck:
+            self._verify_view(args, Phase.RECHECK)
         for group in self.groups:
             for half, state in group.halves.items():
                 self.kernels.stamp_view(
@@ -155,8 +155,7 @@ class CanaryRuntime:
         elif self.forwards % self.config.drain_interval == 0:
             self.log.poll()
 
-    def _verify_view(self, view: ForwardView, phase: Phase) -> None:
-        args = _view_args(view)
+    def _verify_view(self, args: K.ViewArgs, phase: Phase) -> None:
         for group in self.groups:
             for half, state in group.halves.items():
                 self.kernels.verify_view(
