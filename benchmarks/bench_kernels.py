@@ -1,6 +1,6 @@
 """GPU benchmark of the view kernels (verify_view, stamp_view) against device-to-device copy bandwidth.
 
-    python benchmarks/bench_kernels.py              # DEFAULT_TILING
+    python benchmarks/bench_kernels.py              # the default tiling per case
     python benchmarks/bench_kernels.py --sweep      # also time a grid of tilings, keep the best
     python benchmarks/bench_kernels.py --seq-len 64 --page-sizes 1
 
@@ -20,12 +20,14 @@ record is the previous position's, already counted), the token-table entry, the 
 (stamp), and read_bytes of the source. Times are device times of a launch replayed from a CUDA
 graph (the way an engine that captures its forward runs the canary; L2 flushed before each
 replay), median of ``triton.testing.do_bench``. GB/s is bytes / time; "% copy" compares it with a
-``copy_`` of the source tensor, counting bytes read plus bytes written. "host us" is the host
+``copy_`` of the source tensor, counting bytes read plus bytes written. The "gather" row per page
+size reads the batch's slots in its order with ``index_select`` (scaled to the whole tensor): the
+bandwidth a plain copy reaches on the same fragmented rows. "host us" is the host
 time of one eager call (argument checks and launch), which a captured forward does not pay.
 
 Tilings are fixed per launch, not autotuned: the kernels write records and ring counters and must
 be capturable in a CUDA graph, so benchmarking inside a launch is not an option. --sweep is how
-DEFAULT_TILING was chosen.
+the default tilings (``launch.default_tiling``) were chosen.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import triton
 import triton.testing
 
 from kvcanary_kernels import (
-    DEFAULT_TILING, MappingArgs, RealDataMode, Tiling, ViewArgs, ViolationRing, fingerprint_ref, layer_source,
+    MappingArgs, RealDataMode, Tiling, ViewArgs, ViolationRing, default_tiling, fingerprint_ref, layer_source,
     stamp_view, stamp_view_ref, verify_view, verify_view_ref,
 )
 from kvcanary_kernels.records import FIELD_REAL_KV_HASH, RECORD_WIDTH, GroupKind, Half, Phase, launch_tag
@@ -102,6 +104,17 @@ def copy_ms(src: torch.Tensor) -> float:
     """Median time of a device-to-device ``copy_`` of ``src``."""
     dst = torch.empty_like(src)
     return median_ms(lambda: dst.copy_(src))
+
+
+def gather_ms(kv: torch.Tensor, batch: Batch) -> float:
+    """Median time of ``index_select`` of every live slot's row in the batch's (fragmented) order:
+    what reading the same rows in the same order costs a plain copy (bytes read plus written)."""
+    mapping = batch.mapping
+    page = mapping.page_size
+    slots = (mapping.table[:, :, None] * page + torch.arange(page, device=kv.device)).flatten(1)
+    order = slots[:, : batch.positions // mapping.table.shape[0]].flatten()
+    out = torch.empty(order.shape[0], kv.shape[1], dtype=kv.dtype, device=kv.device)
+    return median_ms(lambda: torch.index_select(kv, 0, order, out=out)) * kv.shape[0] / order.shape[0]
 
 
 def device_ms(fn: Callable[[], None]) -> float:
@@ -232,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
                       float("nan")))
         for page_size in args.page_sizes:
             batch = make_batch(args.slots, args.seq_len, page_size, device, gen)
+            ms = gather_ms(kv, batch)
+            table.append((case.name, "gather", page_size, "-", "-", ms * 1e3, copy_bytes, copy_bytes / ms / 1e6,
+                          copy_bytes / ms / 1e6 / copy_gbs, float("nan")))
             ring = ViolationRing(1024, device)
             for mode in MODES:
                 src = layer_source(kv, 1, mode)
@@ -249,10 +265,10 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 for op in args.ops:
                     nbytes, run = ops[op]
-                    candidates = [DEFAULT_TILING]
+                    candidates = [default_tiling(sources)]
                     if args.sweep:
                         candidates += [t for t in sweep_tilings(src.read_bytes // 8 if src else 0)
-                                       if t != DEFAULT_TILING]
+                                       if t != candidates[0]]
                     timings = {}
                     for tiling in candidates:
                         timings[tiling] = device_ms(lambda: run(tiling))

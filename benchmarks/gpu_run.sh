@@ -38,9 +38,11 @@ step() {  # step NAME SECONDS COMMAND...: run time-boxed, keep the log, note exi
 }
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 
-if wants tests; then
-  step tests 300 python3 -m pytest -q -p no:cacheprovider -x --durations=5 tests/unit/kernels tests/unit/canary \
-    tests/unit/engine/test_cuda_graph_canary.py tests/unit/engine/test_padded_decode.py tests/unit/scenarios
+if wants tests; then  # kernel compiles dominate: spread them over workers when xdist is there
+  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+  step tests 400 python3 -m pytest -q -p no:cacheprovider -x $workers --durations=5 tests/unit/kernels \
+    tests/unit/canary tests/unit/engine/test_cuda_graph_canary.py tests/unit/engine/test_padded_decode.py \
+    tests/unit/scenarios
 fi
 wants kernels && step kernels 150 python3 benchmarks/bench_kernels.py
 wants overhead && step overhead 300 python3 benchmarks/bench_overhead.py

@@ -1,8 +1,18 @@
 """Device-side real-KV fingerprint of a block of slots.
 
-Per source, over the slot's first ``read_words`` int64 words ``w_i``:
-``source_hash = sum_i mix(w_i ^ mix(i + 1))`` (wrapping uint64). Per slot, over the sources in
-order: ``acc = 0; acc = mix(acc ^ source_hash)``. With no sources the fingerprint is 0.
+Per source, over the slot's first ``read_words`` int64 words ``w_i``, each split into 32-bit
+halves ``lo_i``, ``hi_i`` and keyed by ``k_i = mix(i + 1)`` (halves ``klo_i``, ``khi_i``):
+``a = (lo_i + klo_i) mod 2**32``, ``b = (hi_i + khi_i) mod 2**32``, and
+``source_hash = sum_i (a * b + a + b)`` (wrapping uint64). ``a * b + a + b = (a + 1)(b + 1) - 1``
+with both factors in ``[1, 2**32]``, so changing one half of one word changes its term by a
+nonzero amount below 2**64 in magnitude: every single flipped bit changes the hash, whatever the
+other bytes hold; a swap of two words changes it unless their differences cancel against the
+keys' (about 2**-64 for unrelated words). Per slot, over the sources in order:
+``acc = 0; acc = mix(acc ^ source_hash)``. With no sources the fingerprint is 0.
+
+A term costs one 32 x 32 -> 64-bit multiply and a few adds; a splitmix64 per word (the first
+form) cost two 64-bit multiplies and six shifts, and measurably less bandwidth
+(benchmarks/RESULTS.md).
 
 The sources travel as two tuples, ``launch.source_args(sources, chunk)``: per source
 ``(words, row_stride, words_per_token)`` and the constexpr ``(READ_WORDS, CHUNK, PAGE_SIZE)``
@@ -22,6 +32,14 @@ from .hashing import as_u64, mix
 
 
 @triton.jit
+def word_terms(words, keys):
+    """uint64 ``a * b + a + b`` of each uint64 word against the uint64 key of its column."""
+    a = (words.to(tl.uint32) + keys.to(tl.uint32)).to(tl.uint64)
+    b = ((words >> 32).to(tl.uint32) + (keys >> 32).to(tl.uint32)).to(tl.uint64)
+    return a * b + a + b
+
+
+@triton.jit
 def source_hash(words, row_stride, words_per_token, slots, mask, READ_WORDS: tl.constexpr, CHUNK: tl.constexpr,
                 PAGE_SIZE: tl.constexpr):
     """uint64 hash of one source's words for each lane's slot (lanes off ``mask``: meaningless)."""
@@ -38,7 +56,7 @@ def source_hash(words, row_stride, words_per_token, slots, mask, READ_WORDS: tl.
         ahead = start + CHUNK + cols
         tile = tl.load(ptrs + start + CHUNK, mask=mask[:, None] & (ahead < READ_WORDS)[None, :], other=0,
                        eviction_policy="evict_first")
-        hashed = mix(as_u64(current) ^ mix((start + cols + 1).to(tl.uint64))[None, :])
+        hashed = word_terms(as_u64(current), mix((start + cols + 1).to(tl.uint64))[None, :])
         if READ_WORDS % CHUNK != 0:
             hashed = tl.where((start + cols < READ_WORDS)[None, :], hashed, 0)
         acc += hashed
@@ -47,11 +65,13 @@ def source_hash(words, row_stride, words_per_token, slots, mask, READ_WORDS: tl.
 
 @triton.jit
 def slot_fingerprint(sources, READS: tl.constexpr, slots, mask):
-    """uint64 fingerprint of each lane's slot over the sources (0 with none)."""
+    """uint64 fingerprint of each lane's slot over the sources, and the last source's hash alone
+    (both 0 with none)."""
     acc = tl.zeros(slots.shape, tl.uint64)
+    last = acc
     for k in tl.static_range(len(READS)):
         words, row_stride, words_per_token = sources[k]
         # Indexed, not unpacked: unpacking a constexpr tuple loses constexpr-ness when compiled.
-        acc = mix(acc ^ source_hash(words, row_stride, words_per_token, slots, mask,
-                                    READS[k][0], READS[k][1], READS[k][2]))
-    return acc
+        last = source_hash(words, row_stride, words_per_token, slots, mask, READS[k][0], READS[k][1], READS[k][2])
+        acc = mix(acc ^ last)
+    return acc, last

@@ -37,10 +37,19 @@ class Tiling(NamedTuple):
     num_warps: int
 
 
-# 128 entries x 16 words (128 bytes) per slot per step, 4 warps: the best verify_view tiling on an
-# H100 for 256-byte slots and within 2% of the best for 2048-byte ones (benchmarks/bench_kernels.py
-# --sweep); the entry-based verify chose it on an H200 too.
-DEFAULT_TILING = Tiling(block=128, chunk=16, num_warps=4)
+# The tilings benchmarks/bench_kernels.py --sweep picked for verify_view in all mode on an H100:
+# 128 entries x 16 words (128 bytes) per slot per step with 4 warps for 256-byte slots, 64 entries
+# x 32 words with 2 warps for 2 KiB slots (94% of copy bandwidth against 88% with the former; the
+# former is within 1% of the best for 256 bytes). Sizes between are untimed.
+NARROW_TILING = Tiling(block=128, chunk=16, num_warps=4)
+WIDE_TILING = Tiling(block=64, chunk=32, num_warps=2)
+WIDE_READ_BYTES = 1024
+
+
+def default_tiling(sources: Sequence[RealKvSource]) -> Tiling:
+    """The tiling a launch over these sources uses when the caller names none."""
+    widest = max((s.read_bytes for s in sources), default=0)
+    return WIDE_TILING if widest >= WIDE_READ_BYTES else NARROW_TILING
 
 # A view launch has about this many programs per multiprocessor at most (CPU: programs in all,
 # since Triton's interpreter runs them one after another); a batch row's tiles are shared among

@@ -16,7 +16,7 @@ import torch
 from .entries import MappingArgs, VerifyEntries, ViewArgs
 from .hashing import head_hash_int, head_hash_torch, mix3_int, mix3_torch, mix_torch, to_signed
 from .launch import (
-    Tiling, check_common, check_entries, check_int, check_stamp_launch, check_view_launch,
+    Tiling, check_common, check_entries, check_int, check_stamp_launch, check_vector, check_view_launch,
     rows_source,
 )
 from .records import (
@@ -34,14 +34,24 @@ Checks = dict[Reason, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # ---- hashes -------------------------------------------------------------------------------
 
 
+_LOW32 = (1 << 32) - 1
+
+
+def word_terms_ref(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``a * b + a + b`` of int64 words against keys (``fingerprint.word_terms``; multiplies wrap)."""
+    a = ((words & _LOW32) + (keys & _LOW32)) & _LOW32
+    b = (((words >> 32) & _LOW32) + ((keys >> 32) & _LOW32)) & _LOW32
+    return a * b + a + b
+
+
 def source_hash_ref(source: RealKvSource, slots: torch.Tensor) -> torch.Tensor:
-    """Wrapping sum over the slot's first read_words words of ``mix(w_i ^ mix(i + 1))``."""
+    """Wrapping sum over the slot's first read_words words of their terms keyed by ``mix(i + 1)``."""
     words = source.words()
     cols = torch.arange(source.read_bytes // 8, device=slots.device)
     pages = slots // source.page_size
     offsets = (slots % source.page_size)[:, None] * (source.num_bytes_per_token // 8) + cols
     tile = words[pages[:, None], offsets]
-    return mix_torch(tile ^ mix_torch(cols + 1)).sum(dim=1)
+    return word_terms_ref(tile, mix_torch(cols + 1)).sum(dim=1)
 
 
 def fingerprint_ref(sources: Sequence[RealKvSource], slots: torch.Tensor) -> torch.Tensor:
@@ -123,7 +133,8 @@ def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: S
     expected_prev = torch.where(has_prev, successor_hash_ref(records, e.prev_slots.clamp(min=0)),
                                 head_hash_torch(e.context_keys))
     checks = _record_checks(rec, e.positions, expected_prev, e.prev_slots != PREV_SKIP,
-                            _fingerprint_check(sources, e.slots, rec))
+                            _real_kv_check(sources, e.slots, rec[:, FIELD_REAL_KV_HASH], e.slots != 0, None,
+                                                False, Reason.VERIFY_REAL_KV_HASH))
     if check_tokens:
         checks[Reason.VERIFY_TOKEN] = _token_check(rec, e.tokens)
     _count(ring, tag, e.slots.shape[0])
@@ -132,9 +143,12 @@ def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: S
 
 def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
                     ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
-                    sentinel: bool, after_forward: bool = False, tiling: Tiling | None = None) -> None:
+                    sentinel: bool, after_forward: bool = False, read_hashes: torch.Tensor | None = None,
+                    tiling: Tiling | None = None) -> None:
     """Reference of ``verify_view``."""
     check_view_launch(records, sources, mapping, view, ring, tag)
+    if read_hashes is not None:
+        check_vector("read_hashes", read_hashes, records.device, records.shape[0])
     check_int("window", window, 0)
     check_int("max_context", max_context, 1)
     prefix = view.prefix_lens
@@ -152,7 +166,8 @@ def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapp
     context = view.context_keys[b] if view.context_keys is not None else torch.zeros_like(positions)
     expected_prev = torch.where(head, head_hash_torch(context), successor_hash_ref(records, prev_slots))
     checks = _record_checks(rec, positions, expected_prev, head | (prev_slots != 0),
-                            _fingerprint_check(sources, slots, rec))
+                            _real_kv_check(sources, slots, rec[:, FIELD_REAL_KV_HASH], live, read_hashes,
+                                                after_forward, Reason.VERIFY_REAL_KV_HASH))
     if check_tokens and view.token_table is not None:
         checks[Reason.VERIFY_TOKEN] = _token_check(rec, known_token_ref(view, rows, positions))
     checks = {reason: (bad & live, stored, expected) for reason, (bad, stored, expected) in checks.items()}
@@ -162,9 +177,26 @@ def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapp
     _append(ring, tag, checks, slots, positions, rows)
     if sentinel and sources:
         slot0 = torch.zeros(1, dtype=torch.int64, device=records.device)
-        fingerprint, stored = fingerprint_ref(sources, slot0), records[:1, FIELD_REAL_KV_HASH]
-        _append(ring, tag, {Reason.RESERVED_SLOT_WRITTEN: (stored != fingerprint, stored, fingerprint)},
+        _append(ring, tag, _real_kv_check(sources, slot0, records[:1, FIELD_REAL_KV_HASH], slot0 == 0,
+                                               read_hashes, after_forward, Reason.RESERVED_SLOT_WRITTEN),
                 slot0, slot0 - 1, slot0 - 1)
+
+
+def _real_kv_check(sources: Sequence[RealKvSource], slots: torch.Tensor, stored: torch.Tensor,
+                        live: torch.Tensor, read_hashes: torch.Tensor | None, after_forward: bool,
+                        reason: Reason) -> Checks:
+    """The fingerprint against ``stored``, or, with read_hashes, the last source's hash stored
+    there (before the forward) or compared with what is stored there (after it)."""
+    if not sources:
+        return {}
+    if read_hashes is None:
+        fresh = fingerprint_ref(sources, slots)
+    elif after_forward:
+        fresh, stored = source_hash_ref(sources[-1], slots), read_hashes[slots]
+    else:
+        fresh = fingerprint_ref(sources, slots)
+        read_hashes[slots[live]] = source_hash_ref(sources[-1], slots[live])
+    return {reason: (stored != fresh, stored, fresh)}
 
 
 def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
@@ -235,13 +267,6 @@ def _record_checks(rec: torch.Tensor, positions: torch.Tensor, expected_prev: to
     checks[Reason.VERIFY_POSITION] = (stored_position != positions, stored_position, positions)
     checks[Reason.VERIFY_CHAIN_HASH] = (chain_checked & (stored_prev != expected_prev), stored_prev, expected_prev)
     return checks
-
-
-def _fingerprint_check(sources: Sequence[RealKvSource], slots: torch.Tensor, rec: torch.Tensor) -> Checks:
-    if not sources:
-        return {}
-    fingerprint, stored = fingerprint_ref(sources, slots), rec[:, FIELD_REAL_KV_HASH]
-    return {Reason.VERIFY_REAL_KV_HASH: (stored != fingerprint, stored, fingerprint)}
 
 
 def _token_check(rec: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

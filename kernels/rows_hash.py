@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .fingerprint import source_hash
 from .hashing import as_i64
-from .launch import DEFAULT_TILING, Tiling, cdiv, check_tiling, rows_source, source_args
+from .launch import Tiling, cdiv, check_tiling, default_tiling, rows_source, source_args
 
 
 @triton.jit
@@ -21,16 +21,16 @@ def _source_hash_rows_kernel(source, n_rows, out, READS: tl.constexpr, BLOCK: tl
 
 
 def source_hash_rows(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, tiling: Tiling | None = None) -> None:
-    """``out[t]`` = the source hash of row t's first read_bytes (``sum_i mix(w_i ^ mix(i + 1))``
-    over its int64 words, as ``fingerprint.source_hash``), for rows ``[T, ...]`` contiguous past
-    dim 0 with 16-byte aligned rows (one layer's new K or V, in token order) and out int64 [T].
+    """``out[t]`` = the source hash of row t's first read_bytes (``fingerprint.source_hash`` over
+    its int64 words), for rows ``[T, ...]`` contiguous past dim 0 with 16-byte aligned rows (one
+    layer's new K or V, in token order) and out int64 [T].
     A slot holding row t's bytes then fingerprints as ``mix(acc ^ out[t])`` folded over its
     sources. Graph-safe; the grid depends on T only."""
     source = rows_source(rows, read_bytes, out)
-    tiling = tiling or DEFAULT_TILING
-    check_tiling(tiling)
     if source is None:
         return
+    tiling = tiling or default_tiling([source])
+    check_tiling(tiling)
     src, reads = source_args([source], tiling.chunk)
     n = rows.shape[0]
     _source_hash_rows_kernel[(cdiv(n, tiling.block),)](src, n, out, READS=reads, BLOCK=tiling.block,

@@ -10,18 +10,16 @@ import triton.language as tl
 
 from . import records as R
 from .entries import VerifyEntries
-from .fingerprint import slot_fingerprint
 from .hashing import as_i64, head_hash
-from .launch import DEFAULT_TILING, Tiling, cdiv, check_common, check_entries, check_tiling, ring_args, source_args
-from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
+from .launch import (
+    Tiling, cdiv, check_common, check_entries, check_tiling, default_tiling, ring_args, source_args,
+)
+from .record_access import successor_hash
+from .record_checks import READ_HASHES_OFF, check_records
 from .ring import ViolationRing
 from .sources import RealKvSource
-from .violation_log import append_violations, count_launch, count_slots, note_failure
+from .violation_log import append_violations, count_launch, count_slots
 
-_CHAIN = tl.constexpr(int(R.Reason.VERIFY_CHAIN_HASH))
-_POSITION = tl.constexpr(int(R.Reason.VERIFY_POSITION))
-_REAL_KV = tl.constexpr(int(R.Reason.VERIFY_REAL_KV_HASH))
-_TOKEN = tl.constexpr(int(R.Reason.VERIFY_TOKEN))
 _PREV_CHAIN_HEAD = tl.constexpr(R.PREV_CHAIN_HEAD)
 _PREV_SKIP = tl.constexpr(R.PREV_SKIP)
 _UNKNOWN = tl.constexpr(R.UNKNOWN)
@@ -39,32 +37,17 @@ def _verify_kernel(records, sources, entries, n_entries, ring, tag, READS: tl.co
 
     positions = tl.load(positions_ptr + offs, mask=live, other=0)
     prev_slots = tl.load(prev_slots_ptr + offs, mask=live, other=_PREV_SKIP)
-    stored_position = tl.load(field_ptrs(records, slots, POSITION), mask=live, other=0)
-    stored_prev_hash = tl.load(field_ptrs(records, slots, PREV_HASH), mask=live, other=0)
-
     has_prev = live & (prev_slots >= 0)
     head = live & (prev_slots == _PREV_CHAIN_HEAD)
     context = tl.load(context_ptr + offs, mask=head, other=0)
     expected_prev_hash = as_i64(tl.where(has_prev, successor_hash(records, prev_slots, has_prev),
                                          head_hash(context)))
-    zeros = tl.zeros([BLOCK], tl.int64)
-    reasons, stored, expected = zeros, zeros, zeros
-    if len(READS) > 0:
-        fingerprint = as_i64(slot_fingerprint(sources, READS, slots, live))
-        stored_kv = tl.load(field_ptrs(records, slots, REAL_KV_HASH), mask=live, other=0)
-        reasons, stored, expected = note_failure(live & (stored_kv != fingerprint), _REAL_KV,
-                                                 stored_kv, fingerprint, reasons, stored, expected)
-    bad_chain = live & (prev_slots != _PREV_SKIP) & (stored_prev_hash != expected_prev_hash)
-    reasons, stored, expected = note_failure(bad_chain, _CHAIN, stored_prev_hash, expected_prev_hash,
-                                             reasons, stored, expected)
+    tokens = tl.zeros([BLOCK], tl.int64) + _UNKNOWN
     if CHECK_TOKENS:
         tokens = tl.load(tokens_ptr + offs, mask=live, other=_UNKNOWN)
-        stored_token = tl.load(field_ptrs(records, slots, TOKEN), mask=live, other=0)
-        bad_token = live & (tokens != _UNKNOWN) & (stored_token != tokens)
-        reasons, stored, expected = note_failure(bad_token, _TOKEN, stored_token, tokens,
-                                                 reasons, stored, expected)
-    reasons, stored, expected = note_failure(live & (stored_position != positions), _POSITION,
-                                             stored_position, positions, reasons, stored, expected)
+    reasons, stored, expected = check_records(records, sources, READS, slots, live, positions,
+                                              live & (prev_slots != _PREV_SKIP), expected_prev_hash, tokens,
+                                              CHECK_TOKENS, records, READ_HASHES_OFF)
 
     fail = reasons != 0
     rows = tl.load(rows_ptr + offs, mask=fail, other=0)
@@ -82,12 +65,12 @@ def verify_records(records: torch.Tensor, entries: VerifyEntries, sources: Seque
     recomputed fingerprint != real_kv_hash (verify_real_kv_hash); with check_tokens, a known
     expected token != stored (verify_token). Counts the launch in ring.kernel_runs[tag] (also
     when entries are empty) and the live entries in ring.slot_runs[tag]. No host
-    synchronisation; the grid depends on tensor sizes only. ``tiling`` (default DEFAULT_TILING)
-    changes speed only.
+    synchronisation; the grid depends on tensor sizes only. ``tiling`` (default
+    ``launch.default_tiling``) changes speed only.
     """
     check_common(records, sources, ring, tag)
     check_entries(entries, records.device)
-    tiling = tiling or DEFAULT_TILING
+    tiling = tiling or default_tiling(sources)
     check_tiling(tiling)
     src, reads = source_args(sources, tiling.chunk)
     n = entries.slots.shape[0]

@@ -13,7 +13,7 @@ from .entries import MappingArgs, ViewArgs
 from .fingerprint import slot_fingerprint
 from .hashing import as_i64, as_u64, head_hash, mix3
 from .launch import (
-    DEFAULT_TILING, Tiling, batch_lanes, cdiv, check_stamp_launch, check_tiling, mapping_args,
+    Tiling, batch_lanes, cdiv, check_stamp_launch, check_tiling, default_tiling, mapping_args,
     ring_args, row_grid, source_args, token_args,
 )
 from .lookup import known_token, map_slot
@@ -72,7 +72,7 @@ def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_pt
         tl.store(field_ptrs(records, slots, POSITION), position, mask=live)
         fingerprint = zeros
         if len(READS) > 0:
-            fingerprint = as_i64(slot_fingerprint(sources, READS, slots, live))
+            fingerprint = as_i64(slot_fingerprint(sources, READS, slots, live)[0])
         tl.store(field_ptrs(records, slots, REAL_KV_HASH), fingerprint, mask=live)
         if CHECK_WRITE or HAS_WRITTEN:
             reasons, stored, expected = zeros, zeros, zeros
@@ -185,7 +185,7 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
     """
     check_stamp_launch(records, sources, mapping, view, ring, tag, written_hashes)
     n_tokens = view.input_ids.shape[0]
-    tiling = tiling or DEFAULT_TILING
+    tiling = tiling or default_tiling(sources)
     check_tiling(tiling)
     src, reads = source_args(sources, tiling.chunk)
     mapping_tuple, map_consts = mapping_args(mapping, records)

@@ -10,48 +10,47 @@ import triton.language as tl
 
 from . import records as R
 from .entries import MappingArgs, ViewArgs
-from .fingerprint import slot_fingerprint
 from .hashing import as_i64, head_hash
 from .launch import (
-    DEFAULT_TILING, Tiling, check_int, check_tiling, check_view_launch, mapping_args, ring_args, row_grid,
-    source_args, token_args,
+    Tiling, check_int, check_tiling, check_vector, check_view_launch, default_tiling, mapping_args, ring_args,
+    row_grid, source_args, token_args,
 )
 from .lookup import known_token, map_slot
-from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
+from .record_access import REAL_KV_HASH, field_ptrs, successor_hash
+from .record_checks import (
+    READ_HASHES_COMPARE, READ_HASHES_OFF, READ_HASHES_STORE, check_real_kv, check_records,
+)
 from .ring import ViolationRing
 from .sources import RealKvSource
 from .violation_log import append_violations, count_launch, count_slots, first_program, note_failure
 
 _RESERVED = tl.constexpr(int(R.Reason.RESERVED_SLOT_WRITTEN))
 _MISSING = tl.constexpr(int(R.Reason.VERIFY_MISSING_SLOT))
-_POSITION = tl.constexpr(int(R.Reason.VERIFY_POSITION))
-_TOKEN = tl.constexpr(int(R.Reason.VERIFY_TOKEN))
-_CHAIN = tl.constexpr(int(R.Reason.VERIFY_CHAIN_HASH))
-_REAL_KV = tl.constexpr(int(R.Reason.VERIFY_REAL_KV_HASH))
 _UNKNOWN = tl.constexpr(R.UNKNOWN)
 
 
 @triton.jit
-def _check_sentinel(records, sources, READS: tl.constexpr, ring, tag, BLOCK: tl.constexpr):
-    """One row when slot 0's bytes no longer hash to records[0, REAL_KV_HASH] (lane 0 only)."""
+def _check_sentinel(records, sources, READS: tl.constexpr, ring, tag, read_hashes, READ_HASHES: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """One row when slot 0's bytes changed (lane 0 only): since the canary attached
+    (records[0, REAL_KV_HASH]), or with READ_HASHES_COMPARE since the STORE launch."""
     lane0 = tl.arange(0, BLOCK) == 0
     zeros = tl.zeros([BLOCK], tl.int64)
-    fingerprint = as_i64(slot_fingerprint(sources, READS, zeros, lane0))
-    stored = tl.load(field_ptrs(records, zeros, REAL_KV_HASH), mask=lane0, other=0)
-    append_violations(ring, tag, lane0 & (stored != fingerprint), zeros + _RESERVED, zeros, zeros - 1,
-                      zeros - 1, stored, fingerprint)
+    bad, stored, fresh = check_real_kv(sources, READS, zeros, lane0, field_ptrs(records, zeros, REAL_KV_HASH),
+                                       read_hashes, READ_HASHES)
+    append_violations(ring, tag, bad, zeros + _RESERVED, zeros, zeros - 1, zeros - 1, stored, fresh)
 
 
 @triton.jit
 def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, context_ptr, n_batch,
-                        window, ring, tag, READS: tl.constexpr, MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
-                        HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr, AFTER_FORWARD: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        window, ring, tag, read_hashes, READS: tl.constexpr, MAP: tl.constexpr,
+                        HAS_TOKENS: tl.constexpr, HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr,
+                        AFTER_FORWARD: tl.constexpr, READ_HASHES: tl.constexpr, BLOCK: tl.constexpr):
     """Program (b, j) checks tiles j, j + J, ... of batch row b's read positions [lo, hi)."""
     count_launch(ring, tag)
     if SENTINEL:
         if first_program():
-            _check_sentinel(records, sources, READS, ring, tag, BLOCK)
+            _check_sentinel(records, sources, READS, ring, tag, read_hashes, READ_HASHES, BLOCK)
     b = tl.program_id(0)
     in_batch = b < n_batch
     row = tl.load(rows_ptr + b, mask=in_batch, other=0)
@@ -73,31 +72,17 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
         on = pos < hi
         slots = map_slot(mapping, MAP, row, pos, on)
         live = on & (slots != 0)
-        stored_position = tl.load(field_ptrs(records, slots, POSITION), mask=live, other=0)
-        stored_prev_hash = tl.load(field_ptrs(records, slots, PREV_HASH), mask=live, other=0)
         # Position 0 holds the chain head; a window start's predecessor is outside the window; a
         # missing predecessor is reported at its own position.
         head = live & (pos == 0)
         prev_slots = map_slot(mapping, MAP, row, pos - 1, live & (pos > lo))
         linked = prev_slots != 0
         expected_prev_hash = tl.where(head, head_prev_hash, as_i64(successor_hash(records, prev_slots, linked)))
-
-        reasons, stored, expected = zeros, zeros, zeros
-        if len(READS) > 0:
-            fingerprint = as_i64(slot_fingerprint(sources, READS, slots, live))
-            stored_kv = tl.load(field_ptrs(records, slots, REAL_KV_HASH), mask=live, other=0)
-            reasons, stored, expected = note_failure(live & (stored_kv != fingerprint), _REAL_KV,
-                                                     stored_kv, fingerprint, reasons, stored, expected)
-        bad_chain = (head | linked) & (stored_prev_hash != expected_prev_hash)
-        reasons, stored, expected = note_failure(bad_chain, _CHAIN, stored_prev_hash, expected_prev_hash,
-                                                 reasons, stored, expected)
+        want = zeros + _UNKNOWN
         if HAS_TOKENS:
             want = known_token(tokens, row, pos, live)
-            stored_token = tl.load(field_ptrs(records, slots, TOKEN), mask=live, other=0)
-            reasons, stored, expected = note_failure((want != _UNKNOWN) & (stored_token != want), _TOKEN,
-                                                     stored_token, want, reasons, stored, expected)
-        reasons, stored, expected = note_failure(live & (stored_position != pos), _POSITION,
-                                                 stored_position, pos, reasons, stored, expected)
+        reasons, stored, expected = check_records(records, sources, READS, slots, live, pos, head | linked,
+                                                  expected_prev_hash, want, HAS_TOKENS, read_hashes, READ_HASHES)
         reasons, stored, expected = note_failure(on & (slots == 0), _MISSING, zeros, zeros,
                                                  reasons, stored, expected)
         append_violations(ring, tag, reasons != 0, reasons, slots, pos, row, stored, expected)
@@ -105,7 +90,8 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
 
 def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
                 ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
-                sentinel: bool, after_forward: bool = False, tiling: Tiling | None = None) -> None:
+                sentinel: bool, after_forward: bool = False, read_hashes: torch.Tensor | None = None,
+                tiling: Tiling | None = None) -> None:
     """Check the record of every position batch row b reads, ``[ws_b, prefix_lens[b])`` with
     ``ws_b = max(0, prefix_lens[b] - window)`` (0 when window is 0), at
     ``slot = mapping(rows[b], p)``; one ring row (slot, position p, row rows[b]) per failing
@@ -122,16 +108,28 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
     (verify_token). With sentinel and >= 1 source, one more row (slot 0, position -1, row -1)
     when slot 0's fingerprint != records[0, real_kv_hash] (reserved_slot_written).
 
+    ``read_hashes`` (int64 [num_slots]) lets the launch after a forward re-read one source
+    instead of all: before the forward (after_forward False) the launch also stores the last
+    source's hash of every slot it reads (and of slot 0, with sentinel) there; after it
+    (after_forward True) it hashes only the last source and compares with what was stored, in
+    place of the fingerprint against real_kv_hash (same reasons). The second launch takes the
+    same sources, and its read set lies within the first's.
+
     Counts the launch in ring.kernel_runs[tag] and the positions checked (missing ones
     included) in ring.slot_runs[tag]. Graph-safe: no host synchronisation, and a grid of
     (batch rows, programs per row) sized from the batch capacity (rows.shape[0]) and ``window``
     (or ``max_context``) only; programs loop over their row's tiles. ``tiling`` (default
-    DEFAULT_TILING) changes speed only.
+    ``launch.default_tiling``) changes speed only.
     """
     check_view_launch(records, sources, mapping, view, ring, tag)
+    read_mode = READ_HASHES_OFF
+    if read_hashes is not None:
+        check_vector("read_hashes", read_hashes, records.device, records.shape[0])
+        read_mode = READ_HASHES_COMPARE if after_forward else READ_HASHES_STORE
+        sources = sources[-1:] if after_forward else sources
     check_int("window", window, 0)
     check_int("max_context", max_context, 1)
-    tiling = tiling or DEFAULT_TILING
+    tiling = tiling or default_tiling(sources)
     check_tiling(tiling)
     src, reads = source_args(sources, tiling.chunk)
     mapping_tuple, map_consts = mapping_args(mapping, records)
@@ -141,8 +139,8 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
     _verify_view_kernel[grid](
         records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens, view.extend_lens,
         records if view.context_keys is None else view.context_keys, batch, window, ring_args(ring), tag,
-        READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
+        records if read_hashes is None else read_hashes, READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
         HAS_CONTEXT=view.context_keys is not None, SENTINEL=sentinel and bool(sources),
-        AFTER_FORWARD=after_forward and mapping.ring > 0,
+        AFTER_FORWARD=after_forward and mapping.ring > 0, READ_HASHES=read_mode.value,
         BLOCK=tiling.block, num_warps=tiling.num_warps,
     )

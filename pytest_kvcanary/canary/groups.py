@@ -30,6 +30,9 @@ class HalfState:
     source_layers: tuple[int, ...]  # layer index of each source
     stored_hashes: torch.Tensor  # [len(sources), max_tokens] int64, filled by kv_stored
     stored: set[int]  # sources whose rows this forward handed over
+    # [num_slots] int64: the last source's hash of each slot HEAD read, which RECHECK compares
+    # with (None without RECHECK or sources)
+    read_hashes: torch.Tensor | None
 
     def written_fingerprints(self, n_tokens: int) -> torch.Tensor | None:
         """The fingerprints of what the forward computed for its first n_tokens tokens, once every
@@ -53,8 +56,8 @@ class GroupState:
     window: int  # 0 for FULL
 
     @classmethod
-    def create(cls, pool: PoolGroup, real_data: RealDataMode, device: torch.device,
-               capacities: Capacities) -> "GroupState":
+    def create(cls, pool: PoolGroup, real_data: RealDataMode, device: torch.device, capacities: Capacities,
+               *, recheck: bool) -> "GroupState":
         if not pool.fingerprintable and real_data is not RealDataMode.NONE:
             raise ValueError(f"real_data must be none for the {pool.kind.name} group of this engine: its KV "
                              f"layout is not one contiguous run per slot; got {real_data.value!r}")
@@ -72,6 +75,8 @@ class GroupState:
                 source_layers=tuple(i for i, _ in picked),
                 stored_hashes=torch.zeros(len(picked), capacities.max_tokens, dtype=torch.int64, device=device),
                 stored=set(),
+                read_hashes=torch.zeros(pool.num_slots, dtype=torch.int64, device=device)
+                if recheck and picked else None,
             )
         m = pool.mapping
         mapping = MappingArgs(table=m.table, page_size=m.page_size, ring=m.ring, full_to_group=m.full_to_group)

@@ -80,7 +80,8 @@ class CanaryRuntime:
         self.capacities = host.canary_capacities()
         self.device = torch.device(device) if device is not None else pools[0].k_layers[0].device
         mode = K.RealDataMode.parse(config.real_data)
-        self.groups = [GroupState.create(pool, mode, self.device, self.capacities) for pool in pools]
+        self.groups = [GroupState.create(pool, mode, self.device, self.capacities, recheck=config.recheck)
+                       for pool in pools]
         for group in self.groups:
             group.seal_reserved_slot()
         self.ring = K.ViolationRing(config.ring_capacity, self.device)
@@ -163,7 +164,7 @@ class CanaryRuntime:
                     launch_tag(phase, half, group.pool.kind),
                     window=group.window, max_context=self.capacities.max_context,
                     check_tokens=self.config.check_tokens, sentinel=True,
-                    after_forward=phase is Phase.RECHECK,
+                    after_forward=phase is Phase.RECHECK, read_hashes=state.read_hashes,
                 )
 
     # Between forwards -------------------------------------------------------------------------

@@ -34,14 +34,32 @@ def test_clean_run_with_shared_prefix_and_padding_reports_nothing(make_host, rea
     assert stats.protected_tokens == 6 + 2 * 3 + 2 + 2
 
 
-def test_flipped_kv_byte_is_reported_at_head_and_recheck_on_the_k_half_at_that_slot(make_host):
+def test_kv_byte_flipped_between_forwards_is_reported_at_head_on_the_k_half_at_that_slot(make_host):
     host = make_host(real_data="partial")
     _prefill_and_decode(host)
     slot = host.slot(0, 2)
     host.k[0].view(-1, 8).view(torch.uint8)[slot, 3] ^= 0x10
     host.forward({0: [99]})
-    assert _seen(host) == {(phase, "K", "FULL", ("verify_real_kv_hash",), slot, 2, 0) for phase in ("HEAD", "RECHECK")}
+    # RECHECK compares with what HEAD read: the forward itself changed nothing.
+    assert _seen(host) == {("HEAD", "K", "FULL", ("verify_real_kv_hash",), slot, 2, 0)}
     assert {v.step for v in host.runtime.log.violations} == {4}
+
+
+def test_recheck_rereads_the_deepest_sampled_layer_and_head_the_others_next_forward(make_host):
+    host = make_host(real_data="all")
+    _prefill_and_decode(host)
+    deep, shallow = host.slot(0, 1), host.slot(0, 2)
+
+    def stray_writes(written):  # one per layer; the fingerprint samples layers 0 and 1
+        host.k[1].view(-1, 8)[deep] = 777
+        host.k[0].view(-1, 8)[shallow] = 888
+
+    host.forward({0: [99]}, during=stray_writes)
+    assert _seen(host) == {("RECHECK", "K", "FULL", ("verify_real_kv_hash",), deep, 1, 0)}
+    host.forward({0: [98]})
+    assert _seen(host) - {("RECHECK", "K", "FULL", ("verify_real_kv_hash",), deep, 1, 0)} == {
+        ("HEAD", "K", "FULL", ("verify_real_kv_hash",), slot, position, 0)
+        for slot, position in ((deep, 1), (shallow, 2))}
 
 
 @pytest.mark.parametrize("page", [1, 4])
@@ -170,11 +188,11 @@ def test_the_log_drains_every_drain_interval_and_on_read_and_loses_nothing(make_
     host.forward({0: [99]})  # forward 5 logs on the device; the next periodic drain is at 8
     assert host.runtime.log.violations == []
     new = host.runtime.drain()  # a read drains at once
-    assert {(v.phase, v.slot) for v in new} == {("HEAD", slot), ("RECHECK", slot)}
+    assert {(v.phase, v.slot) for v in new} == {("HEAD", slot)}
     for i in range(3):
         host.forward({0: [100 + i]})  # the same damage seen again: repeats, not new violations
-    assert host.runtime.drain() == [] and len(host.runtime.log.violations) == 2
-    assert host.runtime.log.repeats == 6
+    assert host.runtime.drain() == [] and len(host.runtime.log.violations) == 1
+    assert host.runtime.log.repeats == 3
 
 
 def test_raise_mode_raises_at_the_drain(make_host):

@@ -115,6 +115,7 @@ class World:
     max_context: int
     requests: list[Request] = field(default_factory=list)
     tiling: K.Tiling | None = None  # kernel launches only; None: the default
+    read_hashes: torch.Tensor | None = None  # verify launches' read-hash buffer (None: not used)
 
     @property
     def device(self) -> torch.device:
@@ -256,11 +257,17 @@ class World:
 
     # ---- launches --------------------------------------------------------------------------
 
+    def use_read_hashes(self) -> None:
+        """Verify launches from now on keep the last source's hashes before a forward and
+        compare with them after it (verify_view's read_hashes)."""
+        self.read_hashes = torch.randint(-(2**62), 2**62, (self.records.shape[0],), generator=self.gen,
+                                         dtype=torch.int64).to(self.device)
+
     def verify(self, view: K.ViewArgs, tag: int = 0, window: int = 0, check_tokens: bool = True,
                sentinel: bool = False, after_forward: bool = False) -> list[Row]:
         return self.launch(K.verify_view, K.verify_view_ref, self.sources, self.mapping, view, self.ring, tag,
                            window=window, max_context=self.max_context, check_tokens=check_tokens,
-                           sentinel=sentinel, after_forward=after_forward)
+                           sentinel=sentinel, after_forward=after_forward, read_hashes=self.read_hashes)
 
     def stamp(self, view: K.ViewArgs, tag: int = 1, check_tokens: bool = True, check_write_inputs: bool = True,
               written_hashes: torch.Tensor | None = None) -> list[Row]:
@@ -273,15 +280,18 @@ class World:
                            check_tokens=check_tokens)
 
     def launch(self, kernel: Callable, reference: Callable, *args, **kw) -> list[Row]:
-        """Runs the kernel and its reference on copies of the state (records, ring, and the
-        positional argument ``ring``), asserts they agree bit for bit, keeps the kernel's state and
+        """Runs the kernel and its reference on copies of the state (records, ring, read_hashes),
+        asserts they agree bit for bit, keeps the kernel's state and
         returns the launch's new ring rows (sorted)."""
         start = int(self.ring.count)
         ref_records, ref_ring = self.records.clone(), clone_ring(self.ring)
         ref_args = [ref_ring if a is self.ring else a for a in args]
-        reference(ref_records, *ref_args, **kw)
+        ref_kw = {k: v.clone() if k == "read_hashes" and v is not None else v for k, v in kw.items()}
+        reference(ref_records, *ref_args, **ref_kw)
         kernel(self.records, *args, tiling=self.tiling, **kw)
         assert torch.equal(self.records, ref_records)
+        if kw.get("read_hashes") is not None:
+            assert torch.equal(kw["read_hashes"], ref_kw["read_hashes"]), "read_hashes differ"
         for name in ("count", "step", "kernel_runs", "slot_runs"):
             assert torch.equal(getattr(self.ring, name), getattr(ref_ring, name)), name
         rows = new_rows(self.ring, start)

@@ -153,6 +153,25 @@ def test_written_reserved_slot(stamped):
     assert w.verify(view, sentinel=False) == []
 
 
+def test_recheck_with_read_hashes_compares_the_last_source_with_what_head_read(stamped):
+    """Damage inside a forward: RECHECK re-reads the last source only, against the hashes HEAD
+    kept; damage to another source is the next HEAD's to report."""
+    w, (a, b) = stamped
+    w.use_read_hashes()
+    view = w.head_view([a, b])
+    assert w.verify(view, sentinel=True) == []
+    last_source = len(w.sources) - 1
+    w.kv_bytes(last_source, w.slot(a, 3))[5] ^= 0x10
+    w.kv_bytes(0, w.slot(b, 6))[0] ^= 0x01
+    w.kv_bytes(last_source, 0)[1] ^= 0x02  # slot 0
+    rows = w.verify(view, sentinel=True, after_forward=True)
+    assert _found(rows) == {(w.slot(a, 3), 3, KV), (0, -1, Reason.RESERVED_SLOT_WRITTEN)}
+    damaged = next(r for r in rows if r[COL_SLOT] == w.slot(a, 3))
+    expected = K.source_hash_ref(w.sources[last_source], i64([w.slot(a, 3)]))[0]
+    assert damaged[COL_EXPECTED] == expected != damaged[COL_STORED]
+    assert _found(w.verify(view)) == {(w.slot(a, 3), 3, KV), (w.slot(b, 6), 6, KV)}
+
+
 def test_sentinel_needs_a_source(world_factory):
     w = world_factory(12, specs=((torch.bfloat16, 1, 32, "none"),))
     assert w.verify(w.head_view([]), sentinel=True) == []

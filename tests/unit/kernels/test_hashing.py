@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -73,9 +74,19 @@ def _flip_pool(word_bytes: int, variants: list[torch.Tensor], device) -> tuple[K
     return source, torch.arange(1, len(variants) + 1, device=device)
 
 
-def test_fingerprint_changes_on_every_single_bit_flip(world_factory):
+def _key_cancelling_word(i: int) -> int:
+    """The word whose halves plus word i's key halves are both 0 mod 2**32 (a zero term factor)."""
+    key = K.mix_int(i + 1)
+    low, high = -key & 0xFFFFFFFF, -(key >> 32) & 0xFFFFFFFF
+    return K.to_signed(high << 32 | low)
+
+
+@pytest.mark.parametrize("words", ["random", "key-cancelling"])
+def test_fingerprint_changes_on_every_single_bit_flip(world_factory, words):
     w = world_factory(3)
     base = torch.randint(-(2**62), 2**62, (4,), generator=w.gen, dtype=torch.int64)
+    if words == "key-cancelling":  # a plain product of the keyed halves would miss flips here
+        base = torch.tensor([_key_cancelling_word(i) for i in range(4)], dtype=torch.int64)
     variants = [base]
     for bit in range(4 * 64):
         flipped = base.clone()

@@ -178,6 +178,9 @@ def test_bad_view_options_raise_naming_the_option(world, impl):
         VERIFY[impl](**args, window=-1, max_context=64, check_tokens=True, sentinel=False)
     with pytest.raises(ValueError, match="max_context must be an integer >= 1; got 0"):
         VERIFY[impl](**args, window=0, max_context=0, check_tokens=True, sentinel=False)
+    with pytest.raises(ValueError, match="read_hashes has length 255; expected 256"):
+        VERIFY[impl](**args, window=0, max_context=64, check_tokens=True, sentinel=False,
+                     read_hashes=i64([0] * 255))
     n_tokens = args["view"].input_ids.shape[0]
     with pytest.raises(ValueError, match=f"written_hashes has length {n_tokens + 1}; expected {n_tokens}"):
         STAMP[impl](**args, check_tokens=True, check_write_inputs=True, written_hashes=i64([0] * (n_tokens + 1)))

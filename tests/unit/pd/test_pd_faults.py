@@ -21,15 +21,15 @@ CASE_IDS = [f"{a}-{g}" for a, g, _ in CASES]
 
 
 def assert_surfaced_on_decode(handle: PDHandle, group: str) -> None:
-    """One injection, detected by the decode side at HEAD of its first forward (and seen again by
-    that forward's RECHECK); prefill silent."""
+    """One injection, detected by the decode side at HEAD of its first forward (RECHECK, which
+    compares with what HEAD read, stays silent: the forward did no damage); prefill silent."""
     (inj,) = handle.injections()
     assert inj.side == "prefill" and inj.group == group and inj.status == "detected", inj.describe()
     v = inj.detected_by
     assert (v.side, v.step, v.phase, v.group.lower(), v.reason) == ("decode", 0, "HEAD", group, "verify_real_kv_hash")
     assert [p.side for p in inj.moved_to] == ["decode"]
     violations = handle.violations()
-    assert {v.phase for v in violations} == {"HEAD", "RECHECK"} and all(
+    assert {v.phase for v in violations} == {"HEAD"} and all(
         (v.side, v.step, v.reasons, v.group.lower()) == ("decode", 0, ("verify_real_kv_hash",), group)
         for v in violations), [v.describe() for v in violations]
     assert handle.healthy()

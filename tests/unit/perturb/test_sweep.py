@@ -30,7 +30,7 @@ def group(kind: GroupKind, full_to_group: torch.Tensor | None = None) -> GroupSt
     mapping = SlotMapping(torch.zeros(2, 8, dtype=torch.int64), full_to_group=full_to_group)
     pool = PoolGroup(kind, layers, layers, num_slots=16, mapping=mapping,
                      window=None if full_to_group is None else 2)
-    return GroupState.create(pool, RealDataMode.NONE, torch.device("cpu"), Capacities(2, 8, 8))
+    return GroupState.create(pool, RealDataMode.NONE, torch.device("cpu"), Capacities(2, 8, 8), recheck=True)
 
 
 def test_sweep_entries_cover_the_walk_or_its_unlocked_part():
