@@ -22,8 +22,8 @@ graph (the way an engine that captures its forward runs the canary; L2 flushed b
 replay), median of ``triton.testing.do_bench``. GB/s is bytes / time; "% copy" compares it with a
 ``copy_`` of the source tensor, counting bytes read plus bytes written. The "gather" row per page
 size reads the batch's slots in its order with ``index_select`` (scaled to the whole tensor): the
-bandwidth a plain copy reaches on the same fragmented rows. "host us" is the host
-time of one eager call (argument checks and launch), which a captured forward does not pay.
+bandwidth a plain copy reaches on the same fragmented rows. "host us" is the host time of one
+eager call (argument checks and launch), which a captured forward does not pay.
 
 Tilings are fixed per launch, not autotuned: the kernels write records and ring counters and must
 be capturable in a CUDA graph, so benchmarking inside a launch is not an option. --sweep is how

@@ -134,7 +134,7 @@ def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: S
                                 head_hash_torch(e.context_keys))
     checks = _record_checks(rec, e.positions, expected_prev, e.prev_slots != PREV_SKIP,
                             _real_kv_check(sources, e.slots, rec[:, FIELD_REAL_KV_HASH], e.slots != 0, None,
-                                                False, Reason.VERIFY_REAL_KV_HASH))
+                                           False, Reason.VERIFY_REAL_KV_HASH))
     if check_tokens:
         checks[Reason.VERIFY_TOKEN] = _token_check(rec, e.tokens)
     _count(ring, tag, e.slots.shape[0])
@@ -167,7 +167,7 @@ def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapp
     expected_prev = torch.where(head, head_hash_torch(context), successor_hash_ref(records, prev_slots))
     checks = _record_checks(rec, positions, expected_prev, head | (prev_slots != 0),
                             _real_kv_check(sources, slots, rec[:, FIELD_REAL_KV_HASH], live, read_hashes,
-                                                after_forward, Reason.VERIFY_REAL_KV_HASH))
+                                           after_forward, Reason.VERIFY_REAL_KV_HASH))
     if check_tokens and view.token_table is not None:
         checks[Reason.VERIFY_TOKEN] = _token_check(rec, known_token_ref(view, rows, positions))
     checks = {reason: (bad & live, stored, expected) for reason, (bad, stored, expected) in checks.items()}
@@ -178,13 +178,13 @@ def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapp
     if sentinel and sources:
         slot0 = torch.zeros(1, dtype=torch.int64, device=records.device)
         _append(ring, tag, _real_kv_check(sources, slot0, records[:1, FIELD_REAL_KV_HASH], slot0 == 0,
-                                               read_hashes, after_forward, Reason.RESERVED_SLOT_WRITTEN),
+                                          read_hashes, after_forward, Reason.RESERVED_SLOT_WRITTEN),
                 slot0, slot0 - 1, slot0 - 1)
 
 
 def _real_kv_check(sources: Sequence[RealKvSource], slots: torch.Tensor, stored: torch.Tensor,
-                        live: torch.Tensor, read_hashes: torch.Tensor | None, after_forward: bool,
-                        reason: Reason) -> Checks:
+                   live: torch.Tensor, read_hashes: torch.Tensor | None, after_forward: bool,
+                   reason: Reason) -> Checks:
     """The fingerprint against ``stored``, or, with read_hashes, the last source's hash stored
     there (before the forward) or compared with what is stored there (after it)."""
     if not sources:

@@ -139,7 +139,8 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
     _verify_view_kernel[grid](
         records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens, view.extend_lens,
         records if view.context_keys is None else view.context_keys, batch, window, ring_args(ring), tag,
-        records if read_hashes is None else read_hashes, READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
+        records if read_hashes is None else read_hashes,
+        READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
         HAS_CONTEXT=view.context_keys is not None, SENTINEL=sentinel and bool(sources),
         AFTER_FORWARD=after_forward and mapping.ring > 0, READ_HASHES=read_mode.value,
         BLOCK=tiling.block, num_warps=tiling.num_warps,

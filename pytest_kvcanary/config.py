@@ -35,9 +35,9 @@ class CanaryConfig:
     write_* reasons when a forward's tokens/positions disagree with the engine's bookkeeping.
     recheck: after each forward, verify its read set again (records, and the bytes of the deepest
     layer per half that the fingerprint samples, against what the check before the forward read),
-    so damage done inside the forward is reported before its samples are used. drain_interval: forwards between asynchronous drains
-    of the device log (1 = every forward, synchronously: for debugging); the log is also drained
-    whenever it is read."""
+    so damage done inside the forward is reported before its samples are used. drain_interval:
+    forwards between asynchronous drains of the device log (1 = every forward, synchronously: for
+    debugging); the log is also drained whenever it is read."""
 
     mode: str = "log"
     real_data: str = "partial"
