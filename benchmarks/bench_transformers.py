@@ -15,7 +15,9 @@ off (no hooks) and on (the CanaryRuntime with the Triton kernels: HEAD, RECHECK 
 step over the FULL group, real_data as given, token checks on, the sweep every SWEEP steps, the
 violation log drained as the runtime's drain_interval says). Each configuration runs once to warm
 up (Triton compiles, CUDA graphs are captured) and is then timed over `--repeats` generations.
-The canary-on runs must report no violation.
+The canary-on runs must report no violation. Without CUDA graphs the step is host-bound Python and
+its time moves between runs by more than the canary costs (benchmarks/RESULTS.md): compare the
+graph rows.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ if wants transformers; then
   step tf-eager 150 python3 -m pytest --kv-canary --kv-canary-engine transformers examples/ -p no:cacheprovider -q
   KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 step tf-graphs 150 python3 -m pytest --kv-canary \
     --kv-canary-engine transformers examples/ -p no:cacheprovider -q
-  [ -f benchmarks/bench_transformers.py ] && step tf-bench 150 python3 benchmarks/bench_transformers.py
+  [ -f benchmarks/bench_transformers.py ] && step tf-bench 300 python3 benchmarks/bench_transformers.py
 fi
 
 echo
