@@ -50,7 +50,7 @@ from kvcanary_kernels import (
 )
 from kvcanary_kernels.launch import mapping_args, source_args, token_args
 from kvcanary_kernels.lookup import known_token, map_slot
-from kvcanary_kernels.record_access import successor_hash
+from kvcanary_kernels.record_access import WIDTH, field_ptrs, successor_hash
 from kvcanary_kernels.records import FIELD_REAL_KV_HASH, RECORD_WIDTH, GroupKind, Half, Phase, launch_tag
 
 
@@ -59,7 +59,6 @@ class Case(NamedTuple):
     row_elems: int  # bf16 elements per slot
 
 
-_RECORD_WIDTH = tl.constexpr(RECORD_WIDTH)
 CASES = (Case("layer", 8 * 128), Case("row256", 128))
 MODES = (RealDataMode.NONE, RealDataMode.PARTIAL, RealDataMode.ALL)
 HEAD = launch_tag(Phase.HEAD, Half.K, GroupKind.FULL)
@@ -127,8 +126,8 @@ def _reads_only_kernel(records, source, mapping, tokens, out, seq_len, READ_WORD
     live = on & (slots != 0)
     prev_slots = map_slot(mapping, MAP, row, pos - 1, live & (pos > 0))
     acc = known_token(tokens, row, pos, live) + successor_hash(records, prev_slots, prev_slots != 0).to(tl.int64)
-    for field in tl.static_range(_RECORD_WIDTH):
-        acc += tl.load(records + slots * _RECORD_WIDTH + field, mask=live, other=0)
+    for field in tl.static_range(WIDTH):
+        acc += tl.load(field_ptrs(records, slots, field), mask=live, other=0)
     # The row in [BLOCK, chunk] tiles, each loaded before the previous is summed (as the fingerprint does).
     cols = tl.arange(0, CHUNK)
     ptrs = words + ((slots // PAGE_SIZE) * row_stride + (slots % PAGE_SIZE) * words_per_token)[:, None] + cols[None, :]
