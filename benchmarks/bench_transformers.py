@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from pytest_kvcanary.adapters.transformers_cb import TransformersEngine, load
-from pytest_kvcanary.adapters.transformers_cb.model import byte_tokenizer
+from pytest_kvcanary.adapters.byte_tokenizer import byte_tokenizer
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.harness import EngineHandle
 

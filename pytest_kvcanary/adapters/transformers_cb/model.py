@@ -9,19 +9,14 @@ directory and loaded from there like any checkpoint.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ...engines import UnsupportedAttention
-from ..byte_tokenizer import byte_tokenizer
+from ..random_checkpoint import write_random_checkpoint
 
 ATTENTION_KINDS = ("mha", "swa")
 SLIDING_WINDOW = 24  # tokens; test prompts slide past it
-
-_checkpoints: dict[tuple[str, int], tempfile.TemporaryDirectory] = {}
 
 
 def random_model_config(attention: str) -> Any:
@@ -42,19 +37,7 @@ def random_model_config(attention: str) -> Any:
 
 def random_checkpoint(attention: str, seed: int) -> Path:
     """The directory of the seeded random checkpoint (model and tokenizer), written on first use."""
-    key = (attention, seed)
-    if key not in _checkpoints:
-        from transformers import AutoModelForCausalLM
-
-        config = random_model_config(attention)
-        directory = tempfile.TemporaryDirectory(prefix=f"kvcanary-{attention}-{seed}-")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config)
-        model.save_pretrained(directory.name)
-        byte_tokenizer().save_pretrained(directory.name)
-        _checkpoints[key] = directory
-    return Path(_checkpoints[key].name)
+    return write_random_checkpoint(random_model_config(attention), f"kvcanary-{attention}", seed)
 
 
 def load(path: str | Path, device: str) -> tuple[Any, Any]:

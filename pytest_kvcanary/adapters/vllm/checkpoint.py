@@ -10,16 +10,13 @@ latent row of 512 + 64).
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..byte_tokenizer import byte_tokenizer
+from ..random_checkpoint import write_random_checkpoint
 
 ATTENTION_KINDS = ("mha", "swa", "mla")
 SLIDING_WINDOW = 24  # tokens
-
-_checkpoints: dict[tuple[str, int], tempfile.TemporaryDirectory] = {}
 
 
 def random_model_config(attention: str) -> Any:
@@ -43,17 +40,7 @@ def random_model_config(attention: str) -> Any:
 def random_checkpoint(attention: str, seed: int) -> Path:
     """The directory of the seeded random checkpoint (bfloat16 weights, what vLLM's CPU build
     computes in, and tokenizer), written on first use."""
-    key = (attention, seed)
-    if key not in _checkpoints:
-        import torch
-        from transformers import AutoModelForCausalLM
+    import torch
 
-        config = random_model_config(attention)
-        directory = tempfile.TemporaryDirectory(prefix=f"kvcanary-vllm-{attention}-{seed}-")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-        model.save_pretrained(directory.name)
-        byte_tokenizer().save_pretrained(directory.name)
-        _checkpoints[key] = directory
-    return Path(_checkpoints[key].name)
+    return write_random_checkpoint(random_model_config(attention), f"kvcanary-vllm-{attention}", seed,
+                                   torch.bfloat16)
