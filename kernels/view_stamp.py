@@ -175,7 +175,11 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
     One ring row (slot, position p, row rows[b]) per stamped entry failing a check: with
     check_write_inputs, positions[t] != p (write_position) and, with check_tokens and a token
     table, a known token != input_ids[t] (write_token); with written_hashes ([T] int64, what the
-    forward computed), the fingerprint != written_hashes[t] (write_real_kv_hash).
+    forward computed), the fingerprint != written_hashes[t] (write_real_kv_hash). The write-input
+    checks compare what the forward consumed (view.input_ids / positions, the tensors its model
+    read) with the engine's bookkeeping: write_position with p = prefix_lens[b] + j, the position
+    whose slot the entry wrote (stored: positions[t], expected: p); write_token with the token
+    table's token at (rows[b], p) (stored: input_ids[t], expected: the table's).
 
     Counts the call once in ring.kernel_runs[tag] and the stamped slots in ring.slot_runs[tag].
     Two launches, graph-safe, grids from the batch and token capacities only: one over batch

@@ -29,7 +29,7 @@ replay it with the view's tensors refilled in place; end_forward is never captur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvcanary_kernels.records import GroupKind, Half
 
@@ -130,6 +130,16 @@ class Capacities:
                 raise ValueError(f"Capacities.{name} must be an integer >= 1; got {value!r}")
 
 
+class GroupInputs(NamedTuple):
+    """What the model that writes one pool group consumed, when that is not the model the view's
+    own input_ids / positions fed (a draft model filling its pool in the same forward as the
+    target): per token, in view order, the token ids it embedded and the positions its RoPE used.
+    int64 [T] on the engine's device, like the view's."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+
+
 @dataclass(frozen=True)
 class ForwardView:
     """One forward as the canary sees it: int64 tensors on the engine's device, fixed shapes.
@@ -139,11 +149,17 @@ class ForwardView:
     [prefix_len, prefix_len + extend_len); 1 in decode). A padded row has prefix_len 0 and
     extend_len 0 (its row value is ignored).
     Per token (length T <= max_tokens; row-major in batch order; entries past sum(extend_lens)
-    are padding): input_ids, positions (as the engine computed them).
+    are padding): input_ids, positions: the very tensors the forward consumed (its embedding's
+    token ids, its RoPE positions; or device copies made from them), never a second copy rebuilt
+    from the engine's bookkeeping, so that TAIL's write-input checks compare what the forward used
+    with what the bookkeeping says: write_position compares positions[t] with prefix_len + j, the
+    position whose slot the forward wrote; write_token compares input_ids[t] with token_table.
     Optional: token_table ``[rows, max_context]``, the token the engine believes each (row,
     position) holds (enables verify_token at HEAD and write_token at TAIL); context_keys [B],
     a per-request context (LoRA adapter, cache salt, image hash; 0 = none) that seeds each chain's
-    anchor, so KV reused across contexts fails at position 0.
+    anchor, so KV reused across contexts fails at position 0; group_inputs: for a pool group
+    written by another model than the one input_ids / positions fed (a draft model's pool), what
+    that model consumed: TAIL stamps and checks that group from it.
 
     The slots a forward writes are mapping(row, prefix_len + j): they must be in the mapping
     before before_forward.
@@ -156,6 +172,7 @@ class ForwardView:
     positions: torch.Tensor
     token_table: torch.Tensor | None = None
     context_keys: torch.Tensor | None = None
+    group_inputs: Mapping[GroupKind, GroupInputs] | None = None
 
 
 class CacheWalk(NamedTuple):

@@ -48,8 +48,12 @@ class KernelSet:
         self.source_hash_rows: Callable = getattr(K, "source_hash_rows" + suffix)
 
 
-def _view_args(view: ForwardView) -> K.ViewArgs:
-    return K.ViewArgs(view.rows, view.prefix_lens, view.extend_lens, view.input_ids, view.positions,
+def _view_args(view: ForwardView, kind: GroupKind | None = None) -> K.ViewArgs:
+    """The view as the kernels take it; with a group kind, fed by what that group's writer
+    consumed (view.group_inputs) where the view says so."""
+    own = None if kind is None or view.group_inputs is None else view.group_inputs.get(kind)
+    input_ids, positions = (view.input_ids, view.positions) if own is None else own
+    return K.ViewArgs(view.rows, view.prefix_lens, view.extend_lens, input_ids, positions,
                       view.token_table, view.context_keys)
 
 
@@ -134,10 +138,10 @@ class CanaryRuntime:
         self.ring.advance_step()
 
     def _recheck_and_stamp(self, view: ForwardView) -> None:
-        args = _view_args(view)
         if self.config.recheck:
-            self._verify_view(args, Phase.RECHECK)
+            self._verify_view(_view_args(view), Phase.RECHECK)
         for group in self.groups:
+            args = _view_args(view, group.pool.kind)
             for half, state in group.halves.items():
                 self.kernels.stamp_view(
                     state.records, state.sources, group.mapping, args, self.ring,

@@ -2,11 +2,13 @@
 
 A decode batch of n requests runs at the smallest captured size B >= n (powers of two up to
 max_running). Everything the step reads lives in static buffers refilled in place before each run:
-input ids, positions, the rows' mapping rows, and the canary's ForwardView over the same tensors
-(padding rows: prefix 0, extend 0, writing nothing). With graphs, before_forward + the model +
-after_forward are captured at a size's first step and replayed from then on; end_forward runs
-after each. Observers of the canary (the fault injector) do not run inside a graph. In "padded"
-mode the same step runs eagerly (the path a graph replays, runnable on a CPU).
+input ids, positions (the scheduler's, as an eager forward gets them), the rows' mapping rows and
+prefix lengths. The canary's ForwardView is those same tensors, so its write-input checks see what
+the model consumed, replayed or not (padding rows: prefix 0, extend 0, writing nothing). With
+graphs, before_forward + the model + after_forward are captured at a size's first step and
+replayed from then on; end_forward runs after each. Observers of the canary (the fault injector)
+do not run inside a graph. In "padded" mode the same step runs eagerly (the path a graph replays,
+runnable on a CPU).
 """
 
 from __future__ import annotations
@@ -76,10 +78,11 @@ class DecodeStep:
         self.next_tokens = zeros()
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    def fill(self, rows: list[int], prefix_lens: list[int], input_ids: list[int], context_keys: list[int]) -> None:
+    def fill(self, rows: list[int], prefix_lens: list[int], input_ids: list[int], positions: list[int],
+             context_keys: list[int]) -> None:
         pad = self.size - len(rows)
         v = self.view
-        for dst, values, fill in ((v.rows, rows, 0), (v.prefix_lens, prefix_lens, 0), (v.positions, prefix_lens, 0),
+        for dst, values, fill in ((v.rows, rows, 0), (v.prefix_lens, prefix_lens, 0), (v.positions, positions, 0),
                                   (v.input_ids, input_ids, 0), (v.context_keys, context_keys, 0),
                                   (v.extend_lens, [1] * len(rows), 0)):
             dst.copy_(torch.tensor(values + [fill] * pad, dtype=torch.int64), non_blocking=True)
@@ -123,11 +126,11 @@ class DecodeGraphs:
             step.graph = None
 
     def run(self, hooks: ForwardHooks | None, rows: list[int], prefix_lens: list[int], input_ids: list[int],
-            context_keys: list[int]) -> list[int]:
-        """One decode forward of len(rows) requests; returns each one's greedy next token. The
-        caller calls hooks.end_forward() after it."""
+            positions: list[int], context_keys: list[int]) -> list[int]:
+        """One decode forward of len(rows) requests (one token each: input_ids, at positions);
+        returns each one's greedy next token. The caller calls hooks.end_forward() after it."""
         step = next(s for s in self.steps if s.size >= len(rows))
-        step.fill(rows, prefix_lens, input_ids, context_keys)
+        step.fill(rows, prefix_lens, input_ids, positions, context_keys)
         if not self.use_graphs:
             step.forward(hooks)
         elif step.graph is None:

@@ -17,7 +17,7 @@ import torch
 
 from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.host import (
-    CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping,
+    CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, SlotMapping,
 )
 
 from .attention import PagedKV
@@ -198,8 +198,8 @@ class Engine:
         hooks = self._hooks
         self._note_rows(batch)
         if not batch.is_prefill and self._decode is not None:
-            tokens = self._decode.run(hooks, [r.row for r in batch.reqs], batch.prefix_lens,
-                                      batch.input_ids.tolist(), [r.context_key for r in batch.reqs])
+            tokens = self._decode.run(hooks, [r.row for r in batch.reqs], batch.prefix_lens, batch.input_ids.tolist(),
+                                      batch.positions.tolist(), [r.context_key for r in batch.reqs])
             self._forwarded(hooks)
             return [[t] for t in tokens]
         view = self._view(batch)
@@ -210,7 +210,8 @@ class Engine:
         if self.drafter is not None and batch.is_prefill:
             self.drafter.prefill(batch, view.input_ids, view.positions, contexts, on_store)
         elif self.drafter is not None:
-            self.drafter.draft(batch, view.input_ids, contexts, on_store)
+            draft = view.group_inputs[GroupKind.DRAFT]
+            self.drafter.draft(batch, draft.input_ids, view.positions, draft.positions, contexts, on_store)
         kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
                      batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device), on_store=on_store)
         hidden = self.model(view.input_ids, view.positions, kv, contexts)
@@ -241,17 +242,27 @@ class Engine:
             self.token_table[req.row, len(known):] = -1
 
     def _view(self, batch: Batch) -> ForwardView:
-        """The batch on the engine's device."""
+        """The batch on the engine's device. Its input_ids and positions are the tensors the
+        forward consumes (the model and, in a prefill, the draft read them; a speculative decode's
+        draft writes its proposals into input_ids), so TAIL checks what the forward used against
+        the bookkeeping (token_table, prefix_lens). A speculative decode's draft forwards run at
+        positions of their own: they fill the DRAFT group's positions, from which its model reads
+        them."""
 
         def on_device(values: list[int] | torch.Tensor) -> torch.Tensor:
             return torch.as_tensor(values, dtype=torch.int64).to(self.device)
 
+        input_ids, positions = on_device(batch.input_ids), on_device(batch.positions)
+        draft = None
+        if self.drafter is not None and not batch.is_prefill:  # -1: no draft forward ran there yet
+            draft = {GroupKind.DRAFT: GroupInputs(input_ids, torch.full_like(positions, -1))}
         return ForwardView(
             rows=on_device([r.row for r in batch.reqs]),
             prefix_lens=on_device(batch.prefix_lens),
             extend_lens=on_device(batch.extend_lens),
-            input_ids=on_device(batch.input_ids),
-            positions=on_device(batch.positions),
+            input_ids=input_ids,
+            positions=positions,
             token_table=self.token_table,
             context_keys=on_device([r.context_key for r in batch.reqs]),
+            group_inputs=draft,
         )

@@ -8,9 +8,12 @@ in a prefill over the same tokens, so its KV covers every token the radix cache 
 over positions [L, L + e) of each request (L = its KV length, e = min(k + 1, tokens it still
 needs)), one position per draft forward:
 
-    draft forward j = 0..e-1   input: the last token (j = 0), else its own proposal j; writes the
-                               draft KV of position L + j and proposes the token after it
+    draft forward j = 0..e-1   input: the last token (j = 0), else its own proposal j, at the
+                               forward's position of that token; writes the draft KV of position
+                               L + j and proposes the token after it
     view.input_ids, token_table  now hold the last token and the e - 1 proposals
+    view.group_inputs[DRAFT]   the draft's own inputs: view.input_ids and the positions each draft
+                               forward ran at, which it read from there
     target forward             writes [L, L + e) and predicts the token after each position
     accept                     the proposals the target agrees with, in order, then the target's
                                own next token: 1..e new tokens, so greedy outputs equal plain
@@ -18,7 +21,9 @@ needs)), one position per draft forward:
 
 For the canary the draft forwards and the target forward are one forward: HEAD before the draft
 checks both pools' slots of [0, L), TAIL after the target stamps both pools' slots of [L, L + e)
-with the tokens written there, rejected proposals included. The scheduler then frees the slots of
+with the tokens written there, rejected proposals included; the DRAFT group's write-input checks
+compare what the draft forwards consumed with the bookkeeping (a draft forward at position L + j + 1
+writing the slot of L + j is a write_position). The scheduler then frees the slots of
 the rejected positions (`Scheduler.process`); their records are stamped again when a forward
 writes the slots next.
 """
@@ -77,32 +82,44 @@ class Drafter:
                      positions, batch.out_cache_loc.to(positions.device), on_store=on_store)
         self.model(input_ids, positions, kv, contexts)
 
-    def draft(self, batch: Batch, input_ids: torch.Tensor, contexts: torch.Tensor,
-              on_store: KVStoreListener | None) -> None:
-        """Run the draft over each request's decode positions, writing its proposals into input_ids
-        (the view's, in place) and the token table. on_store hears each layer's draft KV rows once,
-        in the view's token order, after the last draft forward."""
+    def draft(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor, draft_positions: torch.Tensor,
+              contexts: torch.Tensor, on_store: KVStoreListener | None) -> None:
+        """Run the draft over each request's decode positions, one draft forward per position. A
+        draft forward reads its tokens from input_ids (the view's) and its positions from
+        draft_positions (the DRAFT group's, per token in view order), which it first fills from
+        the forward's `positions` (step_positions); it writes its proposals into input_ids, in
+        place, and the token table. Its slots are the batch's, so what the draft's KV was computed
+        at stands in draft_positions for the canary to check. on_store hears each layer's draft
+        KV rows once, in the view's token order, after the last draft forward."""
         device = input_ids.device
         starts = torch.tensor([0] + batch.extend_lens[:-1]).cumsum(0).tolist()
         rows = None if on_store is None else _ViewOrderRows(input_ids.numel())
         for j in range(max(batch.extend_lens)):
             live = [b for b, e in enumerate(batch.extend_lens) if e > j]
             index = torch.tensor([starts[b] + j for b in live], device=device)
-            positions = torch.tensor([batch.prefix_lens[b] + j for b in live], device=device)
+            draft_positions[index] = self.step_positions(positions, index)
+            step = draft_positions[index]
             if rows is not None:
                 rows.index = index
-            kv = PagedKV(self.pool, self.table, [batch.reqs[b].row for b in live], positions.tolist(), [1] * len(live),
-                         positions, batch.out_cache_loc.to(device)[index], on_store=rows)
-            hidden = self.model(input_ids[index], positions, kv, contexts[index])
+            kv = PagedKV(self.pool, self.table, [batch.reqs[b].row for b in live],
+                         [batch.prefix_lens[b] + j for b in live], [1] * len(live), step,
+                         batch.out_cache_loc.to(device)[index], on_store=rows)
+            hidden = self.model(input_ids[index], step, kv, contexts[index])
             proposals = self.model.compute_logits(hidden).argmax(-1)
             more = [i for i, b in enumerate(live) if batch.extend_lens[b] > j + 1]
             if more:
                 input_ids[index[more] + 1] = proposals[more]
                 table_rows = torch.tensor([batch.reqs[live[i]].row for i in more], device=device)
-                self.token_table[table_rows, positions[more] + 1] = proposals[more]
+                table_positions = torch.tensor([batch.prefix_lens[live[i]] + j + 1 for i in more], device=device)
+                self.token_table[table_rows, table_positions] = proposals[more]
         if rows is not None:
             for layer, (k, v) in sorted(rows.layers.items()):
                 on_store(GroupKind.DRAFT, layer, k, v)
+
+    def step_positions(self, positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The positions one draft forward runs at: the forward's positions of the tokens it
+        drafts (view token indices `index`)."""
+        return positions[index]
 
     def accept(self, batch: Batch, input_ids: torch.Tensor, predicted: list[int]) -> list[list[int]]:
         """Per request, the new tokens: the proposals the target's greedy predictions (one per

@@ -78,22 +78,27 @@ class _RecordingKV(DenseKV):
 @torch.no_grad()
 def kv_off_reference(engine: Engine, req: Request) -> set[tuple[str, int]]:
     """(group, position) of every position whose K or V, as the request's next forward would read
-    it through its mapping (FULL layers: [0, kv_len); windowed layers: the last `window`), differs
-    from what a forward of its tokens with no cache at all computes. Independent of the canary."""
+    it through its mapping (FULL layers: [0, kv_len); windowed layers: the last `window`; with
+    speculative decoding, the draft model's layers: [0, kv_len)), differs from what a forward of
+    its tokens at their positions with no cache at all computes. Independent of the canary."""
     n = req.kv_len
     positions = torch.arange(n, device=engine.device)
-    recording = _RecordingKV(positions)
     ids = torch.tensor(req.token_ids[:n], device=engine.device)
-    engine.model(ids, positions, recording, torch.full_like(positions, req.context_key))
     table = engine.req_to_token_pool.table[req.row]
+    models = [(engine.model, engine.pools.layer)]
+    if engine.drafter is not None:
+        models.append((engine.drafter.model, engine.pools.draft.layer))
     off = set()
-    for layer, computed in recording.kv.items():
-        buf = engine.pools.layer(layer)
-        start = 0 if buf.slot_map is None else max(0, n - WINDOW)
-        slots = table[start:n] if buf.slot_map is None else buf.slot_map[table[start:n]]
-        for truth, pool in zip(computed, (buf.k, buf.v)):
-            close = torch.isclose(pool[slots], truth[start:n], rtol=1e-3, atol=1e-4).flatten(1).all(1)
-            off |= {(buf.group.name, start + i) for i in (~close).nonzero().flatten().tolist()}
+    for model, layer_kv in models:
+        recording = _RecordingKV(positions)
+        model(ids, positions, recording, torch.full_like(positions, req.context_key))
+        for layer, computed in recording.kv.items():
+            buf = layer_kv(layer)
+            start = 0 if buf.slot_map is None else max(0, n - WINDOW)
+            slots = table[start:n] if buf.slot_map is None else buf.slot_map[table[start:n]]
+            for truth, pool in zip(computed, (buf.k, buf.v)):
+                close = torch.isclose(pool[slots], truth[start:n], rtol=1e-3, atol=1e-4).flatten(1).all(1)
+                off |= {(buf.group.name, start + i) for i in (~close).nonzero().flatten().tolist()}
     return off
 
 

@@ -21,6 +21,7 @@ from pytest_kvcanary.engine.attention import PagedKV
 from pytest_kvcanary.engine.decode_graphs import PaddedDecodeKV
 from pytest_kvcanary.engine.radix_cache import RadixCache
 from pytest_kvcanary.engine.scheduler import Scheduler
+from pytest_kvcanary.engine.speculative import Drafter
 
 from scenario_support import (
     attach_canary, first_reports, kv_off_reference, make_engine, off_greedy_reference, owner_of, reports,
@@ -103,6 +104,14 @@ def first_decode(engine: Engine) -> list[Request]:
     return [req]
 
 
+def first_speculative_decode(engine: Engine) -> list[Request]:
+    """An 8-token prompt prefilled at step 0; step 1 drafts and verifies positions 8-11 (k = 3)."""
+    req = engine.submit(tokens(70, 8), 8)
+    engine.step()
+    engine.step()
+    return [req]
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A workload and the engine (attention, EngineConfig fields) and canary settings it runs with."""
@@ -127,6 +136,7 @@ SCENARIOS = {
     "padded decode": Scenario(padded_decode, engine={"decode_mode": "padded"}),
     "swa long decode": Scenario(long_decode, "swa"),
     "first decode": Scenario(first_decode),
+    "first speculative decode": Scenario(first_speculative_decode, engine={"speculative_k": 3}),
 }
 
 
@@ -346,3 +356,29 @@ def test_a_forward_fed_another_token_than_the_engine_holds_is_a_write_token_at_t
     slot = int(engine.req_to_token_pool.table[req.row, 8])
     assert first_reports(runtime) == (1, reports(BOTH, ("TAIL",), "FULL", ("write_token",), [(slot, 8, req.row)]))
     assert {(v.stored, v.expected) for v in runtime.log.violations} == {(fed, held)}
+
+
+# ---- 7. a draft forward at the wrong position --------------------------------------------------------
+
+
+def draft_runs_one_position_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft's decode forwards run at the position after the one whose slot they write (SGLang
+    #25015: the draft's positions advanced before each draft forward instead of after it): position
+    p's draft KV is computed at p + 1, into p's slot."""
+    step_positions = Drafter.step_positions
+    monkeypatch.setattr(Drafter, "step_positions",
+                        lambda self, positions, index: step_positions(self, positions, index) + 1)
+
+
+def test_a_draft_forward_at_the_next_position_is_a_write_position_at_tail_of_that_forward(monkeypatch):
+    draft_runs_one_position_ahead(monkeypatch)
+    engine, runtime, (req,) = SCENARIOS["first speculative decode"].run()
+    kept = range(8, req.kv_len)  # the positions step 1 wrote and kept: at least its first, 8
+    # The draft's KV is off where it wrote, the target's is not; the target verifies every
+    # proposal, so the outputs stay the no-cache greedy tokens: only the canary sees it.
+    assert kv_off_reference(engine, req) == {("DRAFT", p) for p in kept}
+    assert not off_greedy_reference(engine, req)
+    written = engine.req_to_token_pool.table[req.row, 8:12].tolist()  # rejected ones' entries stay
+    assert first_reports(runtime) == (1, reports(BOTH, ("TAIL",), "DRAFT", ("write_position",),
+                                                 [(slot, 8 + j, req.row) for j, slot in enumerate(written)]))
+    assert {(v.stored, v.expected) for v in runtime.log.violations if v.step == 1} == {(p + 1, p) for p in range(8, 12)}
