@@ -84,13 +84,14 @@ class Drafter:
 
     def draft(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor, draft_positions: torch.Tensor,
               contexts: torch.Tensor, on_store: KVStoreListener | None) -> None:
-        """Run the draft over each request's decode positions, one draft forward per position. A
-        draft forward reads its tokens from input_ids (the view's) and its positions from
-        draft_positions (the DRAFT group's, per token in view order), which it first fills from
-        the forward's `positions` (step_positions); it writes its proposals into input_ids, in
-        place, and the token table. Its slots are the batch's, so what the draft's KV was computed
-        at stands in draft_positions for the canary to check. on_store hears each layer's draft
-        KV rows once, in the view's token order, after the last draft forward."""
+        """One draft forward per decode position of each request. Draft forward j fills its
+        entries of draft_positions (the DRAFT group's inputs, per token in view order) with
+        step_positions, then reads its positions from there and its tokens from input_ids (the
+        view's); it writes the draft KV of positions prefix_len + j into their slots and its
+        proposals into input_ids (in place) and the token table. draft_positions thus ends
+        holding the position each draft KV row was computed at, for the canary to check against
+        its slot's. on_store hears each layer's draft KV rows once, in the view's token order,
+        after the last draft forward."""
         device = input_ids.device
         starts = torch.tensor([0] + batch.extend_lens[:-1]).cumsum(0).tolist()
         rows = None if on_store is None else _ViewOrderRows(input_ids.numel())

@@ -1,9 +1,10 @@
 """Historic KV-cache bug mechanisms, reintroduced into the reference engine's real code paths.
 
-Each bug test patches one mechanism into the scheduler, the radix cache or a KV store, runs a
-workload, proves the damage without the canary (the KV a forward reads, or the greedy outputs,
-against a forward with no cache at all), and checks that the canary's first report names the
-damaged slot and position with the right reason, in the forward that did or read the damage.
+Each bug test patches one mechanism into the scheduler, the radix cache, a KV store or the
+speculative drafter, runs a workload, proves the damage without the canary (the KV a forward
+reads, or the greedy outputs, against a forward with no cache at all), and checks that the
+canary's first report names the damaged slot and position with the right reason, in the forward
+that did or read the damage.
 The same workloads without the bugs run to completion clean (test_workload_without_the_bug_is_clean).
 """
 
