@@ -1,6 +1,6 @@
 """Device-side real-KV fingerprint of a block of slots.
 
-Per source, over the slot's first ``read_words`` int64 words ``w_i``, each split into 32-bit
+Per source, over the ``read_words`` int64 words ``w_i`` of the slot it samples, each split into 32-bit
 halves ``lo_i``, ``hi_i`` and keyed by ``k_i = mix(i + 1)`` (halves ``klo_i``, ``khi_i``):
 ``a = (lo_i + klo_i) mod 2**32``, ``b = (hi_i + khi_i) mod 2**32``, and
 ``source_hash = sum_i (a * b + a + b)`` (wrapping uint64). ``a * b + a + b = (a + 1)(b + 1) - 1``
@@ -15,9 +15,10 @@ form) cost two 64-bit multiplies and six shifts, and measurably less bandwidth
 (benchmarks/RESULTS.md).
 
 The sources travel as two tuples, ``launch.source_args(sources, chunk)``: per source
-``(words, row_stride, words_per_token)`` and the constexpr ``(READ_WORDS, CHUNK, PAGE_SIZE)``
-(CHUNK a power of two); slot ``s`` reads
-``words[(s // page_size) * row_stride + (s % page_size) * words_per_token + i]``. A program walks
+``(words, row_stride, words_per_token)`` and the constexpr ``(READ_WORDS, CHUNK, PAGE_SIZE, STRIDE_WORDS)`` (CHUNK a power of two, words starting at the
+source's first sample); slot ``s``'s i-th read word is
+``words[(s // page_size) * row_stride + (s % page_size) * words_per_token + (i // 2) * STRIDE_WORDS
++ i % 2]`` (a 16-byte sample every STRIDE_WORDS words; STRIDE_WORDS = 2: one run). A program walks
 its slots' words in ``[BLOCK, CHUNK]`` tiles (coalesced 16-byte loads along each slot's row, one
 tile ahead of the hashing, streamed past L2 so records stay cached), adds the hashed words into a
 tile accumulator and reduces it once at the end.
@@ -41,12 +42,14 @@ def word_terms(words, keys):
 
 @triton.jit
 def source_hash(words, row_stride, words_per_token, slots, mask, READ_WORDS: tl.constexpr, CHUNK: tl.constexpr,
-                PAGE_SIZE: tl.constexpr):
+                PAGE_SIZE: tl.constexpr, STRIDE_WORDS: tl.constexpr):
     """uint64 hash of one source's words for each lane's slot (lanes off ``mask``: meaningless)."""
     # Every source offset is a multiple of 16 bytes (validated on the host).
     base = tl.multiple_of((slots // PAGE_SIZE) * row_stride + (slots % PAGE_SIZE) * words_per_token, 2)
     cols = tl.arange(0, CHUNK)
-    ptrs = words + base[:, None] + cols[None, :]
+    # Word i of the read lies at (i // 2) * STRIDE_WORDS + i % 2; CHUNK is even, so a chunk
+    # starting at read word `start` starts at (start // 2) * STRIDE_WORDS.
+    ptrs = words + base[:, None] + ((cols // 2) * STRIDE_WORDS + cols % 2)[None, :]
     tile = tl.load(ptrs, mask=mask[:, None] & (cols < READ_WORDS)[None, :], other=0,
                    eviction_policy="evict_first")
     acc = tl.zeros([slots.shape[0], CHUNK], tl.uint64)
@@ -54,7 +57,7 @@ def source_hash(words, row_stride, words_per_token, slots, mask, READ_WORDS: tl.
         # Load the next chunk before hashing this one, so loads stay in flight while hashing.
         current = tile
         ahead = start + CHUNK + cols
-        tile = tl.load(ptrs + start + CHUNK, mask=mask[:, None] & (ahead < READ_WORDS)[None, :], other=0,
+        tile = tl.load(ptrs + (start + CHUNK) // 2 * STRIDE_WORDS, mask=mask[:, None] & (ahead < READ_WORDS)[None, :], other=0,
                        eviction_policy="evict_first")
         hashed = word_terms(as_u64(current), mix((start + cols + 1).to(tl.uint64))[None, :])
         if READ_WORDS % CHUNK != 0:
@@ -72,6 +75,7 @@ def slot_fingerprint(sources, READS: tl.constexpr, slots, mask):
     for k in tl.static_range(len(READS)):
         words, row_stride, words_per_token = sources[k]
         # Indexed, not unpacked: unpacking a constexpr tuple loses constexpr-ness when compiled.
-        last = source_hash(words, row_stride, words_per_token, slots, mask, READS[k][0], READS[k][1], READS[k][2])
+        last = source_hash(words, row_stride, words_per_token, slots, mask, READS[k][0], READS[k][1], READS[k][2],
+                           READS[k][3])
         acc = mix(acc ^ last)
     return acc, last

@@ -180,7 +180,8 @@ def check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
 
-def rows_source(rows: torch.Tensor, read_bytes: int, out: torch.Tensor) -> RealKvSource | None:
+def rows_source(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, sample_offset: int = 0,
+                sample_stride: int = 16) -> RealKvSource | None:
     """The arguments of ``source_hash_rows``, checked, as a source of one slot per row (None when
     there are no rows)."""
     if not isinstance(rows, torch.Tensor) or rows.dim() < 2:
@@ -189,7 +190,7 @@ def rows_source(rows: torch.Tensor, read_bytes: int, out: torch.Tensor) -> RealK
     if rows.shape[0] == 0:
         return None
     return RealKvSource(rows, page_size=1, num_bytes_per_token=rows[0].numel() * rows.element_size(),
-                        read_bytes=read_bytes)
+                        read_bytes=read_bytes, sample_offset=sample_offset, sample_stride=sample_stride)
 
 
 def _desc(t: object) -> str:
@@ -203,13 +204,13 @@ def _desc(t: object) -> str:
 
 def source_args(sources: Sequence[RealKvSource], chunk: int) -> tuple[tuple, tuple]:
     """Per source ``(words, row_stride, words_per_token)`` and the matching constexpr
-    ``(read_words, chunk, page_size)``, as two tuples for ``slot_fingerprint``."""
+    ``(read_words, chunk, page_size, stride_words)``, as two tuples for ``slot_fingerprint``."""
     args, reads = [], []
     for src in sources:
         words = src.words()
         args.append((words, words.stride(0), src.num_bytes_per_token // 8))
         read_words = src.read_bytes // 8
-        reads.append((read_words, min(chunk, next_power_of_2(read_words)), src.page_size))
+        reads.append((read_words, min(chunk, next_power_of_2(read_words)), src.page_size, src.sample_stride // 8))
     return tuple(args), tuple(reads)
 
 

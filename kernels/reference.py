@@ -45,11 +45,12 @@ def word_terms_ref(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def source_hash_ref(source: RealKvSource, slots: torch.Tensor) -> torch.Tensor:
-    """Wrapping sum over the slot's first read_words words of their terms keyed by ``mix(i + 1)``."""
+    """Wrapping sum over the slot's read_words sampled words of their terms keyed by ``mix(i + 1)``."""
     words = source.words()
     cols = torch.arange(source.read_bytes // 8, device=slots.device)
     pages = slots // source.page_size
-    offsets = (slots % source.page_size)[:, None] * (source.num_bytes_per_token // 8) + cols
+    at = (cols // 2) * (source.sample_stride // 8) + cols % 2
+    offsets = (slots % source.page_size)[:, None] * (source.num_bytes_per_token // 8) + at
     tile = words[pages[:, None], offsets]
     return word_terms_ref(tile, mix_torch(cols + 1)).sum(dim=1)
 
@@ -69,9 +70,9 @@ def successor_hash_ref(records: torch.Tensor, slots: torch.Tensor) -> torch.Tens
 
 
 def source_hash_rows_ref(rows: torch.Tensor, read_bytes: int, out: torch.Tensor,
-                         tiling: Tiling | None = None) -> None:
+                         tiling: Tiling | None = None, *, sample_offset: int = 0, sample_stride: int = 16) -> None:
     """Reference of ``source_hash_rows``."""
-    source = rows_source(rows, read_bytes, out)
+    source = rows_source(rows, read_bytes, out, sample_offset, sample_stride)
     if source is not None:
         out.copy_(source_hash_ref(source, torch.arange(rows.shape[0], device=rows.device)))
 

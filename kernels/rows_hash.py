@@ -16,17 +16,19 @@ def _source_hash_rows_kernel(source, n_rows, out, READS: tl.constexpr, BLOCK: tl
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     on = offs < n_rows
     words, row_stride, words_per_token = source[0]
-    hashes = source_hash(words, row_stride, words_per_token, offs, on, READS[0][0], READS[0][1], READS[0][2])
+    hashes = source_hash(words, row_stride, words_per_token, offs, on, READS[0][0], READS[0][1], READS[0][2],
+                         READS[0][3])
     tl.store(out + offs, as_i64(hashes), mask=on)
 
 
-def source_hash_rows(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, tiling: Tiling | None = None) -> None:
-    """``out[t]`` = the source hash of row t's first read_bytes (``fingerprint.source_hash`` over
-    its int64 words), for rows ``[T, ...]`` contiguous past dim 0 with 16-byte aligned rows (one
+def source_hash_rows(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, tiling: Tiling | None = None, *,
+                     sample_offset: int = 0, sample_stride: int = 16) -> None:
+    """``out[t]`` = the source hash of row t's read_bytes sampled as a RealKvSource samples them
+    (``fingerprint.source_hash`` over its int64 words; defaults: the first read_bytes), for rows ``[T, ...]`` contiguous past dim 0 with 16-byte aligned rows (one
     layer's new K or V, in token order) and out int64 [T].
     A slot holding row t's bytes then fingerprints as ``mix(acc ^ out[t])`` folded over its
     sources. Graph-safe; the grid depends on T only."""
-    source = rows_source(rows, read_bytes, out)
+    source = rows_source(rows, read_bytes, out, sample_offset, sample_stride)
     if source is None:
         return
     tiling = tiling or default_tiling([source])

@@ -23,7 +23,8 @@ def pick_layers(num_layers: int, count: int = MAX_SOURCES) -> list[int]:
 @dataclass
 class HalfState:
     """One half (K or V) of a group: its records, the sources its fingerprints fold (one per
-    picked layer, in order) and, for write-through, one row-hash buffer per source."""
+    picked layer, in order; in partial mode the picked layers share the KV heads out among them)
+    and, for write-through, one row-hash buffer per source."""
 
     records: torch.Tensor  # [num_slots, RECORD_WIDTH] int64
     sources: tuple[RealKvSource, ...]
@@ -67,7 +68,8 @@ class GroupState:
             if not layers:
                 continue
             readable = [] if half in pool.opaque_halves else pick_layers(len(layers))
-            picked = [(i, layer_source(layers[i], pool.page_size, real_data)) for i in readable]
+            picked = [(i, layer_source(layers[i], pool.page_size, real_data, share=(j, len(readable))))
+                      for j, i in enumerate(readable)]
             picked = [(i, s) for i, s in picked if s is not None]
             halves[half] = HalfState(
                 records=torch.zeros(pool.num_slots, RECORD_WIDTH, dtype=torch.int64, device=device),

@@ -125,8 +125,10 @@ class CanaryRuntime:
             i = state.source_layers.index(layer)
             out = state.stored_hashes[i]
             out.zero_()
+            src = state.sources[i]
             with self._on_device():
-                self.kernels.source_hash_rows(rows, state.sources[i].read_bytes, out[:rows.shape[0]])
+                self.kernels.source_hash_rows(rows, src.read_bytes, out[:rows.shape[0]],
+                                              sample_offset=src.sample_offset, sample_stride=src.sample_stride)
             state.stored.add(i)
 
     def after_forward(self, view: ForwardView) -> None:

@@ -115,7 +115,8 @@ class FaultInjector:
                 self._flip(spec, group, written_targets(view, group), byte=None)
 
     def _flip(self, spec: PerturbSpec, group: GroupState, targets: list[Target], byte: int | None) -> None:
-        """Flip one bit of one byte of a target slot in a layer the fingerprint reads. Slots that
+        """Flip one bit of a byte the fingerprint reads (``byte``: the index among its sampled bytes,
+        None: a random one) of a target slot in a layer the fingerprint reads. Slots that
         already hold a flip are passed over: a second flip could undo the first, and each fault
         stays one violation of its own."""
         damaged = self.ledger.damaged(self.side, group.pool.kind.name.lower())
@@ -125,10 +126,11 @@ class FaultInjector:
         t = self._rng.choice(targets)
         half = self._rng.choice([h for h, state in group.halves.items() if state.sources])
         source = self._rng.choice(group.halves[half].sources)
-        offset = self._rng.randrange(source.read_bytes) if byte is None else byte
+        sampled = source.sampled_bytes()
+        offset = sampled[self._rng.randrange(len(sampled)) if byte is None else byte]
         page, within = divmod(t.slot, source.page_size)
-        data = source.words().view(torch.uint8)
-        data[page, within * source.num_bytes_per_token + offset] ^= 1 << self._rng.randrange(8)
+        data = source.words().view(torch.uint8)  # starts at the source's first sampled byte
+        data[page, within * source.num_bytes_per_token + offset - source.sample_offset] ^= 1 << self._rng.randrange(8)
         self._record(spec, group, t, offset, half.name)
 
     def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:

@@ -27,13 +27,16 @@ Row = tuple[int, ...]
 
 
 class SourceSpec(NamedTuple):
-    """One KV layer: dtype, slots per page, elements per slot, read mode, extra elements per row."""
+    """One KV layer: dtype, slots per page, elements per slot, read mode, extra elements per row,
+    KV heads per slot, and the layer's share of the sampled layers (``layer_source``'s share)."""
 
     dtype: torch.dtype
     page_size: int
     elems: int
     mode: str = "all"
     row_pad: int = 0
+    heads: int = 1
+    share: tuple[int, int] = (0, 1)
 
 
 class MappingKind(NamedTuple):
@@ -185,7 +188,7 @@ class World:
         """A uint8 view of ``slot``'s bytes in sources[source] (writes go to the layer)."""
         src = self.sources[source]
         page, off = divmod(slot, src.page_size)
-        return src.words()[page].view(torch.uint8)[off * src.num_bytes_per_token :][: src.num_bytes_per_token]
+        return src.tensor[page].reshape(-1).view(torch.uint8)[off * src.num_bytes_per_token :][: src.num_bytes_per_token]
 
     def fill_kv(self, slots: list[int]) -> None:
         """The forward writes fresh KV bytes into ``slots`` (every source, whole slot)."""
@@ -312,7 +315,8 @@ def make_world(seed: int, mapping: str | MappingKind = "token",
         assert num_slots % spec.page_size == 0
         width = spec.page_size * spec.elems
         backing = random_bits(gen, (num_slots // spec.page_size, width + spec.row_pad), spec.dtype).to(DEVICE)
-        src = K.layer_source(backing[:, :width], spec.page_size, spec.mode)
+        layer = backing[:, :width].view(backing.shape[0], spec.page_size, spec.heads, -1)
+        src = K.layer_source(layer, spec.page_size, spec.mode, share=spec.share)
         if src is not None:
             sources.append(src)
     records = torch.randint(-(2**62), 2**62, (num_slots, 4), generator=gen, dtype=torch.int64).to(DEVICE)

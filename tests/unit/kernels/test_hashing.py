@@ -141,6 +141,21 @@ def test_partial_mode_reads_only_the_first_16_bytes(world_factory):
     assert len(_byte_flip_rows(world_factory, "partial", byte=15)) == 1
 
 
+def test_partial_mode_deals_every_kv_head_over_the_sampled_layers(world_factory):
+    """4 KV heads of 32 bytes over 2 sampled layers: layer 0 reads heads 0, 2, layer 1 heads 1, 3;
+    a flip in the first 16 bytes of any head of a slot is seen, one past them is not."""
+    specs = ((torch.bfloat16, 1, 64, "partial", 0, 4, (0, 2)), (torch.bfloat16, 1, 64, "partial", 0, 4, (1, 2)))
+    assert [(s.sample_offset, s.sample_stride, s.read_bytes) for s in world_factory(7, specs=specs).sources] \
+        == [(0, 64, 32), (32, 64, 32)]
+    for head in range(4):
+        for byte, seen in ((head * 32, True), (head * 32 + 15, True), (head * 32 + 16, False)):
+            w = world_factory(7, specs=specs)
+            req = w.add_request(6)
+            assert w.step([(req, 6)]) == []
+            w.kv_bytes(head % 2, w.slot(req, 2))[byte] ^= 0x10
+            assert len(w.verify(w.head_view([req]))) == int(seen), (head, byte)
+
+
 def test_all_mode_catches_a_flip_past_byte_16(world_factory):
     rows = _byte_flip_rows(world_factory, "all", byte=20)
     assert [r[0] for r in rows] == [Reason.VERIFY_REAL_KV_HASH]

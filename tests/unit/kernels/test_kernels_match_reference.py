@@ -22,6 +22,8 @@ LAYOUTS = {
     "2src-paged-strided": ((BF16, 4, 64), (FP32, 2, 8, "partial", 4)),
     "3src": ((FP16, 16, 8), (BF16, 1, 24, "partial"), (FP32, 2, 4)),
     "4src-mixed": ((FP16, 1, 8), (BF16, 2, 16, "partial"), (FP32, 4, 12, "all", 4), (FP16, 8, 8)),
+    # partial mode dealing 4 KV heads over 2 layers (heads 0, 2 and 1, 3: strided samples)
+    "2src-heads": ((BF16, 2, 64, "partial", 8, 4, (0, 2)), (FP16, 1, 64, "partial", 0, 4, (1, 2))),
 }
 # Small tiles walk a row's positions in several tiles and each slot's words in several chunks,
 # the last one partial where read_words is not a multiple of the chunk.
@@ -36,6 +38,8 @@ CASES = [
     ("ring-block4", "4src-mixed", "default", 16, False),
     ("full_to_group", "2src-paged-strided", "small", 17, True),
     ("full_to_group", "none", "default", 18, False),
+    ("block4", "2src-heads", "small", 19, True),
+    ("token", "2src-heads", "default", 20, False),
 ]
 
 
@@ -196,23 +200,26 @@ def test_sweep_matches_reference(world_factory, layout):
     assert w.sweep(entries, check_tokens=False)
 
 
-@pytest.mark.parametrize("dtype, shape, read_bytes", [
-    (BF16, (37, 4, 16), 128),
-    (FP32, (5, 8), 16),
-    (FP16, (70, 48), 48),
+@pytest.mark.parametrize("dtype, shape, read_bytes, sample_offset, sample_stride", [
+    (BF16, (37, 4, 16), 128, 0, 16),
+    (FP32, (5, 8), 16, 0, 16),
+    (FP16, (70, 48), 48, 0, 16),
+    (BF16, (37, 8, 16), 64, 32, 64),  # partial mode: heads 1, 3, 5, 7 of 8
 ])
-def test_source_hash_rows_matches_reference_and_the_slot_fingerprint(device, dtype, shape, read_bytes):
+def test_source_hash_rows_matches_reference_and_the_slot_fingerprint(device, dtype, shape, read_bytes,
+                                                                     sample_offset, sample_stride):
+    sampling = dict(sample_offset=sample_offset, sample_stride=sample_stride)
     gen = torch.Generator().manual_seed(41)
     padded = torch.randint(-(2**62), 2**62, (shape[0], 2 * 64), generator=gen).view(torch.uint8)
     width = torch.Size(shape[1:]).numel() * torch.empty(0, dtype=dtype).element_size()
     rows = padded[:, :width].view(dtype).view(shape).to(device)  # rows strided past their bytes
     out, ref = (torch.full((shape[0],), 5, dtype=torch.int64, device=device) for _ in range(2))
-    K.source_hash_rows(rows, read_bytes, out)
-    K.source_hash_rows_ref(rows, read_bytes, ref)
+    K.source_hash_rows(rows, read_bytes, out, **sampling)
+    K.source_hash_rows_ref(rows, read_bytes, ref, **sampling)
     assert torch.equal(out, ref)
     # A pool slot holding row t's bytes fingerprints as mix(out[t]) (one source).
-    pool = K.RealKvSource(rows.contiguous().view(shape[0], -1), 1, width, read_bytes)
+    pool = K.RealKvSource(rows.contiguous().view(shape[0], -1), 1, width, read_bytes, **sampling)
     slots = torch.arange(shape[0], device=device)
     assert torch.equal(K.mix_torch(out), K.fingerprint_ref([pool], slots))
-    K.source_hash_rows(rows, read_bytes, out, tiling=TILINGS["small"])
+    K.source_hash_rows(rows, read_bytes, out, tiling=TILINGS["small"], **sampling)
     assert torch.equal(out, ref)
