@@ -37,6 +37,11 @@ class Reason(IntEnum):
     VERIFY_MISSING_SLOT = 64  # a position inside a read window maps to no resident slot (slot 0)
     RESERVED_SLOT_WRITTEN = 128  # slot 0's bytes changed since the canary attached
     WRITE_REAL_KV_HASH = 256  # a written slot does not hold what the forward computed for it
+    # Malformed input from the engine (the canary reports it and skips what it cannot check):
+    WALK_DUPLICATE_SLOT = 512  # a prefix-cache walk lists a slot more than once
+    WALK_SLOT_OUT_OF_RANGE = 1024  # a walk names a slot (or predecessor) outside the FULL slot space
+    WALK_TOO_LARGE = 2048  # a walk holds more entries than the FULL slot space has slots
+    WALK_POSITION_GAP = 4096  # a walk entry's predecessor does not hold the previous position
 
     @property
     def label(self) -> str:
@@ -45,6 +50,10 @@ class Reason(IntEnum):
 
 # Order in which a row's stored/expected pair is chosen when several reasons fail.
 PRIMARY_REASON_ORDER = (
+    Reason.WALK_TOO_LARGE,
+    Reason.WALK_SLOT_OUT_OF_RANGE,
+    Reason.WALK_DUPLICATE_SLOT,
+    Reason.WALK_POSITION_GAP,
     Reason.RESERVED_SLOT_WRITTEN,
     Reason.VERIFY_MISSING_SLOT,
     Reason.VERIFY_POSITION,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .records import NUM_TAGS, ROW_WIDTH
+from .records import COL_STEP, COL_TAG, NUM_TAGS, ROW_WIDTH
 
 
 class ViolationRing:
@@ -31,6 +31,20 @@ class ViolationRing:
     def advance_step(self) -> None:
         """Next forward: in place on the device, so it can live inside a captured graph."""
         self.step.add_(1)
+
+    def append(self, rows: torch.Tensor, tag: int) -> None:
+        """Claim ring rows for ``rows`` ([n, ROW_WIDTH] int64, any device; their tag and step
+        columns are filled here) the way the kernels claim them: device ops only, no
+        synchronisation. Of more than ``capacity`` rows the last ``capacity`` are kept."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        kept = rows[-self.capacity:].to(self.device, torch.int64, copy=True)
+        kept[:, COL_TAG] = tag
+        kept[:, COL_STEP] = self.step
+        at = (self.count + (n - kept.shape[0]) + torch.arange(kept.shape[0], device=self.device)) % self.capacity
+        self.rows.index_copy_(0, at, kept)
+        self.count.add_(n)
 
     def clear(self) -> None:
         for t in (self.rows, self.count, self.step, self.kernel_runs, self.slot_runs):

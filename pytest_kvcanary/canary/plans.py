@@ -14,7 +14,7 @@ from .host import CacheWalk
 
 
 def sweep_entries(walk: CacheWalk, group: GroupState, *, unlocked_only: bool = False) -> VerifyEntries:
-    """Slots the cache holds that are resident in this group (others become slot 0, which the
+    """Slots the cache holds (a walk checked by ``walk.check_walk``) that are resident in this group (others become slot 0, which the
     kernels skip); a predecessor that is not resident here (slid out of a window) is not checked
     against."""
     device = group.device
@@ -27,7 +27,7 @@ def sweep_entries(walk: CacheWalk, group: GroupState, *, unlocked_only: bool = F
     prev = torch.where(prev_full < 0, PREV_CHAIN_HEAD, torch.where(prev == 0, PREV_SKIP, prev))
     f2g = group.mapping.full_to_group
     pad = (group.pool.num_slots if f2g is None else f2g.shape[0]) - slots.numel()  # walks name FULL slots
-    assert pad >= 0, "a cache walk holds each slot at most once"
+    assert pad >= 0, "check_walk leaves each slot of the FULL space at most once"
 
     def padded(t: torch.Tensor, fill: int) -> torch.Tensor:
         return torch.cat([t, torch.full((pad,), fill, dtype=torch.int64, device=device)])

@@ -19,6 +19,7 @@ from .host import CanaryHost, ForwardView
 from .log import ViolationLog
 from .plans import sweep_entries
 from .violation import Violation
+from .walk import check_walk
 
 
 class ForwardObserver(Protocol):
@@ -177,10 +178,15 @@ class CanaryRuntime:
 
     def sweep(self, *, unlocked_only: bool = False) -> bool:
         """Verify every slot the host's prefix cache holds, in each group the walk reaches (FULL
-        and groups mapped through full_to_group). False when the host has no prefix cache."""
+        and groups mapped through full_to_group). A malformed walk is reported (walk.py) and its
+        checkable entries swept. False when the host has no prefix cache."""
         walk = self.host.cache_walk()
         if walk is None:
             return False
+        full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
+        checked = check_walk(walk, full.pool.num_slots)
+        self.ring.append(checked.rows, launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind))
+        walk = checked.walk
         groups = [g for g in self.groups if g.swept_by_walk()]
         with self._on_device():
             for group in groups:

@@ -1,0 +1,61 @@
+import torch
+
+from kvcanary_kernels import ViolationRing
+from kvcanary_kernels.records import COL_EXPECTED, COL_POSITION, COL_REASONS, COL_SLOT, COL_STEP, COL_STORED, \
+    COL_TAG, Reason
+from pytest_kvcanary.canary.host import CacheWalk
+from pytest_kvcanary.canary.walk import check_walk
+
+
+def _walk(slots: list[int], positions: list[int], prev: list[int]) -> CacheWalk:
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    return CacheWalk(t(slots), t(positions), t(prev), t([7] * len(slots)), torch.zeros(len(slots), dtype=torch.bool))
+
+
+def _rows(rows: torch.Tensor) -> list[tuple[int, ...]]:
+    return [(r[COL_REASONS], r[COL_SLOT], r[COL_POSITION], r[COL_STORED], r[COL_EXPECTED]) for r in rows.tolist()]
+
+
+def test_a_well_formed_walk_passes_whole():
+    walk = _walk([3, 4, 5, 9], [0, 1, 2, 0], [-1, 3, 4, -1])
+    checked = check_walk(walk, space=16)
+    assert checked.rows.shape[0] == 0
+    assert checked.walk.slots.tolist() == [3, 4, 5, 9]
+
+
+def test_each_malformed_entry_is_a_row_with_its_reason_and_only_checkable_entries_are_kept():
+    # slot 4 listed twice (the second at a gap), slot 20 outside 16 slots, a predecessor outside
+    # them, a negative position
+    walk = _walk([3, 4, 5, 4, 20, 6, 7], [0, 1, 2, 5, 3, 1, -1], [-1, 3, 4, 5, 5, 99, -1])
+    checked = check_walk(walk, space=16)
+    dup, oob, gap = int(Reason.WALK_DUPLICATE_SLOT), int(Reason.WALK_SLOT_OUT_OF_RANGE), int(Reason.WALK_POSITION_GAP)
+    assert _rows(checked.rows) == [
+        (dup, 4, 1, 2, 1),
+        (dup | gap, 4, 5, 2, 1),  # the primary reason's values: 2 listings, 1 expected
+        (oob, 20, 3, 20, 16),
+        (oob, 6, 1, 99, 16),  # its predecessor is out of range
+        (gap, 7, -1, -1, -2),
+    ]
+    assert checked.walk.slots.tolist() == [3, 4, 5, 7]
+
+
+def test_a_walk_larger_than_the_space_is_one_walk_too_large_row():
+    walk = _walk(list(range(1, 9)), list(range(8)), [-1] + list(range(1, 8)))
+    checked = check_walk(walk, space=4)
+    assert _rows(checked.rows)[0] == (int(Reason.WALK_TOO_LARGE), -1, -1, 8, 4)
+    assert checked.walk.slots.tolist() == [1, 2, 3]
+
+
+def test_ring_append_claims_rows_like_the_kernels_and_keeps_the_last_capacity():
+    ring = ViolationRing(4, "cpu")
+    ring.step.fill_(5)
+    rows = torch.zeros(6, 8, dtype=torch.int64)
+    rows[:, COL_SLOT] = torch.arange(6)
+    ring.append(rows[:3], tag=7)
+    ring.append(rows[3:], tag=7)
+    assert int(ring.count) == 6
+    assert ring.rows[:, COL_SLOT].tolist() == [4, 5, 2, 3]
+    assert set(ring.rows[:, COL_TAG].tolist()) == {7} and set(ring.rows[:, COL_STEP].tolist()) == {5}
+    ring.append(rows, tag=1)  # more than capacity: the last 4 land, all 6 are counted
+    assert int(ring.count) == 12
+    assert sorted(ring.rows[:, COL_SLOT].tolist()) == [2, 3, 4, 5]
