@@ -21,7 +21,7 @@ _UNKNOWN = tl.constexpr(R.UNKNOWN)
 
 @triton.jit
 def map_slot(mapping, MAP: tl.constexpr, rows, positions, mask):
-    """int64 slot holding (rows, positions) in each lane. 0 off ``mask``, where the table entry is 0
+    """int64 slot holding (rows, positions) in each lane. 0 off ``mask``, at negative positions, where the table entry is 0
     (block 0 of a block table is the null block) and wherever the lookup leaves the table,
     full_to_group or the pool (not resident)."""
     table, row_stride, col_stride, table_rows, table_cols, full_to_group, n_full, num_slots = mapping
@@ -30,7 +30,7 @@ def map_slot(mapping, MAP: tl.constexpr, rows, positions, mask):
     if MAP[1] > 0:
         logical = positions % MAP[1]
     cols = logical // MAP[0]
-    ok = mask & (rows >= 0) & (rows < table_rows) & (cols < table_cols)
+    ok = mask & (positions >= 0) & (rows >= 0) & (rows < table_rows) & (cols < table_cols)
     entry = tl.load(table + rows * row_stride + cols * col_stride, mask=ok, other=0).to(tl.int64)
     ok &= entry != 0
     slots = entry * MAP[0] + logical % MAP[0]
@@ -45,5 +45,5 @@ def known_token(tokens, rows, positions, mask):
     """The token the engine believes (rows, positions) holds; UNKNOWN off ``mask`` and off the table."""
     table, row_stride, col_stride, table_rows, table_cols = tokens
     rows = tl.zeros_like(positions) + rows
-    ok = mask & (rows >= 0) & (rows < table_rows) & (positions < table_cols)
+    ok = mask & (rows >= 0) & (rows < table_rows) & (positions >= 0) & (positions < table_cols)
     return tl.load(table + rows * row_stride + positions * col_stride, mask=ok, other=_UNKNOWN)

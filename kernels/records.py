@@ -42,6 +42,7 @@ class Reason(IntEnum):
     WALK_SLOT_OUT_OF_RANGE = 1024  # a walk names a slot (or predecessor) outside the FULL slot space
     WALK_TOO_LARGE = 2048  # a walk holds more entries than the FULL slot space has slots
     WALK_POSITION_GAP = 4096  # a walk entry's predecessor does not hold the previous position
+    VIEW_OUT_OF_RANGE = 8192  # a view's length is outside what the canary can check; clamped
 
     @property
     def label(self) -> str:
@@ -50,6 +51,7 @@ class Reason(IntEnum):
 
 # Order in which a row's stored/expected pair is chosen when several reasons fail.
 PRIMARY_REASON_ORDER = (
+    Reason.VIEW_OUT_OF_RANGE,
     Reason.WALK_TOO_LARGE,
     Reason.WALK_SLOT_OUT_OF_RANGE,
     Reason.WALK_DUPLICATE_SLOT,

@@ -81,13 +81,13 @@ def source_hash_rows_ref(rows: torch.Tensor, read_bytes: int, out: torch.Tensor,
 
 
 def map_slot_ref(mapping: MappingArgs, rows: torch.Tensor, positions: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """The slot of each (row, position >= 0); 0 wherever the table entry is 0 (block 0 of a block
+    """The slot of each (row, position); 0 at negative positions, wherever the table entry is 0 (block 0 of a block
     table is the null block: no position in it is resident) or the lookup leaves the table,
     full_to_group or the pool."""
     logical = positions % mapping.ring if mapping.ring else positions
     cols = logical // mapping.page_size
     table = mapping.table
-    ok = (rows >= 0) & (rows < table.shape[0]) & (cols < table.shape[1])
+    ok = (positions >= 0) & (rows >= 0) & (rows < table.shape[0]) & (cols < table.shape[1])
     entry = _gather(table, ok, rows, cols).long()
     ok &= entry != 0
     slots = entry * mapping.page_size + logical % mapping.page_size
@@ -101,7 +101,7 @@ def map_slot_ref(mapping: MappingArgs, rows: torch.Tensor, positions: torch.Tens
 def known_token_ref(view: ViewArgs, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """token_table[row, position], UNKNOWN off the table."""
     tt = view.token_table
-    ok = (rows >= 0) & (rows < tt.shape[0]) & (positions < tt.shape[1])
+    ok = (rows >= 0) & (rows < tt.shape[0]) & (positions >= 0) & (positions < tt.shape[1])
     return torch.where(ok, _gather(tt, ok, rows, positions), UNKNOWN)
 
 
@@ -152,7 +152,10 @@ def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapp
         check_vector("read_hashes", read_hashes, records.device, records.shape[0])
     check_int("window", window, 0)
     check_int("max_context", max_context, 1)
-    prefix = view.prefix_lens
+    prefix = view.prefix_lens.clamp(0, max_context)
+    _append(ring, tag, {Reason.VIEW_OUT_OF_RANGE: (view.prefix_lens != prefix, view.prefix_lens,
+                                                   torch.full_like(prefix, max_context))},
+            torch.zeros_like(prefix), view.prefix_lens, view.rows)
     starts = (prefix - window).clamp(min=0) if window else torch.zeros_like(prefix)
     if after_forward and mapping.ring:
         starts = torch.minimum(torch.maximum(starts, prefix + view.extend_lens - mapping.ring), prefix)
@@ -206,8 +209,12 @@ def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mappi
     """Reference of ``stamp_view``."""
     check_stamp_launch(records, sources, mapping, view, ring, tag, written_hashes)
     n_tokens = view.input_ids.shape[0]
-    b, j = _batch_entries(view.extend_lens)
-    token_index = (torch.cumsum(view.extend_lens, 0) - view.extend_lens)[b] + j
+    extend = view.extend_lens.clamp(0, n_tokens)
+    _append(ring, tag, {Reason.VIEW_OUT_OF_RANGE: (view.extend_lens != extend, view.extend_lens,
+                                                   torch.full_like(extend, n_tokens))},
+            torch.zeros_like(extend), view.prefix_lens, view.rows)
+    b, j = _batch_entries(extend)
+    token_index = (torch.cumsum(extend, 0) - extend)[b] + j
     positions, rows = view.prefix_lens[b] + j, view.rows[b]
     slots = torch.where(token_index < n_tokens, map_slot_ref(mapping, rows, positions, records.shape[0]), 0)
     live = slots != 0
@@ -215,7 +222,7 @@ def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mappi
     tokens, written_positions = view.input_ids[token_index], view.positions[token_index]
     # Every entry with a slot folds into its row's chain; with a ring, only a row's last ring
     # entries keep their slot and are stamped.
-    stamped = j >= (view.extend_lens[b] - mapping.ring if mapping.ring else 0)
+    stamped = j >= (extend[b] - mapping.ring if mapping.ring else 0)
     prev_hashes = _chain_ref(records, mapping, view, b, tokens, written_positions)[stamped]
     token_index, positions, rows, slots = token_index[stamped], positions[stamped], rows[stamped], slots[stamped]
     tokens, written_positions = tokens[stamped], written_positions[stamped]

@@ -25,6 +25,13 @@ from .violation_log import append_violations, count_launch, count_slots, note_fa
 _WRITE_POSITION = tl.constexpr(int(R.Reason.WRITE_POSITION))
 _WRITE_TOKEN = tl.constexpr(int(R.Reason.WRITE_TOKEN))
 _WRITE_REAL_KV = tl.constexpr(int(R.Reason.WRITE_REAL_KV_HASH))
+_VIEW_OUT_OF_RANGE = tl.constexpr(int(R.Reason.VIEW_OUT_OF_RANGE))
+
+
+@triton.jit
+def _clamped(extend, n_tokens):
+    """A row's extend as stamped: within [0, n_tokens] (one outside is reported)."""
+    return tl.minimum(tl.maximum(extend, 0), n_tokens)
 _UNKNOWN = tl.constexpr(R.UNKNOWN)
 _CHAIN_LANES = 32  # batch rows per chain program (one warp)
 
@@ -51,13 +58,17 @@ def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_pt
     b = tl.program_id(0)
     in_batch = b < n_batch
     lanes = tl.arange(0, BATCH)
-    token_start = tl.sum(tl.load(extend_ptr + lanes, mask=lanes < b, other=0), axis=0)
+    token_start = tl.sum(_clamped(tl.load(extend_ptr + lanes, mask=lanes < b, other=0), n_tokens), axis=0)
     row = tl.load(rows_ptr + b, mask=in_batch, other=0)
     prefix = tl.load(prefix_ptr + b, mask=in_batch, other=0)
-    extend = tl.load(extend_ptr + b, mask=in_batch, other=0)
+    given = tl.load(extend_ptr + b, mask=in_batch, other=0)
+    extend = _clamped(given, n_tokens)
     first = _first_stamped(extend, MAP)
     offs = tl.arange(0, BLOCK)
     zeros = tl.zeros([BLOCK], tl.int64)
+    if tl.program_id(1) == 0:
+        append_violations(ring, tag, (offs == 0) & (zeros + given != zeros + extend), zeros + _VIEW_OUT_OF_RANGE, zeros,
+                          zeros + prefix, zeros + row, zeros + given, zeros + n_tokens)
     stamped = zeros
     for t in range(tl.program_id(1), tl.cdiv(extend - first, BLOCK), tl.num_programs(1)):
         j = first + t * BLOCK + offs
@@ -123,11 +134,12 @@ def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_p
     mine = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
     in_batch = mine < n_batch
     batch = tl.arange(0, BATCH)
-    extend_all = tl.load(extend_ptr + batch, mask=batch < n_batch, other=0)
+    n_tokens = inputs[2]
+    extend_all = _clamped(tl.load(extend_ptr + batch, mask=batch < n_batch, other=0), n_tokens)
     starts = tl.sum(tl.where(batch[None, :] < mine[:, None], extend_all[None, :], 0), axis=1)
     rows = tl.load(rows_ptr + mine, mask=in_batch, other=0)
     prefix = tl.load(prefix_ptr + mine, mask=in_batch, other=0)
-    extend = tl.load(extend_ptr + mine, mask=in_batch, other=0)
+    extend = _clamped(tl.load(extend_ptr + mine, mask=in_batch, other=0), n_tokens)
     lanes = (rows, prefix, extend, starts, _first_stamped(extend, MAP))
     context = tl.zeros([LANES], tl.int64)
     if HAS_CONTEXT:
@@ -159,7 +171,9 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
                ring: ViolationRing, tag: int, *, check_tokens: bool, check_write_inputs: bool,
                written_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
     """Write ``(token, position, prev_hash, fingerprint)`` into the record of every slot the
-    forward wrote: for batch row b and j in [0, extend_lens[b]), token t = start_b + j, position
+    forward wrote: for batch row b and j in [0, extend_lens[b]) (an extend outside [0, T] is
+    clamped there and reported once, view_out_of_range: slot 0, position prefix_lens[b], stored
+    extend_lens[b], expected T), token t = start_b + j (start_b: the clamped extends before b), position
     p = prefix_lens[b] + j, slot = mapping(rows[b], p); slot 0 is skipped (no record, no chain
     step), and so are tokens past T. With a ring mapping (ring > 0), only the last ``ring``
     entries of a row are stamped, ``j >= extend_lens[b] - ring`` (earlier ones land in slots the

@@ -26,6 +26,7 @@ from .violation_log import append_violations, count_launch, count_slots, first_p
 
 _RESERVED = tl.constexpr(int(R.Reason.RESERVED_SLOT_WRITTEN))
 _MISSING = tl.constexpr(int(R.Reason.VERIFY_MISSING_SLOT))
+_VIEW_OUT_OF_RANGE = tl.constexpr(int(R.Reason.VIEW_OUT_OF_RANGE))
 _UNKNOWN = tl.constexpr(R.UNKNOWN)
 
 
@@ -43,7 +44,7 @@ def _check_sentinel(records, sources, READS: tl.constexpr, ring, tag, read_hashe
 
 @triton.jit
 def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, context_ptr, n_batch,
-                        window, ring, tag, read_hashes, READS: tl.constexpr, MAP: tl.constexpr,
+                        window, max_context, ring, tag, read_hashes, READS: tl.constexpr, MAP: tl.constexpr,
                         HAS_TOKENS: tl.constexpr, HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr,
                         AFTER_FORWARD: tl.constexpr, READ_HASHES: tl.constexpr, BLOCK: tl.constexpr):
     """Program (b, j) checks tiles j, j + J, ... of batch row b's read positions [lo, hi)."""
@@ -54,7 +55,8 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
     b = tl.program_id(0)
     in_batch = b < n_batch
     row = tl.load(rows_ptr + b, mask=in_batch, other=0)
-    hi = tl.load(prefix_ptr + b, mask=in_batch, other=0)
+    prefix = tl.load(prefix_ptr + b, mask=in_batch, other=0)
+    hi = tl.minimum(tl.maximum(prefix, 0), max_context)  # a prefix outside [0, max_context] is reported
     lo = tl.where(window > 0, tl.maximum(hi - window, 0), 0)
     if AFTER_FORWARD:  # ring mappings only: the forward rewrote the slots of positions >= hi + extend - ring
         extend = tl.load(extend_ptr + b, mask=in_batch, other=0)
@@ -67,6 +69,10 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
     head_prev_hash = as_i64(head_hash(context))
     offs = tl.arange(0, BLOCK)
     zeros = tl.zeros([BLOCK], tl.int64)
+    if tl.program_id(1) == 0:
+        bad = (offs == 0) & (zeros + prefix != zeros + hi)  # lanes, not a bool scalar (they do not mix)
+        append_violations(ring, tag, bad, zeros + _VIEW_OUT_OF_RANGE, zeros, zeros + prefix, zeros + row,
+                          zeros + prefix, zeros + max_context)
     for t in range(tl.program_id(1), tl.cdiv(hi - lo, BLOCK), tl.num_programs(1)):
         pos = lo + t * BLOCK + offs
         on = pos < hi
@@ -93,7 +99,9 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
                 sentinel: bool, after_forward: bool = False, read_hashes: torch.Tensor | None = None,
                 tiling: Tiling | None = None) -> None:
     """Check the record of every position batch row b reads, ``[ws_b, prefix_lens[b])`` with
-    ``ws_b = max(0, prefix_lens[b] - window)`` (0 when window is 0), at
+    ``ws_b = max(0, prefix_lens[b] - window)`` (0 when window is 0; a prefix_lens[b] outside
+    [0, max_context] is clamped there and reported once, view_out_of_range: slot 0, position and
+    stored prefix_lens[b], expected max_context), at
     ``slot = mapping(rows[b], p)``; one ring row (slot, position p, row rows[b]) per failing
     position. ``after_forward``: the call follows the view's forward (RECHECK; False for HEAD).
     Then, with a ring mapping (ring > 0), positions whose ring slot the forward rewrote hold a
@@ -138,7 +146,7 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
     grid = row_grid(batch, window or max_context, tiling.block, records.device)
     _verify_view_kernel[grid](
         records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens, view.extend_lens,
-        records if view.context_keys is None else view.context_keys, batch, window, ring_args(ring), tag,
+        records if view.context_keys is None else view.context_keys, batch, window, max_context, ring_args(ring), tag,
         records if read_hashes is None else read_hashes,
         READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
         HAS_CONTEXT=view.context_keys is not None, SENTINEL=sentinel and bool(sources),

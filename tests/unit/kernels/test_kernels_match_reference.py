@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvcanary_kernels as K
-from kvcanary_kernels.records import PREV_CHAIN_HEAD, PREV_SKIP, UNKNOWN
+from kvcanary_kernels.records import PREV_CHAIN_HEAD, PREV_SKIP, UNKNOWN, Reason
 
 from kv_world import Forward, World, i64
 
@@ -223,3 +223,22 @@ def test_source_hash_rows_matches_reference_and_the_slot_fingerprint(device, dty
     assert torch.equal(K.mix_torch(out), K.fingerprint_ref([pool], slots))
     K.source_hash_rows(rows, read_bytes, out, tiling=TILINGS["small"], **sampling)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("mapping", ["token", "ring-block4"])
+def test_lengths_outside_what_the_kernels_check_are_clamped_and_reported_as_the_reference_does(world_factory,
+                                                                                              mapping):
+    """A prefix outside [0, max_context] (verify) or an extend outside [0, T] (stamp) is clamped
+    and reported once as view_out_of_range; rows and positions off the tables read nothing."""
+    w = world_factory(21, mapping=mapping)
+    reqs = [w.add_request(10), w.add_request(7)]
+    assert w.step([(reqs[0], 6), (reqs[1], 4)]) == []
+    fwd = w.forward([(reqs[0], 2), (reqs[1], 1)], pad_rows=2, pad_tokens=3)
+    bad = fwd.view._replace(prefix_lens=i64([-3, w.max_context + 5, 1 << 40, 2]),
+                            extend_lens=i64([-1, 1 << 40, 2, 0]), rows=i64([reqs[0].row, reqs[1].row, -1, 1 << 40]))
+    out_of_range = int(Reason.VIEW_OUT_OF_RANGE)
+    for after_forward in (False, True):
+        rows = w.verify(bad, after_forward=after_forward)
+        assert sorted(r[4] for r in rows if r[0] == out_of_range) == [-3, w.max_context + 5, 1 << 40]
+    rows = w.stamp(bad)
+    assert sorted(r[6] for r in rows if r[0] == out_of_range) == [-1, 1 << 40]
