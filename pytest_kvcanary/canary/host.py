@@ -176,7 +176,8 @@ class ForwardView:
 
 
 class CacheWalk(NamedTuple):
-    """Everything a prefix cache holds, as FULL-group slots (int64 [M] each, any device).
+    """Everything a prefix cache holds, as FULL-group slots (int64 [M] each, any device), each slot
+    once (the sweep reports a walk that breaks this, canary/walk.py).
 
     positions: the token's position; prev_slots: slot of the previous position on its path
     (PREV_CHAIN_HEAD = -1 at position 0); tokens: the token (UNKNOWN = -1 when the cache does not

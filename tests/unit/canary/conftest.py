@@ -58,6 +58,8 @@ class FakeHost:
         slots, pos, prev, toks = [], [], [], []
         for row, length in self.cached:
             for p in range(length):
+                if self.slot(row, p) in slots:  # a shared prefix: a cache holds each slot once
+                    continue
                 slots.append(self.slot(row, p))
                 pos.append(p)
                 prev.append(self.slot(row, p - 1) if p else PREV_CHAIN_HEAD)
