@@ -66,11 +66,11 @@ def test_each_option_and_its_ini_twin(kvtester: pytest.Pytester, flag: str, ini:
 
 def test_model_directory_reaches_the_engine_hook(kvtester: pytest.Pytester) -> None:
     kvtester.makepyfile(SHOW_ENGINE)
-    ckpt = kvtester.mkdir("ckpt")
-    line = _engine_line(kvtester, "--kv-canary", "--kv-canary-model=ckpt")
-    assert line.endswith(f"model=reference:mha:cpu:0:{ckpt}")
-    kvtester.makeini("[pytest]\nkv_canary_model = ckpt\n")
-    assert _engine_line(kvtester, "--kv-canary").endswith(f"model=reference:mha:cpu:0:{ckpt}")
+    ckpt = kvtester.mkdir("ckpt")  # an engine a hook builds judges its model itself
+    line = _engine_line(kvtester, "--kv-canary", "--kv-canary-engine=mine", "--kv-canary-model=ckpt")
+    assert line.endswith(f"model=mine:mha:cpu:0:{ckpt}")
+    kvtester.makeini("[pytest]\nkv_canary_model = ckpt\nkv_canary_engine = mine\n")
+    assert _engine_line(kvtester, "--kv-canary").endswith(f"model=mine:mha:cpu:0:{ckpt}")
 
 
 def test_command_line_wins_over_ini(kvtester: pytest.Pytester) -> None:
