@@ -6,9 +6,10 @@ engines load inside the fixtures that start engines.
 
 Precedence: an option given on the command line wins over a kv_canary marker, which wins over the
 ini file. The mode is the one exception: --kv-canary (or the kv_canary ini key) turns the run on
-and sets its default mode, and a kv_canary(mode=...) marker sets one test's mode: "log" for a test
-that asserts on the faults it injects (raise mode would stop it at the first violation), "off" to
-opt out. A marker cannot turn on a run that is off.
+and sets its default mode, and a kv_canary(mode=...) marker sets one test's mode ("off" to opt out).
+A test that injects faults (kv_perturb) runs in log mode unless its marker says otherwise: it
+asserts on the violations it causes, which raise mode would stop at the first. A marker cannot
+turn on a run that is off.
 
 Violations are recorded, never warned about. A test's violations are its own business when it
 injected faults (kv_perturb) or read them through kv_canary; any others, in log mode, are listed
@@ -235,6 +236,8 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     settings = request.config.stash[_SETTINGS]
     perturbs = _marker_value(markers.perturbs, node, pd=kind == "pd")
     overrides = _marker_value(markers.canary_overrides, node)
+    if perturbs:  # its faults are expected: raise mode would stop it at the first one
+        overrides.setdefault("mode", "log")
     canary = settings.canary.with_overrides(**{k: v for k, v in overrides.items() if k not in settings.pinned})
     if not settings.canary.enabled:
         pytest.skip(OFF_REASON)

@@ -152,7 +152,8 @@ def test_summary_lines_agree_with_the_per_test_numbers(realtester: pytest.Pytest
     line = (f"reference/single/mha on cpu [[]main, 4 tests[]] single: forwards={total['forwards']} "
             f"protected_tokens={total['protected_tokens']} sweeps={total['sweeps']} "
             f"violations={total['violations']} health=ok")
-    result.stdout.fnmatch_lines([line, f"4 guarded tests, {total['violations']} violations, 1 engine handle"])
+    result.stdout.fnmatch_lines([line, f"4 guarded tests, {total['violations']} violations ({total['violations']} expected, 0 unexpected), "
+                                 "1 engine handle"])
 
 
 def test_a_green_fault_injection_run_prints_no_warning(realtester: pytest.Pytester) -> None:
@@ -176,7 +177,7 @@ def test_a_green_fault_injection_run_prints_no_warning(realtester: pytest.Pytest
     result.assert_outcomes(passed=3)
     out = result.stdout.str()
     assert "warnings summary" not in out and "Warning" not in out and "unexpected violations" not in out
-    result.stdout.fnmatch_lines(["3 guarded tests, * violations, 3 engine handles"])
+    result.stdout.fnmatch_lines(["3 guarded tests, * violations (* expected, 0 unexpected), 3 engine handles"])
 
 
 def test_unexpected_violations_are_one_summary_block(realtester: pytest.Pytester) -> None:
