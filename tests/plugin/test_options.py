@@ -56,7 +56,12 @@ OPTIONS = [
 
 
 @pytest.mark.parametrize("flag, ini, value, shown", OPTIONS, ids=[o[1] for o in OPTIONS])
-def test_each_option_and_its_ini_twin(kvtester: pytest.Pytester, flag: str, ini: str, value: str, shown: str) -> None:
+def test_each_option_and_its_ini_twin(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, flag: str, ini: str,
+                                      value: str, shown: str) -> None:
+    """Each value differs from the default's effect, so a dropped option fails here (mutation:
+    Settings gets device="auto" whatever --kv-canary-device says; a GPU is visible, so auto would
+    show cuda:0)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     kvtester.makepyfile(SHOW_ENGINE)
     on = () if ini == "kv_canary" else ("--kv-canary",)
     assert shown in _engine_line(kvtester, *on, f"{flag}={value}").split()
