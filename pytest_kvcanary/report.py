@@ -133,6 +133,7 @@ class RunResults:
         self._engines: dict[tuple[str, int], dict[str, Any]] = {}
         self.interrupted: str | None = None
         self.crashed_workers: list[dict[str, str]] = []
+        self.report_error: str | None = None  # why the JSON report could not be written
 
     def _engine(self, source: dict[str, Any]) -> dict[str, Any]:
         key = (source["worker"], source["handle"])
@@ -166,6 +167,15 @@ class RunResults:
         for event in payload.get("retired", ()):
             self.add_retired(event)
 
+    def add_crashed(self, nodeid: str, gateway: Any) -> None:
+        """The test a worker was running when it died: an entry with outcome "crashed" and
+        nothing measured (what the worker had logged died with it)."""
+        self.tests.append({
+            "nodeid": nodeid, "outcome": "crashed", "worker": getattr(gateway, "id", None), "handle": None,
+            "seed": None, "kind": None, "attention": None, "device": None, "engine": None, "canary": None,
+            "perturbs": [], "violations": [], "injections": [], "stats": {}, "expected": False, "read_error": None,
+        })
+
     def worker_crashed(self, worker: str, error: str) -> None:
         self.crashed_workers.append({"worker": worker, "error": error})
 
@@ -186,9 +196,10 @@ class RunResults:
         lines = [_engine_line(engine, distinction, side, stats)
                  for engine, distinction in zip(self.engines, _distinctions(self.engines))
                  for side, stats in engine["sides"].items()]
+        guarded = [t for t in self.tests if t["outcome"] != "crashed"]
         violations = sum(len(t["violations"]) for t in self.tests)
         expected = sum(len(t["violations"]) for t in self.tests if t["expected"])
-        lines.append(f"{_count(len(self.tests), 'guarded test')}, {_count(violations, 'violation')} "
+        lines.append(f"{_count(len(guarded), 'guarded test')}, {_count(violations, 'violation')} "
                      f"({expected} expected, {violations - expected} unexpected), "
                      f"{_count(len(self.engines), 'engine handle')}")
         unexpected = self.unexpected()
@@ -204,9 +215,13 @@ class RunResults:
                          "that finished")
         for crash in self.crashed_workers:
             lines.append(f"worker {crash['worker']} died ({crash['error']}); the tests it finished are included")
+        lines += [f"crashed: {t['nodeid']} (its worker died while running it)"
+                  for t in self.tests if t["outcome"] == "crashed"]
         return lines
 
     def write_json(self, path: Path, config: dict[str, Any]) -> None:
+        """Write the report atomically (a temporary file renamed over it): an interrupt never
+        leaves half a report. Raises OSError when the path cannot be written."""
         path.parent.mkdir(parents=True, exist_ok=True)
         document = {
             "config": config,
@@ -214,4 +229,6 @@ class RunResults:
             "tests": self.tests,
             "engines": self.engines,
         }
-        path.write_text(json.dumps(document, indent=2) + "\n")
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(document, indent=2) + "\n")
+        partial.replace(path)
