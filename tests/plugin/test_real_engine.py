@@ -91,7 +91,31 @@ def test_generate_and_send_parallel_requests_reject_a_bare_string() -> None:
         handle.generate("hello")
     with pytest.raises(TypeError, match=r"n must be an integer >= 1 \(the number of requests\); got '4'"):
         handle.send_parallel_requests("4")
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a str or a list of token ids \(ints\); got int 123: "
+                                        r"the token ids of one prompt go in a list of their own"):
+        handle.generate([123])
+    with pytest.raises(TypeError, match=r"prompts\[1\] must be a str or a list of token ids \(ints\); got list \['a'\]"):
+        handle.generate([[1, 2], ["a"]])
     assert handle.prompts_since_reset() == [] and handle.stats()["single"]["forwards"] == 0
+
+
+class _NoContexts:
+    """An engine whose generate takes no context keys (like the transformers and vLLM adapters)."""
+
+    def generate(self, prompts: list, max_new_tokens: int) -> list:
+        raise AssertionError("not reached")
+
+
+def test_context_keys_on_an_engine_without_contexts_say_so_by_name() -> None:
+    from pytest_kvcanary.handle import check_context_keys
+
+    with pytest.raises(TypeError, match=r"context_keys: engine '_NoContexts' has no contexts"):
+        check_context_keys([1], ["a"], _NoContexts().generate, "_NoContexts")
+    handle = _handle()
+    handle.reset(0, ())
+    with pytest.raises(TypeError, match=r"context_keys must be one int per prompt \(2\); got \[1\]"):
+        handle.generate(["a", "b"], context_keys=[1])
+    assert handle.generate(["a"], 1, context_keys=[3])
 
 
 def test_the_failure_names_the_request_beside_the_row(realtester: pytest.Pytester) -> None:
