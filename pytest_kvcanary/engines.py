@@ -52,8 +52,17 @@ class UnsupportedAttention(LookupError):
     latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
+# How to install each engine's package, run in a clone of the project: the commands the README
+# gives (a test checks), vLLM's in an environment of its own (see the README's vLLM section).
+INSTALL = {
+    "transformers": 'pip install -e ".[transformers]"',
+    "vllm": 'python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install "torch==2.13.0" -e ".[vllm,test]" '
+            '&& pip uninstall -y torchvision torchaudio torchcodec',
+}
+
+
 def install_hint(package: str) -> str:
-    return f'pip install "pytest-kvcanary[{package}]"'
+    return f"in a clone of pytest-kvcanary, {INSTALL[package]}"
 
 
 def engine_problem(name: str) -> str | None:

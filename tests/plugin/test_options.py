@@ -225,8 +225,9 @@ def test_an_engine_whose_package_is_missing_says_how_to_install_it(kvtester: pyt
     kvtester.makepyfile("def test_a(kv_engine): pass")
     result = kvtester.runpytest("--kv-canary", "--kv-canary-engine=vllm")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(['ERROR: --kv-canary-engine needs the vllm package, which is not installed: '
-                                 'pip install "pytest-kvcanary[[]vllm[]]"; got \'vllm\''])
+    result.stderr.fnmatch_lines(['ERROR: --kv-canary-engine needs the vllm package, which is not installed: in a '
+                                 'clone of pytest-kvcanary, python3 -m venv .venv-vllm && * && pip uninstall -y '
+                                 "torchvision torchaudio torchcodec; got 'vllm'"])
 
 
 def test_lease_options_and_their_ini_twins(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
