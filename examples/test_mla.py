@@ -5,8 +5,14 @@ import pytest
 
 @pytest.mark.kv_attention("mla")
 def test_latent_pool_with_shared_prefixes_is_clean(kv_engine, kv_canary):
-    prefix = "one latent row per token holds its keys and values: "
-    kv_engine.generate([prefix + tail for tail in ("keys", "values", "both")], max_new_tokens=5)
+    """Fails when no prefix is reused (mutation: RadixCache.match_prefix always returns an empty
+    match), or when reusing one reads a damaged latent row."""
+    prefix = "one latent row per token holds its keys and values, and so on and on: "
+    kv_engine.generate([prefix + "both"], max_new_tokens=5)
+    before = kv_canary.written_slots()
+    kv_engine.generate([prefix + tail for tail in ("keys", "values")], max_new_tokens=5)
+    # Without reuse each prompt writes a slot per token, the prefix included.
+    assert kv_canary.written_slots() - before < 2 * len(prefix), "no cached prefix was reused"
     kv_engine.send_parallel_requests(4, distinct_prompts=True, max_new_tokens=5)
     kv_canary.assert_no_violation()
 

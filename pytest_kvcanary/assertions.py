@@ -97,6 +97,13 @@ class KvCanary:
         self.consulted = True
         return self._handle.injections()
 
+    def written_slots(self, side: str | None = None) -> int:
+        """KV slots the canary stamped since the test's reset (on `side`, when given): one per
+        token an engine computed and wrote, none for a token whose KV a cached prefix supplied."""
+        sides = self._handle.stats()
+        _name("side", side, self._sides)
+        return sum(stats["protected_tokens"] for name, stats in sides.items() if side in (None, name))
+
     def assert_no_violation(self, side: str | None = None) -> None:
         """Fail when any violation was logged (on `side`, when given)."""
         __tracebackhide__ = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -19,12 +20,16 @@ if TYPE_CHECKING:
 class Builtin(NamedTuple):
     factory: str  # "module:function" with the signature (attention, device, seed, model)
     package: str | None  # the optional package it drives, installed with the extra of that name
+    model_check: str  # "module:function" (path) -> why a --kv-canary-model directory cannot serve, or None
 
 
 BUILTIN_ENGINES = {
-    "reference": Builtin("pytest_kvcanary.adapters.reference:make_reference_engine", None),
-    "transformers": Builtin("pytest_kvcanary.adapters.transformers_cb:make_transformers_engine", "transformers"),
-    "vllm": Builtin("pytest_kvcanary.adapters.vllm:make_vllm_engine", "vllm"),
+    "reference": Builtin("pytest_kvcanary.adapters.reference:make_reference_engine", None,
+                         "pytest_kvcanary.checkpoints:reference_problem"),
+    "transformers": Builtin("pytest_kvcanary.adapters.transformers_cb:make_transformers_engine", "transformers",
+                            "pytest_kvcanary.checkpoints:transformers_problem"),
+    "vllm": Builtin("pytest_kvcanary.adapters.vllm:make_vllm_engine", "vllm",
+                    "pytest_kvcanary.checkpoints:any_checkpoint_problem"),
 }
 # What EngineUnderTest requires (adapters/protocol.py), named in the error for an engine lacking some.
 REQUIRED_METHODS = ("canary_groups", "canary_capacities", "cache_walk", "set_forward_hooks", "generate", "reset")
@@ -47,8 +52,17 @@ class UnsupportedAttention(LookupError):
     latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
+# How to install each engine's package, run in a clone of the project: the commands the README
+# gives (a test checks), vLLM's in an environment of its own (see the README's vLLM section).
+INSTALL = {
+    "transformers": 'pip install -e ".[transformers]"',
+    "vllm": 'python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install "torch==2.13.0" -e ".[vllm,test]" '
+            '&& pip uninstall -y torchvision torchaudio torchcodec',
+}
+
+
 def install_hint(package: str) -> str:
-    return f'pip install "pytest-kvcanary[{package}]"'
+    return f"in a clone of pytest-kvcanary, {INSTALL[package]}"
 
 
 def engine_problem(name: str) -> str | None:
@@ -57,6 +71,13 @@ def engine_problem(name: str) -> str | None:
     if builtin is None or builtin.package is None or importlib.util.find_spec(builtin.package) is not None:
         return None
     return f"needs the {builtin.package} package, which is not installed: {install_hint(builtin.package)}"
+
+
+def model_problem(name: str, model: Path) -> str | None:
+    """Why the checkpoint directory `model` cannot serve the built-in engine `name`, or None
+    (also for engines a hook builds: they judge their models themselves)."""
+    builtin = BUILTIN_ENGINES.get(name)
+    return None if builtin is None else _load(builtin.model_check)(model)
 
 
 def _load(factory: str) -> Any:

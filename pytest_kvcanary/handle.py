@@ -5,6 +5,7 @@ pool and the kv_canary assertions read from it (no torch). `harness.EngineHandle
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
@@ -60,6 +61,28 @@ def check_prompts(prompts: Any) -> None:
     if isinstance(prompts, (str, bytes)):
         raise TypeError(f"prompts must be a sequence of prompts (a list of str or of token-id lists), not one "
                         f"{type(prompts).__name__}; got {prompts!r:.60}: wrap it in a list")
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a sequence of prompts (a list of str or of token-id lists); got "
+                        f"{type(prompts).__name__} {prompts!r:.60}")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            continue
+        ids = prompt if isinstance(prompt, Sequence) and not isinstance(prompt, bytes) else None
+        if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise TypeError(f"prompts[{i}] must be a str or a list of token ids (ints); got "
+                            f"{type(prompt).__name__} {prompt!r:.60}" +
+                            (": the token ids of one prompt go in a list of their own, e.g. [[1, 2, 3]]"
+                             if isinstance(prompt, int) else ""))
+
+
+def check_context_keys(context_keys: Any, prompts: Sequence[Any], generate: Any, engine: str) -> None:
+    """TypeError unless the engine's `generate` takes context keys and there is one int per prompt."""
+    if "context_keys" not in inspect.signature(generate).parameters:
+        raise TypeError(f"context_keys: engine {engine!r} has no contexts (cache salts or adapter ids); "
+                        "leave context_keys out")
+    if (not isinstance(context_keys, Sequence) or len(context_keys) != len(prompts)
+            or not all(isinstance(k, int) and not isinstance(k, bool) for k in context_keys)):
+        raise TypeError(f"context_keys must be one int per prompt ({len(prompts)}); got {context_keys!r:.60}")
 
 
 def check_request_count(n: Any) -> None:

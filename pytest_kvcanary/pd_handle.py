@@ -8,7 +8,7 @@ damaged data went.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable
 
 from .adapters.protocol import PrefillDecodePair
 from .config import CanaryConfig
@@ -33,9 +33,8 @@ class PDHandle(SidedHandle):
         self.sides = [self.prefill, self.decode]
         pair.add_transfer_listener(self._on_transfer)
 
-    def _engine_generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int,
-                         **contexts: list[int]) -> list[list[int]]:
-        return self.pair.generate(prompts, max_new_tokens, **contexts)
+    def _engine_generate(self) -> Callable[..., list[list[int]]]:
+        return self.pair.generate
 
     def _on_transfer(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Send the records along with the KV (prefill FULL slots src -> decode FULL slots dst),

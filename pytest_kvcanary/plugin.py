@@ -6,9 +6,10 @@ engines load inside the fixtures that start engines.
 
 Precedence: an option given on the command line wins over a kv_canary marker, which wins over the
 ini file. The mode is the one exception: --kv-canary (or the kv_canary ini key) turns the run on
-and sets its default mode, and a kv_canary(mode=...) marker sets one test's mode: "log" for a test
-that asserts on the faults it injects (raise mode would stop it at the first violation), "off" to
-opt out. A marker cannot turn on a run that is off.
+and sets its default mode, and a kv_canary(mode=...) marker sets one test's mode ("off" to opt out).
+A test that injects faults (kv_perturb) runs in log mode unless its marker says otherwise: it
+asserts on the violations it causes, which raise mode would stop at the first. A marker cannot
+turn on a run that is off.
 
 Violations are recorded, never warned about. A test's violations are its own business when it
 injected faults (kv_perturb) or read them through kv_canary; any others, in log mode, are listed
@@ -32,6 +33,7 @@ from . import markers
 from .engine_pool import EngineKey, EnginePool, Guarded
 from .engines import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine, UnsupportedAttention
 from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
+from .interrupts import Interrupts
 from .report import RunResults, failure_section, guarded_test_entry, violations_table
 from .settings import OPTIONS, Settings, resolve, split_bare_flag
 
@@ -50,6 +52,7 @@ _POOL = pytest.StashKey[EnginePool]()
 _LOCK_DIR = pytest.StashKey[Path]()
 _OWN_LOCK_DIR = pytest.StashKey[bool]()  # this process made the lock dir and removes it at the end
 _KV_FIXTURES = frozenset({"kv_engine", "kv_pd", "kv_canary", "kv_device"})
+_INTERRUPTS = pytest.StashKey[Interrupts]()
 _COLLECTOR = "kv-canary-results"  # the name of the plugin object that collects the results
 
 
@@ -118,7 +121,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_LEASES] = DeviceLeases(settings.device, lock_dir, settings.workers_per_gpu, workers=workers,
                                          on_wait=functools.partial(_tell, config))
     if workerinput is None:
-        config.pluginmanager.register(_Collector(config.stash[_RESULTS]), _COLLECTOR)
+        interrupts = config.stash[_INTERRUPTS] = Interrupts()
+        interrupts.install()
+        config.pluginmanager.register(_Collector(config.stash[_RESULTS], interrupts), _COLLECTOR)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -135,6 +140,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         config.stash[_LEASES].release()
     if config.stash.get(_OWN_LOCK_DIR, False):
         remove_lock_dir(config.stash[_LOCK_DIR])
+    if _INTERRUPTS in config.stash:
+        config.stash[_INTERRUPTS].restore()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -235,6 +242,8 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     settings = request.config.stash[_SETTINGS]
     perturbs = _marker_value(markers.perturbs, node, pd=kind == "pd")
     overrides = _marker_value(markers.canary_overrides, node)
+    if perturbs:  # its faults are expected: raise mode would stop it at the first one
+        overrides.setdefault("mode", "log")
     canary = settings.canary.with_overrides(**{k: v for k, v in overrides.items() if k not in settings.pinned})
     if not settings.canary.enabled:
         pytest.skip(OFF_REASON)
@@ -372,26 +381,29 @@ class _Collector:
     """Registered where the results are kept (the xdist controller, or the only process): takes
     what test reports carry and notes how the run ended."""
 
-    def __init__(self, results: RunResults) -> None:
+    def __init__(self, results: RunResults, interrupts: Interrupts) -> None:
         self.results = results
+        self.interrupts = interrupts
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         payload = getattr(report, "kv_canary", None)
         if payload is not None:
             self.results.add(payload)
+        elif report.when == "???":  # xdist's report of the test a worker was running when it died
+            self.results.add_crashed(report.nodeid, getattr(getattr(report, "node", None), "gateway", None))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: object | None) -> None:
         """A worker went down; `error` says why when it did not finish normally."""
         if error == "keyboard-interrupt":
-            self.results.interrupted = "keyboard interrupt"
+            self.results.interrupted = self.interrupts.reason or "keyboard interrupt"
         elif error is not None:
             lines = str(error).strip().splitlines()
             self.results.worker_crashed(node.gateway.id, lines[-1] if lines else "no reason given")
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         if excinfo.type is KeyboardInterrupt:  # not pytest's own stops (collection errors, -x)
-            self.results.interrupted = "keyboard interrupt"
+            self.results.interrupted = self.interrupts.reason or "keyboard interrupt"
 
 
 @pytest.hookimpl(trylast=True)  # after the runner has torn down session fixtures (closing engines)
@@ -399,7 +411,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     settings = config.stash[_SETTINGS]
     if not hasattr(config, "workerinput") and settings.report is not None:
-        config.stash[_RESULTS].write_json(settings.report, settings.to_json())
+        try:
+            config.stash[_RESULTS].write_json(settings.report, settings.to_json())
+        except OSError as e:
+            config.stash[_RESULTS].report_error = f"{e.strerror or e}: {e.filename or settings.report}"
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -411,5 +426,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     terminalreporter.section("kv-canary")
     for line in results.summary_lines():
         terminalreporter.write_line(line)
-    if settings.report is not None:
+    if results.report_error is not None:
+        terminalreporter.write_line(f"report: could not write {settings.report} ({results.report_error})")
+    elif settings.report is not None:
         terminalreporter.write_line(f"report: {settings.report}")

@@ -102,9 +102,23 @@ def failure_section(seed: int, replay: str, violations: Sequence[Violation], req
     return "\n".join(lines)
 
 
-def _engine_line(engine: dict[str, Any], side: str, stats: dict[str, Any]) -> str:
-    where = (f"{engine['engine']}/{engine['kind']}/{engine['attention']} on {engine['device']} "
-             f"[{engine['worker']}, {_count(engine['tests'], 'test')}]")
+def _where(engine: dict[str, Any]) -> str:
+    return f"{engine['engine']}/{engine['kind']}/{engine['attention']} on {engine['device']} [{engine['worker']}"
+
+
+def _distinctions(engines: Sequence[dict[str, Any]]) -> list[str]:
+    """Per engine, the canary settings that tell it apart from the other engines of the same
+    name, kind, attention, device and worker (", sweep_interval=2"), else ""."""
+    shown = []
+    for engine in engines:
+        twins = [e["canary"] for e in engines if _where(e) == _where(engine)]
+        differing = [name for name in engine["canary"] if len({repr(c[name]) for c in twins}) > 1]
+        shown.append("".join(f", {name}={engine['canary'][name]}" for name in differing))
+    return shown
+
+
+def _engine_line(engine: dict[str, Any], distinction: str, side: str, stats: dict[str, Any]) -> str:
+    where = f"{_where(engine)}, {_count(engine['tests'], 'test')}{distinction}]"
     counts = " ".join(f"{name}={stats.get(name, '?')}" for name in SHOWN_COUNTERS)
     retired = f" (replaced: {engine['retired']})" if engine["retired"] else ""
     return f"{where} {side}: {counts} health={stats.get('health', '?')}{retired}"
@@ -119,6 +133,7 @@ class RunResults:
         self._engines: dict[tuple[str, int], dict[str, Any]] = {}
         self.interrupted: str | None = None
         self.crashed_workers: list[dict[str, str]] = []
+        self.report_error: str | None = None  # why the JSON report could not be written
 
     def _engine(self, source: dict[str, Any]) -> dict[str, Any]:
         key = (source["worker"], source["handle"])
@@ -152,6 +167,15 @@ class RunResults:
         for event in payload.get("retired", ()):
             self.add_retired(event)
 
+    def add_crashed(self, nodeid: str, gateway: Any) -> None:
+        """The test a worker was running when it died: an entry with outcome "crashed" and
+        nothing measured (what the worker had logged died with it)."""
+        self.tests.append({
+            "nodeid": nodeid, "outcome": "crashed", "worker": getattr(gateway, "id", None), "handle": None,
+            "seed": None, "kind": None, "attention": None, "device": None, "engine": None, "canary": None,
+            "perturbs": [], "violations": [], "injections": [], "stats": {}, "expected": False, "read_error": None,
+        })
+
     def worker_crashed(self, worker: str, error: str) -> None:
         self.crashed_workers.append({"worker": worker, "error": error})
 
@@ -165,12 +189,18 @@ class RunResults:
         return [t for t in self.tests if t["violations"] and not t["expected"] and t["outcome"] != "failed"]
 
     def summary_lines(self) -> list[str]:
-        """One line per engine (per side of a PD pair), the totals, then what needs attention:
+        """One line per engine (per side of a PD pair; the canary settings that tell engines
+        otherwise alike apart are named), the totals (violations expected: owned by tests that
+        injected faults or asserted on violations), then what needs attention:
         unexpected violations as one block, an interrupt, workers that died."""
-        lines = [_engine_line(engine, side, stats)
-                 for engine in self.engines for side, stats in engine["sides"].items()]
+        lines = [_engine_line(engine, distinction, side, stats)
+                 for engine, distinction in zip(self.engines, _distinctions(self.engines))
+                 for side, stats in engine["sides"].items()]
+        guarded = [t for t in self.tests if t["outcome"] != "crashed"]
         violations = sum(len(t["violations"]) for t in self.tests)
-        lines.append(f"{_count(len(self.tests), 'guarded test')}, {_count(violations, 'violation')}, "
+        expected = sum(len(t["violations"]) for t in self.tests if t["expected"])
+        lines.append(f"{_count(len(guarded), 'guarded test')}, {_count(violations, 'violation')} "
+                     f"({expected} expected, {violations - expected} unexpected), "
                      f"{_count(len(self.engines), 'engine handle')}")
         unexpected = self.unexpected()
         if unexpected:
@@ -185,9 +215,13 @@ class RunResults:
                          "that finished")
         for crash in self.crashed_workers:
             lines.append(f"worker {crash['worker']} died ({crash['error']}); the tests it finished are included")
+        lines += [f"crashed: {t['nodeid']} (its worker died while running it)"
+                  for t in self.tests if t["outcome"] == "crashed"]
         return lines
 
     def write_json(self, path: Path, config: dict[str, Any]) -> None:
+        """Write the report atomically (a temporary file renamed over it): an interrupt never
+        leaves half a report. Raises OSError when the path cannot be written."""
         path.parent.mkdir(parents=True, exist_ok=True)
         document = {
             "config": config,
@@ -195,4 +229,6 @@ class RunResults:
             "tests": self.tests,
             "engines": self.engines,
         }
-        path.write_text(json.dumps(document, indent=2) + "\n")
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(document, indent=2) + "\n")
+        partial.replace(path)

@@ -16,8 +16,8 @@ from typing import Any, Callable, NamedTuple
 import pytest
 
 from .config import CANARY_MODES, REAL_DATA_MODES, CanaryConfig
-from .engines import engine_problem
-from .gpu import AUTO, DEVICE_SETTINGS
+from .engines import BUILTIN_ENGINES, engine_problem, model_problem
+from .gpu import AUTO, DEVICE_SETTINGS, count_gpus
 
 
 def _one_of(*allowed: str) -> Callable[[str], str]:
@@ -168,7 +168,10 @@ def resolve(config: pytest.Config) -> Settings:
         lock_dir=path("kv_canary_lock_dir"),
         pinned=frozenset(f for name, f in _CANARY_FIELDS.items() if name in from_cli and f != "mode"),
     )
-    check_paths(settings, sources, {name: values[name] for name in sources})
+    raw = {name: values[name] for name in sources}
+    check_paths(settings, sources, raw)
+    hook = config.pluginmanager.hook.pytest_kvcanary_make_engine
+    check_engine(settings, sources, raw, hook_engines=bool(hook.get_hookimpls()))
     return settings
 
 
@@ -198,9 +201,8 @@ def _writable_file(path: Path) -> str | None:
 
 
 def check_paths(settings: Settings, sources: dict[str, str], raw: dict[str, str]) -> None:
-    """Every path option, and the engine, checked before the run starts: the report must be
-    writable, the lock directory usable (when the canary is on), the model an existing
-    directory, the engine's optional package installed."""
+    """Every path option checked before the run starts: the report must be writable, the lock
+    directory usable (when the canary is on), the model an existing directory."""
     if settings.report is not None and (why := _writable_file(settings.report)):
         raise _usage(sources["kv_canary_report"], raw["kv_canary_report"], f"must be a writable file path ({why})")
     if settings.model is not None and not settings.model.is_dir():
@@ -212,8 +214,26 @@ def check_paths(settings: Settings, sources: dict[str, str], raw: dict[str, str]
     if settings.lock_dir is not None and (why := _writable_dir(settings.lock_dir)):
         raise _usage(sources["kv_canary_lock_dir"], raw["kv_canary_lock_dir"],
                      f"must be a writable directory ({why})")
+
+
+def check_engine(settings: Settings, sources: dict[str, str], raw: dict[str, str], hook_engines: bool) -> None:
+    """When the canary is on, what the engines will need, checked before the run starts: a
+    known engine (built in, or some pytest_kvcanary_make_engine hook implementation registered
+    by a plugin or a conftest loaded at start-up), its optional package installed, the model
+    directory a checkpoint it can load, a GPU for --kv-canary-device=cuda."""
+    if not settings.canary.enabled:
+        return
+    if settings.engine not in BUILTIN_ENGINES and not hook_engines:
+        raise _usage(sources["kv_canary_engine"], raw["kv_canary_engine"],
+                     f"must name an engine: {', '.join(BUILTIN_ENGINES)}, or one a pytest_kvcanary_make_engine "
+                     "hook implementation returns (none is registered)")
     if problem := engine_problem(settings.engine):
         raise _usage(sources["kv_canary_engine"], raw["kv_canary_engine"], problem)
+    if settings.model is not None and (problem := model_problem(settings.engine, settings.model)):
+        raise _usage(sources["kv_canary_model"], raw["kv_canary_model"],
+                     f"must be a checkpoint the {settings.engine} engine can load: the directory {problem}")
+    if settings.device == "cuda" and count_gpus() == 0:
+        raise _usage(sources["kv_canary_device"], raw["kv_canary_device"], "asks for a GPU, and none is visible")
 
 
 def split_bare_flag(args: list[str]) -> list[str]:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .adapters.protocol import EngineUnderTest
 from .canary.runtime import CanaryRuntime
 from .canary.violation import Violation
 from .config import CanaryConfig, PerturbSpec
-from .handle import check_prompts, check_request_count
+from .handle import check_context_keys, check_prompts, check_request_count
 from .perturb.injector import FaultInjector
 from .perturb.ledger import Injection, Ledger
 
@@ -96,13 +96,17 @@ class SidedHandle:
         per prompt (a cache salt or adapter id, 0 = none), for engines that take them."""
         check_prompts(prompts)
         self._prompts.extend(p if isinstance(p, str) else repr(list(p)) for p in prompts)
-        contexts = {} if context_keys is None else {"context_keys": list(context_keys)}
-        outputs = self._engine_generate(prompts, max_new_tokens, **contexts)
+        generate = self._engine_generate()
+        contexts = {}
+        if context_keys is not None:
+            check_context_keys(context_keys, prompts, generate, type(getattr(generate, "__self__", generate)).__name__)
+            contexts = {"context_keys": list(context_keys)}
+        outputs = generate(prompts, max_new_tokens, **contexts)
         self.drain()  # raise mode: a violation of the last forwards raises here, in the test's call
         return outputs
 
-    def _engine_generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int,
-                         **contexts: list[int]) -> list[list[int]]:
+    def _engine_generate(self) -> Callable[..., list[list[int]]]:
+        """The engine's (or pair's) generate(prompts, max_new_tokens[, context_keys=])."""
         raise NotImplementedError
 
     def prompts_since_reset(self) -> list[str]:

@@ -91,7 +91,31 @@ def test_generate_and_send_parallel_requests_reject_a_bare_string() -> None:
         handle.generate("hello")
     with pytest.raises(TypeError, match=r"n must be an integer >= 1 \(the number of requests\); got '4'"):
         handle.send_parallel_requests("4")
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a str or a list of token ids \(ints\); got int 123: "
+                                        r"the token ids of one prompt go in a list of their own"):
+        handle.generate([123])
+    with pytest.raises(TypeError, match=r"prompts\[1\] must be a str or a list of token ids \(ints\); got list \['a'\]"):
+        handle.generate([[1, 2], ["a"]])
     assert handle.prompts_since_reset() == [] and handle.stats()["single"]["forwards"] == 0
+
+
+class _NoContexts:
+    """An engine whose generate takes no context keys (like the transformers and vLLM adapters)."""
+
+    def generate(self, prompts: list, max_new_tokens: int) -> list:
+        raise AssertionError("not reached")
+
+
+def test_context_keys_on_an_engine_without_contexts_say_so_by_name() -> None:
+    from pytest_kvcanary.handle import check_context_keys
+
+    with pytest.raises(TypeError, match=r"context_keys: engine '_NoContexts' has no contexts"):
+        check_context_keys([1], ["a"], _NoContexts().generate, "_NoContexts")
+    handle = _handle()
+    handle.reset(0, ())
+    with pytest.raises(TypeError, match=r"context_keys must be one int per prompt \(2\); got \[1\]"):
+        handle.generate(["a", "b"], context_keys=[1])
+    assert handle.generate(["a"], 1, context_keys=[3])
 
 
 def test_the_failure_names_the_request_beside_the_row(realtester: pytest.Pytester) -> None:
@@ -152,7 +176,8 @@ def test_summary_lines_agree_with_the_per_test_numbers(realtester: pytest.Pytest
     line = (f"reference/single/mha on cpu [[]main, 4 tests[]] single: forwards={total['forwards']} "
             f"protected_tokens={total['protected_tokens']} sweeps={total['sweeps']} "
             f"violations={total['violations']} health=ok")
-    result.stdout.fnmatch_lines([line, f"4 guarded tests, {total['violations']} violations, 1 engine handle"])
+    result.stdout.fnmatch_lines([line, f"4 guarded tests, {total['violations']} violations ({total['violations']} expected, 0 unexpected), "
+                                 "1 engine handle"])
 
 
 def test_a_green_fault_injection_run_prints_no_warning(realtester: pytest.Pytester) -> None:
@@ -176,7 +201,7 @@ def test_a_green_fault_injection_run_prints_no_warning(realtester: pytest.Pytest
     result.assert_outcomes(passed=3)
     out = result.stdout.str()
     assert "warnings summary" not in out and "Warning" not in out and "unexpected violations" not in out
-    result.stdout.fnmatch_lines(["3 guarded tests, * violations, 3 engine handles"])
+    result.stdout.fnmatch_lines(["3 guarded tests, * violations (* expected, 0 unexpected), 3 engine handles"])
 
 
 def test_unexpected_violations_are_one_summary_block(realtester: pytest.Pytester) -> None:

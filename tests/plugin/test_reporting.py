@@ -123,7 +123,7 @@ def test_expected_violations_are_quiet_and_unexpected_ones_are_one_block(kvteste
     assert "warnings summary" not in out and "Warning" not in out
     result.stdout.fnmatch_lines([
         "*= kv-canary =*",
-        "4 guarded tests, 4 violations, 1 engine handle",
+        "4 guarded tests, 4 violations (2 expected, 2 unexpected), 1 engine handle",
         "unexpected violations: 2 violations in 2 tests that neither injected faults nor asserted on violations",
         "test_expected_violations_are_quiet_and_unexpected_ones_are_one_block.py::test_stray_one (seed 0, single/mha "
         "on cpu):",
@@ -158,7 +158,7 @@ def test_engine_lines_sum_the_tests_each_engine_served(kvtester: pytest.Pytester
         "reference/single/mha on cpu [[]main, 3 tests[]] single: forwards=9 protected_tokens=36 sweeps=0 "
         "violations=3 health=ok",
         "reference/pd/mha on cpu [[]main, 1 test[]] decode: forwards=10 * violations=2 health=ok",
-        "4 guarded tests, 5 violations, 2 engine handles",
+        "4 guarded tests, 5 violations (5 expected, 0 unexpected), 2 engine handles",
     ])
     report = json.loads((kvtester.path / "kv.json").read_text())
     for engine in report["engines"]:
@@ -203,3 +203,22 @@ def test_json_report(kvtester: pytest.Pytester) -> None:
     assert len(engines) == 4 and {e["device"] for e in engines} == {"cpu"}
     assert {tuple(e["sides"]) for e in engines} == {("prefill", "decode"), ("single",)}
     assert all(e["worker"] == "main" and e["retired"] is None for e in engines)
+
+
+def test_engine_lines_name_the_canary_settings_that_tell_them_apart(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import pytest
+
+        def test_default(kv_engine):
+            kv_engine.send_parallel_requests(1)
+
+        @pytest.mark.kv_canary(sweep_interval=2)
+        def test_often(kv_engine):
+            kv_engine.send_parallel_requests(1)
+    """)
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines_random([
+        "reference/single/mha on cpu [[]main, 1 test, sweep_interval=4[]] single: *",
+        "reference/single/mha on cpu [[]main, 1 test, sweep_interval=2[]] single: *",
+    ])

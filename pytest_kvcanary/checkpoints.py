@@ -1,0 +1,65 @@
+"""What a `--kv-canary-model` directory must hold for each built-in engine, checked at start-up
+(before any test runs) from the files alone: nothing is loaded, and only the engine's own
+package is imported to learn the model types it knows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def _config(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(config.json as a dict, None), or (None, why it cannot serve)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return None, "has no config.json"
+    try:
+        hf = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"has a config.json that is not valid JSON ({e})"
+    if not isinstance(hf, dict):
+        return None, "has a config.json that is not a JSON object"
+    return hf, None
+
+
+def _checkpoint_problem(path: Path, model_types: Callable[[], tuple[str, ...] | None]) -> str | None:
+    """Why `path` is not a checkpoint of a model type in model_types() (None: any), or None."""
+    hf, why = _config(path)
+    if hf is None:
+        return why
+    allowed = model_types()
+    if allowed is not None and hf.get("model_type") not in allowed:
+        shown = ", ".join(allowed) if len(allowed) <= 8 else "the types it knows"
+        return f"has model_type {hf.get('model_type')!r}, which the engine does not support ({shown})"
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        return f"has no weights ({' or '.join(WEIGHT_PATTERNS)})"
+    return None
+
+
+def _reference_types() -> tuple[str, ...]:
+    from .engine.weights import MODEL_TYPES
+
+    return MODEL_TYPES
+
+
+def _transformers_types() -> tuple[str, ...]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return tuple(CONFIG_MAPPING_NAMES)
+
+
+def reference_problem(path: Path) -> str | None:
+    """The reference engine reads Llama / Qwen2 checkpoints in safetensors."""
+    return _checkpoint_problem(path, _reference_types)
+
+
+def transformers_problem(path: Path) -> str | None:
+    return _checkpoint_problem(path, _transformers_types)
+
+
+def any_checkpoint_problem(path: Path) -> str | None:
+    """A Hugging Face checkpoint of any model type (the engine judges the type itself)."""
+    return _checkpoint_problem(path, lambda: None)

@@ -1,0 +1,107 @@
+"""A run stopped by SIGTERM (a CI timeout) or by two quick Ctrl-Cs keeps the report and the
+summary of the tests that finished; a worker's crash and an unwritable report path are reported
+in one line each."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+# test_a finishes n tests and then blocks; the outer test waits until the controller has
+# reported them (its -v lines) before it signals.
+FINISHED_THEN_BLOCK = """
+import threading
+
+import pytest
+
+@pytest.mark.parametrize("i", range(3))
+def test_finishes(kv_engine, i):
+    kv_engine.generate(["a prompt"], max_new_tokens=1)
+
+def test_blocks(kv_engine):
+    threading.Event().wait()
+"""
+
+
+def _stop_after(pytester: pytest.Pytester, passed: int, stop: list[tuple[str, int]]) -> str:
+    """Run the suite in two workers; once `passed` tests are reported, send the signals `stop`
+    names (("controller", sig): to the controller only; ("group", sig): to every process, as a
+    terminal's Ctrl-C does), in order. The run's output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--kv-canary", "--kv-canary-report=kv.json",
+            "-n", "2", "--dist", "loadfile"]
+    proc = subprocess.Popen(args, cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if sum("PASSED" in seen for seen in lines) == passed:
+                for target, sig in stop:
+                    (os.kill if target == "controller" else os.killpg)(proc.pid, sig)
+                break
+        lines += proc.stdout.readlines()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = "".join(lines)
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    assert "Traceback" not in out, out
+    return out
+
+
+@pytest.mark.parametrize("stop, reason", [
+    ([("controller", signal.SIGTERM)], "SIGTERM"),
+    ([("group", signal.SIGINT), ("group", signal.SIGINT)], "keyboard interrupt"),
+], ids=["sigterm-to-the-controller", "two-ctrl-c"])
+def test_the_finished_tests_are_kept(kvtester: pytest.Pytester, stop: list[tuple[str, int]], reason: str) -> None:
+    kvtester.makepyfile(test_one=FINISHED_THEN_BLOCK, test_two=FINISHED_THEN_BLOCK)
+    out = _stop_after(kvtester, 6, stop)
+    report = json.loads((kvtester.path / "kv.json").read_text())
+    assert report["run"]["interrupted"] == reason
+    assert sorted(t["nodeid"] for t in report["tests"] if t["outcome"] == "passed") == sorted(
+        f"test_{f}.py::test_finishes[{i}]" for f in ("one", "two") for i in range(3))
+    assert f"run interrupted ({reason}): results of the 6 tests that finished" in out
+    assert f"report: {kvtester.path / 'kv.json'}" in out
+
+
+def test_the_test_a_dead_worker_was_running_is_reported_as_crashed(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(test_dies="""
+        import os, signal
+
+        def test_ok(kv_engine):
+            pass
+
+        def test_dies(kv_engine):
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    result = kvtester.runpytest_subprocess("-n", "1", "-p", "no:cacheprovider", "--kv-canary",
+                                           "--kv-canary-report=kv.json")
+    tests = {t["nodeid"]: t["outcome"] for t in json.loads((kvtester.path / "kv.json").read_text())["tests"]}
+    assert tests == {"test_dies.py::test_ok": "passed", "test_dies.py::test_dies": "crashed"}
+    result.stdout.fnmatch_lines(["crashed: test_dies.py::test_dies (its worker died while running it)"])
+
+
+def test_a_report_path_that_becomes_unwritable_costs_one_line(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import shutil
+
+        def test_breaks_the_report_path(kv_engine):
+            shutil.rmtree("reports")
+            open("reports", "w").close()  # the report's directory is now a file
+    """)
+    kvtester.mkdir("reports")
+    result = kvtester.runpytest_subprocess("-p", "no:cacheprovider", "--kv-canary",
+                                           "--kv-canary-report=reports/kv.json")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["1 guarded test, 0 violations (0 expected, 0 unexpected), 1 engine handle",
+                                 "report: could not write *reports/kv.json (*)"])
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()

@@ -1,0 +1,70 @@
+"""Engine, model and device problems are usage errors found before any test runs: exit 4, one
+line naming the option, the value and the problem, no traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+LLAMA = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "intermediate_size": 16, "vocab_size": 300}
+CHECKPOINTS = [
+    # (what the directory holds, engine, what the error says about it)
+    ({"config.json": "{not json"}, "reference", "has a config.json that is not valid JSON (*)"),
+    ({"config.json": json.dumps({**LLAMA, "model_type": "gpt2"}), "model.safetensors": ""}, "reference",
+     "has model_type 'gpt2', which the engine does not support (llama, qwen2)"),
+    ({"config.json": json.dumps(LLAMA)}, "reference", "has no weights (*.safetensors or pytorch_model*.bin)"),
+    ({}, "reference", "has no config.json"),
+    ({"config.json": "[1, 2]"}, "transformers", "has a config.json that is not a JSON object"),
+    ({"config.json": json.dumps({**LLAMA, "model_type": "no-such-type"}), "model.safetensors": ""}, "transformers",
+     "has model_type 'no-such-type', which the engine does not support (the types it knows)"),
+    ({"config.json": json.dumps(LLAMA)}, "transformers", "has no weights (*.safetensors or pytorch_model*.bin)"),
+    ({}, "transformers", "has no config.json"),
+]
+
+
+def _one_usage_error(result: pytest.RunResult, line: str) -> None:
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [text for text in result.errlines if text.strip()] == [line]
+    assert "RAN" not in result.stdout.str() and "Traceback" not in result.stderr.str()
+
+
+@pytest.mark.parametrize("files, engine, problem", CHECKPOINTS,
+                         ids=[f"{e}-{p.split(' (')[0].replace(' ', '-')}" for _, e, p in CHECKPOINTS])
+def test_a_model_directory_the_engine_cannot_load(kvtester: pytest.Pytester, files: dict[str, str], engine: str,
+                                                  problem: str) -> None:
+    if importlib.util.find_spec(engine) is None and engine != "reference":
+        pytest.skip(f"{engine} is not installed")
+    kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
+    ckpt = kvtester.mkdir("ckpt")
+    for name, text in files.items():
+        (ckpt / name).write_text(text)
+    result = kvtester.runpytest_subprocess("-s", "--kv-canary", f"--kv-canary-engine={engine}",
+                                           "--kv-canary-model=ckpt")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --kv-canary-model must be a checkpoint the {engine} engine can load: "
+                                 f"the directory {problem}; got 'ckpt'"])
+    _one_usage_error(result, result.errlines[0])
+
+
+def test_an_unknown_engine(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    pytester.makepyfile("def test_a(kv_engine): print('RAN')")
+    result = pytester.runpytest_subprocess("-s", "--kv-canary", "--kv-canary-engine=nosuchengine")
+    _one_usage_error(result, "ERROR: --kv-canary-engine must name an engine: reference, transformers, vllm, or one "
+                             "a pytest_kvcanary_make_engine hook implementation returns (none is registered); "
+                             "got 'nosuchengine'")
+
+
+def test_cuda_without_a_gpu(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
+    result = kvtester.runpytest_subprocess("-s", "--kv-canary", "--kv-canary-device=cuda")
+    _one_usage_error(result, "ERROR: --kv-canary-device asks for a GPU, and none is visible; got 'cuda'")
+
+
+def test_nothing_is_checked_when_the_canary_is_off(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    kvtester.mkdir("ckpt")
+    kvtester.runpytest("--kv-canary-device=cuda", "--kv-canary-model=ckpt").assert_outcomes(passed=1)
