@@ -213,14 +213,18 @@ class VllmEngine:
         if backend != "CPU_ATTN":
             raise NotImplementedError(f"the vLLM adapter knows the KV layouts of vLLM's CPU_ATTN and CPU_MLA "
                                       f"attention backends; got {backend}")
-        token_major = probe(first, cache)
+        orders = probe(first, cache)
+        if None in orders.values():
+            raise NotImplementedError(
+                f"vLLM's CPU attention runs its {first.isa!r} path here, whose KV layout the adapter does not know "
+                f"(orders found: {orders}); attention_isa='readable' (the default) runs a path it knows")
         windows = {layers[n].sliding_window for n in names} - {None}
         if len(windows) > 1:
             raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
         groups = []
         for kind, window in [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]:
-            views = half_views([self._kv_caches[n] for n in names if layers[n].sliding_window == window], token_major)
-            opaque = frozenset(h for h, v in views.items() if not v.token_major)
+            views = half_views([self._kv_caches[n] for n in names if layers[n].sliding_window == window], orders)
+            opaque = frozenset(h for h, v in views.items() if not v.contiguous)
             # Sliding-window layers use the FULL slots themselves: saying so (an identity map)
             # lets the prefix-cache walk reach them.
             mapping = SlotMapping(self._table, page_size=bs,
