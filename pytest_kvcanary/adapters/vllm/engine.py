@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,6 +37,7 @@ from pytest_kvcanary.canary.host import (
 
 from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
+from .isa import attention_isa, check_attention_isa, default_attention_isa
 from .layout import half_views, probe, probe_latent
 
 
@@ -44,7 +45,10 @@ from .layout import half_views, probe, probe_latent
 class VllmSettings:
     """The LLM the adapter starts. block_size: what it asks for (vLLM's CPU attention needs a
     multiple of 32; its CPU MLA backend sets 16 itself). num_blocks includes vLLM's null block and
-    must hold one max_model_len request; dtype as vLLM's ``dtype`` argument."""
+    must hold one max_model_len request; dtype as vLLM's ``dtype`` argument. attention_isa: the
+    instruction-set path of vLLM's CPU attention, which decides its KV layout (isa.py: readable,
+    vllm, amx, vec, vec16; default the environment variable KVCANARY_VLLM_ATTENTION_ISA, else
+    readable)."""
 
     block_size: int = 32
     max_num_seqs: int = 8
@@ -53,6 +57,10 @@ class VllmSettings:
     num_blocks: int = 128
     prefix_caching: bool = True
     dtype: str = "auto"
+    attention_isa: str = field(default_factory=default_attention_isa)
+
+    def __post_init__(self) -> None:
+        check_attention_isa(self.attention_isa)
 
     def llm_arguments(self, model: str | Path, seed: int) -> dict[str, Any]:
         """vLLM ``LLM(...)`` keyword arguments for this model, without the canary's connector."""
@@ -85,10 +93,11 @@ class VllmEngine:
         registry.add(key, self)
         registry.building = self
         try:
-            self.llm = LLM(**s.llm_arguments(model, seed), kv_transfer_config={
-                "kv_connector": "CanaryConnector", "kv_role": "kv_both",
-                "kv_connector_module_path": "pytest_kvcanary.adapters.vllm.connector",
-                "kv_connector_extra_config": {CONFIG_KEY: key}})
+            with attention_isa(s.attention_isa):
+                self.llm = LLM(**s.llm_arguments(model, seed), kv_transfer_config={
+                    "kv_connector": "CanaryConnector", "kv_role": "kv_both",
+                    "kv_connector_module_path": "pytest_kvcanary.adapters.vllm.connector",
+                    "kv_connector_extra_config": {CONFIG_KEY: key}})
         finally:
             registry.building = None
         self.block_size = bs = self.llm.llm_engine.vllm_config.cache_config.block_size  # vLLM may change it
@@ -204,14 +213,18 @@ class VllmEngine:
         if backend != "CPU_ATTN":
             raise NotImplementedError(f"the vLLM adapter knows the KV layouts of vLLM's CPU_ATTN and CPU_MLA "
                                       f"attention backends; got {backend}")
-        token_major = probe(first, cache)
+        orders = probe(first, cache)
+        if None in orders.values():
+            raise NotImplementedError(
+                f"vLLM's CPU attention runs its {first.isa!r} path here, whose KV layout the adapter does not know "
+                f"(orders found: {orders}); attention_isa='readable' (the default) runs a path it knows")
         windows = {layers[n].sliding_window for n in names} - {None}
         if len(windows) > 1:
             raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
         groups = []
         for kind, window in [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]:
-            views = half_views([self._kv_caches[n] for n in names if layers[n].sliding_window == window], token_major)
-            opaque = frozenset(h for h, v in views.items() if not v.token_major)
+            views = half_views([self._kv_caches[n] for n in names if layers[n].sliding_window == window], orders)
+            opaque = frozenset(h for h, v in views.items() if not v.contiguous)
             # Sliding-window layers use the FULL slots themselves: saying so (an identity map)
             # lets the prefix-cache walk reach them.
             mapping = SlotMapping(self._table, page_size=bs,

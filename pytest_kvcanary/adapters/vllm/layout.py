@@ -1,21 +1,32 @@
-"""Where a slot's K and V bytes lie in vLLM's CPU caches, found by asking vLLM.
+"""Where a slot's K and V bytes lie in a vLLM KV cache: found by asking vLLM's own cache write,
+then read off the tensor's shape and strides.
 
-vLLM's CPU attention backend (CPU_ATTN) keeps each layer as ``[num_blocks, kv_heads, block_size,
-2 * head_size]``, used as ``[num_blocks, kv_heads, 2 * block_size, head_size]``: per head, the
-first block_size rows hold K, the next hold V. Inside those rows the order depends on the
-instruction set the backend picked (on its portable paths K is stored transposed, one row per
-head dimension, while V is one row per token). Its latent backend (CPU_MLA) keeps one row per
-token, ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (registered with a head axis of 1).
+Two steps, kept apart so that one of them serves every layout:
 
-So nothing is assumed: each probe writes coded tokens through the layer's own cache write into a
-scratch cache and reads back whether token t is exactly row t (of its head's half). A half that is
-gets views ``[num_blocks, block_size, width]`` (slot s at ``[s // block_size, s % block_size]``,
-contiguous per block) the fingerprint can read; a half that is not gets the same addressing as a
-strided view the fingerprint must not read.
+- `probe` (vLLM's CPU attention, CPU_ATTN, which keeps each layer as ``[num_blocks, kv_heads,
+  block_size, 2 * head_size]``, used as ``[num_blocks, kv_heads, 2 * block_size, head_size]``, K
+  rows then V rows per head): coded tokens go through the layer's own cache write into a scratch
+  cache, and the order each half's rows come back in is matched against the orders it may use
+  (`Order`): one row per token (``token``), or one row per head dimension (``dim``: K on vLLM's
+  vec and vec16 paths). A path that packs a half otherwise (amx) matches neither. `probe_latent`
+  does the same for CPU_MLA's latent rows (``[num_blocks, block_size, kv_lora_rank + rope_dim]``).
+- `slot_bytes` takes one half of one layer as a view ``[num_blocks, block_size, *features]`` (any
+  strides: the layout's own order) and splits it along its leading feature axes (heads) until
+  each slot's bytes are one contiguous run per view: ``[num_blocks, block_size, run]``, each
+  block one row of bytes, which the fingerprint reads. Where no split gets there (the innermost
+  feature axis is not the contiguous one, as in a ``dim`` half) the views keep the same
+  addressing, strided, and the half is not fingerprinted.
+
+vLLM's CUDA layouts go through `slot_bytes` alike: FlashAttention's ``[2, num_blocks, block_size,
+heads, head_size]`` (half ``cache[i]``), FlashInfer's NHD ``[num_blocks, 2, block_size, heads,
+head_size]`` (half ``cache[:, i]``) and HND ``[num_blocks, 2, heads, block_size, head_size]``
+(half ``cache[:, i].transpose(1, 2)``: one run per head), MLA's ``[num_blocks, block_size,
+width]``.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, NamedTuple
 
 import torch
@@ -23,40 +34,68 @@ import torch
 from kvcanary_kernels.records import Half
 
 
-class HalfViews(NamedTuple):
-    """One half's per-(layer, head) views, in layer-major order, and whether each token's bytes
-    are one contiguous run in them."""
+class Order(str, Enum):
+    """How a CPU_ATTN half keeps a head's block: row t is token t, or row d is dimension d."""
+
+    TOKEN = "token"
+    DIM = "dim"
+
+
+class SlotBytes(NamedTuple):
+    """One half's views ``[num_blocks, block_size, width]`` (slot s at ``[s // block_size, s %
+    block_size]``), and whether each slot's bytes are one contiguous run in every one of them."""
 
     views: list[torch.Tensor]
-    token_major: bool
+    contiguous: bool
 
 
-def _code(block_size: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Row t holds t + 1 everywhere (exact in every float type for blocks up to 255 tokens)."""
-    return (torch.arange(block_size) + 1).to(dtype)[:, None].expand(block_size, width).contiguous()
+def slot_bytes(half: torch.Tensor) -> SlotBytes:
+    """Views of `half` (``[num_blocks, block_size, *features]``, any strides) in which each slot's
+    features are one run: the features flattened where a block's features are contiguous, else
+    split along the leading feature axis, recursively."""
+    if half[0].is_contiguous():
+        return SlotBytes([half.reshape(half.shape[0], half.shape[1], -1)], True)
+    if half.dim() > 3:
+        parts = [slot_bytes(half[:, :, i]) for i in range(half.shape[2])]
+        return SlotBytes([v for p in parts for v in p.views], all(p.contiguous for p in parts))
+    return SlotBytes([half], False)
 
 
-def probe(layer: Any, cache: torch.Tensor) -> dict[Half, bool]:
-    """Per half of a CPU_ATTN layer: True when its cache write puts token t of each head at row t
-    of that head's half, as one contiguous run of head_size elements."""
+def cpu_attn_half(cache: torch.Tensor, half: Half, order: Order) -> torch.Tensor:
+    """One half of a CPU_ATTN layer cache as ``[num_blocks, block_size, kv_heads, head_size]``
+    (a view in the layout's own order)."""
+    blocks, heads, block_size, two_d = cache.shape
+    d = two_d // 2
+    index = 0 if half is Half.K else 1
+    if order is Order.TOKEN:
+        return cache.view(blocks, heads, 2, block_size, d)[:, :, index].permute(0, 2, 1, 3)
+    return cache.view(blocks, heads, 2, d, block_size)[:, :, index].permute(0, 3, 1, 2)
+
+
+def _codes(heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Three ``[heads, block_size, head_size]`` codes: the head, the token, the dimension, each + 1
+    (exact in every float type up to 256)."""
+    h, t, d = torch.meshgrid(torch.arange(heads), torch.arange(block_size), torch.arange(head_size), indexing="ij")
+    return [(c + 1).to(dtype) for c in (h, t, d)]
+
+
+def probe(layer: Any, cache: torch.Tensor) -> dict[Half, Order | None]:
+    """Per half of a CPU_ATTN layer: the order its cache write keeps (None: neither)."""
     _, heads, block_size, two_d = cache.shape
     head_size = two_d // 2
     scratch = torch.zeros(2, heads, block_size, two_d, dtype=cache.dtype)
-    rows = scratch.view(2, heads, 2 * block_size, head_size)
     slots = torch.arange(block_size, dtype=torch.int64) + block_size  # block 1: block 0 is vLLM's null block
-    code = _code(block_size, head_size, cache.dtype)
-    token_major = {Half.K: True, Half.V: True}
-    for head in range(heads):
+    matches = {(half, order): True for half in Half for order in Order}
+    for code in _codes(heads, block_size, head_size, cache.dtype):
         scratch.zero_()
-        tokens = torch.zeros(block_size, heads, head_size, dtype=cache.dtype)
-        tokens[:, head] = code
+        tokens = code.transpose(0, 1).contiguous()  # [block_size, heads, head_size]
         layer.impl.do_kv_cache_update(layer, tokens, tokens, scratch, slots)
-        for half, offset in ((Half.K, 0), (Half.V, block_size)):
-            written = rows[1, :, offset:offset + block_size]
-            others = torch.cat([written[:head], written[head + 1:]])
-            if not (torch.equal(written[head], code) and not others.any()):
-                token_major[half] = False
-    return token_major
+        if scratch[0].any():
+            return {half: None for half in Half}
+        for half, order in matches:
+            written = cpu_attn_half(scratch, half, order)[1].transpose(0, 1)  # [heads, block_size, head_size]
+            matches[half, order] &= torch.equal(written, code)
+    return {half: next((o for o in Order if matches[half, o]), None) for half in Half}
 
 
 def probe_latent(layer: Any, cache: torch.Tensor) -> bool:
@@ -64,26 +103,17 @@ def probe_latent(layer: Any, cache: torch.Tensor) -> bool:
     rotary key) at row t of its block."""
     _, block_size, width = cache.shape
     scratch = torch.zeros(2, block_size, width, dtype=cache.dtype)
-    code = _code(block_size, width, cache.dtype)
+    code = (torch.arange(block_size) + 1).to(cache.dtype)[:, None].expand(block_size, width).contiguous()
     slots = torch.arange(block_size, dtype=torch.int64) + block_size
     rank = layer.kv_lora_rank
     layer.impl.do_kv_cache_update(code[:, :rank], code[:, None, rank:], scratch, slots, "auto", layer._k_scale)
     return torch.equal(scratch[1], code) and not scratch[0].any()
 
 
-def half_views(caches: list[torch.Tensor], token_major: dict[Half, bool]) -> dict[Half, HalfViews]:
-    """Per half, one view per (layer, head) of these CPU_ATTN layer caches: ``[num_blocks,
-    block_size, head_size]``, element [b, t, d] = dimension d of the token in slot b * block_size + t."""
+def half_views(caches: list[torch.Tensor], orders: dict[Half, Order]) -> dict[Half, SlotBytes]:
+    """Per half, the views of these CPU_ATTN layer caches, layer by layer (one per KV head)."""
     out = {}
-    for half, offset in ((Half.K, 0), (Half.V, 1)):
-        views = []
-        for cache in caches:
-            blocks, heads, block_size, two_d = cache.shape
-            rows = cache.view(blocks, heads, 2, block_size * (two_d // 2))[:, :, offset]
-            for head in range(heads):
-                if token_major[half]:
-                    views.append(rows[:, head].view(blocks, block_size, two_d // 2))
-                else:  # one row per head dimension: [b, d, t] -> [b, t, d]
-                    views.append(rows[:, head].view(blocks, two_d // 2, block_size).transpose(1, 2))
-        out[half] = HalfViews(views, token_major[half])
+    for half, order in orders.items():
+        parts = [slot_bytes(cpu_attn_half(cache, half, order)) for cache in caches]
+        out[half] = SlotBytes([v for p in parts for v in p.views], all(p.contiguous for p in parts))
     return out

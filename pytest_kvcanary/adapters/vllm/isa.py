@@ -1,0 +1,70 @@
+"""Which instruction-set path vLLM's CPU attention (CPU_ATTN) runs, and so which KV layout it keeps.
+
+vLLM picks the path once per KV-cache group, by the CPU it runs on (``_get_attn_isa`` in
+``vllm/v1/attention/backends/cpu_attn.py``): ``amx`` on a CPU with AMX tiles for bfloat16 and
+blocks of 32, else ``vec`` (AVX2 / AVX-512), ``vec16`` for head sizes or blocks that are multiples
+of 16 only, or the path of a non-x86 CPU. Each path stores a block's K and V in an order of its
+own, so the machine a test suite runs on would decide the layout the canary guards.
+
+The ``attention_isa`` setting decides instead:
+
+- ``readable`` (default): vLLM's choice, except that ``amx`` becomes ``vec``, the path whose V rows
+  are one contiguous run per token (the canary fingerprints them), on every x86 CPU alike.
+- ``vllm``: vLLM's choice, whatever it is.
+- ``amx``, ``vec``, ``vec16``: that path (``amx`` needs a CPU with AMX and bfloat16).
+
+The environment variable ``KVCANARY_VLLM_ATTENTION_ISA`` sets the default.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+ENV = "KVCANARY_VLLM_ATTENTION_ISA"
+CHOICES = ("readable", "vllm", "amx", "vec", "vec16")
+
+
+def default_attention_isa() -> str:
+    """The setting's default: the environment variable, else ``readable``."""
+    return os.environ.get(ENV, "readable")
+
+
+def check_attention_isa(value: str) -> None:
+    if value not in CHOICES:
+        raise ValueError(f"attention_isa (VllmSettings.attention_isa, or {ENV}) must be one of "
+                         f"{', '.join(CHOICES)}; got {value!r}")
+
+
+def chosen(setting: str, vllm_choice: str) -> str:
+    """The path CPU_ATTN runs under this setting, where vLLM itself would run `vllm_choice`."""
+    if setting == "vllm":
+        return vllm_choice
+    if setting == "readable":
+        return "vec" if vllm_choice == "amx" else vllm_choice
+    if setting == "amx":
+        import torch
+
+        if not torch.cpu._is_amx_tile_supported():
+            raise RuntimeError("attention_isa='amx' needs a CPU with AMX tiles; this one has none")
+    return setting
+
+
+@contextmanager
+def attention_isa(setting: str) -> Iterator[None]:
+    """While vLLM builds its attention metadata builders (LLM start-up), CPU_ATTN runs `setting`'s
+    path."""
+    check_attention_isa(setting)
+    from vllm.v1.attention.backends import cpu_attn
+
+    vllm_chooser = cpu_attn._get_attn_isa
+
+    def choose(*args: Any, **kwargs: Any) -> str:
+        return chosen(setting, vllm_chooser(*args, **kwargs))
+
+    cpu_attn._get_attn_isa = choose
+    try:
+        yield
+    finally:
+        cpu_attn._get_attn_isa = vllm_chooser
