@@ -6,7 +6,12 @@ The engine drives a ``ContinuousBatchProcessor`` in the calling thread (no backg
 
 and wraps ``_generation_step`` on the processor: before it, the batch's block tables are copied
 into the adapter's own mapping tables and the ForwardView is filled, then hooks.before_forward;
-after it, hooks.after_forward and hooks.end_forward. The wrapper runs in Python around whatever
+after it, hooks.after_forward and hooks.end_forward. With write_through (the default) the paged
+cache's ``update`` is wrapped too: each layer's K and V rows, as the forward computed them, go to
+hooks.kv_stored before transformers stores them, so TAIL checks every written slot holds exactly
+what the forward computed (a store to the wrong slot, one slot early, say, is reported in that
+forward). Write-through runs in eager forwards only: a forward replayed from a CUDA graph skips
+the wrapper and is stamped without it. The wrapper runs in Python around whatever
 the step does inside, so it works the same when the step replays a CUDA graph
 (``use_cuda_graph=True``): the canary's kernels run eagerly on the processor's compute stream,
 right before and after the replay.
@@ -20,6 +25,7 @@ in block 0, which the adapter takes out of the free list (5.17).
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from typing import Any, Sequence
 
@@ -29,6 +35,7 @@ from kvcanary_kernels.records import UNKNOWN, GroupKind
 
 from ...canary.host import CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping
 from .block_log import BlockLog
+from .canary_graphs import CanaryGraphs
 from .versions import CAUSE_RESET, GroupCache, cache_layout, config_options, sdpa_attention
 
 
@@ -39,7 +46,11 @@ class TransformersEngine:
     and transformers offloads requests when it runs short); max_batch_tokens /
     max_requests_per_batch: the largest forward; max_context: the longest request (prompt plus
     new tokens); allow_block_sharing: prefix sharing and block de-duplication (full-attention
-    models only); use_cuda_graph: capture the forward in CUDA graphs (CUDA only).
+    models only); use_cuda_graph: capture the forward in CUDA graphs (CUDA only); write_through:
+    hand each layer's computed K/V to the canary at the cache's update (eager forwards);
+    canary_graphs: with use_cuda_graph, replay the canary's per-forward device work from CUDA
+    graphs of its own (canary_graphs.py; forward observers such as the fault injector are then
+    not called, so fault-injection tests leave it off).
 
     Attributes for tools that reach inside: ``model``, ``tokenizer``, ``manager`` (the
     ContinuousBatchingManager), ``processor`` (its ContinuousBatchProcessor; ``processor.cache``
@@ -48,13 +59,16 @@ class TransformersEngine:
 
     def __init__(self, model: Any, tokenizer: Any, *, page_size: int = 16, num_blocks: int = 256,
                  max_batch_tokens: int = 256, max_requests_per_batch: int = 8, max_context: int = 512,
-                 allow_block_sharing: bool = True, use_cuda_graph: bool = False) -> None:
+                 allow_block_sharing: bool = True, use_cuda_graph: bool = False,
+                 write_through: bool = True, canary_graphs: bool = False) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs a CUDA device; the model is on {self.device}")
+        if canary_graphs and not use_cuda_graph:
+            raise ValueError("canary_graphs=True needs use_cuda_graph=True")
         self.eos_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else -1
         model.set_attn_implementation(sdpa_attention())
         generation = GenerationConfig(do_sample=False, eos_token_id=self.eos_token_id,
@@ -85,6 +99,10 @@ class TransformersEngine:
         self._row_known = [0] * self.capacities.max_batch  # positions of that state already in token_table
 
         self._hooks: ForwardHooks | None = None
+        self._canary_graphs = canary_graphs
+        self._graphs: CanaryGraphs | None = None
+        if write_through and not canary_graphs:
+            self._wrap_cache_update()
         self._step = self.processor._generation_step
         self.processor._generation_step = self._guarded_step
         self._next_request = 0
@@ -117,6 +135,7 @@ class TransformersEngine:
     # ------------------------------------------------------------------------ EngineUnderTest
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
         self._hooks = hooks
+        self._graphs = CanaryGraphs(hooks, self._view) if hooks is not None and self._canary_graphs else None
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy output token ids per prompt, in order; runs until every request is done. If a
@@ -182,13 +201,45 @@ class TransformersEngine:
             self._step(model)
         else:
             with self._on_compute_stream():
-                self._map_batch()
-                hooks.before_forward(self._view)
+                self._canary_before(hooks)
             self._step(model)
             with self._on_compute_stream():
-                hooks.after_forward(self._view)
-                hooks.end_forward()
+                self._canary_after(hooks)
         self._steps += 1
+
+    def _canary_before(self, hooks: ForwardHooks) -> None:
+        self._map_batch()
+        if self._graphs is not None:
+            self._graphs.before()
+        else:
+            hooks.before_forward(self._view)
+
+    def _canary_after(self, hooks: ForwardHooks) -> None:
+        if self._graphs is not None:
+            self._graphs.after()
+        else:
+            hooks.after_forward(self._view)
+        hooks.end_forward()
+
+    def _wrap_cache_update(self) -> None:
+        """Report each layer's computed K/V rows ([T, H, D], view token order) to hooks.kv_stored
+        before the paged cache stores them; not while a CUDA graph is being captured (a replay
+        never calls back, so a captured report would hand TAIL rows that were never computed)."""
+        cache = self.processor.cache
+        update = cache.update
+        signature = inspect.signature(update)
+        targets = {layer: self.layout.store_target(layer) for g in self.groups for layer in g.layers}
+
+        def reporting_update(*args: Any, **kwargs: Any) -> Any:
+            report = getattr(self._hooks, "kv_stored", None)  # optional in ForwardHooks
+            if report is not None and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                bound = signature.bind(*args, **kwargs).arguments
+                kind, index = targets[bound["layer_idx"]]
+                k, v = (bound[name][0].transpose(0, 1).contiguous() for name in ("key_states", "value_states"))
+                report(kind, index, k, v)
+            return update(*args, **kwargs)
+
+        cache.update = reporting_update
 
     def _on_compute_stream(self) -> Any:
         """The stream transformers computes on (CUDA), so the canary's work is ordered with it."""
