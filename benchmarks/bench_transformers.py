@@ -61,8 +61,13 @@ def random_model(device: str, shape_name: str, smoke: bool) -> tuple[Any, Any]:
                      num_key_value_heads=2)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialised in bf16 directly: an 8B model never exists in fp32
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
+    finally:
+        torch.set_default_dtype(default)
     return model.eval(), byte_tokenizer()
 
 

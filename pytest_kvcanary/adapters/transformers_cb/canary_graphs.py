@@ -19,21 +19,26 @@ from ...canary.host import ForwardHooks, ForwardView
 
 
 class CanaryGraphs:
-    """HEAD and RECHECK+TAIL of one hooks object over one view, eager once, then captured."""
+    """HEAD (after `prelude`, the engine's own device work on the view) and RECHECK+TAIL of one
+    hooks object over one view, eager once, then captured."""
 
-    def __init__(self, hooks: ForwardHooks, view: ForwardView) -> None:
-        self.hooks, self.view = hooks, view
+    def __init__(self, hooks: ForwardHooks, view: ForwardView, prelude: Callable[[], None]) -> None:
+        self.hooks, self.view, self.prelude = hooks, view, prelude
         self.eager_runs = 0
         self.head: torch.cuda.CUDAGraph | None = None
         self.tail: torch.cuda.CUDAGraph | None = None
 
     def before(self) -> None:
         if self.eager_runs == 0:
-            self.hooks.before_forward(self.view)
+            self._head()
             return
         if self.head is None:
-            self.head = self._capture(lambda: self.hooks.before_forward(self.view))
+            self.head = self._capture(self._head)
         self.head.replay()
+
+    def _head(self) -> None:
+        self.prelude()
+        self.hooks.before_forward(self.view)
 
     def after(self) -> None:
         if self.eager_runs == 0:

@@ -31,9 +31,10 @@ from typing import Any, Sequence
 
 import torch
 
-from kvcanary_kernels.records import UNKNOWN, GroupKind
+from kvcanary_kernels.records import GroupKind
 
 from ...canary.host import CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping
+from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .canary_graphs import CanaryGraphs
 from .versions import CAUSE_RESET, GroupCache, cache_layout, config_options, sdpa_attention
@@ -91,10 +92,11 @@ class TransformersEngine:
         self.capacities = Capacities(
             max_batch=resolved.max_requests_per_batch, max_tokens=self.processor.cache.max_batch_tokens,
             max_context=min(max_context, model.config.max_position_embeddings))
-        self._view, self._tables = self._device_buffers()
-        pinned = self.device.type == "cuda"
-        self._staging = {id(t): torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned)
-                         for t in [self._lens, *self._tables.values()]}
+        self._buffers = self._batch_buffers()
+        self._tables = self._buffers.tables
+        self._view = self._forward_view()
+        self._row_tables: list[tuple[Any, ...] | None] = [None] * self.capacities.max_batch  # what each row's tables hold
+        self._table_epoch = 0  # advances whenever a block is freed or hashed (a table may be re-pointed)
         self._row_tokens: list[Any] = [None] * self.capacities.max_batch  # the RequestState each row's tokens are of
         self._row_known = [0] * self.capacities.max_batch  # positions of that state already in token_table
 
@@ -135,7 +137,8 @@ class TransformersEngine:
     # ------------------------------------------------------------------------ EngineUnderTest
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
         self._hooks = hooks
-        self._graphs = CanaryGraphs(hooks, self._view) if hooks is not None and self._canary_graphs else None
+        self._graphs = (CanaryGraphs(hooks, self._view, self._buffers.apply_tokens)
+                        if hooks is not None and self._canary_graphs else None)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy output token ids per prompt, in order; runs until every request is done. If a
@@ -176,7 +179,8 @@ class TransformersEngine:
             self.processor.reset()
             self.layout.flush()
         self.block_log.clear()
-        self._view.token_table.fill_(UNKNOWN)
+        self._buffers.reset()
+        self._row_tables = [None] * self.capacities.max_batch
         self._row_tokens = [None] * self.capacities.max_batch
         self._row_known = [0] * self.capacities.max_batch
         self._steps = 0
@@ -212,6 +216,7 @@ class TransformersEngine:
         if self._graphs is not None:
             self._graphs.before()
         else:
+            self._buffers.apply_tokens()
             hooks.before_forward(self._view)
 
     def _canary_after(self, hooks: ForwardHooks) -> None:
@@ -247,40 +252,34 @@ class TransformersEngine:
         return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def _map_batch(self) -> None:
-        """Fill the mapping tables and the view for the batch transformers just prepared."""
+        """Fill the mapping tables and the view for the batch transformers just prepared: one
+        upload of the lengths, the table rows that changed and the new token entries."""
         io = self.processor.inputs_and_outputs
         batch = io.requests_in_batch
         if len(batch) > self.capacities.max_batch:
             raise RuntimeError(f"transformers batched {len(batch)} requests; the canary was sized for "
                                f"{self.capacities.max_batch}")
-        lens, tables = [[], []], {g.kind: [] for g in self.groups}
+        prefix, extend = [], []
+        tables: dict[GroupKind, dict[int, list[int]]] = {g.kind: {} for g in self.groups}
         rows, positions, tokens = [], [], []
         for row, future in enumerate(batch):
-            state, extend = future.state, future.query_length
-            prefix = state.position_offset - extend  # prepare_batch_tensors already advanced the offset
-            lens[0].append(prefix)
-            lens[1].append(extend)
-            for group in self.groups:
-                tables[group.kind].append(self.layout.block_ids(group, state.request_id))
-            self._note_tokens(row, state, prefix + extend, rows, positions, tokens)
-        self._upload(self._lens, lens)
-        for kind, table in tables.items():
-            self._upload(self._tables[kind], table)
+            state, query = future.state, future.query_length
+            start = state.position_offset - query  # prepare_batch_tensors already advanced the offset
+            prefix.append(start)
+            extend.append(query)
+            blocks = [self.layout.block_ids(g, state.request_id) for g in self.groups]
+            key = (id(state), self._table_epoch, *map(len, blocks))
+            if self._row_tables[row] != key:
+                self._row_tables[row] = key
+                for group, ids in zip(self.groups, blocks):
+                    tables[group.kind][row] = ids
+            self._note_tokens(row, state, start + query, rows, positions, tokens)
+        for row in range(len(batch), self.capacities.max_batch):
+            self._row_tables[row] = None
+        self._buffers.fill(prefix, extend, tables, rows, positions, tokens)
+        self._buffers.upload()
         self._view.input_ids.copy_(io.input_ids[:self.capacities.max_tokens])
         self._view.positions.copy_(io.position_ids[:self.capacities.max_tokens])
-        if rows:
-            index = torch.tensor([rows, positions], dtype=torch.int64).to(self.device)
-            values = torch.tensor(tokens, dtype=torch.int64).to(self.device)
-            self._view.token_table.index_put_((index[0], index[1]), values)
-
-    def _upload(self, target: torch.Tensor, rows: list[list[int]]) -> None:
-        """target[:len(rows)] = rows (each zero-padded), the rest zero, through a host staging copy."""
-        staging = self._staging[id(target)]
-        staging.zero_()
-        width = staging.shape[1]
-        if rows:
-            staging[:len(rows)] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
-        target.copy_(staging, non_blocking=True)
 
     def _note_tokens(self, row: int, state: Any, length: int, rows: list[int], positions: list[int],
                      tokens: list[int]) -> None:
@@ -298,20 +297,20 @@ class TransformersEngine:
             positions.extend(range(start, length))
             self._row_known[row] = length
 
-    def _device_buffers(self) -> tuple[ForwardView, dict[GroupKind, torch.Tensor]]:
+    def _batch_buffers(self) -> BatchBuffers:
+        c = self.capacities
+        widths = {g.kind: -(-(g.ring if g.ring else c.max_context) // g.page_size) for g in self.groups}
+        return BatchBuffers(c, widths, self.device)
+
+    def _forward_view(self) -> ForwardView:
         c, device = self.capacities, self.device
-        self._lens = torch.zeros(2, c.max_batch, dtype=torch.int64, device=device)
-        view = ForwardView(
+        lens = self._buffers.lens
+        return ForwardView(
             rows=torch.arange(c.max_batch, dtype=torch.int64, device=device),
-            prefix_lens=self._lens[0], extend_lens=self._lens[1],
+            prefix_lens=lens[0], extend_lens=lens[1],
             input_ids=torch.zeros(c.max_tokens, dtype=torch.int64, device=device),
             positions=torch.zeros(c.max_tokens, dtype=torch.int64, device=device),
-            token_table=torch.full((c.max_batch, c.max_context), UNKNOWN, dtype=torch.int64, device=device))
-        tables = {}
-        for g in self.groups:
-            span = g.ring if g.ring else c.max_context
-            tables[g.kind] = torch.zeros(c.max_batch, -(-span // g.page_size), dtype=torch.int64, device=device)
-        return view, tables
+            token_table=self._buffers.token_table)
 
     # ------------------------------------------------------------------------ bookkeeping
     def _encode(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
@@ -328,6 +327,7 @@ class TransformersEngine:
         return ids
 
     def _on_free(self, kind: GroupKind, blocks: list[int], cause: str) -> None:
+        self._table_epoch += 1
         if kind is GroupKind.FULL:
             self.block_log.forget(blocks)
         if self._free_listeners:
@@ -338,6 +338,7 @@ class TransformersEngine:
                 listener(kind, slots, cause)
 
     def _on_marked(self, state: Any) -> None:
+        self._table_epoch += 1
         full = self.groups[0]
         self.block_log.note(self.layout.block_ids(full, state.request_id),
                             state.initial_tokens + state.generated_tokens, self.layout.hashed_blocks())
