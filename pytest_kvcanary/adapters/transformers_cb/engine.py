@@ -4,17 +4,19 @@ The engine drives a ``ContinuousBatchProcessor`` in the calling thread (no backg
 
     prepare_next_batch -> _generation_step -> update_batch
 
-and wraps ``_generation_step`` on the processor: before it, the batch's block tables are copied
-into the adapter's own mapping tables and the ForwardView is filled, then hooks.before_forward;
-after it, hooks.after_forward and hooks.end_forward. With write_through (the default) the paged
-cache's ``update`` is wrapped too: each layer's K and V rows, as the forward computed them, go to
-hooks.kv_stored before transformers stores them, so TAIL checks every written slot holds exactly
-what the forward computed (a store to the wrong slot, one slot early, say, is reported in that
-forward). Write-through runs in eager forwards only: a forward replayed from a CUDA graph skips
-the wrapper and is stamped without it. The wrapper runs in Python around whatever
-the step does inside, so it works the same when the step replays a CUDA graph
-(``use_cuda_graph=True``): the canary's kernels run eagerly on the processor's compute stream,
-right before and after the replay.
+and wraps ``_generation_step`` on the processor: before it, the batch's lengths, changed
+block-table rows and new token-table entries are uploaded in one copy (batch_buffers.py) and the
+ForwardView is filled, then hooks.before_forward; after it, hooks.after_forward and
+hooks.end_forward. The wrapper runs in Python around whatever the step does inside, so it works
+the same when the step replays a CUDA graph (``use_cuda_graph=True``): the canary's kernels run
+on the processor's compute stream right before and after the replay, eagerly or, with
+``canary_graphs=True``, replayed from graphs of their own (canary_graphs.py).
+
+With write_through (the default) the paged cache's ``update`` is wrapped too: each layer's K and
+V rows, as the forward computed them, go to hooks.kv_stored before transformers stores them, so
+TAIL checks every written slot holds exactly what the forward computed (a store to the wrong
+slot, one slot early, say, is reported in that forward). Write-through runs in eager forwards
+only: a forward replayed from a CUDA graph skips the wrapper and is stamped without it.
 
 Mapping row r is batch row r of the current forward (refilled every forward: transformers
 re-points a request's table when it de-duplicates a block). Slot s of a group is offset
