@@ -8,8 +8,8 @@
 # Steps: tests (the GPU-relevant tests: kernels, runtime, graph decode, bug scenarios), kernels
 # (bench_kernels.py), overhead (bench_overhead.py), examples (the example suite under two xdist
 # workers), transformers (the example suite on the transformers engine, eager and with CUDA graphs,
-# and bench_transformers.py). Wheels the machine lacks (pytest-xdist, execnet) may be placed in
-# .whl/ beforehand.
+# and bench_transformers.py with CUDA graphs over the TinyLlama and Llama-3-8B shapes). Wheels the
+# machine lacks (pytest-xdist, execnet) may be placed in .whl/ beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvcanary-gpu}
@@ -42,7 +42,7 @@ if wants tests; then  # kernel compiles dominate: spread them over workers when 
   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
   step tests 400 python3 -m pytest -q -p no:cacheprovider -x $workers --durations=5 tests/unit/kernels \
     tests/unit/canary tests/unit/engine/test_cuda_graph_canary.py tests/unit/engine/test_padded_decode.py \
-    tests/unit/scenarios
+    tests/unit/scenarios tests/adapters/transformers/test_cuda_graphs.py
 fi
 wants kernels && step kernels 150 python3 benchmarks/bench_kernels.py
 wants overhead && step overhead 300 python3 benchmarks/bench_overhead.py
@@ -60,13 +60,16 @@ if wants transformers; then
   step tf-eager 150 python3 -m pytest --kv-canary --kv-canary-engine transformers examples/ -p no:cacheprovider -q
   KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 step tf-graphs 150 python3 -m pytest --kv-canary \
     --kv-canary-engine transformers examples/ -p no:cacheprovider -q
-  [ -f benchmarks/bench_transformers.py ] && step tf-bench 300 python3 benchmarks/bench_transformers.py
+  for shape in tinyllama llama3-8b; do
+    step "tf-bench-$shape" 300 python3 benchmarks/bench_transformers.py --shape "$shape" --graphs on --batches 1 32 \
+      --real-data partial all --runs 3 --repeats 1
+  done
 fi
 
 echo
 echo "| step | exit | time | result |"
 echo "|---|---|---|---|"
 cat "$summary"
-for f in kernels overhead tf-bench; do
+for f in kernels overhead tf-bench-tinyllama tf-bench-llama3-8b; do
   [ -f "$OUT/$f.log" ] && { echo; echo "== $f"; grep -E '^(\||device)' "$OUT/$f.log"; }
 done

@@ -1,10 +1,12 @@
 """Hugging Face transformers continuous batching as an engine under test (``--kv-canary-engine
 transformers``). Needs the transformers package: ``pip install "pytest-kvcanary[transformers]"``.
 
-    versions.py   what differs between the supported transformers releases (cache layout, config)
-    block_log.py  what the prefix cache does not keep about its blocks; the sweep's cache walk
-    model.py      a local checkpoint, or the seeded random one written on first use
-    engine.py     TransformersEngine: the CanaryHost seam around ContinuousBatchProcessor
+    versions.py       what differs between the supported transformers releases (cache layout, config)
+    block_log.py      what the prefix cache does not keep about its blocks; the sweep's cache walk
+    model.py          a local checkpoint, or the seeded random one written on first use
+    batch_buffers.py  the per-forward mapping uploaded in one copy
+    canary_graphs.py  the canary's per-forward work replayed from CUDA graphs of its own
+    engine.py         TransformersEngine: the CanaryHost seam around ContinuousBatchProcessor
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ class BlockLog:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.blocks: dict[int, LoggedBlock] = {}
+        self._walked: tuple[dict[int, LoggedBlock], dict[int, bool], CacheWalk] | None = None  # the last walk
 
     def note(self, table: Sequence[int], tokens: Sequence[int], hashed: Mapping[int, bool]) -> None:
         """Log the hashed blocks of one request's block table (`tokens`: its sequence so far). A
@@ -50,6 +51,7 @@ class BlockLog:
 
     def clear(self) -> None:
         self.blocks.clear()
+        self._walked = None
 
     def intact(self, hashed: Mapping[int, bool]) -> list[int]:
         """Logged blocks still hashed whose whole ancestry is too, parents before children: the
@@ -66,7 +68,15 @@ class BlockLog:
 
     def walk(self, hashed: Mapping[int, bool], device: torch.device) -> CacheWalk:
         """The sweep's view of every intact block: slot, position, previous slot (the parent's
-        last slot at a block's first position), token, locked (a live request holds it)."""
+        last slot at a block's first position), token, locked (a live request holds it). The last
+        walk again while neither the log nor `hashed` changed (a decode step mostly changes neither)."""
+        if self._walked is not None and self._walked[0] == self.blocks and self._walked[1] == hashed:
+            return self._walked[2]
+        walk = self._walk(hashed, device)
+        self._walked = (dict(self.blocks), dict(hashed), walk)
+        return walk
+
+    def _walk(self, hashed: Mapping[int, bool], device: torch.device) -> CacheWalk:
         page = self.page_size
         blocks = self.intact(hashed)
         offsets = torch.arange(page, dtype=torch.int64)

@@ -4,12 +4,19 @@ The engine drives a ``ContinuousBatchProcessor`` in the calling thread (no backg
 
     prepare_next_batch -> _generation_step -> update_batch
 
-and wraps ``_generation_step`` on the processor: before it, the batch's block tables are copied
-into the adapter's own mapping tables and the ForwardView is filled, then hooks.before_forward;
-after it, hooks.after_forward and hooks.end_forward. The wrapper runs in Python around whatever
-the step does inside, so it works the same when the step replays a CUDA graph
-(``use_cuda_graph=True``): the canary's kernels run eagerly on the processor's compute stream,
-right before and after the replay.
+and wraps ``_generation_step`` on the processor: before it, the batch's lengths, changed
+block-table rows and new token-table entries are uploaded in one copy (batch_buffers.py) and the
+ForwardView is filled, then hooks.before_forward; after it, hooks.after_forward and
+hooks.end_forward. The wrapper runs in Python around whatever the step does inside, so it works
+the same when the step replays a CUDA graph (``use_cuda_graph=True``): the canary's kernels run
+on the processor's compute stream right before and after the replay, eagerly or, with
+``canary_graphs=True``, replayed from graphs of their own (canary_graphs.py).
+
+With write_through (the default) the paged cache's ``update`` is wrapped too: each layer's K and
+V rows, as the forward computed them, go to hooks.kv_stored before transformers stores them, so
+TAIL checks every written slot holds exactly what the forward computed (a store to the wrong
+slot, one slot early, say, is reported in that forward). Write-through runs in eager forwards
+only: a forward replayed from a CUDA graph skips the wrapper and is stamped without it.
 
 Mapping row r is batch row r of the current forward (refilled every forward: transformers
 re-points a request's table when it de-duplicates a block). Slot s of a group is offset
@@ -20,15 +27,18 @@ in block 0, which the adapter takes out of the free list (5.17).
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
 
-from kvcanary_kernels.records import UNKNOWN, GroupKind
+from kvcanary_kernels.records import GroupKind
 
 from ...canary.host import CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping
+from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
+from .canary_graphs import CanaryGraphs
 from .versions import CAUSE_RESET, GroupCache, cache_layout, config_options, sdpa_attention
 
 
@@ -39,7 +49,11 @@ class TransformersEngine:
     and transformers offloads requests when it runs short); max_batch_tokens /
     max_requests_per_batch: the largest forward; max_context: the longest request (prompt plus
     new tokens); allow_block_sharing: prefix sharing and block de-duplication (full-attention
-    models only); use_cuda_graph: capture the forward in CUDA graphs (CUDA only).
+    models only); use_cuda_graph: capture the forward in CUDA graphs (CUDA only); write_through:
+    hand each layer's computed K/V to the canary at the cache's update (eager forwards);
+    canary_graphs: with use_cuda_graph, replay the canary's per-forward device work from CUDA
+    graphs of its own (canary_graphs.py; forward observers such as the fault injector are then
+    not called, so fault-injection tests leave it off).
 
     Attributes for tools that reach inside: ``model``, ``tokenizer``, ``manager`` (the
     ContinuousBatchingManager), ``processor`` (its ContinuousBatchProcessor; ``processor.cache``
@@ -48,13 +62,16 @@ class TransformersEngine:
 
     def __init__(self, model: Any, tokenizer: Any, *, page_size: int = 16, num_blocks: int = 256,
                  max_batch_tokens: int = 256, max_requests_per_batch: int = 8, max_context: int = 512,
-                 allow_block_sharing: bool = True, use_cuda_graph: bool = False) -> None:
+                 allow_block_sharing: bool = True, use_cuda_graph: bool = False,
+                 write_through: bool = True, canary_graphs: bool = False) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs a CUDA device; the model is on {self.device}")
+        if canary_graphs and not use_cuda_graph:
+            raise ValueError("canary_graphs=True needs use_cuda_graph=True")
         self.eos_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else -1
         model.set_attn_implementation(sdpa_attention())
         generation = GenerationConfig(do_sample=False, eos_token_id=self.eos_token_id,
@@ -77,14 +94,19 @@ class TransformersEngine:
         self.capacities = Capacities(
             max_batch=resolved.max_requests_per_batch, max_tokens=self.processor.cache.max_batch_tokens,
             max_context=min(max_context, model.config.max_position_embeddings))
-        self._view, self._tables = self._device_buffers()
-        pinned = self.device.type == "cuda"
-        self._staging = {id(t): torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned)
-                         for t in [self._lens, *self._tables.values()]}
+        self._buffers = self._batch_buffers()
+        self._tables = self._buffers.tables
+        self._view = self._forward_view()
+        self._row_tables: list[tuple[Any, ...] | None] = [None] * self.capacities.max_batch  # what each row's tables hold
+        self._table_epoch = 0  # advances whenever a block is freed or hashed (a table may be re-pointed)
         self._row_tokens: list[Any] = [None] * self.capacities.max_batch  # the RequestState each row's tokens are of
         self._row_known = [0] * self.capacities.max_batch  # positions of that state already in token_table
 
         self._hooks: ForwardHooks | None = None
+        self._canary_graphs = canary_graphs
+        self._graphs: CanaryGraphs | None = None
+        if write_through and not canary_graphs:
+            self._wrap_cache_update()
         self._step = self.processor._generation_step
         self.processor._generation_step = self._guarded_step
         self._next_request = 0
@@ -117,6 +139,8 @@ class TransformersEngine:
     # ------------------------------------------------------------------------ EngineUnderTest
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
         self._hooks = hooks
+        self._graphs = (CanaryGraphs(hooks, self._view, self._buffers.apply_tokens)
+                        if hooks is not None and self._canary_graphs else None)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy output token ids per prompt, in order; runs until every request is done. If a
@@ -157,7 +181,8 @@ class TransformersEngine:
             self.processor.reset()
             self.layout.flush()
         self.block_log.clear()
-        self._view.token_table.fill_(UNKNOWN)
+        self._buffers.reset()
+        self._row_tables = [None] * self.capacities.max_batch
         self._row_tokens = [None] * self.capacities.max_batch
         self._row_known = [0] * self.capacities.max_batch
         self._steps = 0
@@ -182,13 +207,46 @@ class TransformersEngine:
             self._step(model)
         else:
             with self._on_compute_stream():
-                self._map_batch()
-                hooks.before_forward(self._view)
+                self._canary_before(hooks)
             self._step(model)
             with self._on_compute_stream():
-                hooks.after_forward(self._view)
-                hooks.end_forward()
+                self._canary_after(hooks)
         self._steps += 1
+
+    def _canary_before(self, hooks: ForwardHooks) -> None:
+        self._map_batch()
+        if self._graphs is not None:
+            self._graphs.before()
+        else:
+            self._buffers.apply_tokens()
+            hooks.before_forward(self._view)
+
+    def _canary_after(self, hooks: ForwardHooks) -> None:
+        if self._graphs is not None:
+            self._graphs.after()
+        else:
+            hooks.after_forward(self._view)
+        hooks.end_forward()
+
+    def _wrap_cache_update(self) -> None:
+        """Report each layer's computed K/V rows ([T, H, D], view token order) to hooks.kv_stored
+        before the paged cache stores them; not while a CUDA graph is being captured (a replay
+        never calls back, so a captured report would hand TAIL rows that were never computed)."""
+        cache = self.processor.cache
+        update = cache.update
+        signature = inspect.signature(update)
+        targets = {layer: self.layout.store_target(layer) for g in self.groups for layer in g.layers}
+
+        def reporting_update(*args: Any, **kwargs: Any) -> Any:
+            report = getattr(self._hooks, "kv_stored", None)  # optional in ForwardHooks
+            if report is not None and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                bound = signature.bind(*args, **kwargs).arguments
+                kind, index = targets[bound["layer_idx"]]
+                k, v = (bound[name][0].transpose(0, 1).contiguous() for name in ("key_states", "value_states"))
+                report(kind, index, k, v)
+            return update(*args, **kwargs)
+
+        cache.update = reporting_update
 
     def _on_compute_stream(self) -> Any:
         """The stream transformers computes on (CUDA), so the canary's work is ordered with it."""
@@ -196,40 +254,34 @@ class TransformersEngine:
         return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def _map_batch(self) -> None:
-        """Fill the mapping tables and the view for the batch transformers just prepared."""
+        """Fill the mapping tables and the view for the batch transformers just prepared: one
+        upload of the lengths, the table rows that changed and the new token entries."""
         io = self.processor.inputs_and_outputs
         batch = io.requests_in_batch
         if len(batch) > self.capacities.max_batch:
             raise RuntimeError(f"transformers batched {len(batch)} requests; the canary was sized for "
                                f"{self.capacities.max_batch}")
-        lens, tables = [[], []], {g.kind: [] for g in self.groups}
+        prefix, extend = [], []
+        tables: dict[GroupKind, dict[int, list[int]]] = {g.kind: {} for g in self.groups}
         rows, positions, tokens = [], [], []
         for row, future in enumerate(batch):
-            state, extend = future.state, future.query_length
-            prefix = state.position_offset - extend  # prepare_batch_tensors already advanced the offset
-            lens[0].append(prefix)
-            lens[1].append(extend)
-            for group in self.groups:
-                tables[group.kind].append(self.layout.block_ids(group, state.request_id))
-            self._note_tokens(row, state, prefix + extend, rows, positions, tokens)
-        self._upload(self._lens, lens)
-        for kind, table in tables.items():
-            self._upload(self._tables[kind], table)
+            state, query = future.state, future.query_length
+            start = state.position_offset - query  # prepare_batch_tensors already advanced the offset
+            prefix.append(start)
+            extend.append(query)
+            blocks = [self.layout.block_ids(g, state.request_id) for g in self.groups]
+            key = (id(state), self._table_epoch, *map(len, blocks))
+            if self._row_tables[row] != key:
+                self._row_tables[row] = key
+                for group, ids in zip(self.groups, blocks):
+                    tables[group.kind][row] = ids
+            self._note_tokens(row, state, start + query, rows, positions, tokens)
+        for row in range(len(batch), self.capacities.max_batch):
+            self._row_tables[row] = None
+        self._buffers.fill(prefix, extend, tables, rows, positions, tokens)
+        self._buffers.upload()
         self._view.input_ids.copy_(io.input_ids[:self.capacities.max_tokens])
         self._view.positions.copy_(io.position_ids[:self.capacities.max_tokens])
-        if rows:
-            index = torch.tensor([rows, positions], dtype=torch.int64).to(self.device)
-            values = torch.tensor(tokens, dtype=torch.int64).to(self.device)
-            self._view.token_table.index_put_((index[0], index[1]), values)
-
-    def _upload(self, target: torch.Tensor, rows: list[list[int]]) -> None:
-        """target[:len(rows)] = rows (each zero-padded), the rest zero, through a host staging copy."""
-        staging = self._staging[id(target)]
-        staging.zero_()
-        width = staging.shape[1]
-        if rows:
-            staging[:len(rows)] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
-        target.copy_(staging, non_blocking=True)
 
     def _note_tokens(self, row: int, state: Any, length: int, rows: list[int], positions: list[int],
                      tokens: list[int]) -> None:
@@ -247,20 +299,20 @@ class TransformersEngine:
             positions.extend(range(start, length))
             self._row_known[row] = length
 
-    def _device_buffers(self) -> tuple[ForwardView, dict[GroupKind, torch.Tensor]]:
+    def _batch_buffers(self) -> BatchBuffers:
+        c = self.capacities
+        widths = {g.kind: -(-(g.ring if g.ring else c.max_context) // g.page_size) for g in self.groups}
+        return BatchBuffers(c, widths, self.device)
+
+    def _forward_view(self) -> ForwardView:
         c, device = self.capacities, self.device
-        self._lens = torch.zeros(2, c.max_batch, dtype=torch.int64, device=device)
-        view = ForwardView(
+        lens = self._buffers.lens
+        return ForwardView(
             rows=torch.arange(c.max_batch, dtype=torch.int64, device=device),
-            prefix_lens=self._lens[0], extend_lens=self._lens[1],
+            prefix_lens=lens[0], extend_lens=lens[1],
             input_ids=torch.zeros(c.max_tokens, dtype=torch.int64, device=device),
             positions=torch.zeros(c.max_tokens, dtype=torch.int64, device=device),
-            token_table=torch.full((c.max_batch, c.max_context), UNKNOWN, dtype=torch.int64, device=device))
-        tables = {}
-        for g in self.groups:
-            span = g.ring if g.ring else c.max_context
-            tables[g.kind] = torch.zeros(c.max_batch, -(-span // g.page_size), dtype=torch.int64, device=device)
-        return view, tables
+            token_table=self._buffers.token_table)
 
     # ------------------------------------------------------------------------ bookkeeping
     def _encode(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
@@ -277,6 +329,7 @@ class TransformersEngine:
         return ids
 
     def _on_free(self, kind: GroupKind, blocks: list[int], cause: str) -> None:
+        self._table_epoch += 1
         if kind is GroupKind.FULL:
             self.block_log.forget(blocks)
         if self._free_listeners:
@@ -287,6 +340,7 @@ class TransformersEngine:
                 listener(kind, slots, cause)
 
     def _on_marked(self, state: Any) -> None:
+        self._table_epoch += 1
         full = self.groups[0]
         self.block_log.note(self.layout.block_ids(full, state.request_id),
                             state.initial_tokens + state.generated_tokens, self.layout.hashed_blocks())

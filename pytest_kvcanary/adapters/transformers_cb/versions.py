@@ -163,6 +163,11 @@ class SectorLayout:
     def block_ids(self, group: GroupCache, request_id: str) -> list[int]:
         return self.cache.cache_allocators[group.key].block_table.get(request_id, [])
 
+    def store_target(self, layer_idx: int) -> tuple[GroupKind, int]:
+        """The group model layer `layer_idx` stores into and its index in that group's k_layers."""
+        group = next(g for g in self.groups if layer_idx in g.layers)
+        return group.kind, group.layers.index(layer_idx)
+
     def hashed_blocks(self) -> dict[int, bool]:
         """FULL blocks with a content hash -> True when a live request holds them."""
         ledger = self.cache.cache_allocators[FULL_ATTENTION].ledger
@@ -242,6 +247,12 @@ class BlockManagerLayout:
 
     def block_ids(self, group: GroupCache, request_id: str) -> list[int]:
         return self.cache.group_cache_managers[group.key].block_table.get(request_id, [])
+
+    def store_target(self, layer_idx: int) -> tuple[GroupKind, int]:
+        """The group model layer `layer_idx` stores into and its index in that group's k_layers
+        (the per-layer tensors every group shares)."""
+        index, within = self.cache.layer_index_to_group_indices[layer_idx]
+        return self._kind_of_index[index], within
 
     def hashed_blocks(self) -> dict[int, bool]:
         manager = self.cache._block_manager
