@@ -37,7 +37,7 @@ def test_handles_are_reused_per_configuration_and_closed_at_the_end(kvtester: py
     """)
     result = kvtester.runpytest("--kv-canary")
     result.assert_outcomes(passed=6)
-    result.stdout.fnmatch_lines(["reference/single/mha on cpu [[]main, 2 tests[]] single: *"])
+    result.stdout.fnmatch_lines(["reference/single/mha on cpu [[]main, 2 tests, sweep_interval=4[]] single: *"])
 
 
 def test_hook_spec_is_registered_and_the_harness_gets_the_settings(kvtester: pytest.Pytester) -> None:
@@ -69,10 +69,30 @@ def test_a_broken_handle_is_replaced(kvtester: pytest.Pytester, breakage: str) -
     result.stdout.fnmatch_lines(["*[[]main, 1 test[]] single: * (replaced: *)"])
 
 
+def test_a_fault_test_runs_in_log_mode_under_raise_unless_its_marker_says_raise(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_faults(kv_engine):
+            assert kv_engine.canary.mode == "log"
+
+        @pytest.mark.kv_canary(mode="raise")
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_faults_raising(kv_engine):
+            assert kv_engine.canary.mode == "raise"
+
+        def test_plain(kv_engine):
+            assert kv_engine.canary.mode == "raise"
+    """)
+    kvtester.runpytest("--kv-canary=raise").assert_outcomes(passed=3)
+
+
 def test_raise_mode_replaces_the_handle(kvtester: pytest.Pytester) -> None:
     kvtester.makepyfile("""
         import pytest
 
+        @pytest.mark.kv_canary(mode="raise")  # a fault test runs in log mode unless its marker says raise
         @pytest.mark.kv_perturb("real_kv_used")
         def test_raises(kv_engine):
             with pytest.raises(RuntimeError, match="kv-canary violation"):
