@@ -10,8 +10,8 @@ import torch
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, GroupKind
 from pytest_kvcanary.canary.host import CacheWalk, Capacities, ForwardView, PoolGroup, SlotMapping
 
-MAX_ROWS, MAX_CONTEXT, MAX_TOKENS = 8, 32, 32
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from fake_host_limits import DEVICE, MAX_CONTEXT, MAX_ROWS, MAX_TOKENS
+
 
 
 class FakeHost:

@@ -13,7 +13,7 @@ import torch
 from kvcanary_kernels.records import Reason
 from pytest_kvcanary.canary.host import CacheWalk, ForwardView
 
-from conftest import DEVICE, MAX_CONTEXT, MAX_ROWS
+from fake_host_limits import DEVICE, MAX_CONTEXT, MAX_ROWS
 
 NUM_SLOTS = 64  # FakeHost's default pool
 LABELS = {r.label for r in Reason}
