@@ -5,66 +5,19 @@ in one line each."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
-# test_a finishes n tests and then blocks; the outer test waits until the controller has
-# reported them (its -v lines) before it signals.
-FINISHED_THEN_BLOCK = """
-import threading
-
-import pytest
-
-@pytest.mark.parametrize("i", range(3))
-def test_finishes(kv_engine, i):
-    kv_engine.generate(["a prompt"], max_new_tokens=1)
-
-def test_blocks(kv_engine):
-    threading.Event().wait()
-"""
-
-
-def _stop_after(pytester: pytest.Pytester, passed: int, stop: list[tuple[str, int]]) -> str:
-    """Run the suite in two workers; once `passed` tests are reported, send the signals `stop`
-    names (("controller", sig): to the controller only; ("group", sig): to every process, as a
-    terminal's Ctrl-C does), in order. The run's output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    args = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--kv-canary", "--kv-canary-report=kv.json",
-            "-n", "2", "--dist", "loadfile"]
-    proc = subprocess.Popen(args, cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if sum("PASSED" in seen for seen in lines) == passed:
-                for target, sig in stop:
-                    (os.kill if target == "controller" else os.killpg)(proc.pid, sig)
-                break
-        lines += proc.stdout.readlines()
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    out = "".join(lines)
-    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
-    assert "Traceback" not in out, out
-    return out
-
+from interrupted_run import FINISHED_THEN_BLOCK, stop_once_blocked
 
 @pytest.mark.parametrize("stop, reason", [
     ([("controller", signal.SIGTERM)], "SIGTERM"),
     ([("group", signal.SIGINT), ("group", signal.SIGINT)], "keyboard interrupt"),
 ], ids=["sigterm-to-the-controller", "two-ctrl-c"])
 def test_the_finished_tests_are_kept(kvtester: pytest.Pytester, stop: list[tuple[str, int]], reason: str) -> None:
-    kvtester.makepyfile(test_one=FINISHED_THEN_BLOCK, test_two=FINISHED_THEN_BLOCK)
-    out = _stop_after(kvtester, 6, stop)
+    kvtester.makepyfile(test_one=FINISHED_THEN_BLOCK.format(n=3), test_two=FINISHED_THEN_BLOCK.format(n=3))
+    _, out = stop_once_blocked(kvtester.path, 6, 2, stop, ["-n", "2", "--dist", "loadfile"])
     report = json.loads((kvtester.path / "kv.json").read_text())
     assert report["run"]["interrupted"] == reason
     assert sorted(t["nodeid"] for t in report["tests"] if t["outcome"] == "passed") == sorted(

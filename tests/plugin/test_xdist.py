@@ -4,12 +4,11 @@ reach the controller with each test's report, and survive a killed worker and Ct
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
+
+from interrupted_run import FINISHED_THEN_BLOCK, stop_once_blocked
 
 SUITE = """
 import pytest
@@ -105,7 +104,6 @@ def test_last(kv_engine):
     {last}
 """
 KILL = "if not os.path.exists('died'): open('died', 'w').close(); os.kill(os.getpid(), signal.SIGKILL)"
-BLOCK = "threading.Event().wait()  # until Ctrl-C"
 
 
 def test_a_killed_workers_finished_tests_are_kept(kvtester: pytest.Pytester) -> None:
@@ -126,30 +124,10 @@ def test_a_killed_workers_finished_tests_are_kept(kvtester: pytest.Pytester) -> 
 
 @pytest.mark.parametrize("xdist", [["-n", "2", "--dist", "loadfile"], []], ids=["xdist", "one-process"])
 def test_ctrl_c_keeps_the_finished_tests_and_prints_no_traceback(kvtester: pytest.Pytester, xdist: list[str]) -> None:
-    kvtester.makepyfile(test_one=FINISHED_THEN.format(n=3, last=BLOCK), test_two=FINISHED_THEN.format(n=2, last=BLOCK))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    args = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--kv-canary",
-            "--kv-canary-report=kv.json", *xdist]
-    # A terminal's Ctrl-C signals the whole foreground process group: the controller and workers.
-    proc = subprocess.Popen(args, cwd=kvtester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines: list[str] = []
+    kvtester.makepyfile(test_one=FINISHED_THEN_BLOCK.format(n=3), test_two=FINISHED_THEN_BLOCK.format(n=2))
     want = 5 if xdist else 3  # one process blocks in test_one's last test
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if sum("PASSED" in seen for seen in lines) == want:
-                os.killpg(proc.pid, signal.SIGINT)
-                break
-        lines += proc.stdout.readlines()
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    out = "".join(lines)
-    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
-    assert "Traceback" not in out and "During handling" not in out, out
+    # A terminal's Ctrl-C signals the whole foreground process group: the controller and workers.
+    _, out = stop_once_blocked(kvtester.path, want, 2 if xdist else 1, [("group", signal.SIGINT)], xdist)
     report = json.loads((kvtester.path / "kv.json").read_text())
     assert report["run"]["interrupted"] == "keyboard interrupt"
     assert sum(t["outcome"] == "passed" for t in report["tests"]) == want
