@@ -39,6 +39,7 @@ from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
 from .isa import attention_isa, check_attention_isa, default_attention_isa
 from .layout import half_views, probe, probe_latent
+from .write_through import WriteThrough
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class VllmEngine:
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._view: ForwardView | None = None
         self._steps: list[list[int]] = []  # per forward since the last reset: the book id of each row
+        self._write_through = WriteThrough(self._kv_stored)
         key = uuid.uuid4().hex
         registry.add(key, self)
         registry.building = self
@@ -127,6 +129,10 @@ class VllmEngine:
             token_table=self._token_table,
         )
         self._steps.append([row.request for row in rows])
+        bs = self.block_size
+        self._write_through.start_forward(torch.tensor(
+            [row.blocks[p // bs] * bs + p % bs for row in rows for p in range(row.prefix_len, row.prefix_len + row.extend_len)],
+            dtype=torch.int64))
         if self._hooks is not None:
             self._hooks.before_forward(self._view)
 
@@ -134,6 +140,7 @@ class VllmEngine:
         """The forward wrote its K/V: RECHECK and TAIL, then the host side of the forward."""
         view, self._view = self._view, None
         assert view is not None, "wait_for_save without a bound step"
+        self._write_through.end_forward()
         self.forwards += 1
         if self._hooks is not None:
             self._hooks.after_forward(view)
@@ -233,7 +240,14 @@ class VllmEngine:
                 kind, views[Half.K].views, views[Half.V].views, num_slots, mapping, page_size=bs,
                 window=None if window is None else window - 1, fingerprintable=len(opaque) < len(views),
                 opaque_halves=opaque))
+            heads = cache.shape[1]
+            for i, name in enumerate(n for n in names if layers[n].sliding_window == window):
+                self._write_through.wrap(layers[name], kind, i * heads)
         return groups
+
+    def _kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._hooks is not None:
+            self._hooks.kv_stored(kind, layer, k, v)
 
     def _freed(self, blocks: list[int], cause: str) -> None:
         bs = self.block_size

@@ -1,0 +1,64 @@
+"""Write-through on vLLM: the adapter reports what each layer's cache write was handed, so a store
+that lands one slot early in a fresh prefill is reported at TAIL of that very forward, at the slots
+it wrote, and the same prefill without the fault is clean."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from .support import INSTALL, make_engine, make_handle
+
+pytest.importorskip("vllm", reason=INSTALL)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine("mha")
+
+
+def prefill(engine, real_data: str):
+    handle = make_handle(engine, real_data=real_data, sweep_interval=0)
+    rng = random.Random(0)
+    prompt = [rng.randrange(256) for _ in range(70)]  # blocks 32 + 32 + 6
+    slots: list[int] = []
+    take = engine.before_forward
+
+    def remember(rows):
+        if not slots:
+            bs = engine.block_size
+            slots.extend(r.blocks[p // bs] * bs + p % bs for r in rows for p in range(r.prefix_len, r.prefix_len + r.extend_len))
+        take(rows)
+
+    engine.before_forward = remember
+    try:
+        handle.generate([prompt], 1)
+    finally:
+        del engine.before_forward
+    return handle, slots
+
+
+@pytest.mark.parametrize("real_data", ["partial", "all"])
+def test_store_one_slot_early_is_reported_at_tail(engine, real_data, monkeypatch):
+    from vllm import _custom_ops as ops
+
+    store = ops.cpu_attn_reshape_and_cache
+
+    def one_slot_early(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs):
+        if slot_mapping.numel() > 1:  # a prefill
+            slot_mapping = slot_mapping - 1
+        return store(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", one_slot_early)
+    handle, slots = prefill(engine, real_data)
+    monkeypatch.undo()
+    tail = [v for v in handle.violations() if v.phase == "TAIL" and v.step == 0]
+    assert tail, handle.violations()
+    assert all(v.half == "V" and v.reasons[0] == "write_real_kv_hash" and v.slot in slots for v in tail), tail
+
+
+@pytest.mark.parametrize("real_data", ["partial", "all"])
+def test_the_same_prefill_without_the_fault_is_clean(engine, real_data):
+    handle, slots = prefill(engine, real_data)
+    assert slots and handle.violations() == []
