@@ -287,18 +287,25 @@ def _count(ring: ViolationRing, tag: int, entries: int) -> None:
     ring.slot_runs[tag] += entries
 
 
-def _append(ring: ViolationRing, tag: int, checks: Checks, slots: torch.Tensor, positions: torch.Tensor,
-            rows: torch.Tensor) -> None:
-    """One row per entry failing a check, claimed in entry order at ``count % capacity``."""
-    reasons = torch.zeros_like(slots)
-    stored = torch.zeros_like(slots)
-    expected = torch.zeros_like(slots)
-    for reason in reversed(PRIMARY_REASON_ORDER):
+def fold_checks(checks: Checks, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per entry: the bits of every failing check, and the stored and expected values of the
+    primary one (``PRIMARY_REASON_ORDER``); zeros where nothing fails."""
+    reasons = torch.zeros_like(like)
+    stored = torch.zeros_like(like)
+    expected = torch.zeros_like(like)
+    for reason in reversed(PRIMARY_REASON_ORDER):  # the primary reason's values land last
         if reason in checks:
             bad, stored_value, expected_value = checks[reason]
             reasons |= torch.where(bad, int(reason), 0)
             stored = torch.where(bad, stored_value, stored)
             expected = torch.where(bad, expected_value, expected)
+    return reasons, stored, expected
+
+
+def _append(ring: ViolationRing, tag: int, checks: Checks, slots: torch.Tensor, positions: torch.Tensor,
+            rows: torch.Tensor) -> None:
+    """One row per entry failing a check, claimed in entry order at ``count % capacity``."""
+    reasons, stored, expected = fold_checks(checks, slots)
     fail = reasons != 0
     n_fail = int(fail.sum())
     new = torch.empty(n_fail, ROW_WIDTH, dtype=torch.int64, device=slots.device)

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 from kvcanary_kernels.records import (COL_EXPECTED, COL_POSITION, COL_REASONS, COL_ROW, COL_SLOT, COL_STORED,
-                                      PREV_CHAIN_HEAD, PRIMARY_REASON_ORDER, ROW_WIDTH, Reason)
+                                      PREV_CHAIN_HEAD, ROW_WIDTH, Reason)
+from kvcanary_kernels.reference import fold_checks
 
 from .host import CacheWalk
 
@@ -64,14 +65,7 @@ def check_walk(walk: CacheWalk, space: int) -> CheckedWalk:
         Reason.WALK_DUPLICATE_SLOT: (in_range & (listings > 1), listings, torch.ones_like(slots)),
         Reason.WALK_POSITION_GAP: (gap, prev_position, positions - 1),
     }
-    bits = torch.zeros_like(slots)
-    stored, expected = torch.zeros_like(slots), torch.zeros_like(slots)
-    for reason in reversed(PRIMARY_REASON_ORDER):  # the primary reason's values land last
-        if reason in failing:
-            mask, s, e = failing[reason]
-            bits |= torch.where(mask, int(reason), 0)
-            stored = torch.where(mask, s, stored)
-            expected = torch.where(mask, e, expected)
+    bits, stored, expected = fold_checks(failing, slots)
     bad = bits != 0
     rows = torch.zeros(n, ROW_WIDTH, dtype=torch.int64, device=slots.device)
     for col, value in ((COL_REASONS, bits), (COL_SLOT, slots), (COL_POSITION, positions), (COL_STORED, stored),
