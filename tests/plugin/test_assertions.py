@@ -71,7 +71,9 @@ def test_filters_match_case_insensitively_and_on_any_reason() -> None:
     [
         ({"reason": "verify_hash"}, "reason must be one of verify_chain_hash, verify_position, verify_real_kv_hash, "
                                     "verify_token, write_token, write_position, verify_missing_slot, "
-                                    "reserved_slot_written, write_real_kv_hash; got 'verify_hash'"),
+                                    "reserved_slot_written, write_real_kv_hash, walk_duplicate_slot, "
+                                    "walk_slot_out_of_range, walk_too_large, walk_position_gap, "
+                                    "view_out_of_range; got 'verify_hash'"),
         ({"phase": "BODY"}, "phase must be one of HEAD, TAIL, SWEEP, RECHECK; got 'BODY'"),
         ({"group": "local"}, "group must be one of full, swa, draft; got 'local'"),
         ({"side": "single"}, "side must be one of prefill, decode; got 'single'"),
