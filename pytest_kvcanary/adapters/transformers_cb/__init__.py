@@ -1,5 +1,6 @@
 """Hugging Face transformers continuous batching as an engine under test (``--kv-canary-engine
-transformers``). Needs the transformers package: ``pip install "pytest-kvcanary[transformers]"``.
+transformers``). Needs the transformers package: in a clone of the project,
+``pip install -e ".[transformers]"``.
 
     versions.py       what differs between the supported transformers releases (cache layout, config)
     block_log.py      what the prefix cache does not keep about its blocks; the sweep's cache walk

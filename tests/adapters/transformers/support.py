@@ -11,9 +11,10 @@ import torch
 
 from pytest_kvcanary.adapters.transformers_cb import TransformersEngine, load, random_checkpoint
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
+from pytest_kvcanary.engines import install_hint
 from pytest_kvcanary.harness import EngineHandle
 
-INSTALL = 'transformers is not installed: pip install "pytest-kvcanary[transformers]"'
+INSTALL = f"transformers is not installed: {install_hint('transformers')}"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Seed sweeps run the torch reference kernels on a CPU (bit-identical to the Triton ones).
 KERNELS = "triton" if DEVICE == "cuda" else "torch"

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
+from pytest_kvcanary.engines import install_hint
 
-INSTALL = ('vLLM is not installed: pip install "pytest-kvcanary[vllm]" into an environment of its own '
-           "(.ci/vllm.sh shows the recipe)")
+INSTALL = f"vLLM is not installed: {install_hint('vllm')}"
 KERNELS = "torch"  # the reference kernels: bit-identical to the Triton ones, fast on a CPU
 
 
