@@ -26,7 +26,9 @@ class EngineUnderTest(CanaryHost, Protocol):
     Optional: add_free_listener(listener) — listener(group, slots, cause) on every free — lets
     the fault ledger say why an injected fault was never read; request_at(row, step) — the
     (request id, prompt text) that held mapping row `row` at forward `step` since the last reset,
-    or None — lets a failure report name the request beside the row.
+    or None — lets a failure report name the request beside the row; prefix_caching — False
+    where the engine runs without a prefix cache (absent means it has one) — lets a test expect
+    reuse only where it can happen.
     """
 
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None: ...

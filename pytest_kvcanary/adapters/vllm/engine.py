@@ -179,6 +179,12 @@ class VllmEngine:
     def add_free_listener(self, listener: FreeListener) -> None:
         self._listeners.append(listener)
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether vLLM runs with its prefix cache (its CPU build turns it off for latent (MLA)
+        attention whatever the settings ask)."""
+        return bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+
     def request_at(self, row: int, step: int) -> tuple[int, str] | None:
         """The request (the book's id, prompt text) at mapping row `row` in forward `step` since
         the last reset."""

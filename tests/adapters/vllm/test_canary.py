@@ -30,11 +30,6 @@ def engines():
     return {attention: make_engine(attention) for attention in ("mha", "swa", "mla")}
 
 
-def caches_prefixes(engine) -> bool:
-    """vLLM's CPU build turns prefix caching off for latent (MLA) attention."""
-    return engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-
-
 def clean_workload(handle, seed: int) -> None:
     """Distinct prompts, then prompts sharing prefixes (prefix-cache hits, also within one step)."""
     handle.send_parallel_requests(3, distinct_prompts=True, max_new_tokens=4)
@@ -58,6 +53,14 @@ def fault_workload(handle, seed: int) -> None:
     handle.generate([p + [rng.randrange(256) for _ in range(rng.randrange(5, 30))] for p in firsts], 6)
 
 
+def test_prefix_caching_says_what_vllm_runs_with(engines):
+    """The examples expect prefix reuse only where it can happen: vLLM's CPU build runs latent
+    attention without a prefix cache, whatever the settings ask."""
+    assert engines["mha"].settings.prefix_caching and engines["mla"].settings.prefix_caching
+    assert (engines["mha"].prefix_caching, engines["swa"].prefix_caching, engines["mla"].prefix_caching) == (
+        True, True, False)
+
+
 @pytest.mark.parametrize("real_data", ["partial", "all"])
 @pytest.mark.parametrize("attention", ["mha", "swa", "mla"])
 def test_clean_workload_has_no_violation(engines, attention, real_data, monkeypatch):
@@ -68,7 +71,7 @@ def test_clean_workload_has_no_violation(engines, attention, real_data, monkeypa
     assert handle.violations() == []
     stats = handle.stats()["single"]
     assert stats["forwards"] > 0 and stats["protected_tokens"] > 0 and stats["health"] == "ok"
-    if caches_prefixes(engine):
+    if engine.prefix_caching:
         assert counter.hits > 0, "vLLM hit its prefix cache"
         assert stats["sweeps"] > 0
 
