@@ -119,20 +119,22 @@ class VllmEngine:
             self._table[b, len(row.blocks):] = 0
             self._token_table[b, :len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.int64)
             self._token_table[b, len(row.tokens):] = -1
-        written = [(p, row.tokens[p]) for row in rows for p in range(row.prefix_len, row.prefix_len + row.extend_len)]
+        bs = self.block_size
+        # Per written token, in view order: position, token, slot.
+        positions, input_ids, slots = torch.tensor(
+            [(p, row.tokens[p], row.blocks[p // bs] * bs + p % bs)
+             for row in rows for p in range(row.prefix_len, row.prefix_len + row.extend_len)],
+            dtype=torch.int64).reshape(-1, 3).T.contiguous()
         self._view = ForwardView(
             rows=torch.arange(len(rows), dtype=torch.int64),
             prefix_lens=torch.tensor([row.prefix_len for row in rows], dtype=torch.int64),
             extend_lens=torch.tensor([row.extend_len for row in rows], dtype=torch.int64),
-            input_ids=torch.tensor([t for _, t in written], dtype=torch.int64),
-            positions=torch.tensor([p for p, _ in written], dtype=torch.int64),
+            input_ids=input_ids,
+            positions=positions,
             token_table=self._token_table,
         )
         self._steps.append([row.request for row in rows])
-        bs = self.block_size
-        self._write_through.start_forward(torch.tensor(
-            [row.blocks[p // bs] * bs + p % bs for row in rows for p in range(row.prefix_len, row.prefix_len + row.extend_len)],
-            dtype=torch.int64))
+        self._write_through.start_forward(slots)
         if self._hooks is not None:
             self._hooks.before_forward(self._view)
 
