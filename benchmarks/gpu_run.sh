@@ -5,7 +5,8 @@
 #   OUT=/some/dir bash benchmarks/gpu_run.sh                       # every step
 #   STEPS="tests overhead" OUT=/some/dir bash benchmarks/gpu_run.sh  # some of them
 #
-# Steps: tests (the GPU-relevant tests: kernels, runtime, graph decode, bug scenarios), kernels
+# Steps: tests (the GPU-relevant tests: kernels, runtime, graph decode, bug scenarios, and the Triton
+# fault and soak cases CPU CI leaves to this pass), kernels
 # (bench_kernels.py), overhead (bench_overhead.py), examples (the example suite under two xdist
 # workers), transformers (the example suite on the transformers engine, eager and with CUDA graphs,
 # and bench_transformers.py with CUDA graphs over the TinyLlama and Llama-3-8B shapes). Wheels the
@@ -42,7 +43,9 @@ if wants tests; then  # kernel compiles dominate: spread them over workers when 
   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
   step tests 400 python3 -m pytest -q -p no:cacheprovider -x $workers --durations=5 tests/unit/kernels \
     tests/unit/canary tests/unit/engine/test_cuda_graph_canary.py tests/unit/engine/test_padded_decode.py \
-    tests/unit/scenarios tests/adapters/transformers/test_cuda_graphs.py
+    tests/unit/scenarios tests/adapters/transformers/test_cuda_graphs.py \
+    tests/unit/perturb/test_modes.py::test_triton_kernels_detect_every_fault \
+    tests/e2e/test_soak.py::test_30_requests_under_pressure_raise_no_violation_with_triton_kernels
 fi
 wants kernels && step kernels 150 python3 benchmarks/bench_kernels.py
 wants overhead && step overhead 300 python3 benchmarks/bench_overhead.py

@@ -85,7 +85,11 @@ def test_200_requests_under_pressure_raise_no_violation(attention, real_data):
     assert attention == "mha" or causes["slid out of the attention window"] > 0
 
 
-@pytest.mark.parametrize(("attention", "real_data"), [("mha", "partial"), ("swa", "all")])
+@pytest.mark.parametrize(("attention", "real_data"), [
+    ("mha", "partial"),
+    # Over two minutes under Triton's interpreter: runs compiled in the GPU pass (benchmarks/gpu_run.sh).
+    pytest.param("swa", "all", marks=pytest.mark.skipif(DEVICE != "cuda", reason="interpreter: runs in the GPU pass")),
+])
 def test_30_requests_under_pressure_raise_no_violation_with_triton_kernels(attention, real_data):
     handle = start(attention, "triton", real_data)
     causes = run_requests(handle.engine, seed=3, n=30, longest_output=4)  # some 20-30 forwards
