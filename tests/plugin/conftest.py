@@ -34,3 +34,26 @@ def kvtester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     pytester.makepyfile(fake_harness=(Path(__file__).parent / "fake_harness.py").read_text())
     pytester.makeconftest(_RUN_CONFTEST)
     return pytester
+
+
+_TORCH_KERNELS = """
+import functools
+
+import pytest
+from pytest_kvcanary import harness
+
+@pytest.fixture(scope="session")
+def kv_start_engine():
+    return functools.partial(harness.start_engine, kernels="torch")
+"""
+
+
+@pytest.fixture
+def realtester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A pytester whose runs drive the real harness on the CPU with the torch kernels (bit-identical
+    to the Triton ones, which the kernel tests check)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pytester.makeconftest(_TORCH_KERNELS)
+    return pytester

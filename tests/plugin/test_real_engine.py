@@ -18,28 +18,6 @@ from pytest_kvcanary.handle import Handle
 from pytest_kvcanary.harness import EngineHandle, start_engine
 from pytest_kvcanary.side import BASE_PROMPT, PROMPT_SHOWN
 
-TORCH_KERNELS = """
-import functools
-
-import pytest
-from pytest_kvcanary import harness
-
-@pytest.fixture(scope="session")
-def kv_start_engine():
-    return functools.partial(harness.start_engine, kernels="torch")
-"""
-
-
-@pytest.fixture
-def realtester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    """A pytester whose runs drive the reference engine on the CPU with the torch kernels."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    pytester.makeconftest(TORCH_KERNELS)
-    return pytester
-
-
 def _handle(attention: str = "mha", **canary: object) -> EngineHandle:
     from pytest_kvcanary.adapters.reference import make_reference_engine
 
