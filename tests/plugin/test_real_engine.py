@@ -263,17 +263,15 @@ def test_engines_the_harness_cannot_use_error_the_test(pytester: pytest.Pytester
     assert "Traceback" not in result.stdout.str()
 
 
-def test_kv_pd_skips_on_an_engine_without_a_pair(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the run sets it; restored after
-    pytester.makeconftest(ENGINE_HOOKS + TORCH_KERNELS)
-    pytester.makepyfile("""
+def test_kv_pd_skips_on_an_engine_without_a_pair(realtester: pytest.Pytester) -> None:
+    realtester.makeconftest((realtester.path / "conftest.py").read_text() + ENGINE_HOOKS)
+    realtester.makepyfile("""
         def test_single(kv_engine):
             assert kv_engine.generate(["an old-style hook engine"], max_new_tokens=1)
 
         def test_pd(kv_pd): pass
     """)
-    result = pytester.runpytest("--kv-canary", "--kv-canary-engine=mine", "-rs")
+    result = realtester.runpytest("--kv-canary", "--kv-canary-engine=mine", "-rs")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED * kv_pd needs a prefill/decode pair of engine 'mine', and none is known: *"
                                  "pytest_kvcanary_make_pd_pair hook*"])
