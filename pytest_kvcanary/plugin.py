@@ -31,7 +31,8 @@ import pytest
 
 from . import markers
 from .engine_pool import EngineKey, EnginePool, Guarded
-from .engines import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine, UnsupportedAttention
+from .adapters.protocol import UnsupportedAttention
+from .engines import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
 from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
 from .interrupts import Interrupts
 from .report import RunResults, failure_section, guarded_test_entry, violations_table

@@ -195,6 +195,10 @@ class CacheWalk(NamedTuple):
 # data, before they are released. For a group mapped through full_to_group the slots are FULL slots.
 FreeListener = Callable[[GroupKind, "torch.Tensor", str], None]
 
+# Called with (prefill FULL slots, decode FULL slots) of one transferred prompt, position by
+# position, once its KV landed on the decode side and before the decode side's next forward.
+TransferListener = Callable[["torch.Tensor", "torch.Tensor"], None]
+
 
 class ForwardHooks(Protocol):
     """What an engine calls around each forward (the CanaryRuntime is one). Order: module docstring."""
