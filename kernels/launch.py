@@ -11,6 +11,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .checks import check_int
 from .entries import MappingArgs, VerifyEntries, ViewArgs
 from .records import RECORD_WIDTH, split_tag
 from .ring import ViolationRing
@@ -131,10 +132,8 @@ def check_mapping(mapping: MappingArgs, device: torch.device) -> None:
     if table.device != device:
         raise ValueError(f"MappingArgs.table is on {table.device}; records are on {device}")
     page_size, ring = mapping.page_size, mapping.ring
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"MappingArgs.page_size must be an integer >= 1; got {page_size!r}")
-    if isinstance(ring, bool) or not isinstance(ring, int) or ring < 0:
-        raise ValueError(f"MappingArgs.ring must be an integer >= 0; got {ring!r}")
+    check_int("MappingArgs.page_size", page_size, 1)
+    check_int("MappingArgs.ring", ring, 0)
     if mapping.full_to_group is not None:
         check_vector("MappingArgs.full_to_group", mapping.full_to_group, device)
 
@@ -173,11 +172,6 @@ def check_stamp_launch(records: torch.Tensor, sources: Sequence[RealKvSource], m
         check_vector("written_hashes", written_hashes, records.device, view.input_ids.shape[0])
         if not sources:
             raise ValueError("written_hashes needs >= 1 source (with none, every fingerprint is 0); got 0 sources")
-
-
-def check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
 
 def rows_source(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, sample_offset: int = 0,

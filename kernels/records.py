@@ -92,6 +92,16 @@ class GroupKind(IntEnum):
     SWA = 1
     DRAFT = 2  # a speculative-decoding draft model's own KV pool
 
+    @property
+    def label(self) -> str:
+        """The name reports, markers and the terminal use ("full", "swa", "draft")."""
+        return self.name.lower()
+
+    @classmethod
+    def from_label(cls, label: str) -> GroupKind:
+        """The kind a label names (the inverse of `label`)."""
+        return cls[label.upper()]
+
 
 NUM_TAGS = len(Phase) * len(Half) * len(GroupKind)
 

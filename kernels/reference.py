@@ -13,10 +13,11 @@ from typing import Sequence
 
 import torch
 
+from .checks import check_int
 from .entries import MappingArgs, VerifyEntries, ViewArgs
 from .hashing import head_hash_int, head_hash_torch, mix3_int, mix3_torch, mix_torch, to_signed
 from .launch import (
-    Tiling, check_common, check_entries, check_int, check_stamp_launch, check_vector, check_view_launch,
+    Tiling, check_common, check_entries, check_stamp_launch, check_vector, check_view_launch,
     rows_source,
 )
 from .records import (

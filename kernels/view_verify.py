@@ -9,10 +9,11 @@ import triton
 import triton.language as tl
 
 from . import records as R
+from .checks import check_int
 from .entries import MappingArgs, ViewArgs
 from .hashing import as_i64, head_hash
 from .launch import (
-    Tiling, check_int, check_tiling, check_vector, check_view_launch, default_tiling, mapping_args, ring_args,
+    Tiling, check_tiling, check_vector, check_view_launch, default_tiling, mapping_args, ring_args,
     row_grid, source_args, token_args,
 )
 from .lookup import known_token, map_slot

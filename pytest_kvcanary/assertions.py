@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Sequence
 
+from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import Half, Phase, Reason
 
 from .canary.violation import Violation
@@ -120,9 +121,8 @@ class KvCanary:
         test's reset count (step < N). require_distinct_prompts: fail at once when a prompt was
         sent twice since the reset, since radix dedup can let the fault escape."""
         __tracebackhide__ = True
-        if within_steps is not None and (isinstance(within_steps, bool) or not isinstance(within_steps, int)
-                                         or within_steps < 1):
-            raise ValueError(f"within_steps must be an integer >= 1; got {within_steps!r}")
+        if within_steps is not None:
+            check_int("within_steps", within_steps, 1)
         found = self.violations(reason, phase=phase, group=group, side=side)
         repeated = sorted(p for p, n in Counter(self._handle.prompts_since_reset()).items() if n > 1)
         if require_distinct_prompts and repeated:

@@ -8,22 +8,20 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from kvcanary_kernels.checks import check_int
+from kvcanary_kernels.records import GroupKind
+
 CANARY_MODES = ("off", "log", "raise")
 REAL_DATA_MODES = ("none", "partial", "all")
 PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward")
 SIDES = ("prefill", "decode")
-TARGET_GROUPS = ("full", "swa", "draft")
+TARGET_GROUPS = tuple(kind.label for kind in GroupKind)
 ATTENTION_KINDS = ("mha", "swa", "mla")
 
 
 def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{field} must be one of {', '.join(allowed)}; got {value!r}")
-
-
-def _int_at_least(field: str, value: Any, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{field} must be an integer >= {lo}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -51,9 +49,9 @@ class CanaryConfig:
     def __post_init__(self) -> None:
         _choice("mode", self.mode, CANARY_MODES)
         _choice("real_data", self.real_data, REAL_DATA_MODES)
-        _int_at_least("sweep_interval", self.sweep_interval, 0)
-        _int_at_least("ring_capacity", self.ring_capacity, 1)
-        _int_at_least("drain_interval", self.drain_interval, 1)
+        check_int("sweep_interval", self.sweep_interval, 0)
+        check_int("ring_capacity", self.ring_capacity, 1)
+        check_int("drain_interval", self.drain_interval, 1)
         for name in ("check_tokens", "check_write_inputs", "recheck"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
@@ -90,4 +88,4 @@ class PerturbSpec:
             _choice("side", self.side, SIDES)
         if self.target_group is not None:
             _choice("target_group", self.target_group, TARGET_GROUPS)
-        _int_at_least("warmup_steps", self.warmup_steps, 0)
+        check_int("warmup_steps", self.warmup_steps, 0)

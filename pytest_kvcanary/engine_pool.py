@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any, Callable, NamedTuple
 
 from .config import CanaryConfig, PerturbSpec
+from .report import EngineRef
 
 
 class Guarded:
@@ -66,10 +67,10 @@ class EnginePool:
         self._serials = 0
         self._retired: list[dict[str, Any]] = []
 
-    def describe(self, key: EngineKey, serial: int) -> dict[str, Any]:
-        """The engine fields of a report entry."""
-        return {"worker": self._worker, "handle": serial, "engine": key.engine, "kind": key.kind,
-                "attention": key.attention, "device": key.device, "canary": asdict(key.canary)}
+    def describe(self, key: EngineKey, serial: int) -> EngineRef:
+        """The handle for key, numbered `serial`, as the results name it."""
+        return EngineRef(worker=self._worker, handle=serial, engine=key.engine, kind=key.kind,
+                         attention=key.attention, device=key.device, canary=asdict(key.canary))
 
     def checkout(self, key: EngineKey, seed: int) -> Checkout:
         """The handle for key, started on first use (whatever starting raises propagates)."""
@@ -106,5 +107,5 @@ class EnginePool:
 
     def _retire(self, key: EngineKey, why: str) -> None:
         serial, guarded = self._handles.pop(key)
-        self._retired.append({**self.describe(key, serial), "retired": why})
+        self._retired.append({"engine": asdict(self.describe(key, serial)), "retired": why})
         guarded.target.close()

@@ -47,11 +47,6 @@ class NoPrefillDecodePair(LookupError):
     """The engine has no prefill/decode pair; kv_pd tests skip with this message."""
 
 
-class UnsupportedAttention(LookupError):
-    """An engine factory raises it for an attention kind its engine lacks (transformers has no
-    latent pool for mla); tests of that kind skip with this message, which names the engine."""
-
-
 # How to install each engine's package, run in a clone of the project: the commands the README
 # gives (a test checks), vLLM's in an environment of its own (see the README's vLLM section).
 INSTALL = {

@@ -8,6 +8,8 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
+from kvcanary_kernels.checks import is_int
+
 if TYPE_CHECKING:
     from .canary.violation import Violation
     from .config import PerturbSpec
@@ -68,7 +70,7 @@ def check_prompts(prompts: Any) -> None:
         if isinstance(prompt, str):
             continue
         ids = prompt if isinstance(prompt, Sequence) and not isinstance(prompt, bytes) else None
-        if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if ids is None or not all(is_int(t) for t in ids):
             raise TypeError(f"prompts[{i}] must be a str or a list of token ids (ints); got "
                             f"{type(prompt).__name__} {prompt!r:.60}" +
                             (": the token ids of one prompt go in a list of their own, e.g. [[1, 2, 3]]"
@@ -81,13 +83,13 @@ def check_context_keys(context_keys: Any, prompts: Sequence[Any], generate: Any,
         raise TypeError(f"context_keys: engine {engine!r} has no contexts (cache salts or adapter ids); "
                         "leave context_keys out")
     if (not isinstance(context_keys, Sequence) or len(context_keys) != len(prompts)
-            or not all(isinstance(k, int) and not isinstance(k, bool) for k in context_keys)):
+            or not all(is_int(k) for k in context_keys)):
         raise TypeError(f"context_keys must be one int per prompt ({len(prompts)}); got {context_keys!r:.60}")
 
 
 def check_request_count(n: Any) -> None:
     """TypeError / ValueError unless `n` is an integer >= 1."""
-    if isinstance(n, bool) or not isinstance(n, int):
+    if not is_int(n):
         raise TypeError(f"n must be an integer >= 1 (the number of requests); got {n!r:.60}")
     if n < 1:
         raise ValueError(f"n must be an integer >= 1 (the number of requests); got {n}")

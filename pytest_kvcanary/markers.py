@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
+from kvcanary_kernels.records import GroupKind
+
 from .config import ATTENTION_KINDS, PERTURB_MODES, CanaryConfig, PerturbSpec
+from .perturb.fit import misfit
 
 # Registered in pytest_configure, so `pytest --markers` lists them and --strict-markers accepts them.
 MARKER_LINES = (
@@ -63,21 +66,15 @@ def perturbs(node: pytest.Item, *, pd: bool) -> tuple[PerturbSpec, ...]:
 
 
 def check_perturbs_fit(node: pytest.Item, *, groups: tuple[str, ...], real_data: str, engine: str) -> None:
-    """MarkerError unless every kv_perturb marker fits the engine the test got: its target_group
-    is one of the engine's pool `groups` (and is given when there are several), and a mode that
-    flips real KV bytes runs where the canary fingerprints them. engine: how the error names
-    the engine (e.g. "reference/swa")."""
+    """MarkerError unless every kv_perturb marker fits the engine the test got (`perturb.fit`):
+    `groups`: its pool groups by label; engine: how the error names the engine (e.g.
+    "reference/swa")."""
+    kinds = tuple(GroupKind.from_label(label) for label in groups)
     for mark in node.iter_markers("kv_perturb"):
-        spec = _perturb(mark, pd=True)
-        if spec.target_group is None and len(groups) > 1:
-            raise MarkerError(f"{_show(mark)}: target_group is required: engine {engine!r} has pool groups "
-                              f"{', '.join(groups)}; allowed: {', '.join(groups)}")
-        if spec.target_group is not None and spec.target_group not in groups:
-            raise MarkerError(f"{_show(mark)}: target_group={spec.target_group!r} is not a pool group of engine "
-                              f"{engine!r}; its groups: {', '.join(groups)}")
-        if spec.mode != "req_to_token" and real_data == "none":
-            raise MarkerError(f"{_show(mark)}: mode {spec.mode!r} flips real KV bytes, which the canary "
-                              "fingerprints only with real_data partial or all; got real_data='none'")
+        why = misfit(_perturb(mark, pd=True), kinds, fingerprints_real_kv=real_data != "none",
+                     engine=f"engine {engine!r}")
+        if why is not None:
+            raise MarkerError(f"{_show(mark)}: {why}")
 
 
 def attention_kinds(node: pytest.Item) -> tuple[str, ...]:

@@ -44,7 +44,7 @@ class PDHandle(SidedHandle):
         for src_group, dst_group in zip(sender.groups, receiver.groups, strict=True):
             src_slots = src_group.to_group_slots(src.to(src_group.device)).tolist()
             dst_slots = dst_group.to_group_slots(dst.to(dst_group.device)).tolist()
-            group = src_group.pool.kind.name.lower()
+            group = src_group.pool.kind
             for full_src, full_dst, s, d in zip(src.tolist(), dst.tolist(), src_slots, dst_slots):
                 if s and d:
                     self.ledger.moved(self.prefill.name, group, full_src, Place(self.decode.name, d, full_dst))

@@ -23,7 +23,7 @@ import functools
 import os
 import shlex
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn
 
@@ -31,10 +31,11 @@ import pytest
 
 from . import markers
 from .engine_pool import EngineKey, EnginePool, Guarded
-from .engines import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine, UnsupportedAttention
+from .adapters.protocol import UnsupportedAttention
+from .engines import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
 from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
 from .interrupts import Interrupts
-from .report import RunResults, failure_section, guarded_test_entry, violations_table
+from .report import ReportEntry, RunResults, failure_section, violations_table
 from .settings import OPTIONS, Settings, resolve, split_bare_flag
 
 if TYPE_CHECKING:
@@ -337,16 +338,15 @@ def _replay(item: pytest.Item, record: _TestRecord, settings: Settings) -> str:
 
 
 def _test_payload(item: pytest.Item, record: _TestRecord, report: pytest.TestReport,
-                  call: pytest.CallInfo[None]) -> dict[str, Any]:
+                  call: pytest.CallInfo[None]) -> ReportEntry:
     """The test's entry for the results; adds the kv-canary section to the report: on failure
     the seed, the replay command and (unless a kv_canary assertion's message shows them) the
     tables; on unexpected violations in log mode, their table."""
     key, settings = record.key, item.config.stash[_SETTINGS]
-    entry = guarded_test_entry(
-        **item.config.stash[_POOL].describe(key, record.serial), nodeid=item.nodeid, outcome=report.outcome,
-        seed=record.seed, perturbs=[asdict(p) for p in record.perturbs], violations=record.violations,
-        requests=record.requests, injections=record.injections, stats=record.stats, expected=record.expected,
-        read_error=record.read_error)
+    entry = ReportEntry.guarded(
+        item.nodeid, report.outcome, item.config.stash[_POOL].describe(key, record.serial), seed=record.seed,
+        perturbs=record.perturbs, violations=record.violations, requests=record.requests,
+        injections=record.injections, stats=record.stats, expected=record.expected, read_error=record.read_error)
     if report.failed:
         shown = record.canary is not None and call.excinfo is not None and call.excinfo.value is record.canary.raised
         report.sections.append(("kv-canary", failure_section(
@@ -369,7 +369,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report: pytest.TestReport = outcome.get_result()
     payload: dict[str, Any] = {}
     if record is not None and call.when == "call":
-        payload["test"] = _test_payload(item, record, report, call)
+        payload["test"] = _test_payload(item, record, report, call).to_json()
     pool = item.config.stash.get(_POOL, None)
     if pool is not None and (retired := pool.take_retired()):
         payload["retired"] = retired

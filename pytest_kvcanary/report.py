@@ -1,9 +1,8 @@
 """Tables, failure sections, the terminal summary and the JSON report (no torch).
 
-The process that runs a guarded test turns it into a plain-JSON entry (`guarded_test_entry`) and
-attaches it to the test's report, so it reaches the process that writes the summary (the xdist
-controller, or the only process) with the report itself: a worker that dies later loses nothing
-it finished.
+The process that runs a guarded test turns it into a `ReportEntry` and attaches its JSON to the
+test's report, so it reaches the process that writes the summary (the xdist controller, or the
+only process) with the report itself: a worker that dies later loses nothing it finished.
 `RunResults` collects the entries there; per-engine lines are sums over the entries of the tests
 each engine served, so the summary, the JSON report and the per-test numbers always agree.
 """
@@ -11,6 +10,7 @@ each engine served, so the summary, the JSON report and the per-test numbers alw
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -65,29 +65,78 @@ def ledger_table(injections: Sequence[Any]) -> str:
     return f"ledger ({_count(len(injections), 'injection')}):\n{_table(INJECTION_FIELDS, rows)}"
 
 
-def guarded_test_entry(*, nodeid: str, outcome: str, worker: str, handle: int, seed: int, kind: str,
-                       attention: str, device: str, engine: str, canary: dict[str, Any], perturbs: list[dict[str, Any]],
-                       violations: Sequence[Violation], requests: Sequence[str | None],
-                       injections: Sequence[Any], stats: dict[str, dict[str, Any]], expected: bool,
-                       read_error: str | None) -> dict[str, Any]:
-    """One guarded test as the report stores it. handle: the engine handle's number in its
-    worker; stats: per side, the canary's counters for this test; expected: the test injected
-    faults or asserted on violations, so its violations are its business (not shown as
-    unexpected)."""
-    return {
-        "nodeid": nodeid, "outcome": outcome, "worker": worker, "handle": handle, "seed": seed, "kind": kind,
-        "attention": attention, "device": device, "engine": engine, "canary": canary, "perturbs": perturbs,
-        "violations": [{**v.to_json(), "request": r} for v, r in zip(violations, requests, strict=True)],
-        "injections": [injection_to_json(i) for i in injections], "stats": stats, "expected": expected,
-        "read_error": read_error,
-    }
+@dataclass(frozen=True)
+class EngineRef:
+    """An engine handle as the results name it: the worker process holding it, its number there
+    (`handle`), and the configuration it runs (`canary`: the CanaryConfig's fields)."""
+
+    worker: str
+    handle: int
+    engine: str
+    kind: str
+    attention: str
+    device: str
+    canary: dict[str, Any]
 
 
-def entry_violations(entry: dict[str, Any]) -> tuple[list[Violation], list[str | None]]:
-    from .canary.violation import Violation
+@dataclass(frozen=True)
+class ReportEntry:
+    """One test as the JSON report stores it, field for key in the same order: a guarded test
+    (`guarded`), or one whose worker died while running it (`crashed`: nothing measured).
+    stats: per side, the canary's counters for this test; expected: the test injected faults or
+    asserted on violations, so its violations are its business (not shown as unexpected);
+    violations and injections: their JSON rows (a violation with the request its row held)."""
 
-    rows = [{k: v for k, v in d.items() if k != "request"} for d in entry["violations"]]
-    return [Violation.from_json(d) for d in rows], [d["request"] for d in entry["violations"]]
+    nodeid: str
+    outcome: str
+    worker: str | None
+    handle: int | None = None
+    seed: int | None = None
+    kind: str | None = None
+    attention: str | None = None
+    device: str | None = None
+    engine: str | None = None
+    canary: dict[str, Any] | None = None
+    perturbs: list[dict[str, Any]] = field(default_factory=list)
+    violations: list[dict[str, Any]] = field(default_factory=list)
+    injections: list[dict[str, Any]] = field(default_factory=list)
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    expected: bool = False
+    read_error: str | None = None
+
+    @classmethod
+    def guarded(cls, nodeid: str, outcome: str, served_by: EngineRef, *, seed: int, perturbs: Sequence[Any],
+                violations: Sequence[Violation], requests: Sequence[str | None], injections: Sequence[Any],
+                stats: dict[str, dict[str, Any]], expected: bool, read_error: str | None) -> ReportEntry:
+        """perturbs: the test's PerturbSpecs; requests: per violation, the request its row held."""
+        return cls(
+            nodeid=nodeid, outcome=outcome, seed=seed, **asdict(served_by), perturbs=[asdict(p) for p in perturbs],
+            violations=[{**v.to_json(), "request": r} for v, r in zip(violations, requests, strict=True)],
+            injections=[injection_to_json(i) for i in injections], stats=stats, expected=expected,
+            read_error=read_error)
+
+    @classmethod
+    def crashed(cls, nodeid: str, worker: str | None) -> ReportEntry:
+        return cls(nodeid=nodeid, outcome="crashed", worker=worker)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ReportEntry:
+        return cls(**data)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def served_by(self) -> EngineRef:
+        """The engine handle of a guarded test."""
+        return EngineRef(**{f.name: getattr(self, f.name) for f in fields(EngineRef)})
+
+    def violation_rows(self) -> tuple[list[Violation], list[str | None]]:
+        """The violations, and per violation the request its row held."""
+        from .canary.violation import Violation
+
+        rows = [{k: v for k, v in d.items() if k != "request"} for d in self.violations]
+        return [Violation.from_json(d) for d in rows], [d["request"] for d in self.violations]
 
 
 def failure_section(seed: int, replay: str, violations: Sequence[Violation], requests: Sequence[str | None],
@@ -129,52 +178,44 @@ class RunResults:
     run ended (interrupted, workers that died)."""
 
     def __init__(self) -> None:
-        self.tests: list[dict[str, Any]] = []
+        self.tests: list[ReportEntry] = []
         self._engines: dict[tuple[str, int], dict[str, Any]] = {}
         self.interrupted: str | None = None
         self.crashed_workers: list[dict[str, str]] = []
         self.report_error: str | None = None  # why the JSON report could not be written
 
-    def _engine(self, source: dict[str, Any]) -> dict[str, Any]:
-        key = (source["worker"], source["handle"])
+    def _engine(self, ref: EngineRef) -> dict[str, Any]:
+        key = (ref.worker, ref.handle)
         if key not in self._engines:
-            self._engines[key] = {
-                **{k: source[k] for k in ("worker", "handle", "engine", "kind", "attention", "device", "canary")},
-                "tests": 0, "retired": None, "sides": {},
-            }
+            self._engines[key] = {**asdict(ref), "tests": 0, "retired": None, "sides": {}}
         return self._engines[key]
 
-    def add_test(self, entry: dict[str, Any]) -> None:
+    def add_test(self, entry: ReportEntry) -> None:
         self.tests.append(entry)
-        engine = self._engine(entry)
+        engine = self._engine(entry.served_by)
         engine["tests"] += 1
-        for side, stats in entry["stats"].items():
+        for side, stats in entry.stats.items():
             total = engine["sides"].setdefault(side, {**dict.fromkeys(COUNTERS, 0), "health": "ok"})
             for name in COUNTERS:
                 total[name] += stats.get(name, 0)
             if stats.get("health", "ok") != "ok":
                 total["health"] = stats["health"]
 
-    def add_retired(self, event: dict[str, Any]) -> None:
-        """An engine handle replaced after a test: event has the engine fields of an entry and
-        `retired`, why."""
-        self._engine(event)["retired"] = event["retired"]
+    def add_retired(self, ref: EngineRef, why: str) -> None:
+        """An engine handle replaced after a test, and why."""
+        self._engine(ref)["retired"] = why
 
     def add(self, payload: dict[str, Any]) -> None:
-        """What a test report carried: {"test": entry} and/or {"retired": [event, ...]}."""
+        """What a test report carried: {"test": entry JSON} and/or {"retired": [{"engine": engine
+        JSON, "retired": why}, ...]}."""
         if "test" in payload:
-            self.add_test(payload["test"])
+            self.add_test(ReportEntry.from_json(payload["test"]))
         for event in payload.get("retired", ()):
-            self.add_retired(event)
+            self.add_retired(EngineRef(**event["engine"]), event["retired"])
 
     def add_crashed(self, nodeid: str, gateway: Any) -> None:
-        """The test a worker was running when it died: an entry with outcome "crashed" and
-        nothing measured (what the worker had logged died with it)."""
-        self.tests.append({
-            "nodeid": nodeid, "outcome": "crashed", "worker": getattr(gateway, "id", None), "handle": None,
-            "seed": None, "kind": None, "attention": None, "device": None, "engine": None, "canary": None,
-            "perturbs": [], "violations": [], "injections": [], "stats": {}, "expected": False, "read_error": None,
-        })
+        """The test a worker was running when it died (what the worker had logged died with it)."""
+        self.tests.append(ReportEntry.crashed(nodeid, getattr(gateway, "id", None)))
 
     def worker_crashed(self, worker: str, error: str) -> None:
         self.crashed_workers.append({"worker": worker, "error": error})
@@ -183,10 +224,10 @@ class RunResults:
     def engines(self) -> list[dict[str, Any]]:
         return list(self._engines.values())
 
-    def unexpected(self) -> list[dict[str, Any]]:
+    def unexpected(self) -> list[ReportEntry]:
         """Entries with violations the test neither caused nor asserted on, and whose failure
         section does not show them already."""
-        return [t for t in self.tests if t["violations"] and not t["expected"] and t["outcome"] != "failed"]
+        return [t for t in self.tests if t.violations and not t.expected and t.outcome != "failed"]
 
     def summary_lines(self) -> list[str]:
         """One line per engine (per side of a PD pair; the canary settings that tell engines
@@ -196,27 +237,27 @@ class RunResults:
         lines = [_engine_line(engine, distinction, side, stats)
                  for engine, distinction in zip(self.engines, _distinctions(self.engines))
                  for side, stats in engine["sides"].items()]
-        guarded = [t for t in self.tests if t["outcome"] != "crashed"]
-        violations = sum(len(t["violations"]) for t in self.tests)
-        expected = sum(len(t["violations"]) for t in self.tests if t["expected"])
+        guarded = [t for t in self.tests if t.outcome != "crashed"]
+        violations = sum(len(t.violations) for t in self.tests)
+        expected = sum(len(t.violations) for t in self.tests if t.expected)
         lines.append(f"{_count(len(guarded), 'guarded test')}, {_count(violations, 'violation')} "
                      f"({expected} expected, {violations - expected} unexpected), "
                      f"{_count(len(self.engines), 'engine handle')}")
         unexpected = self.unexpected()
         if unexpected:
-            n = sum(len(t["violations"]) for t in unexpected)
+            n = sum(len(t.violations) for t in unexpected)
             lines.append(f"unexpected violations: {_count(n, 'violation')} in {_count(len(unexpected), 'test')} "
                          "that neither injected faults nor asserted on violations")
             for t in unexpected:
-                lines += [f"{t['nodeid']} (seed {t['seed']}, {t['kind']}/{t['attention']} on {t['device']}):",
-                          violations_table(*entry_violations(t))]
+                lines += [f"{t.nodeid} (seed {t.seed}, {t.kind}/{t.attention} on {t.device}):",
+                          violations_table(*t.violation_rows())]
         if self.interrupted:
             lines.append(f"run interrupted ({self.interrupted}): results of the {_count(len(self.tests), 'test')} "
                          "that finished")
         for crash in self.crashed_workers:
             lines.append(f"worker {crash['worker']} died ({crash['error']}); the tests it finished are included")
-        lines += [f"crashed: {t['nodeid']} (its worker died while running it)"
-                  for t in self.tests if t["outcome"] == "crashed"]
+        lines += [f"crashed: {t.nodeid} (its worker died while running it)"
+                  for t in self.tests if t.outcome == "crashed"]
         return lines
 
     def write_json(self, path: Path, config: dict[str, Any]) -> None:
@@ -226,7 +267,7 @@ class RunResults:
         document = {
             "config": config,
             "run": {"interrupted": self.interrupted, "crashed_workers": self.crashed_workers},
-            "tests": self.tests,
+            "tests": [t.to_json() for t in self.tests],
             "engines": self.engines,
         }
         partial = path.with_name(f".{path.name}.partial")

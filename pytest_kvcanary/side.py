@@ -71,7 +71,7 @@ class SidedHandle:
         return tuple(side.name for side in self.sides)
 
     def pool_groups(self) -> tuple[str, ...]:
-        return tuple(group.pool.kind.name.lower() for group in self.sides[0].runtime.groups)
+        return tuple(group.pool.kind.label for group in self.sides[0].runtime.groups)
 
     def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
         """Flush caches, clear log, ledger and counters, restart step numbering, arm this test's faults."""

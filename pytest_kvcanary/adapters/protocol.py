@@ -3,12 +3,14 @@ prefill/decode pair of them (no torch at import)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
-from ..canary.host import CanaryHost, ForwardHooks
+from ..canary.host import CanaryHost, ForwardHooks, TransferListener
 
-if TYPE_CHECKING:
-    import torch
+
+class UnsupportedAttention(LookupError):
+    """An engine factory raises it for an attention kind its engine lacks (transformers has no
+    latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
 @runtime_checkable
@@ -36,11 +38,6 @@ class EngineUnderTest(CanaryHost, Protocol):
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
 
     def reset(self) -> None: ...
-
-
-# Called with (prefill FULL slots, decode FULL slots) of one transferred prompt, position by
-# position, once its KV landed on the decode side and before the decode side's next forward.
-TransferListener = Callable[["torch.Tensor", "torch.Tensor"], None]
 
 
 @runtime_checkable

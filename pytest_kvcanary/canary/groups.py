@@ -88,10 +88,6 @@ class GroupState:
     def device(self) -> torch.device:
         return next(iter(self.halves.values())).records.device
 
-    @property
-    def name(self) -> str:
-        return self.pool.kind.name.lower()
-
     def swept_by_walk(self) -> bool:
         """A cache walk names FULL slots: it reaches the FULL group and groups mapped through
         full_to_group."""

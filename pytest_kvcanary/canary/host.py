@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
+from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import GroupKind, Half
 
 if TYPE_CHECKING:
@@ -64,10 +65,8 @@ class SlotMapping:
         return "token_table" if self.page_size == 1 else "block_table"
 
     def __post_init__(self) -> None:
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"SlotMapping.page_size must be an integer >= 1; got {self.page_size!r}")
-        if isinstance(self.ring, bool) or not isinstance(self.ring, int) or self.ring < 0:
-            raise ValueError(f"SlotMapping.ring must be an integer >= 0; got {self.ring!r}")
+        check_int("SlotMapping.page_size", self.page_size, 1)
+        check_int("SlotMapping.ring", self.ring, 0)
         if getattr(self.table, "dim", lambda: 0)() != 2:
             raise ValueError("SlotMapping.table must be a 2-D tensor [rows, cols]")
 
@@ -125,9 +124,7 @@ class Capacities:
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_tokens", "max_context"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Capacities.{name} must be an integer >= 1; got {value!r}")
+            check_int(f"Capacities.{name}", getattr(self, name), 1)
 
 
 class GroupInputs(NamedTuple):
@@ -197,6 +194,10 @@ class CacheWalk(NamedTuple):
 # Called with (group, slots of that group's mapping space, cause) whenever slots stop holding their
 # data, before they are released. For a group mapped through full_to_group the slots are FULL slots.
 FreeListener = Callable[[GroupKind, "torch.Tensor", str], None]
+
+# Called with (prefill FULL slots, decode FULL slots) of one transferred prompt, position by
+# position, once its KV landed on the decode side and before the decode side's next forward.
+TransferListener = Callable[["torch.Tensor", "torch.Tensor"], None]
 
 
 class ForwardHooks(Protocol):

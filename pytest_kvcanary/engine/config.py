@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import GroupKind
 
 ATTENTION_KINDS = ("mha", "swa", "mla")
@@ -16,9 +17,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _positive(obj: Any, *names: str) -> None:
     for name in names:
-        value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        check_int(name, getattr(obj, name), 1)
 
 
 @dataclass(frozen=True)
@@ -132,17 +131,14 @@ class EngineConfig:
             raise ValueError(f"model must be a ModelConfig; got {type(self.model).__name__}")
         _positive(self, "max_running", "max_batch_tokens")
         for name in ("num_slots", "swa_num_slots"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-                raise ValueError(f"{name} must be an integer >= 2 (slot 0 is reserved); got {value!r}")
+            check_int(name, getattr(self, name), 2, " (slot 0 is reserved)")
         if self.max_batch_tokens < self.model.max_context:
             raise ValueError(f"max_batch_tokens must be >= model.max_context ({self.model.max_context}); "
                              f"got {self.max_batch_tokens}")
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {', '.join(DECODE_MODES)}; got {self.decode_mode!r}")
         k = self.speculative_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"speculative_k must be an integer >= 0; got {k!r}")
+        check_int("speculative_k", k, 0)
         if k and (self.model.attention == "swa" or self.decode_mode != "eager"):
             raise ValueError(f"speculative_k > 0 needs attention mha or mla and decode_mode eager; got "
                              f"attention={self.model.attention!r}, decode_mode={self.decode_mode!r}")

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from kvcanary_kernels.checks import check_int, is_int
 from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.host import (
     CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, SlotMapping,
@@ -84,9 +85,8 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
-        if isinstance(context_key, bool) or not isinstance(context_key, int) or not 0 <= context_key < 1 << 62:
+        check_int("max_new_tokens", max_new_tokens, 1)
+        if not is_int(context_key) or not 0 <= context_key < 1 << 62:
             raise ValueError(f"context_key must be an integer in [0, 2**62); got {context_key!r}")
         if bad := [t for t in ids if not 0 <= t < m.vocab_size]:
             raise ValueError(f"prompt token ids must be in [0, vocab_size={m.vocab_size}); got {bad[0]}")

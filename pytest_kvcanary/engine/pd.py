@@ -22,7 +22,7 @@ from typing import ContextManager, Sequence
 
 import torch
 
-from ..adapters.protocol import TransferListener
+from ..canary.host import TransferListener
 from .engine import Engine
 from .kv_pool import KVPool
 from .request import Request

@@ -21,21 +21,8 @@ from kvcanary_kernels.records import PREV_CHAIN_HEAD
 from pytest_kvcanary.canary.host import CacheWalk
 
 from .kv_pool import KVPools, ReqToTokenPool
+from .radix_node import Node
 from .request import Request
-
-
-class Node:
-    """An edge of the tree: tokens (key) and their FULL slots (value). lock_ref: running requests
-    whose cached prefix passes through here. tombstone: the SWA slots of value were freed."""
-
-    def __init__(self, key: list[int], value: torch.Tensor, parent: Node | None, tombstone: bool = False) -> None:
-        self.key = key  # tokens of this edge
-        self.value = value  # their FULL slots, CPU int64
-        self.parent = parent
-        self.children: dict[int, Node] = {}
-        self.lock_ref = 0
-        self.last_access = 0
-        self.tombstone = tombstone
 
 
 class MatchResult(NamedTuple):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .radix_cache import Node
+    from .radix_node import Node
 
 
 @dataclass(eq=False)

@@ -18,6 +18,7 @@ from ..canary.groups import GroupState
 from ..canary.host import CanaryHost, ForwardView
 from ..canary.runtime import CanaryRuntime
 from ..config import PerturbSpec
+from .fit import misfit, target
 from .ledger import Injection, Ledger
 from .targets import Target, cached_only_targets, read_targets, written_targets
 
@@ -49,38 +50,23 @@ class FaultInjector:
 
     def _escape(self, group: GroupState, full_slots: torch.Tensor, cause: str) -> None:
         slots = group.to_group_slots(full_slots.to(group.device, torch.int64))
-        self.ledger.escape(self.side, group.pool.kind.name.lower(), set(slots[slots != 0].tolist()), cause,
+        self.ledger.escape(self.side, group.pool.kind, set(slots[slots != 0].tolist()), cause,
                            self.runtime.forwards)
 
     def arm(self, specs: tuple[PerturbSpec, ...], seed: int) -> None:
         """Faults for the next run; the same specs and seed replay the same injections."""
         kinds = [g.pool.kind for g in self.runtime.groups]
+        fingerprints = any(g.has_sources() for g in self.runtime.groups)
         for spec in specs:
-            self._group_for(spec, kinds)
-            if spec.mode != "req_to_token" and not any(g.has_sources() for g in self.runtime.groups):
-                raise PerturbError(f"kv_perturb({spec.mode!r}) flips real KV bytes, which the canary only "
-                                   "fingerprints with real_data partial or all; got real_data='none'")
+            why = misfit(spec, kinds, fingerprints_real_kv=fingerprints, engine="this engine")
+            if why is not None:
+                raise PerturbError(f"kv_perturb({spec.mode!r}): {why}")
         self.specs = tuple(s for s in specs if s.side in (None, self.side))
         self._rng = random.Random(zlib.crc32(f"{seed}/{self.side}".encode()))
         self._restore.clear()
 
-    @staticmethod
-    def _group_for(spec: PerturbSpec, kinds: list[GroupKind]) -> GroupKind:
-        if spec.target_group is None:
-            if len(kinds) > 1:
-                allowed = ", ".join(k.name.lower() for k in kinds)
-                raise PerturbError(f"kv_perturb({spec.mode!r}): target_group is required for a model with "
-                                   f"{' and '.join(k.name.lower() for k in kinds)} pool groups; allowed: {allowed}")
-            return kinds[0]
-        kind = GroupKind[spec.target_group.upper()]
-        if kind not in kinds:
-            allowed = ", ".join(k.name.lower() for k in kinds)
-            raise PerturbError(f"kv_perturb({spec.mode!r}): target_group={spec.target_group!r} is not a pool "
-                               f"group of this model; allowed: {allowed}")
-        return kind
-
     def _group(self, spec: PerturbSpec) -> GroupState:
-        return self.runtime.group(self._group_for(spec, [g.pool.kind for g in self.runtime.groups]))
+        return self.runtime.group(target(spec, [g.pool.kind for g in self.runtime.groups]))
 
     def _due(self, spec: PerturbSpec, modes: tuple[str, ...]) -> bool:
         return (spec.mode in modes and self.runtime.forwards >= spec.warmup_steps
@@ -119,7 +105,7 @@ class FaultInjector:
         None: a random one) of a target slot in a layer the fingerprint reads. Slots that
         already hold a flip are passed over: a second flip could undo the first, and each fault
         stays one violation of its own."""
-        damaged = self.ledger.damaged(self.side, group.pool.kind.name.lower())
+        damaged = self.ledger.damaged(self.side, group.pool.kind)
         targets = [t for t in targets if t.slot not in damaged]
         if not targets:
             return
@@ -174,5 +160,5 @@ class FaultInjector:
 
     def _record(self, spec: PerturbSpec, group: GroupState, t: Target, byte: int, half: str | None) -> None:
         self.ledger.record(Injection(
-            mode=spec.mode, side=self.side, group=group.pool.kind.name.lower(), slot=t.slot, full_slot=t.full_slot,
+            mode=spec.mode, side=self.side, group=group.pool.kind.label, slot=t.slot, full_slot=t.full_slot,
             position=t.position, row=t.row, byte=byte, step=self.runtime.forwards, half=half))

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from kvcanary_kernels.records import GroupKind
+
 from ..canary.violation import Violation
 
 # Which reasons count as detecting each mode.
@@ -107,9 +109,9 @@ class Ledger:
     def record(self, injection: Injection) -> None:
         self.injections.append(injection)
 
-    def damaged(self, side: str, group: str) -> set[int]:
+    def damaged(self, side: str, group: GroupKind) -> set[int]:
         """Slots of a side's pool group that hold flipped bytes not yet freed or overwritten."""
-        return {p.slot for inj in self.injections if inj.group == group and inj.mode != "req_to_token"
+        return {p.slot for inj in self.injections if inj.group == group.label and inj.mode != "req_to_token"
                 for p in inj.places if p.side == side and p not in inj.gone}
 
     def match(self, violations: list[Violation]) -> None:
@@ -122,12 +124,12 @@ class Ledger:
             if hit is not None:
                 inj.status, inj.cause, inj.detected_by = "detected", "", hit
 
-    def escape(self, side: str, group: str, slots: set[int], cause: str, step: int) -> None:
+    def escape(self, side: str, group: GroupKind, slots: set[int], cause: str, step: int) -> None:
         """These slots of a side's pool group lost their data at that side's forward `step`
         (freed or overwritten). Injections whose every copy is gone escaped, unless `match`
         later finds a violation from before."""
         for inj in self.injections:
-            if inj.group != group or inj.mode == "req_to_token" or inj.status == "escaped":
+            if inj.group != group.label or inj.mode == "req_to_token" or inj.status == "escaped":
                 continue
             for p in inj.places:
                 if p.side == side and p.slot in slots:
@@ -135,10 +137,10 @@ class Ledger:
             if inj.status == "latent" and len(inj.gone) == len(inj.places):
                 inj.status, inj.cause = "escaped", cause
 
-    def moved(self, side: str, group: str, full_slot: int, to: Place) -> None:
+    def moved(self, side: str, group: GroupKind, full_slot: int, to: Place) -> None:
         """A transfer copied the data of (side, full_slot) in that pool group to `to`."""
         for inj in self.injections:
-            if inj.group == group and any(p.side == side and p.full_slot == full_slot
+            if inj.group == group.label and any(p.side == side and p.full_slot == full_slot
                                           for p in inj.places if p not in inj.gone):
                 inj.moved_to.append(to)
 

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import GroupKind
 
 from ...canary.host import CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping
@@ -147,8 +148,7 @@ class TransformersEngine:
         forward raises (a hook, say), every request is dropped and the error propagates."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a sequence of prompts (str or token ids), not one bare string")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, 1)
         encoded = [self._encode(p, max_new_tokens) for p in prompts]
         request_ids = []
         for prompt, ids in zip(prompts, encoded):

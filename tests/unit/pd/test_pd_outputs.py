@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_kvcanary.adapters.protocol import TransferListener
+from pytest_kvcanary.canary.host import TransferListener
 from pytest_kvcanary.engine.pd import PDPair
 from pytest_kvcanary.pd_handle import PDHandle
 

@@ -112,13 +112,13 @@ def test_each_wrong_mapping_is_one_of_its_own_and_detected():
 
 @pytest.mark.parametrize("mode", PERTURB_MODES)
 def test_a_model_with_two_pool_groups_needs_target_group(mode):
-    with pytest.raises(PerturbError, match=r"target_group is required .*; allowed: full, swa$"):
+    with pytest.raises(PerturbError, match=r"target_group is required: this engine has pool groups full, swa; allowed: full, swa$"):
         make_handle("swa").reset(0, (PerturbSpec(mode),))
 
 
 @pytest.mark.parametrize("mode", PERTURB_MODES)
 def test_target_group_swa_on_an_mha_model_is_refused(mode):
-    with pytest.raises(PerturbError, match=r"target_group='swa' is not a pool group of this model; allowed: full$"):
+    with pytest.raises(PerturbError, match=r"target_group='swa' is not a pool group of this engine; its groups: full$"):
         make_handle("mha").reset(0, (PerturbSpec(mode, target_group="swa"),))
 
 

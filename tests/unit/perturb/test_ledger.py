@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcanary_kernels.records import GroupKind
+
 from pytest_kvcanary.canary.violation import Violation
 from pytest_kvcanary.config import PerturbSpec
 from pytest_kvcanary.perturb.ledger import Injection, Ledger
@@ -32,7 +34,7 @@ def violation(slot: int, step: int, reasons: tuple[str, ...] = ("verify_real_kv_
 def test_a_flip_read_before_its_slot_was_freed_is_detected():
     ledger = Ledger()
     ledger.record(inj := flip())
-    ledger.escape("single", "full", {10}, "evicted from the radix cache", step=5)
+    ledger.escape("single", GroupKind.FULL, {10}, "evicted from the radix cache", step=5)
     assert inj.status == "escaped"
     ledger.match([violation(10, step=4)])
     assert inj.status == "detected" and inj.latency == 1 and inj.cause == ""
@@ -41,7 +43,7 @@ def test_a_flip_read_before_its_slot_was_freed_is_detected():
 def test_a_violation_after_the_free_is_about_the_slot_s_next_owner():
     ledger = Ledger()
     ledger.record(inj := flip())
-    ledger.escape("single", "full", {10}, "evicted from the radix cache", step=5)
+    ledger.escape("single", GroupKind.FULL, {10}, "evicted from the radix cache", step=5)
     ledger.match([violation(10, step=2), violation(10, step=5), violation(11, step=4)])
     assert (inj.status, inj.cause) == ("escaped", "evicted from the radix cache")
 
@@ -49,11 +51,11 @@ def test_a_violation_after_the_free_is_about_the_slot_s_next_owner():
 def test_escape_counts_only_its_group_and_side():
     ledger = Ledger()
     ledger.record(inj := flip(group="swa"))
-    ledger.escape("single", "full", {10}, "evicted from the radix cache", step=5)
-    ledger.escape("decode", "swa", {10}, "request released", step=5)
-    assert inj.status == "latent" and ledger.damaged("single", "swa") == {10}
-    ledger.escape("single", "swa", {10}, "SWA slots evicted from the radix cache", step=6)
-    assert inj.status == "escaped" and ledger.damaged("single", "swa") == set()
+    ledger.escape("single", GroupKind.FULL, {10}, "evicted from the radix cache", step=5)
+    ledger.escape("decode", GroupKind.SWA, {10}, "request released", step=5)
+    assert inj.status == "latent" and ledger.damaged("single", GroupKind.SWA) == {10}
+    ledger.escape("single", GroupKind.SWA, {10}, "SWA slots evicted from the radix cache", step=6)
+    assert inj.status == "escaped" and ledger.damaged("single", GroupKind.SWA) == set()
 
 
 def test_a_wrong_mapping_is_detected_in_its_own_forward_only():
@@ -65,8 +67,8 @@ def test_a_wrong_mapping_is_detected_in_its_own_forward_only():
     assert not inj.matches(violation(30, step=3, reasons=("verify_token",), position=8))
     assert not inj.matches(violation(20, step=4, reasons=("verify_position",)))  # a later forward
     assert not inj.matches(violation(20, step=3, reasons=("verify_position",), row=2))
-    ledger.escape("single", "full", {20}, "evicted from the radix cache", step=4)
-    assert inj.status == "latent" and ledger.damaged("single", "full") == set()  # no bytes were flipped
+    ledger.escape("single", GroupKind.FULL, {20}, "evicted from the radix cache", step=4)
+    assert inj.status == "latent" and ledger.damaged("single", GroupKind.FULL) == set()  # no bytes were flipped
     ledger.match([chain_break])
     assert inj.status == "detected"
 
@@ -77,11 +79,11 @@ def test_a_free_of_a_full_slot_whose_swa_slot_moved_keeps_the_swa_fault():
     handle = make_handle("swa")
     handle.reset(0, (PerturbSpec("real_kv_post_forward", target_group="swa"),))
     send_waves(handle, seed=0, waves=1)
-    inj = next(i for i in handle.injections() if i.slot in handle.ledger.damaged("single", "swa"))
+    inj = next(i for i in handle.injections() if i.slot in handle.ledger.damaged("single", GroupKind.SWA))
     engine = handle.engine
     new_owner = engine.pools.full.alloc(1)
     engine.pools.swa.move(torch.tensor([inj.full_slot]), new_owner)
     engine.pools.free(torch.tensor([inj.full_slot]), "radix dedup freed the duplicate's slot")
-    assert inj.slot in handle.ledger.damaged("single", "swa")
+    assert inj.slot in handle.ledger.damaged("single", GroupKind.SWA)
     engine.pools.free(new_owner, "evicted from the radix cache")
-    assert inj.slot not in handle.ledger.damaged("single", "swa")
+    assert inj.slot not in handle.ledger.damaged("single", GroupKind.SWA)

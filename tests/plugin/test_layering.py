@@ -1,0 +1,120 @@
+"""Import facts a reviewer can check: the engine and adapter layers never import the plugin-level
+modules at the package root (the plugin, its handles, settings, markers, report...), the
+reference engine imports no adapter, and no modules of the project import each other, directly
+or around a loop (imports under TYPE_CHECKING and inside functions count too). Read from the
+source with `ast`; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"pytest_kvcanary": ROOT / "pytest_kvcanary", "kvcanary_kernels": ROOT / "kernels"}
+LOWER_LAYERS = ("pytest_kvcanary.engine", "pytest_kvcanary.adapters")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The project modules `name` imports anywhere in its source (a `from package import module`
+    counts as importing that module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in MODULES and t != name}
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _is_root_module(name: str) -> bool:
+    """A module file directly in pytest_kvcanary/ (the plugin level), not a subpackage."""
+    prefix, _, rest = name.partition(".")
+    return prefix == "pytest_kvcanary" and rest != "" and "." not in rest and MODULES[name].name != "__init__.py"
+
+
+def _in_lower_layer(name: str) -> bool:
+    return any(name == layer or name.startswith(layer + ".") for layer in LOWER_LAYERS)
+
+
+def test_the_graph_sees_the_known_imports():
+    """The reading itself works: known edges of each import form are found."""
+    assert "pytest_kvcanary.engine.radix_cache" in GRAPH["pytest_kvcanary.engine.engine"]  # from .x import Y
+    assert "pytest_kvcanary.canary.host" in GRAPH["pytest_kvcanary.engine.pd"]  # from ..x.y import Y
+    assert "kvcanary_kernels.records" in GRAPH["pytest_kvcanary.config"]  # absolute
+    assert "pytest_kvcanary.harness" in GRAPH["pytest_kvcanary.plugin"]  # from . import module, in a function
+
+
+def test_engine_and_adapters_import_nothing_from_the_plugin_level():
+    upward = sorted(f"{name} -> {target}" for name, targets in GRAPH.items() if _in_lower_layer(name)
+                    for target in targets if _is_root_module(target))
+    assert not upward, "\n".join(upward)
+
+
+def test_the_reference_engine_imports_no_adapter():
+    """Adapters wrap engines: engine/ (the reference engine) sits below adapters/."""
+    upward = sorted(f"{name} -> {target}" for name, targets in GRAPH.items()
+                    if name.startswith("pytest_kvcanary.engine.") for target in targets
+                    if target.startswith("pytest_kvcanary.adapters"))
+    assert not upward, "\n".join(upward)
+
+
+def _cycle() -> list[str] | None:
+    """One import cycle among the project's modules, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        path.append(name)
+        for target in sorted(GRAPH[name]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        path.pop()
+        state[name] = 2
+        return None
+
+    for name in sorted(GRAPH):
+        if name not in state and (found := visit(name)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    cycle = _cycle()
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("edge", [("pytest_kvcanary.engine.request", "pytest_kvcanary.engine.radix_cache"),
+                                  ("pytest_kvcanary.canary.host", "pytest_kvcanary.canary.runtime")])
+def test_a_cycle_is_found(edge, monkeypatch):
+    """The cycle check can fail: one added import that closes a loop is reported."""
+    source, target = edge
+    monkeypatch.setitem(GRAPH, source, GRAPH[source] | {target})
+    assert _cycle() is not None
