@@ -14,7 +14,7 @@ import torch
 
 from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.host import Capacities, ForwardHooks, ForwardView, PoolGroup, SlotMapping
-from pytest_kvcanary.engines import UnsupportedAttention
+from pytest_kvcanary.adapters.protocol import UnsupportedAttention
 
 
 class ToyEngine:
