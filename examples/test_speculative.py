@@ -23,7 +23,7 @@ def test_speculative_decoding_is_exact_and_guarded(k):
     engine.set_forward_hooks(canary)
 
     assert engine.generate(PROMPTS, 10) == plain
-    assert [g.name for g in canary.groups] == ["full", "draft"]
+    assert [g.pool.kind.label for g in canary.groups] == ["full", "draft"]
     assert canary.drain() == [] and canary.health_problems() == []
     assert engine.drafter.proposed > engine.drafter.accepted > 0
 
