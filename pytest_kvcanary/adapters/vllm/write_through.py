@@ -59,6 +59,9 @@ class WriteThrough:
         if self._index is None:
             assert self.written_slots is not None
             slots = slot_mapping.to(torch.int64)
+            if slots.numel() == 0:  # this forward writes no slot through this layer: no rows
+                self._index = slots
+                return self._index
             order = torch.argsort(slots)
             at = torch.searchsorted(slots[order], self.written_slots).clamp(max=slots.numel() - 1)
             index = order[at]

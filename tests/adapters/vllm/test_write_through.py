@@ -1,21 +1,37 @@
 """Write-through on vLLM: the adapter reports what each layer's cache write was handed, so a store
 that lands one slot early in a fresh prefill is reported at TAIL of that very forward, at the slots
-it wrote, and the same prefill without the fault is clean."""
+it wrote, and the same prefill without the fault is clean. A forward whose slot mapping is empty
+reports nothing (no vLLM needed for that one)."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+from kvcanary_kernels.records import GroupKind
+from pytest_kvcanary.adapters.vllm.write_through import WriteThrough
 
 from .support import INSTALL, make_engine, make_handle
-
-pytest.importorskip("vllm", reason=INSTALL)
 
 
 @pytest.fixture(scope="module")
 def engine():
+    pytest.importorskip("vllm", reason=INSTALL)
     return make_engine("mha")
+
+
+def test_an_empty_slot_mapping_reports_no_rows():
+    written: list[tuple[torch.Tensor, torch.Tensor]] = []
+    layer = SimpleNamespace(impl=SimpleNamespace(do_kv_cache_update=lambda *args: None))
+    through = WriteThrough(lambda kind, index, k, v: written.append((k, v)))
+    through.wrap(layer, GroupKind.FULL, 0)
+    through.start_forward(torch.tensor([40, 41], dtype=torch.int64))
+    nothing = torch.empty(0, 2, 16)
+    layer.impl.do_kv_cache_update(layer, nothing, nothing, torch.empty(0), torch.empty(0, dtype=torch.int32))
+    assert written == []
 
 
 def prefill(engine, real_data: str):
