@@ -78,11 +78,12 @@ class VllmEngine:
     """Attributes for tools that reach inside: ``llm`` (the vLLM LLM), ``book`` (the BlockBook),
     ``forwards`` (forwards seen since start-up)."""
 
-    def __init__(self, model: str | Path, seed: int, settings: VllmSettings = VllmSettings()) -> None:
+    def __init__(self, model: str | Path, seed: int, settings: VllmSettings | None = None) -> None:
+        """settings: VllmSettings() as of this call (the environment read now) when None."""
         from vllm import LLM
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's two sides share this process
-        self.settings = s = settings
+        self.settings = s = settings if settings is not None else VllmSettings()
         self.book = BlockBook(self._freed)
         self.forwards = 0
         self._hooks: ForwardHooks | None = None
