@@ -195,6 +195,13 @@ def test_header_shows_a_vllm_attention_isa(kvtester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["kv-canary: mode=log * engine=reference vllm_attention_isa=vec"])
 
 
+def test_replay_carries_a_vllm_attention_isa(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(test_suite="def test_fails(kv_engine): assert False")
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-vllm-attention-isa=vec16")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["replay: pytest test_suite.py::test_fails * --kv-canary-vllm-attention-isa=vec16"])
+
+
 def test_bare_flag_before_a_path_runs_that_path(kvtester: pytest.Pytester) -> None:
     kvtester.makepyfile(test_one=SHOW_ENGINE, test_two="def test_other(): pass")
     result = kvtester.runpytest("-s", "--kv-canary", "test_one.py")
