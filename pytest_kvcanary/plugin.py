@@ -52,6 +52,7 @@ _LEASES = pytest.StashKey[DeviceLeases]()
 _POOL = pytest.StashKey[EnginePool]()
 _LOCK_DIR = pytest.StashKey[Path]()
 _OWN_LOCK_DIR = pytest.StashKey[bool]()  # this process made the lock dir and removes it at the end
+_ENVIRONMENT = pytest.StashKey[pytest.MonkeyPatch]()  # the settings' environment variables, undone at the end
 _KV_FIXTURES = frozenset({"kv_engine", "kv_pd", "kv_canary", "kv_device"})
 _INTERRUPTS = pytest.StashKey[Interrupts]()
 _COLLECTOR = "kv-canary-results"  # the name of the plugin object that collects the results
@@ -113,6 +114,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in markers.MARKER_LINES:
         config.addinivalue_line("markers", line)
     settings = config.stash[_SETTINGS] = resolve(config)
+    environment = config.stash[_ENVIRONMENT] = pytest.MonkeyPatch()
+    for name, value in settings.environment().items():
+        environment.setenv(name, value)
     config.stash[_RESULTS] = RunResults()
     workerinput = getattr(config, "workerinput", None)
     own = settings.lock_dir is None and workerinput is None
@@ -143,6 +147,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         remove_lock_dir(config.stash[_LOCK_DIR])
     if _INTERRUPTS in config.stash:
         config.stash[_INTERRUPTS].restore()
+    if _ENVIRONMENT in config.stash:
+        config.stash[_ENVIRONMENT].undo()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -330,10 +336,11 @@ def _replay(item: pytest.Item, record: _TestRecord, settings: Settings) -> str:
     target = os.path.relpath(item.path, item.config.invocation_params.dir) + sep + rest
     c = record.key.canary
     model = [f"--kv-canary-model={record.key.model}"] if record.key.model else []
+    isa = [f"--kv-canary-vllm-attention-isa={settings.vllm_attention_isa}"] if settings.vllm_attention_isa else []
     return shlex.join([
         "pytest", target, f"--kv-canary={c.mode}", f"--kv-canary-seed={record.seed}",
         f"--kv-canary-real-data={c.real_data}", f"--kv-canary-sweep-interval={c.sweep_interval}",
-        f"--kv-canary-device={settings.device}", f"--kv-canary-engine={record.key.engine}", *model,
+        f"--kv-canary-device={settings.device}", f"--kv-canary-engine={record.key.engine}", *model, *isa,
     ])
 
 

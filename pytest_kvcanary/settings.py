@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple
 
 import pytest
 
+from .adapters.vllm.isa import CHOICES as VLLM_ATTENTION_ISAS, ENV as VLLM_ATTENTION_ISA_ENV
 from .config import CANARY_MODES, REAL_DATA_MODES, CanaryConfig
 from .engines import BUILTIN_ENGINES, engine_problem, model_problem
 from .gpu import AUTO, DEVICE_SETTINGS, count_gpus
@@ -50,6 +51,11 @@ def _auto_or_int(value: str) -> int | None:
         return _int_at_least(1)(value)
     except ValueError:
         raise ValueError(f"{AUTO} or an integer >= 1") from None
+
+
+def _unset_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """None for "" (unset)."""
+    return lambda value: parse(value) if value else None
 
 
 def _text(value: str) -> str:
@@ -93,6 +99,11 @@ OPTIONS = (
     _Option("kv_canary_lock_dir", "--kv-canary-lock-dir", "PATH", "", str,
             "directory of the GPU lease locks; share it to share GPUs between runs (default: one per "
             "run, removed when it ends)"),
+    _Option("kv_canary_vllm_attention_isa", "--kv-canary-vllm-attention-isa", "ISA", "",
+            _unset_or(_one_of(*VLLM_ATTENTION_ISAS)),
+            "vllm engine: the instruction-set path of vLLM's CPU attention, which decides its KV layout: "
+            "readable (vLLM's choice, amx run as vec), vllm, amx, vec, vec16 (default: the environment "
+            f"variable {VLLM_ATTENTION_ISA_ENV}, else readable)"),
 )
 # Options that set a CanaryConfig field; all but the mode, given on the command line, win over markers.
 _CANARY_FIELDS = {"kv_canary": "mode", "kv_canary_real_data": "real_data", "kv_canary_sweep_interval": "sweep_interval"}
@@ -104,7 +115,8 @@ class Settings:
 
     pinned: CanaryConfig fields (other than mode) given on the command line, which kv_canary
     markers cannot change. model / report / lock_dir: absolute, or None when unset.
-    workers_per_gpu: None for auto.
+    workers_per_gpu: None for auto. vllm_attention_isa: None when unset (the vLLM adapter's
+    default applies: its environment variable, else readable).
     """
 
     canary: CanaryConfig
@@ -116,14 +128,21 @@ class Settings:
     workers_per_gpu: int | None
     lock_dir: Path | None
     pinned: frozenset[str]
+    vllm_attention_isa: str | None = None
 
     def header(self) -> str:
         if not self.canary.enabled:
             return "kv-canary: off (enable with --kv-canary)"
         c = self.canary
         model = f" model={self.model}" if self.model else ""
+        isa = f" vllm_attention_isa={self.vllm_attention_isa}" if self.vllm_attention_isa else ""
         return (f"kv-canary: mode={c.mode} real_data={c.real_data} sweep_interval={c.sweep_interval} "
-                f"seed={self.seed} device={self.device} engine={self.engine}{model}")
+                f"seed={self.seed} device={self.device} engine={self.engine}{model}{isa}")
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables that carry settings to the engine adapters, which read them when
+        they build an engine (set for the run, over any the user set)."""
+        return {VLLM_ATTENTION_ISA_ENV: self.vllm_attention_isa} if self.vllm_attention_isa else {}
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -167,6 +186,7 @@ def resolve(config: pytest.Config) -> Settings:
         workers_per_gpu=values["kv_canary_workers_per_gpu"],
         lock_dir=path("kv_canary_lock_dir"),
         pinned=frozenset(f for name, f in _CANARY_FIELDS.items() if name in from_cli and f != "mode"),
+        vllm_attention_isa=values["kv_canary_vllm_attention_isa"],
     )
     raw = {name: values[name] for name in sources}
     check_paths(settings, sources, raw)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -137,6 +138,10 @@ def test_precedence_cli_marker_ini(kvtester: pytest.Pytester, args: tuple[str, .
         ([], "kv_canary = yes", "ERROR: ini option kv_canary must be one of off, log, raise; got 'yes'"),
         ([], "kv_canary_sweep_interval = often",
          "ERROR: ini option kv_canary_sweep_interval must be an integer >= 0; got 'often'"),
+        (["--kv-canary-vllm-attention-isa=avx2"], "",
+         "ERROR: --kv-canary-vllm-attention-isa must be one of readable, vllm, amx, vec, vec16; got 'avx2'"),
+        ([], "kv_canary_vllm_attention_isa = AMX",
+         "ERROR: ini option kv_canary_vllm_attention_isa must be one of readable, vllm, amx, vec, vec16; got 'AMX'"),
     ],
 )
 def test_bad_values_are_usage_errors(kvtester: pytest.Pytester, args: list[str], ini: str, message: str) -> None:
@@ -145,6 +150,56 @@ def test_bad_values_are_usage_errors(kvtester: pytest.Pytester, args: list[str],
     result = kvtester.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+# What the vLLM adapter would start with: VllmSettings' default attention path, read when it
+# builds an engine.
+SHOW_ISA = """
+from pytest_kvcanary.adapters.vllm.isa import default_attention_isa
+
+def test_show():
+    print("ISA", default_attention_isa())
+"""
+
+
+@pytest.mark.parametrize(
+    "environment, ini, args, expected",
+    [
+        (None, None, (), "readable"),  # the adapter's default
+        ("vec16", None, (), "vec16"),  # the environment variable keeps working
+        ("vec16", "vec", (), "vec"),  # ini over the environment
+        ("vec16", "vec", ("--kv-canary-vllm-attention-isa=vllm",), "vllm"),  # command line over ini
+    ],
+    ids=["default", "environment", "ini-over-environment", "cli-over-ini"],
+)
+def test_vllm_attention_isa_reaches_the_adapter(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+                                                environment: str | None, ini: str | None, args: tuple[str, ...],
+                                                expected: str) -> None:
+    variable = "KVCANARY_VLLM_ATTENTION_ISA"
+    if environment is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, environment)
+    kvtester.makepyfile(SHOW_ISA)
+    if ini is not None:
+        kvtester.makeini(f"[pytest]\nkv_canary_vllm_attention_isa = {ini}\n")
+    result = kvtester.runpytest("-s", *args)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"* ISA {expected}"])
+    assert os.environ.get(variable) == environment  # the run's setting ends with the run
+
+
+def test_header_shows_a_vllm_attention_isa(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-device=cpu", "--kv-canary-vllm-attention-isa=vec")
+    result.stdout.fnmatch_lines(["kv-canary: mode=log * engine=reference vllm_attention_isa=vec"])
+
+
+def test_replay_carries_a_vllm_attention_isa(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(test_suite="def test_fails(kv_engine): assert False")
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-vllm-attention-isa=vec16")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["replay: pytest test_suite.py::test_fails * --kv-canary-vllm-attention-isa=vec16"])
 
 
 def test_bare_flag_before_a_path_runs_that_path(kvtester: pytest.Pytester) -> None:

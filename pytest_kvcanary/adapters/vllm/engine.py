@@ -78,11 +78,12 @@ class VllmEngine:
     """Attributes for tools that reach inside: ``llm`` (the vLLM LLM), ``book`` (the BlockBook),
     ``forwards`` (forwards seen since start-up)."""
 
-    def __init__(self, model: str | Path, seed: int, settings: VllmSettings = VllmSettings()) -> None:
+    def __init__(self, model: str | Path, seed: int, settings: VllmSettings | None = None) -> None:
+        """settings: VllmSettings() as of this call (the environment read now) when None."""
         from vllm import LLM
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's two sides share this process
-        self.settings = s = settings
+        self.settings = s = settings if settings is not None else VllmSettings()
         self.book = BlockBook(self._freed)
         self.forwards = 0
         self._hooks: ForwardHooks | None = None
@@ -223,8 +224,11 @@ class VllmEngine:
         backend = first.attn_backend.get_name()
         if backend == "CPU_MLA":  # one latent row per token: a pool with a single half
             latent = [self._kv_caches[n].view(cache.shape[0], bs, cache.shape[-1]) for n in names]
+            fingerprintable = probe_latent(first, latent[0])
+            for i, name in enumerate(names):
+                self._write_through.wrap_latent(layers[name], GroupKind.FULL, i)
             return [PoolGroup(GroupKind.FULL, latent, [], num_slots, SlotMapping(self._table, page_size=bs),
-                              page_size=bs, fingerprintable=probe_latent(first, latent[0]))]
+                              page_size=bs, fingerprintable=fingerprintable)]
         if backend != "CPU_ATTN":
             raise NotImplementedError(f"the vLLM adapter knows the KV layouts of vLLM's CPU_ATTN and CPU_MLA "
                                       f"attention backends; got {backend}")
@@ -253,7 +257,7 @@ class VllmEngine:
                 self._write_through.wrap(layers[name], kind, i * heads)
         return groups
 
-    def _kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
         if self._hooks is not None:
             self._hooks.kv_stored(kind, layer, k, v)
 

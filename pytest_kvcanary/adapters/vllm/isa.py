@@ -13,7 +13,9 @@ The ``attention_isa`` setting decides instead:
 - ``vllm``: vLLM's choice, whatever it is.
 - ``amx``, ``vec``, ``vec16``: that path (``amx`` needs a CPU with AMX and bfloat16).
 
-The environment variable ``KVCANARY_VLLM_ATTENTION_ISA`` sets the default.
+The environment variable ``KVCANARY_VLLM_ATTENTION_ISA`` sets the default; under pytest, the
+``--kv-canary-vllm-attention-isa`` option (or its ini key ``kv_canary_vllm_attention_isa``) sets
+that variable for the run (settings.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from .support import INSTALL, PrefixCacheCounter, make_engine, make_handle, prom
 
 pytest.importorskip("vllm", reason=INSTALL)
 
-SEEDS = range(3)
+SEEDS = range(10)
 # mode -> (phases that may catch it, warm-up forwards)
 MODES = {
     "real_kv_used": ({"HEAD"}, 2),

@@ -1,21 +1,37 @@
 """Write-through on vLLM: the adapter reports what each layer's cache write was handed, so a store
 that lands one slot early in a fresh prefill is reported at TAIL of that very forward, at the slots
-it wrote, and the same prefill without the fault is clean."""
+it wrote, and the same prefill without the fault is clean. A forward whose slot mapping is empty
+reports nothing (no vLLM needed for that one)."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+from kvcanary_kernels.records import GroupKind
+from pytest_kvcanary.adapters.vllm.write_through import WriteThrough
 
 from .support import INSTALL, make_engine, make_handle
-
-pytest.importorskip("vllm", reason=INSTALL)
 
 
 @pytest.fixture(scope="module")
 def engine():
+    pytest.importorskip("vllm", reason=INSTALL)
     return make_engine("mha")
+
+
+def test_an_empty_slot_mapping_reports_no_rows():
+    written: list[tuple[torch.Tensor, torch.Tensor]] = []
+    layer = SimpleNamespace(impl=SimpleNamespace(do_kv_cache_update=lambda *args: None))
+    through = WriteThrough(lambda kind, index, k, v: written.append((k, v)))
+    through.wrap(layer, GroupKind.FULL, 0)
+    through.start_forward(torch.tensor([40, 41], dtype=torch.int64))
+    nothing = torch.empty(0, 2, 16)
+    layer.impl.do_kv_cache_update(layer, nothing, nothing, torch.empty(0), torch.empty(0, dtype=torch.int32))
+    assert written == []
 
 
 def prefill(engine, real_data: str):
@@ -61,4 +77,64 @@ def test_store_one_slot_early_is_reported_at_tail(engine, real_data, monkeypatch
 @pytest.mark.parametrize("real_data", ["partial", "all"])
 def test_the_same_prefill_without_the_fault_is_clean(engine, real_data):
     handle, slots = prefill(engine, real_data)
+    assert slots and handle.violations() == []
+
+
+class OneSlotEarly:
+    """vLLM's CPU MLA cache write, storing a prefill's latent rows one slot early while `on`; it
+    keeps, per layer, the cache and a copy written by vLLM's own write at the right slots."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the cache, what it should hold)
+
+    def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+        store = CPUMLAImpl.do_kv_cache_update
+
+        def one_slot_early(impl, kv_c_normed, k_pe, kv_cache, slot_mapping, *args):
+            if not (self.on and slot_mapping.numel() > 1):  # a prefill only
+                return store(impl, kv_c_normed, k_pe, kv_cache, slot_mapping, *args)
+            meant = kv_cache.clone()
+            store(impl, kv_c_normed, k_pe, meant, slot_mapping, *args)
+            self.writes.append((kv_cache, meant))
+            return store(impl, kv_c_normed, k_pe, kv_cache, slot_mapping - 1, *args)
+
+        monkeypatch.setattr(CPUMLAImpl, "do_kv_cache_update", one_slot_early)
+
+
+@pytest.fixture(scope="module")
+def mla():
+    """An MLA engine whose layers' cache write is OneSlotEarly (off until a test turns it on)."""
+    pytest.importorskip("vllm", reason=INSTALL)
+    fault = OneSlotEarly()
+    with pytest.MonkeyPatch.context() as mp:
+        fault.patch(mp)
+        yield make_engine("mla"), fault
+
+
+@pytest.mark.parametrize("real_data", ["partial", "all"])
+def test_mla_store_one_slot_early_is_reported_at_tail(mla, real_data):
+    engine, fault = mla
+    fault.on, fault.writes = True, []
+    try:
+        handle, slots = prefill(engine, real_data)
+    finally:
+        fault.on = False
+    # The damage, by bytes: written slots holding other than vLLM's own write at the right slots.
+    assert len(fault.writes) == len(engine.canary_groups()[0].k_layers)
+    damaged = set()
+    for cache, meant in fault.writes:
+        rows, want = cache.flatten(0, -2), meant.flatten(0, -2)
+        damaged |= {s for s in slots if not torch.equal(rows[s], want[s])}
+    assert damaged == set(slots)
+    tail = [v for v in handle.violations() if v.phase == "TAIL" and v.step == 0]
+    assert {v.slot for v in tail} == damaged, handle.violations()
+    assert all(v.half == "K" and v.reasons[0] == "write_real_kv_hash" for v in tail), tail
+
+
+@pytest.mark.parametrize("real_data", ["partial", "all"])
+def test_mla_the_same_prefill_without_the_fault_is_clean(mla, real_data):
+    handle, slots = prefill(mla[0], real_data)
     assert slots and handle.violations() == []
