@@ -245,6 +245,32 @@ def input_args(view: ForwardView) -> tuple[torch.Tensor, torch.Tensor, int]:
     return view.input_ids, view.positions, view.input_ids.shape[0]
 
 
+class ViewKernelArgs(NamedTuple):
+    """A view launch's inputs as kernel arguments, each expanded once: the tiling, the sources and
+    their constexpr READS, the mapping and its constexpr MAP, the token table and HAS_TOKENS, the
+    per-row arguments (``batch_args``), the context keys and HAS_CONTEXT."""
+
+    tiling: Tiling
+    sources: tuple
+    reads: tuple
+    mapping: tuple
+    map_consts: tuple[int, int, bool]
+    tokens: tuple
+    has_tokens: bool
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    context: torch.Tensor
+    has_context: bool
+
+
+def view_kernel_args(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping,
+                     view: ForwardView, tiling: Tiling | None) -> ViewKernelArgs:
+    """The arguments both view kernels take (``tiling`` None: ``default_tiling``), checked tiling."""
+    tiling = tiling or default_tiling(sources)
+    check_tiling(tiling)
+    return ViewKernelArgs(tiling, *source_args(sources, tiling.chunk), *mapping_args(mapping, records),
+                          *token_args(view, records), batch_args(view), *context_args(view, records))
+
+
 def batch_lanes(view: ForwardView) -> int:
     """The constexpr lane count that holds a batch's per-row vectors (a power of two)."""
     return next_power_of_2(max(view.rows.shape[0], 1))

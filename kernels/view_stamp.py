@@ -13,8 +13,7 @@ from .inputs import ForwardView, SlotMapping
 from .fingerprint import slot_fingerprint
 from .hashing import as_i64, as_u64, head_hash, mix3
 from .launch import (
-    Tiling, batch_args, batch_lanes, cdiv, check_stamp_launch, check_tiling, context_args, default_tiling,
-    input_args, mapping_args, optional_ptr, ring_args, row_grid, source_args, token_args,
+    Tiling, batch_lanes, cdiv, check_stamp_launch, input_args, optional_ptr, ring_args, row_grid, view_kernel_args,
 )
 from .lookup import known_token, map_slot
 from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
@@ -202,22 +201,17 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
     row) that writes the rest (bandwidth-bound).
     """
     check_stamp_launch(records, sources, mapping, view, ring, tag, written_hashes)
-    tiling = tiling or default_tiling(sources)
-    check_tiling(tiling)
-    src, reads = source_args(sources, tiling.chunk)
-    mapping_tuple, map_consts = mapping_args(mapping, records)
-    token_tuple, has_tokens = token_args(view, records)
-    context, has_context = context_args(view, records)
-    batch, inputs, lanes = batch_args(view), input_args(view), batch_lanes(view)
-    n_batch, n_tokens = batch[-1], inputs[-1]
+    a = view_kernel_args(records, sources, mapping, view, tiling)
+    inputs, lanes = input_args(view), batch_lanes(view)
+    n_batch, n_tokens = a.batch[-1], inputs[-1]
     if n_batch:
         _stamp_chain_kernel[(cdiv(n_batch, _CHAIN_LANES),)](
-            records, mapping_tuple, inputs, *batch, context,
-            MAP=map_consts, HAS_CONTEXT=has_context, BATCH=lanes, LANES=_CHAIN_LANES, num_warps=1,
+            records, a.mapping, inputs, *a.batch, a.context,
+            MAP=a.map_consts, HAS_CONTEXT=a.has_context, BATCH=lanes, LANES=_CHAIN_LANES, num_warps=1,
         )
-    _stamp_records_kernel[row_grid(n_batch, n_tokens, tiling.block, records.device)](
-        records, src, mapping_tuple, token_tuple, *batch, *inputs, optional_ptr(written_hashes, records),
-        ring_args(ring), tag, READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
+    _stamp_records_kernel[row_grid(n_batch, n_tokens, a.tiling.block, records.device)](
+        records, a.sources, a.mapping, a.tokens, *a.batch, *inputs, optional_ptr(written_hashes, records),
+        ring_args(ring), tag, READS=a.reads, MAP=a.map_consts, HAS_TOKENS=a.has_tokens and check_tokens,
         CHECK_WRITE=check_write_inputs, HAS_WRITTEN=written_hashes is not None, BATCH=lanes,
-        BLOCK=tiling.block, num_warps=tiling.num_warps,
+        BLOCK=a.tiling.block, num_warps=a.tiling.num_warps,
     )

@@ -12,10 +12,7 @@ from . import records as R
 from .checks import check_int
 from .inputs import ForwardView, SlotMapping
 from .hashing import as_i64, head_hash
-from .launch import (
-    Tiling, batch_args, check_tiling, check_vector, check_view_launch, context_args, default_tiling, mapping_args,
-    optional_ptr, ring_args, row_grid, source_args, token_args,
-)
+from .launch import Tiling, check_vector, check_view_launch, optional_ptr, ring_args, row_grid, view_kernel_args
 from .lookup import known_token, map_slot
 from .record_access import REAL_KV_HASH, field_ptrs, successor_hash
 from .record_checks import (
@@ -138,17 +135,12 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
         sources = sources[-1:] if after_forward else sources
     check_int("window", window, 0)
     check_int("max_context", max_context, 1)
-    tiling = tiling or default_tiling(sources)
-    check_tiling(tiling)
-    src, reads = source_args(sources, tiling.chunk)
-    mapping_tuple, map_consts = mapping_args(mapping, records)
-    token_tuple, has_tokens = token_args(view, records)
-    context, has_context = context_args(view, records)
-    grid = row_grid(view.rows.shape[0], window or max_context, tiling.block, records.device)
+    a = view_kernel_args(records, sources, mapping, view, tiling)
+    grid = row_grid(view.rows.shape[0], window or max_context, a.tiling.block, records.device)
     _verify_view_kernel[grid](
-        records, src, mapping_tuple, token_tuple, *batch_args(view), context, window, max_context, ring_args(ring),
-        tag, optional_ptr(read_hashes, records),
-        READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens, HAS_CONTEXT=has_context,
+        records, a.sources, a.mapping, a.tokens, *a.batch, a.context, window, max_context, ring_args(ring), tag,
+        optional_ptr(read_hashes, records),
+        READS=a.reads, MAP=a.map_consts, HAS_TOKENS=a.has_tokens and check_tokens, HAS_CONTEXT=a.has_context,
         SENTINEL=sentinel and bool(sources), AFTER_FORWARD=after_forward and mapping.ring > 0,
-        READ_HASHES=read_mode.value, BLOCK=tiling.block, num_warps=tiling.num_warps,
+        READ_HASHES=read_mode.value, BLOCK=a.tiling.block, num_warps=a.tiling.num_warps,
     )
