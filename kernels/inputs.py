@@ -95,7 +95,7 @@ class ForwardView:
     Per batch row (length B <= max_batch): rows (the mapping row of the request), prefix_lens
     (positions already cached, which the forward reads), extend_lens (positions it writes:
     [prefix_len, prefix_len + extend_len); 1 in decode). A padded row has prefix_len 0 and
-    extend_len 0 (its row value is ignored, but must still index the table).
+    extend_len 0 (its row value is ignored).
     Per token (length T <= max_tokens; row-major in batch order: batch row b's tokens are
     [start_b, start_b + extend_lens[b]), start_b = sum(extend_lens[:b]); entries past
     sum(extend_lens) are padding): input_ids, positions: the very tensors the forward consumed (its
