@@ -45,7 +45,7 @@ import triton.language as tl
 import triton.testing
 
 from kvcanary_kernels import (
-    MappingArgs, RealDataMode, Tiling, ViewArgs, ViolationRing, default_tiling, fingerprint_ref, layer_source,
+    SlotMapping, RealDataMode, Tiling, ForwardView, ViolationRing, default_tiling, fingerprint_ref, layer_source,
     stamp_view, stamp_view_ref, verify_view, verify_view_ref,
 )
 from kvcanary_kernels.launch import mapping_args, source_args, token_args
@@ -67,9 +67,9 @@ RECHECK = launch_tag(Phase.RECHECK, Half.K, GroupKind.FULL)
 
 
 class Batch(NamedTuple):
-    mapping: MappingArgs
-    head: ViewArgs  # reads every row's seq_len positions
-    tail: ViewArgs  # writes them
+    mapping: SlotMapping
+    head: ForwardView  # reads every row's seq_len positions
+    tail: ForwardView  # writes them
     positions: int  # live positions in the batch
 
 
@@ -84,11 +84,11 @@ def make_batch(num_slots: int, seq_len: int, page_size: int, device: torch.devic
     index = torch.arange(rows, device=device)
     full = torch.full((rows,), seq_len, dtype=torch.int64, device=device)
     none = torch.zeros(rows, dtype=torch.int64, device=device)
-    head = ViewArgs(index, full, none, torch.zeros(1, dtype=torch.int64, device=device),
+    head = ForwardView(index, full, none, torch.zeros(1, dtype=torch.int64, device=device),
                     torch.zeros(1, dtype=torch.int64, device=device), tokens, None)
     positions = torch.arange(seq_len, device=device).repeat(rows)
-    tail = ViewArgs(index, none, full, tokens.flatten(), positions, tokens, None)
-    return Batch(MappingArgs(table, page_size, 0, None), head, tail, n)
+    tail = ForwardView(index, none, full, tokens.flatten(), positions, tokens, None)
+    return Batch(SlotMapping(table, page_size, 0, None), head, tail, n)
 
 
 def verify_bytes(batch: Batch, sources) -> int:

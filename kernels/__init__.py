@@ -1,8 +1,11 @@
 """Triton kernels that stamp and verify KV-cache canary records, and their pure-torch references.
 
-Importing the package (or ``kvcanary_kernels.records``) imports neither triton nor torch: the
-kernels load on first use of a name below. To run them on CPU tensors, set ``TRITON_INTERPRET=1``
-before triton is first imported.
+The folder is ``kernels/`` in the source tree; it installs as ``kvcanary_kernels``, a name no other
+distribution's top-level ``kernels`` package can shadow or be shadowed by in site-packages.
+
+Importing the package (or ``kvcanary_kernels.records``, ``.checks`` or ``.inputs``) imports neither
+triton nor torch: the kernels load on first use of a name below. To run them on CPU tensors, set
+``TRITON_INTERPRET=1`` before triton is first imported.
 """
 
 from __future__ import annotations
@@ -23,18 +26,22 @@ _LAZY = {
     "default_tiling": "launch",
     "Tiling": "launch",
     "MAX_SOURCES": "sources",
-    "RealDataMode": "sources",
+    "RealDataMode": "inputs",
     "RealKvSource": "sources",
     "layer_source": "sources",
     "ViolationRing": "ring",
-    "VerifyEntries": "entries",
-    "MappingArgs": "entries",
-    "ViewArgs": "entries",
+    "VerifyEntries": "inputs",
+    "SlotMapping": "inputs",
+    "ForwardView": "inputs",
+    "GroupInputs": "inputs",
     "verify_records": "verify",
     "verify_view": "view_verify",
     "stamp_view": "view_stamp",
     "source_hash_rows": "rows_hash",
     "fingerprint_ref": "reference",
+    "map_slot_ref": "reference",
+    "mapping_slot_ref": "reference",
+    "group_slot_ref": "reference",
     "source_hash_ref": "reference",
     "source_hash_rows_ref": "reference",
     "stamp_view_ref": "reference",

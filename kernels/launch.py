@@ -1,6 +1,7 @@
 """Host side of a kernel launch, shared by the kernels and their references: argument checks,
-the tile choice, the grid sizes, and the packed kernel arguments (tuples: a source, the mapping,
-the ring), so each kernel names them once.
+the tile choice, the grid sizes, and the kernel arguments of each input type (one function per
+type expands it; a tuple for a source, the mapping, the token table and the ring), so each
+launcher names them once.
 
 Checks read only shapes, dtypes and devices, so they never synchronise with the device.
 """
@@ -11,8 +12,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .checks import check_int
-from .entries import MappingArgs, VerifyEntries, ViewArgs
+from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .records import RECORD_WIDTH, split_tag
 from .ring import ViolationRing
 from .sources import MAX_SOURCES, RealKvSource
@@ -121,51 +121,45 @@ def check_entries(entries: VerifyEntries, device: torch.device) -> None:
             raise ValueError(f"{field} has length {t.shape[0]}; VerifyEntries.{first} has {entries.slots.shape[0]}")
 
 
-def check_mapping(mapping: MappingArgs, device: torch.device) -> None:
-    if not isinstance(mapping, MappingArgs):
-        raise ValueError(f"mapping must be MappingArgs; got {type(mapping).__name__}")
-    table = mapping.table
-    if not isinstance(table, torch.Tensor) or table.dim() != 2:
-        raise ValueError(f"MappingArgs.table must be a 2-D tensor; got {_desc(table)}")
-    if table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"MappingArgs.table must be int32 or int64; got {table.dtype}")
-    if table.device != device:
-        raise ValueError(f"MappingArgs.table is on {table.device}; records are on {device}")
-    page_size, ring = mapping.page_size, mapping.ring
-    check_int("MappingArgs.page_size", page_size, 1)
-    check_int("MappingArgs.ring", ring, 0)
-    if mapping.full_to_group is not None:
-        check_vector("MappingArgs.full_to_group", mapping.full_to_group, device)
+def check_mapping(mapping: SlotMapping, device: torch.device) -> None:
+    """The mapping's tensors are on ``device`` (a SlotMapping checked the rest when it was made)."""
+    if not isinstance(mapping, SlotMapping):
+        raise ValueError(f"mapping must be a SlotMapping; got {type(mapping).__name__}")
+    if mapping.table.device != device:
+        raise ValueError(f"SlotMapping.table is on {mapping.table.device}; records are on {device}")
+    f2g = mapping.full_to_group
+    if f2g is not None and f2g.device != device:
+        raise ValueError(f"SlotMapping.full_to_group is on {f2g.device}; records are on {device}")
 
 
-def check_view(view: ViewArgs, device: torch.device) -> None:
-    if not isinstance(view, ViewArgs):
-        raise ValueError(f"view must be ViewArgs; got {type(view).__name__}")
+def check_view(view: ForwardView, device: torch.device) -> None:
+    if not isinstance(view, ForwardView):
+        raise ValueError(f"view must be a ForwardView; got {type(view).__name__}")
     batch = view.rows.shape[0] if isinstance(view.rows, torch.Tensor) else None
     for name in ("rows", "prefix_lens", "extend_lens"):
-        check_vector(f"ViewArgs.{name}", getattr(view, name), device, batch)
-    check_vector("ViewArgs.input_ids", view.input_ids, device)
-    check_vector("ViewArgs.positions", view.positions, device, view.input_ids.shape[0])
+        check_vector(f"ForwardView.{name}", getattr(view, name), device, batch)
+    check_vector("ForwardView.input_ids", view.input_ids, device)
+    check_vector("ForwardView.positions", view.positions, device, view.input_ids.shape[0])
     if view.context_keys is not None:
-        check_vector("ViewArgs.context_keys", view.context_keys, device, batch)
+        check_vector("ForwardView.context_keys", view.context_keys, device, batch)
     tt = view.token_table
     if tt is not None:
         if not isinstance(tt, torch.Tensor) or tt.dim() != 2 or tt.dtype != torch.int64:
-            raise ValueError(f"ViewArgs.token_table must be a 2-D int64 tensor; got {_desc(tt)}")
+            raise ValueError(f"ForwardView.token_table must be a 2-D int64 tensor; got {_desc(tt)}")
         if tt.device != device:
-            raise ValueError(f"ViewArgs.token_table is on {tt.device}; records are on {device}")
+            raise ValueError(f"ForwardView.token_table is on {tt.device}; records are on {device}")
 
 
-def check_view_launch(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs,
-                      view: ViewArgs, ring: ViolationRing, tag: int) -> None:
+def check_view_launch(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping,
+                      view: ForwardView, ring: ViolationRing, tag: int) -> None:
     """Everything a view kernel reads; raises ValueError naming the argument and value."""
     check_common(records, sources, ring, tag)
     check_mapping(mapping, records.device)
     check_view(view, records.device)
 
 
-def check_stamp_launch(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs,
-                       view: ViewArgs, ring: ViolationRing, tag: int, written_hashes: torch.Tensor | None) -> None:
+def check_stamp_launch(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping,
+                       view: ForwardView, ring: ViolationRing, tag: int, written_hashes: torch.Tensor | None) -> None:
     """Everything stamp_view reads, written_hashes included; raises ValueError naming the argument."""
     check_view_launch(records, sources, mapping, view, ring, tag)
     if written_hashes is not None:
@@ -193,7 +187,14 @@ def _desc(t: object) -> str:
     return type(t).__name__
 
 
-# ---- packed kernel arguments ---------------------------------------------------------------
+# ---- kernel arguments, one function per input type ------------------------------------------
+# Each expands its input into the kernel's arguments in one place; the launchers splat them in.
+
+
+def optional_ptr(t: torch.Tensor | None, records: torch.Tensor) -> torch.Tensor:
+    """An optional tensor input as a kernel argument: the tensor, or ``records`` when absent (the
+    kernel's constexpr flag for it is then off, so it is never read)."""
+    return records if t is None else t
 
 
 def source_args(sources: Sequence[RealKvSource], chunk: int) -> tuple[tuple, tuple]:
@@ -213,25 +214,64 @@ def ring_args(ring: ViolationRing) -> tuple:
     return ring.rows, ring.count, ring.step, ring.kernel_runs, ring.slot_runs, ring.capacity
 
 
-def mapping_args(mapping: MappingArgs, records: torch.Tensor) -> tuple[tuple, tuple[int, int, bool]]:
-    """The tuple ``lookup.map_slot`` takes (full_to_group points at ``records`` when absent) and
-    its constexpr ``MAP``."""
+def mapping_args(mapping: SlotMapping, records: torch.Tensor) -> tuple[tuple, tuple[int, int, bool]]:
+    """The tuple ``lookup.map_slot`` takes and its constexpr ``MAP``."""
     table, f2g = mapping.table, mapping.full_to_group
     args = (table, table.stride(0), table.stride(1), table.shape[0], table.shape[1],
-            records if f2g is None else f2g, 0 if f2g is None else f2g.shape[0], records.shape[0])
+            optional_ptr(f2g, records), 0 if f2g is None else f2g.shape[0], records.shape[0])
     return args, (mapping.page_size, mapping.ring, f2g is not None)
 
 
-def token_args(view: ViewArgs, records: torch.Tensor) -> tuple[tuple, bool]:
-    """The tuple ``lookup.known_token`` takes (pointing at ``records`` with no token table) and
-    whether there is a token table."""
+def token_args(view: ForwardView, records: torch.Tensor) -> tuple[tuple, bool]:
+    """The tuple ``lookup.known_token`` takes and whether there is a token table."""
     tt = view.token_table
     if tt is None:
         return (records, 0, 0, 0, 0), False
     return (tt, tt.stride(0), tt.stride(1), tt.shape[0], tt.shape[1]), True
 
 
-def batch_lanes(view: ViewArgs) -> int:
+def batch_args(view: ForwardView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The view kernels' per-row arguments ``(rows, prefix_lens, extend_lens, n_batch)``."""
+    return view.rows, view.prefix_lens, view.extend_lens, view.rows.shape[0]
+
+
+def context_args(view: ForwardView, records: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The context keys as a kernel argument and the constexpr HAS_CONTEXT."""
+    return optional_ptr(view.context_keys, records), view.context_keys is not None
+
+
+def input_args(view: ForwardView) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The stamp kernels' per-token arguments ``(input_ids, positions, n_tokens)``."""
+    return view.input_ids, view.positions, view.input_ids.shape[0]
+
+
+class ViewKernelArgs(NamedTuple):
+    """A view launch's inputs as kernel arguments, each expanded once: the tiling, the sources and
+    their constexpr READS, the mapping and its constexpr MAP, the token table and HAS_TOKENS, the
+    per-row arguments (``batch_args``), the context keys and HAS_CONTEXT."""
+
+    tiling: Tiling
+    sources: tuple
+    reads: tuple
+    mapping: tuple
+    map_consts: tuple[int, int, bool]
+    tokens: tuple
+    has_tokens: bool
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    context: torch.Tensor
+    has_context: bool
+
+
+def view_kernel_args(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping,
+                     view: ForwardView, tiling: Tiling | None) -> ViewKernelArgs:
+    """The arguments both view kernels take (``tiling`` None: ``default_tiling``), checked tiling."""
+    tiling = tiling or default_tiling(sources)
+    check_tiling(tiling)
+    return ViewKernelArgs(tiling, *source_args(sources, tiling.chunk), *mapping_args(mapping, records),
+                          *token_args(view, records), batch_args(view), *context_args(view, records))
+
+
+def batch_lanes(view: ForwardView) -> int:
     """The constexpr lane count that holds a batch's per-row vectors (a power of two)."""
     return next_power_of_2(max(view.rows.shape[0], 1))
 

@@ -1,5 +1,7 @@
 """Device-side lookups through the engine's per-(row, position) tables: the slot mapping (see
-entries.MappingArgs) and the token table.
+inputs.SlotMapping) and the token table. ``map_slot`` and ``known_token`` mirror the torch
+``reference.map_slot_ref`` and ``reference.known_token_ref`` (the canary's host-side slot lookups
+use the former): change one, change the other; tests compare them on random tables.
 
 Each table travels into a kernel as one tuple: ``launch.mapping_args(mapping, records)`` gives
 ``(table, row_stride, col_stride, table_rows, table_cols, full_to_group, n_full, num_slots)`` and
@@ -21,9 +23,10 @@ _UNKNOWN = tl.constexpr(R.UNKNOWN)
 
 @triton.jit
 def map_slot(mapping, MAP: tl.constexpr, rows, positions, mask):
-    """int64 slot holding (rows, positions) in each lane. 0 off ``mask``, at negative positions, where the table entry is 0
-    (block 0 of a block table is the null block) and wherever the lookup leaves the table,
-    full_to_group or the pool (not resident)."""
+    """int64 slot holding (rows, positions) in each lane. 0 off ``mask``, at negative positions,
+    where the table entry is 0 (block 0 of a block table is the null block) and wherever the
+    lookup leaves the table, full_to_group or the pool (not resident). Mirrors
+    ``reference.map_slot_ref``."""
     table, row_stride, col_stride, table_rows, table_cols, full_to_group, n_full, num_slots = mapping
     rows = tl.zeros_like(positions) + rows  # a lane per position (bool scalars do not mix with masks)
     logical = positions

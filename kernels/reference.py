@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from .checks import check_int
-from .entries import MappingArgs, VerifyEntries, ViewArgs
+from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .hashing import head_hash_int, head_hash_torch, mix3_int, mix3_torch, mix_torch, to_signed
 from .launch import (
     Tiling, check_common, check_entries, check_stamp_launch, check_vector, check_view_launch,
@@ -81,17 +81,26 @@ def source_hash_rows_ref(rows: torch.Tensor, read_bytes: int, out: torch.Tensor,
 # ---- lookups through the engine's tables ---------------------------------------------------
 
 
-def map_slot_ref(mapping: MappingArgs, rows: torch.Tensor, positions: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """The slot of each (row, position); 0 at negative positions, wherever the table entry is 0 (block 0 of a block
-    table is the null block: no position in it is resident) or the lookup leaves the table,
-    full_to_group or the pool."""
+def mapping_slot_ref(mapping: SlotMapping, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The slot each (row, position) finds in the mapping's table, before full_to_group (a FULL
+    slot for a group mapped through it); 0 at negative positions, wherever the table entry is 0
+    (block 0 of a block table is the null block: no position in it is resident) or the lookup
+    leaves the table. The first half of ``lookup.map_slot``, which mirrors it on the device."""
     logical = positions % mapping.ring if mapping.ring else positions
     cols = logical // mapping.page_size
     table = mapping.table
     ok = (positions >= 0) & (rows >= 0) & (rows < table.shape[0]) & (cols < table.shape[1])
     entry = _gather(table, ok, rows, cols).long()
     ok &= entry != 0
-    slots = entry * mapping.page_size + logical % mapping.page_size
+    return torch.where(ok, entry * mapping.page_size + logical % mapping.page_size, 0)
+
+
+def group_slot_ref(mapping: SlotMapping, space_slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The group's slot of each slot of the mapping's space (``mapping_slot_ref``): through
+    full_to_group when the mapping has one; 0 for slot 0 and wherever the lookup leaves
+    full_to_group or the pool (``num_slots``). The second half of ``lookup.map_slot``."""
+    ok = space_slots != 0
+    slots = space_slots
     f2g = mapping.full_to_group
     if f2g is not None:
         ok &= (slots >= 0) & (slots < f2g.shape[0])
@@ -99,7 +108,13 @@ def map_slot_ref(mapping: MappingArgs, rows: torch.Tensor, positions: torch.Tens
     return torch.where(ok & (slots >= 0) & (slots < num_slots), slots, 0)
 
 
-def known_token_ref(view: ViewArgs, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def map_slot_ref(mapping: SlotMapping, rows: torch.Tensor, positions: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The slot of each (row, position) in a pool of ``num_slots``: the torch twin of
+    ``lookup.map_slot`` (the two mirror each other; tests compare them on random tables)."""
+    return group_slot_ref(mapping, mapping_slot_ref(mapping, rows, positions), num_slots)
+
+
+def known_token_ref(view: ForwardView, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """token_table[row, position], UNKNOWN off the table."""
     tt = view.token_table
     ok = (rows >= 0) & (rows < tt.shape[0]) & (positions >= 0) & (positions < tt.shape[1])
@@ -143,7 +158,7 @@ def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: S
     _append(ring, tag, checks, e.slots, e.positions, e.rows)
 
 
-def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
+def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
                     ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
                     sentinel: bool, after_forward: bool = False, read_hashes: torch.Tensor | None = None,
                     tiling: Tiling | None = None) -> None:
@@ -204,7 +219,7 @@ def _real_kv_check(sources: Sequence[RealKvSource], slots: torch.Tensor, stored:
     return {reason: (stored != fresh, stored, fresh)}
 
 
-def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
+def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
                    ring: ViolationRing, tag: int, *, check_tokens: bool, check_write_inputs: bool,
                    written_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
     """Reference of ``stamp_view``."""
@@ -245,7 +260,7 @@ def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mappi
     _append(ring, tag, checks, slots, positions, rows)
 
 
-def _chain_ref(records: torch.Tensor, mapping: MappingArgs, view: ViewArgs, b: torch.Tensor, tokens: torch.Tensor,
+def _chain_ref(records: torch.Tensor, mapping: SlotMapping, view: ForwardView, b: torch.Tensor, tokens: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
     """The prev_hash of each entry with a slot (batch row b, in order), each row's chain seeded
     before anything is written."""

@@ -9,30 +9,15 @@ each KV head the layer is dealt (``layer_source``), so a fault confined to one h
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from functools import cached_property
 
 import torch
 
+from .inputs import RealDataMode
+
 ALIGN = 16
 PARTIAL_READ_BYTES = 16
 MAX_SOURCES = 4
-
-
-class RealDataMode(str, Enum):
-    """How much of a slot's real KV bytes the fingerprint covers."""
-
-    NONE = "none"
-    PARTIAL = "partial"
-    ALL = "all"
-
-    @classmethod
-    def parse(cls, value: "str | RealDataMode", field: str = "real_data") -> "RealDataMode":
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(m.value for m in cls)
-            raise ValueError(f"{field} must be one of {allowed}; got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -138,14 +123,13 @@ def layer_source(layer: torch.Tensor, page_size: int, mode: RealDataMode, share:
     ``share = (j, S)``: this layer is the j-th of S the fingerprint folds. Partial mode deals the
     slot's KV heads over them: layer j reads the first 16 bytes of heads ``j % H, j % H + S, ...``
     (H heads), so the S layers together sample every head. All mode reads the whole row."""
-    mode = RealDataMode.parse(mode)
     per_page = layer[0].numel() * layer.element_size()
     if per_page % page_size:
         raise ValueError(f"layer row of {per_page} bytes does not split into page_size={page_size} slots")
     nbpt = per_page // page_size
-    if mode is RealDataMode.NONE:
+    if mode == RealDataMode.NONE:  # == : a str enum, so its value works too
         return None
-    if mode is RealDataMode.ALL:
+    if mode == RealDataMode.ALL:
         return RealKvSource(tensor=layer, page_size=page_size, num_bytes_per_token=nbpt, read_bytes=nbpt)
     j, count = share
     head = head_bytes_of(layer, nbpt)

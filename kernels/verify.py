@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from . import records as R
-from .entries import VerifyEntries
+from .inputs import VerifyEntries
 from .hashing import as_i64, head_hash
 from .launch import (
     Tiling, cdiv, check_common, check_entries, check_tiling, default_tiling, ring_args, source_args,

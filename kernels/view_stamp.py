@@ -9,12 +9,11 @@ import triton
 import triton.language as tl
 
 from . import records as R
-from .entries import MappingArgs, ViewArgs
+from .inputs import ForwardView, SlotMapping
 from .fingerprint import slot_fingerprint
 from .hashing import as_i64, as_u64, head_hash, mix3
 from .launch import (
-    Tiling, batch_lanes, cdiv, check_stamp_launch, check_tiling, default_tiling, mapping_args,
-    ring_args, row_grid, source_args, token_args,
+    Tiling, batch_lanes, cdiv, check_stamp_launch, input_args, optional_ptr, ring_args, row_grid, view_kernel_args,
 )
 from .lookup import known_token, map_slot
 from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
@@ -47,8 +46,8 @@ def _first_stamped(extend, MAP: tl.constexpr):
 
 
 @triton.jit
-def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, input_ids,
-                          positions_ptr, written_ptr, n_batch, n_tokens, ring, tag, READS: tl.constexpr,
+def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, input_ids,
+                          positions_ptr, n_tokens, written_ptr, ring, tag, READS: tl.constexpr,
                           MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
                           CHECK_WRITE: tl.constexpr, HAS_WRITTEN: tl.constexpr, BATCH: tl.constexpr,
                           BLOCK: tl.constexpr):
@@ -126,7 +125,7 @@ def _chain_step(records, chain, slots, tokens, positions, stamped):
 
 
 @triton.jit
-def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, context_ptr, n_batch,
+def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
                         MAP: tl.constexpr, HAS_CONTEXT: tl.constexpr, BATCH: tl.constexpr, LANES: tl.constexpr):
     """One lane per batch row: run its prev_hash chain serially and store each stamped slot's
     prev_hash (the PREV_HASH field only). Launched with one warp per program: each step's
@@ -167,7 +166,7 @@ def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_p
         slots3, tokens3, positions3, stamped3 = slots7, tokens7, positions7, stamped7
 
 
-def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
+def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
                ring: ViolationRing, tag: int, *, check_tokens: bool, check_write_inputs: bool,
                written_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
     """Write ``(token, position, prev_hash, fingerprint)`` into the record of every slot the
@@ -202,24 +201,17 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
     row) that writes the rest (bandwidth-bound).
     """
     check_stamp_launch(records, sources, mapping, view, ring, tag, written_hashes)
-    n_tokens = view.input_ids.shape[0]
-    tiling = tiling or default_tiling(sources)
-    check_tiling(tiling)
-    src, reads = source_args(sources, tiling.chunk)
-    mapping_tuple, map_consts = mapping_args(mapping, records)
-    token_tuple, has_tokens = token_args(view, records)
-    batch, lanes = view.rows.shape[0], batch_lanes(view)
-    if batch:
-        _stamp_chain_kernel[(cdiv(batch, _CHAIN_LANES),)](
-            records, mapping_tuple, (view.input_ids, view.positions, n_tokens), view.rows, view.prefix_lens,
-            view.extend_lens, records if view.context_keys is None else view.context_keys, batch,
-            MAP=map_consts, HAS_CONTEXT=view.context_keys is not None, BATCH=lanes, LANES=_CHAIN_LANES,
-            num_warps=1,
+    a = view_kernel_args(records, sources, mapping, view, tiling)
+    inputs, lanes = input_args(view), batch_lanes(view)
+    n_batch, n_tokens = a.batch[-1], inputs[-1]
+    if n_batch:
+        _stamp_chain_kernel[(cdiv(n_batch, _CHAIN_LANES),)](
+            records, a.mapping, inputs, *a.batch, a.context,
+            MAP=a.map_consts, HAS_CONTEXT=a.has_context, BATCH=lanes, LANES=_CHAIN_LANES, num_warps=1,
         )
-    _stamp_records_kernel[row_grid(batch, n_tokens, tiling.block, records.device)](
-        records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens, view.extend_lens, view.input_ids,
-        view.positions, records if written_hashes is None else written_hashes, batch, n_tokens,
-        ring_args(ring), tag, READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
+    _stamp_records_kernel[row_grid(n_batch, n_tokens, a.tiling.block, records.device)](
+        records, a.sources, a.mapping, a.tokens, *a.batch, *inputs, optional_ptr(written_hashes, records),
+        ring_args(ring), tag, READS=a.reads, MAP=a.map_consts, HAS_TOKENS=a.has_tokens and check_tokens,
         CHECK_WRITE=check_write_inputs, HAS_WRITTEN=written_hashes is not None, BATCH=lanes,
-        BLOCK=tiling.block, num_warps=tiling.num_warps,
+        BLOCK=a.tiling.block, num_warps=a.tiling.num_warps,
     )

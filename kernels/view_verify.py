@@ -10,12 +10,9 @@ import triton.language as tl
 
 from . import records as R
 from .checks import check_int
-from .entries import MappingArgs, ViewArgs
+from .inputs import ForwardView, SlotMapping
 from .hashing import as_i64, head_hash
-from .launch import (
-    Tiling, check_tiling, check_vector, check_view_launch, default_tiling, mapping_args, ring_args,
-    row_grid, source_args, token_args,
-)
+from .launch import Tiling, check_vector, check_view_launch, optional_ptr, ring_args, row_grid, view_kernel_args
 from .lookup import known_token, map_slot
 from .record_access import REAL_KV_HASH, field_ptrs, successor_hash
 from .record_checks import (
@@ -44,7 +41,7 @@ def _check_sentinel(records, sources, READS: tl.constexpr, ring, tag, read_hashe
 
 
 @triton.jit
-def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, context_ptr, n_batch,
+def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
                         window, max_context, ring, tag, read_hashes, READS: tl.constexpr, MAP: tl.constexpr,
                         HAS_TOKENS: tl.constexpr, HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr,
                         AFTER_FORWARD: tl.constexpr, READ_HASHES: tl.constexpr, BLOCK: tl.constexpr):
@@ -95,7 +92,7 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
         append_violations(ring, tag, reasons != 0, reasons, slots, pos, row, stored, expected)
 
 
-def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: MappingArgs, view: ViewArgs,
+def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
                 ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
                 sentinel: bool, after_forward: bool = False, read_hashes: torch.Tensor | None = None,
                 tiling: Tiling | None = None) -> None:
@@ -138,19 +135,12 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
         sources = sources[-1:] if after_forward else sources
     check_int("window", window, 0)
     check_int("max_context", max_context, 1)
-    tiling = tiling or default_tiling(sources)
-    check_tiling(tiling)
-    src, reads = source_args(sources, tiling.chunk)
-    mapping_tuple, map_consts = mapping_args(mapping, records)
-    token_tuple, has_tokens = token_args(view, records)
-    batch = view.rows.shape[0]
-    grid = row_grid(batch, window or max_context, tiling.block, records.device)
+    a = view_kernel_args(records, sources, mapping, view, tiling)
+    grid = row_grid(view.rows.shape[0], window or max_context, a.tiling.block, records.device)
     _verify_view_kernel[grid](
-        records, src, mapping_tuple, token_tuple, view.rows, view.prefix_lens, view.extend_lens,
-        records if view.context_keys is None else view.context_keys, batch, window, max_context, ring_args(ring), tag,
-        records if read_hashes is None else read_hashes,
-        READS=reads, MAP=map_consts, HAS_TOKENS=has_tokens and check_tokens,
-        HAS_CONTEXT=view.context_keys is not None, SENTINEL=sentinel and bool(sources),
-        AFTER_FORWARD=after_forward and mapping.ring > 0, READ_HASHES=read_mode.value,
-        BLOCK=tiling.block, num_warps=tiling.num_warps,
+        records, a.sources, a.mapping, a.tokens, *a.batch, a.context, window, max_context, ring_args(ring), tag,
+        optional_ptr(read_hashes, records),
+        READS=a.reads, MAP=a.map_consts, HAS_TOKENS=a.has_tokens and check_tokens, HAS_CONTEXT=a.has_context,
+        SENTINEL=sentinel and bool(sources), AFTER_FORWARD=after_forward and mapping.ring > 0,
+        READ_HASHES=read_mode.value, BLOCK=a.tiling.block, num_warps=a.tiling.num_warps,
     )

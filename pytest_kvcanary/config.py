@@ -9,10 +9,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvcanary_kernels.checks import check_int
+from kvcanary_kernels.inputs import RealDataMode
 from kvcanary_kernels.records import GroupKind
 
 CANARY_MODES = ("off", "log", "raise")
-REAL_DATA_MODES = ("none", "partial", "all")
+REAL_DATA_MODES = tuple(mode.value for mode in RealDataMode)
 PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward")
 SIDES = ("prefill", "decode")
 TARGET_GROUPS = tuple(kind.label for kind in GroupKind)

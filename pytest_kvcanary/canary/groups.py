@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary_kernels import MAX_SOURCES, MappingArgs, RealDataMode, RealKvSource, layer_source, mix_torch
+from kvcanary_kernels import (
+    MAX_SOURCES, RealDataMode, RealKvSource, SlotMapping, group_slot_ref, layer_source, mapping_slot_ref, mix_torch,
+)
 from kvcanary_kernels.records import FIELD_REAL_KV_HASH, RECORD_WIDTH, GroupKind, Half
 
 from .host import Capacities, PoolGroup
@@ -53,7 +55,6 @@ class HalfState:
 class GroupState:
     pool: PoolGroup
     halves: dict[Half, HalfState]
-    mapping: MappingArgs
     window: int  # 0 for FULL
 
     @classmethod
@@ -80,9 +81,11 @@ class GroupState:
                 read_hashes=torch.zeros(pool.num_slots, dtype=torch.int64, device=device)
                 if recheck and picked else None,
             )
-        m = pool.mapping
-        mapping = MappingArgs(table=m.table, page_size=m.page_size, ring=m.ring, full_to_group=m.full_to_group)
-        return cls(pool=pool, halves=halves, mapping=mapping, window=pool.window or 0)
+        return cls(pool=pool, halves=halves, window=pool.window or 0)
+
+    @property
+    def mapping(self) -> SlotMapping:
+        return self.pool.mapping
 
     @property
     def device(self) -> torch.device:
@@ -97,22 +100,18 @@ class GroupState:
         return any(h.sources for h in self.halves.values())
 
     def to_group_slots(self, full_slots: torch.Tensor) -> torch.Tensor:
-        """FULL-pool slots -> this group's slots (identity without a full_to_group map; 0 where
-        not resident)."""
-        f2g = self.mapping.full_to_group
-        return full_slots if f2g is None else f2g[full_slots.to(f2g.device)].to(full_slots.device)
+        """FULL-pool slots -> this group's slots (through full_to_group when the mapping has one; 0
+        where not resident), on the device of ``full_slots``."""
+        table = self.mapping.table
+        return group_slot_ref(self.mapping, full_slots.to(table.device, torch.int64),
+                              self.pool.num_slots).to(full_slots.device)
 
     def mapped_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Host-side evaluation of the mapping (tools, not the per-forward path): for each (row,
         position), the slot in the mapping's own space (a FULL slot for groups mapped through
         full_to_group) and the group's slot."""
-        m = self.mapping
-        rows = rows.to(m.table.device, torch.int64)
-        lp = positions.to(m.table.device, torch.int64)
-        if m.ring:
-            lp = lp % m.ring
-        entry = m.table[rows, lp // m.page_size].to(torch.int64)
-        space = torch.where(entry != 0, entry * m.page_size + lp % m.page_size, 0)
+        device = self.mapping.table.device
+        space = mapping_slot_ref(self.mapping, rows.to(device, torch.int64), positions.to(device, torch.int64))
         return space, self.to_group_slots(space)
 
     def seal_reserved_slot(self) -> None:

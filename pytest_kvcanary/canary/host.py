@@ -1,7 +1,10 @@
 """The seam between an inference engine and the canary runtime.
 
 What an engine author imports from here loads without triton and without importing torch (the
-tensor types below are annotations only), so a conftest can import it at module level.
+tensor types below are annotations only), so a conftest can import it at module level. The two
+types an engine fills for the kernels, SlotMapping (where a slot lives) and ForwardView (one
+forward's batch), with GroupInputs, are defined with the kernels (``kvcanary_kernels.inputs``),
+which read them as they are; they are imported here for engine authors.
 
 Call order (one engine, eager or inside a CUDA graph):
 
@@ -29,46 +32,20 @@ replay it with the view's tensors refilled in place; end_forward is never captur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvcanary_kernels.checks import check_int
+# The kernels' input types are the seam's: one definition, read by the kernels as they are.
+from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping
 from kvcanary_kernels.records import GroupKind, Half
+
+__all__ = [
+    "CacheWalk", "CanaryHost", "Capacities", "ForwardHooks", "ForwardView", "FreeListener", "GroupInputs", "PoolGroup",
+    "SlotMapping", "TransferListener",
+]
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True)
-class SlotMapping:
-    """Where a group finds the slot of (row, position).
-
-    ``lp = position % ring if ring else position``;
-    ``slot = table[row, lp // page_size] * page_size + lp % page_size``; then, when full_to_group is
-    given, ``slot = full_to_group[slot]`` (a pool indexed through FULL-pool slots; 0 = not resident).
-    A table entry 0 means not resident: block 0 of a block table is the null block, as slot 0 of a
-    per-token table is the reserved slot.
-
-    page_size 1: a per-token table (``req_to_token``, SGLang's layout); > 1: a block table of
-    block ids (vLLM, transformers). ring > 0: a ring-buffer window allocator whose table indexes
-    positions modulo ring. table: int32 or int64 ``[rows, cols]`` on the engine's device. The
-    kernels read it at every forward: refill it in place, the object stays the same for the
-    engine's life.
-    """
-
-    table: torch.Tensor
-    page_size: int = 1
-    ring: int = 0
-    full_to_group: torch.Tensor | None = None
-
-    @property
-    def kind(self) -> str:
-        return "token_table" if self.page_size == 1 else "block_table"
-
-    def __post_init__(self) -> None:
-        check_int("SlotMapping.page_size", self.page_size, 1)
-        check_int("SlotMapping.ring", self.ring, 0)
-        if getattr(self.table, "dim", lambda: 0)() != 2:
-            raise ValueError("SlotMapping.table must be a 2-D tensor [rows, cols]")
 
 
 @dataclass(frozen=True)
@@ -125,51 +102,6 @@ class Capacities:
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_tokens", "max_context"):
             check_int(f"Capacities.{name}", getattr(self, name), 1)
-
-
-class GroupInputs(NamedTuple):
-    """What the model that writes one pool group consumed, when that is not the model the view's
-    own input_ids / positions fed (a draft model filling its pool in the same forward as the
-    target): per token, in view order, the token ids it embedded and the positions its RoPE used.
-    int64 [T] on the engine's device, like the view's."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-
-
-@dataclass(frozen=True)
-class ForwardView:
-    """One forward as the canary sees it: int64 tensors on the engine's device, fixed shapes.
-
-    Per batch row (length B <= max_batch): rows (the mapping row of the request), prefix_lens
-    (positions already cached, which the forward reads), extend_lens (positions it writes:
-    [prefix_len, prefix_len + extend_len); 1 in decode). A padded row has prefix_len 0 and
-    extend_len 0 (its row value is ignored).
-    Per token (length T <= max_tokens; row-major in batch order; entries past sum(extend_lens)
-    are padding): input_ids, positions: the very tensors the forward consumed (its embedding's
-    token ids, its RoPE positions; or device copies made from them), never a second copy rebuilt
-    from the engine's bookkeeping, so that TAIL's write-input checks compare what the forward used
-    with what the bookkeeping says: write_position compares positions[t] with prefix_len + j, the
-    position whose slot the forward wrote; write_token compares input_ids[t] with token_table.
-    Optional: token_table ``[rows, max_context]``, the token the engine believes each (row,
-    position) holds (enables verify_token at HEAD and write_token at TAIL); context_keys [B],
-    a per-request context (LoRA adapter, cache salt, image hash; 0 = none) that seeds each chain's
-    anchor, so KV reused across contexts fails at position 0; group_inputs: for a pool group
-    written by another model than the one input_ids / positions fed (a draft model's pool), what
-    that model consumed: TAIL stamps and checks that group from it.
-
-    The slots a forward writes are mapping(row, prefix_len + j): they must be in the mapping
-    before before_forward.
-    """
-
-    rows: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    token_table: torch.Tensor | None = None
-    context_keys: torch.Tensor | None = None
-    group_inputs: Mapping[GroupKind, GroupInputs] | None = None
 
 
 class CacheWalk(NamedTuple):

@@ -49,15 +49,6 @@ class KernelSet:
         self.source_hash_rows: Callable = getattr(K, "source_hash_rows" + suffix)
 
 
-def _view_args(view: ForwardView, kind: GroupKind | None = None) -> K.ViewArgs:
-    """The view as the kernels take it; with a group kind, fed by what that group's writer
-    consumed (view.group_inputs) where the view says so."""
-    own = None if kind is None or view.group_inputs is None else view.group_inputs.get(kind)
-    input_ids, positions = (view.input_ids, view.positions) if own is None else own
-    return K.ViewArgs(view.rows, view.prefix_lens, view.extend_lens, input_ids, positions,
-                      view.token_table, view.context_keys)
-
-
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -84,7 +75,7 @@ class CanaryRuntime:
         pools = list(host.canary_groups())
         self.capacities = host.canary_capacities()
         self.device = torch.device(device) if device is not None else pools[0].k_layers[0].device
-        mode = K.RealDataMode.parse(config.real_data)
+        mode = K.RealDataMode(config.real_data)  # the one conversion (CanaryConfig checked it)
         self.groups = [GroupState.create(pool, mode, self.device, self.capacities, recheck=config.recheck)
                        for pool in pools]
         for group in self.groups:
@@ -115,7 +106,7 @@ class CanaryRuntime:
             for observer in self.observers:
                 observer.before_forward(view)
         with self._on_device():
-            self._verify_view(_view_args(view), Phase.HEAD)
+            self._verify_view(view, Phase.HEAD)
 
     def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
         group = self.group(kind)
@@ -142,12 +133,12 @@ class CanaryRuntime:
 
     def _recheck_and_stamp(self, view: ForwardView) -> None:
         if self.config.recheck:
-            self._verify_view(_view_args(view), Phase.RECHECK)
+            self._verify_view(view, Phase.RECHECK)
         for group in self.groups:
-            args = _view_args(view, group.pool.kind)
+            group_view = view.for_group(group.pool.kind)
             for half, state in group.halves.items():
                 self.kernels.stamp_view(
-                    state.records, state.sources, group.mapping, args, self.ring,
+                    state.records, state.sources, group.mapping, group_view, self.ring,
                     launch_tag(Phase.TAIL, half, group.pool.kind),
                     check_tokens=self.config.check_tokens, check_write_inputs=self.config.check_write_inputs,
                     written_hashes=state.written_fingerprints(view.input_ids.shape[0]),
@@ -163,11 +154,11 @@ class CanaryRuntime:
         elif self.forwards % self.config.drain_interval == 0:
             self.log.poll()
 
-    def _verify_view(self, args: K.ViewArgs, phase: Phase) -> None:
+    def _verify_view(self, view: ForwardView, phase: Phase) -> None:
         for group in self.groups:
             for half, state in group.halves.items():
                 self.kernels.verify_view(
-                    state.records, state.sources, group.mapping, args, self.ring,
+                    state.records, state.sources, group.mapping, view, self.ring,
                     launch_tag(phase, half, group.pool.kind),
                     window=group.window, max_context=self.capacities.max_context,
                     check_tokens=self.config.check_tokens, sentinel=True,

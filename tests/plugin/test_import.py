@@ -8,11 +8,12 @@ import sys
 
 LIGHT_MODULES = ("plugin", "settings", "engines", "engine_pool", "handle", "markers", "assertions", "report", "gpu",
                  "hookspecs", "config", "adapters.protocol", "canary.host", "canary.violation")
-# torch, triton, the engine, the harness, and every kernel module but the record layout and the
-# argument checks.
+# torch, triton, the engine, the harness, and every kernel module but the record layout, the
+# argument checks and the input types.
 HEAVY_CHECK = ("heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') "
                "or m.startswith(('pytest_kvcanary.engine.', 'pytest_kvcanary.harness', 'pytest_kvcanary.side')) "
-               "or (m.startswith('kvcanary_kernels.') and m not in ('kvcanary_kernels.records', 'kvcanary_kernels.checks'))); "
+               "or (m.startswith('kvcanary_kernels.') "
+               "and m not in ('kvcanary_kernels.records', 'kvcanary_kernels.checks', 'kvcanary_kernels.inputs'))); "
                "assert not heavy, heavy")
 
 

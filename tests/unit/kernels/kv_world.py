@@ -73,7 +73,7 @@ class Request:
 class Forward(NamedTuple):
     """One forward: the kernels' view and, per batch entry, (request, prefix, extend)."""
 
-    view: K.ViewArgs
+    view: K.ForwardView
     batch: list[tuple[Request, int, int]]
 
 
@@ -125,8 +125,8 @@ class World:
         return self.records.device
 
     @property
-    def mapping(self) -> K.MappingArgs:
-        return K.MappingArgs(self.table, self.kind.page_size, self.kind.ring, self.full_to_group)
+    def mapping(self) -> K.SlotMapping:
+        return K.SlotMapping(self.table, self.kind.page_size, self.kind.ring, self.full_to_group)
 
     def randint(self, low: int, high: int) -> int:
         return int(torch.randint(low, high, (1,), generator=self.gen))
@@ -218,7 +218,7 @@ class World:
             input_ids += req.tokens[prefix : prefix + extend]
             positions += range(prefix, prefix + extend)
         pad_row_ids = [self.randint(0, self.table.shape[0]) for _ in range(pad_rows)]
-        view = K.ViewArgs(
+        view = K.ForwardView(
             rows=i64([r.row for r, _, _ in entries] + pad_row_ids),
             prefix_lens=i64([p for _, p, _ in entries] + [0] * pad_rows),
             extend_lens=i64([e for _, _, e in entries] + [0] * pad_rows),
@@ -254,7 +254,7 @@ class World:
         self.ring.advance_step()
         return rows
 
-    def head_view(self, reqs: list[Request], **kw) -> K.ViewArgs:
+    def head_view(self, reqs: list[Request], **kw) -> K.ForwardView:
         """The view of a forward that reads every cached position of ``reqs`` and writes none."""
         return self.forward([(r, 0) for r in reqs], **kw).view
 
@@ -266,13 +266,13 @@ class World:
         self.read_hashes = torch.randint(-(2**62), 2**62, (self.records.shape[0],), generator=self.gen,
                                          dtype=torch.int64).to(self.device)
 
-    def verify(self, view: K.ViewArgs, tag: int = 0, window: int = 0, check_tokens: bool = True,
+    def verify(self, view: K.ForwardView, tag: int = 0, window: int = 0, check_tokens: bool = True,
                sentinel: bool = False, after_forward: bool = False) -> list[Row]:
         return self.launch(K.verify_view, K.verify_view_ref, self.sources, self.mapping, view, self.ring, tag,
                            window=window, max_context=self.max_context, check_tokens=check_tokens,
                            sentinel=sentinel, after_forward=after_forward, read_hashes=self.read_hashes)
 
-    def stamp(self, view: K.ViewArgs, tag: int = 1, check_tokens: bool = True, check_write_inputs: bool = True,
+    def stamp(self, view: K.ForwardView, tag: int = 1, check_tokens: bool = True, check_write_inputs: bool = True,
               written_hashes: torch.Tensor | None = None) -> list[Row]:
         return self.launch(K.stamp_view, K.stamp_view_ref, self.sources, self.mapping, view, self.ring, tag,
                            check_tokens=check_tokens, check_write_inputs=check_write_inputs,

@@ -3,6 +3,8 @@ nothing else is (every launch is also checked against its reference)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -198,7 +200,7 @@ def test_write_token(stamped):
     w.write(fwd)
     ids = fwd.view.input_ids.clone()
     ids[2] += 1  # the engine wrote a token its bookkeeping did not expect (position 6)
-    rows = w.stamp(fwd.view._replace(input_ids=ids))
+    rows = w.stamp(replace(fwd.view, input_ids=ids))
     w.commit(fwd)
     assert _found(rows) == {(w.slot(c, 6), 6, Reason.WRITE_TOKEN)}
     assert (rows[0][COL_STORED], rows[0][COL_EXPECTED], rows[0][COL_ROW]) == (c.tokens[6] + 1, c.tokens[6], c.row)
@@ -212,7 +214,7 @@ def test_write_position(stamped):
     c = w.add_request(3, prefix=a, shared=0)
     fwd = w.forward([(c, 3)])
     w.write(fwd)
-    bad = fwd.view._replace(positions=fwd.view.positions + 10)
+    bad = replace(fwd.view, positions=fwd.view.positions + 10)
     rows = w.stamp(bad)
     assert _found(rows) == {(w.slot(c, p), p, Reason.WRITE_POSITION) for p in range(3)}
     assert {(r[COL_STORED], r[COL_EXPECTED]) for r in rows} == {(10, 0), (11, 1), (12, 2)}
@@ -254,7 +256,7 @@ def test_padding_rows_and_tokens_write_nothing(stamped):
     w, (a, b) = stamped
     before = w.records.clone()
     view = w.head_view([b], pad_rows=3, pad_tokens=5)
-    view = view._replace(rows=torch.full_like(view.rows, a.row))  # padding may point at a live row
+    view = replace(view, rows=torch.full_like(view.rows, a.row))  # padding may point at a live row
     assert w.stamp(view) == []
     assert torch.equal(w.records, before)
     assert _head(w, a) == [] and _head(w, b) == []

@@ -6,6 +6,8 @@ the same state and compares records, ring rows and counters.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -54,7 +56,7 @@ def _written_hashes(w: World, fwd: Forward, written: list[int]) -> torch.Tensor:
     return hashes.to(w.device)
 
 
-def _corrupt_write_inputs(w: World, view: K.ViewArgs) -> K.ViewArgs:
+def _corrupt_write_inputs(w: World, view: K.ForwardView) -> K.ForwardView:
     """Random engine-input mismatches: positions that disagree with the batch, input ids that
     disagree with the token table."""
     n = int(view.extend_lens.sum())
@@ -63,7 +65,7 @@ def _corrupt_write_inputs(w: World, view: K.ViewArgs) -> K.ViewArgs:
         if n:
             positions[w.randint(0, n)] += 1
             input_ids[w.randint(0, n)] += 7
-    return view._replace(positions=positions, input_ids=input_ids)
+    return replace(view, positions=positions, input_ids=input_ids)
 
 
 def _damage_inside_the_forward(w: World, fwd: Forward) -> None:
@@ -234,7 +236,7 @@ def test_lengths_outside_what_the_kernels_check_are_clamped_and_reported_as_the_
     reqs = [w.add_request(10), w.add_request(7)]
     assert w.step([(reqs[0], 6), (reqs[1], 4)]) == []
     fwd = w.forward([(reqs[0], 2), (reqs[1], 1)], pad_rows=2, pad_tokens=3)
-    bad = fwd.view._replace(prefix_lens=i64([-3, w.max_context + 5, 1 << 40, 2]),
+    bad = replace(fwd.view, prefix_lens=i64([-3, w.max_context + 5, 1 << 40, 2]),
                             extend_lens=i64([-1, 1 << 40, 2, 0]), rows=i64([reqs[0].row, reqs[1].row, -1, 1 << 40]))
     out_of_range = int(Reason.VIEW_OUT_OF_RANGE)
     for after_forward in (False, True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -123,17 +125,14 @@ def _view_launch(world, case: str) -> dict:
         "too many sources": lambda: dict(sources=world.sources * 5),
         "source too small": lambda: dict(sources=[K.RealKvSource(world.sources[0].tensor[:8], 1, 128, 128)]),
         "tag": lambda: dict(tag=NUM_TAGS),
-        "table dtype": lambda: dict(mapping=mapping._replace(table=mapping.table.float())),
-        "table dims": lambda: dict(mapping=mapping._replace(table=mapping.table[0])),
-        "page size": lambda: dict(mapping=mapping._replace(page_size=0)),
-        "ring": lambda: dict(mapping=mapping._replace(ring=-1)),
-        "full_to_group dtype": lambda: dict(mapping=mapping._replace(full_to_group=i64([0, 1]).int())),
-        "rows dtype": lambda: dict(view=view._replace(rows=view.rows.int())),
-        "prefix length": lambda: dict(view=view._replace(prefix_lens=view.prefix_lens[:1])),
-        "positions length": lambda: dict(view=view._replace(positions=i64([1, 2, 3]))),
-        "context length": lambda: dict(view=view._replace(context_keys=i64([0, 0, 0]))),
-        "extend device": lambda: dict(view=view._replace(extend_lens=view.extend_lens.to("meta"))),
-        "token table": lambda: dict(view=view._replace(token_table=view.token_table[0])),
+        "table device": lambda: dict(mapping=replace(mapping, table=mapping.table.to("meta"))),
+        "full_to_group device": lambda: dict(mapping=replace(mapping, full_to_group=i64([0, 1]).to("meta"))),
+        "rows dtype": lambda: dict(view=replace(view, rows=view.rows.int())),
+        "prefix length": lambda: dict(view=replace(view, prefix_lens=view.prefix_lens[:1])),
+        "positions length": lambda: dict(view=replace(view, positions=i64([1, 2, 3]))),
+        "context length": lambda: dict(view=replace(view, context_keys=i64([0, 0, 0]))),
+        "extend device": lambda: dict(view=replace(view, extend_lens=view.extend_lens.to("meta"))),
+        "token table": lambda: dict(view=replace(view, token_table=view.token_table[0])),
     }[case]()
     return args | broken
 
@@ -145,18 +144,34 @@ BAD_VIEW_LAUNCHES = {
     "too many sources": "sources holds at most 4; got 5",
     "source too small": "sources.0. covers 8 slots; records have 256",
     "tag": "launch tag must be in",
-    "table dtype": "MappingArgs.table must be int32 or int64; got torch.float32",
-    "table dims": "MappingArgs.table must be a 2-D tensor; got torch.int64 tensor of shape",
-    "page size": "MappingArgs.page_size must be an integer >= 1; got 0",
-    "ring": "MappingArgs.ring must be an integer >= 0; got -1",
-    "full_to_group dtype": "MappingArgs.full_to_group must be int64; got torch.int32",
-    "rows dtype": "ViewArgs.rows must be int64; got torch.int32",
-    "prefix length": "ViewArgs.prefix_lens has length 1; expected 2",
-    "positions length": "ViewArgs.positions has length 3; expected 4",
-    "context length": "ViewArgs.context_keys has length 3; expected 2",
-    "extend device": "ViewArgs.extend_lens is on meta",
-    "token table": "ViewArgs.token_table must be a 2-D int64 tensor",
+    "table device": "SlotMapping.table is on meta; records are on",
+    "full_to_group device": "SlotMapping.full_to_group is on meta; records are on",
+    "rows dtype": "ForwardView.rows must be int64; got torch.int32",
+    "prefix length": "ForwardView.prefix_lens has length 1; expected 2",
+    "positions length": "ForwardView.positions has length 3; expected 4",
+    "context length": "ForwardView.context_keys has length 3; expected 2",
+    "extend device": "ForwardView.extend_lens is on meta",
+    "token table": "ForwardView.token_table must be a 2-D int64 tensor",
 }
+
+
+BAD_MAPPINGS = {
+    "table dtype": (dict(table=torch.zeros(2, 3)), "SlotMapping.table must be int32 or int64; got torch.float32"),
+    "table dims": (dict(table=i64([1, 2])), "SlotMapping.table must be a 2-D tensor .rows, cols.; got torch.int64 "
+                                            "tensor of shape"),
+    "page size": (dict(page_size=0), "SlotMapping.page_size must be an integer >= 1; got 0"),
+    "ring": (dict(ring=-1), "SlotMapping.ring must be an integer >= 0; got -1"),
+    "full_to_group dtype": (dict(full_to_group=i64([0, 1]).int()),
+                            "SlotMapping.full_to_group must be int64; got torch.int32"),
+    "full_to_group dims": (dict(full_to_group=i64([[0, 1]])), "SlotMapping.full_to_group must be 1-D"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MAPPINGS))
+def test_a_bad_slot_mapping_raises_when_made_naming_the_field(case):
+    kwargs, message = BAD_MAPPINGS[case]
+    with pytest.raises(ValueError, match=message):
+        K.SlotMapping(**{"table": i64([[0, 1]]), **kwargs})
 
 
 @pytest.mark.parametrize("case", list(BAD_VIEW_LAUNCHES))
@@ -164,7 +179,7 @@ BAD_VIEW_LAUNCHES = {
 def test_bad_view_launch_raises_naming_the_argument(world, impl, case):
     args = _view_launch(world, case)
     if case == "positions length":
-        args["view"] = args["view"]._replace(input_ids=i64([1, 2, 3, 4]))
+        args["view"] = replace(args["view"], input_ids=i64([1, 2, 3, 4]))
     with pytest.raises(ValueError, match=BAD_VIEW_LAUNCHES[case]):
         VERIFY[impl](**args, window=0, max_context=64, check_tokens=True, sentinel=False)
     with pytest.raises(ValueError, match=BAD_VIEW_LAUNCHES[case]):
