@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple
 import pytest
 
 from .config import CANARY_MODES, REAL_DATA_MODES, CanaryConfig
-from .engines import BUILTIN_ENGINES, engine_problem, model_problem
+from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem
 from .gpu import AUTO, DEVICE_SETTINGS, count_gpus
 
 

@@ -15,7 +15,8 @@ from kvcanary_kernels.records import GroupKind, Half, Phase, launch_tag
 from ..config import CanaryConfig
 from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
-from .host import CanaryHost, ForwardView
+from .host import ForwardView
+from .seam import CanaryHost
 from .log import ViolationLog
 from .plans import sweep_entries
 from .violation import Violation

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from ..canary.groups import GroupState
-from ..canary.host import CanaryHost, ForwardView
+from ..canary.seam import CanaryHost, ForwardView
 from ..canary.plans import sweep_entries
 
 
