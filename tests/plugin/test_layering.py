@@ -9,6 +9,7 @@ nothing is imported."""
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,12 @@ def _is_plugin_level(name: str) -> bool:
     prefix, _, rest = name.partition(".")
     at_root = prefix == "pytest_kvcanary" and rest != "" and "." not in rest and MODULES[name].name != "__init__.py"
     return at_root or any(name == p or name.startswith(p + ".") for p in PLUGIN_PACKAGES)
+
+
+def test_every_package_is_installed():
+    """pyproject's package list names every package folder, so a wheel holds each module."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert listed == {name for name, path in MODULES.items() if path.name == "__init__.py"}
 
 
 def _in_lower_layer(name: str) -> bool:
