@@ -15,8 +15,8 @@ import torch
 from kvcanary_kernels.records import GroupKind, Half
 
 from ..canary.groups import GroupState
-from ..canary.seam import CanaryHost, ForwardView, optional
 from ..canary.runtime import CanaryRuntime
+from ..canary.seam import CanaryHost, ForwardView, optional
 from ..config import PerturbSpec
 from .fit import misfit, target
 from .ledger import Injection, Ledger
