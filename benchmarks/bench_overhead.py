@@ -28,7 +28,7 @@ import torch
 
 from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.groups import pick_layers
-from pytest_kvcanary.canary.host import Capacities, ForwardView, PoolGroup, SlotMapping
+from pytest_kvcanary.canary.seam import Capacities, ForwardView, PoolGroup, SlotMapping
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
 

@@ -38,7 +38,7 @@ import torch
 from pytest_kvcanary.adapters.transformers_cb import TransformersEngine, load
 from pytest_kvcanary.adapters.byte_tokenizer import byte_tokenizer
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.harness import EngineHandle
+from pytest_kvcanary.handles.single import EngineHandle
 
 PROMPT, NEW, SWEEP = 512, 64, 16
 TOKENS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258)

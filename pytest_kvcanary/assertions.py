@@ -20,7 +20,7 @@ from kvcanary_kernels.records import Half, Phase, Reason
 
 from .canary.violation import Violation
 from .config import TARGET_GROUPS
-from .handle import Handle
+from .handles.protocol import Handle
 from .report import ledger_table, violations_table
 
 REASONS = tuple(r.label for r in Reason)

@@ -1,6 +1,8 @@
 """Frozen configuration objects: what the canary does and which faults are injected.
 
 Pure Python (no torch): the plugin builds these from CLI > marker > ini before any engine exists.
+Not to be confused with settings.py (the run's options, resolved once, from which the plugin
+builds these) or engine/config.py (the reference engine's model and engine configuration).
 """
 
 from __future__ import annotations

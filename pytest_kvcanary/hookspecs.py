@@ -19,7 +19,7 @@ def pytest_kvcanary_make_engine(name: str, attention: str, device: str, seed: in
 
     attention: "mha" or "swa"; device: a torch device string such as "cpu" or "cuda:1"; seed:
     the run's --kv-canary-seed; model: the --kv-canary-model checkpoint directory, or None. The
-    engine returned implements `pytest_kvcanary.adapters.protocol.EngineUnderTest` (the
+    engine returned implements `pytest_kvcanary.canary.seam.EngineUnderTest` (the
     `CanaryHost` seam plus set_forward_hooks, generate and reset).
     """
 
@@ -32,5 +32,5 @@ def pytest_kvcanary_make_pd_pair(name: str, attention: str, prefill_device: str,
 
     Arguments as for pytest_kvcanary_make_engine, with one device per side (the same device
     when only one is leased). The pair returned implements
-    `pytest_kvcanary.adapters.protocol.PrefillDecodePair`.
+    `pytest_kvcanary.canary.seam.PrefillDecodePair`.
     """

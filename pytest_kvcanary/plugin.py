@@ -1,5 +1,5 @@
 """pytest entry point of pytest-kvcanary: the hooks and fixtures (options: settings.py, engine
-handles: engine_pool.py, results: report.py).
+handles: handles/pool.py, results: report.py).
 
 Loaded by every pytest run of the environment, so it imports nothing heavy: torch, triton and the
 engines load inside the fixtures that start engines.
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn
 
 import pytest
 
-from . import markers
-from .engine_pool import EngineKey, EnginePool, Guarded
-from .adapters.protocol import UnsupportedAttention
-from .engines import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
+from .canary.seam import UnsupportedAttention
 from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
-from .interrupts import Interrupts
+from .handles.factories import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
+from .handles.pool import EngineKey, EnginePool, WatchedHandle
+from .plugin_support import markers
+from .plugin_support.interrupts import Interrupts
 from .report import ReportEntry, RunResults, failure_section, violations_table
 from .settings import OPTIONS, Settings, resolve, split_bare_flag
 
@@ -188,7 +188,7 @@ class _TestRecord:
 
     key: EngineKey
     serial: int
-    handle: Guarded
+    handle: WatchedHandle
     sides: tuple[str, ...]
     perturbs: tuple[PerturbSpec, ...]
     seed: int
@@ -241,7 +241,7 @@ def _checkout(pool: EnginePool, key: EngineKey, seed: int) -> Any:
         _fail(str(e))
 
 
-def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) -> Iterator[Guarded]:
+def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) -> Iterator[WatchedHandle]:
     """Set up the test's engine handle of this kind (see kv_engine / kv_pd)."""
     if {"kv_engine", "kv_pd"} <= set(request.fixturenames):
         _fail("a test drives one engine handle: use kv_engine or kv_pd, not both")
@@ -273,11 +273,11 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
 
 @pytest.fixture(scope="session")
 def kv_start_engine() -> Callable[..., Any]:
-    """The function that starts engine handles (`pytest_kvcanary.harness.start_engine`).
+    """The function that starts engine handles (`pytest_kvcanary.handles.start.start_engine`).
     Override it in a conftest.py to drive the kv fixtures with another harness."""
-    from . import harness
+    from .handles import start
 
-    return harness.start_engine
+    return start.start_engine
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import pytest
 
 from .adapters.vllm.isa import CHOICES as VLLM_ATTENTION_ISAS, ENV as VLLM_ATTENTION_ISA_ENV
 from .config import CANARY_MODES, REAL_DATA_MODES, CanaryConfig
-from .engines import BUILTIN_ENGINES, engine_problem, model_problem
+from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem
 from .gpu import AUTO, DEVICE_SETTINGS, count_gpus
 
 

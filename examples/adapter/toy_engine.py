@@ -12,9 +12,8 @@ from typing import Sequence
 
 import torch
 
-from kvcanary_kernels.records import GroupKind
-from pytest_kvcanary.canary.host import Capacities, ForwardHooks, ForwardView, PoolGroup, SlotMapping
-from pytest_kvcanary.adapters.protocol import UnsupportedAttention
+from pytest_kvcanary.canary.seam import (Capacities, ForwardHooks, ForwardView, GroupKind, PoolGroup, SlotMapping,
+                                         UnsupportedAttention)
 
 
 class ToyEngine:

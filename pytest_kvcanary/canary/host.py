@@ -1,38 +1,17 @@
-"""The seam between an inference engine and the canary runtime.
+"""The data the canary seam hands over (`canary/seam.py` is the seam an engine author reads: the
+call order and the protocols): the pool groups and their slot mappings, the capacities, the
+forward view, the cache walk, the listener types and the forward hooks.
 
-What an engine author imports from here loads without triton and without importing torch (the
-tensor types below are annotations only), so a conftest can import it at module level. The two
-types an engine fills for the kernels, SlotMapping (where a slot lives) and ForwardView (one
-forward's batch), with GroupInputs, are defined with the kernels (``kvcanary_kernels.inputs``),
-which read them as they are; they are imported here for engine authors.
-
-Call order (one engine, eager or inside a CUDA graph):
-
-    runtime = CanaryRuntime(config, engine)     attach: reads canary_groups() and
-                                                canary_capacities() once, allocates every buffer,
-                                                fingerprints the reserved slot 0
-    engine.set_forward_hooks(runtime)
-    per forward:
-        the engine maps the batch's slots (the mapping tables hold every slot the forward reads
-        and writes) and fills the view's tensors
-        hooks.before_forward(view)              HEAD: verify every slot the forward will read
-        forward                                 may call hooks.kv_stored(...) at its KV-store
-                                                point (write-through fingerprints, optional)
-        hooks.after_forward(view)               RECHECK the read set, TAIL-stamp the written slots
-        hooks.end_forward()                     host side, outside any graph: count the forward,
-                                                sweep the prefix cache every sweep_interval
-                                                forwards, drain the violation log every
-                                                drain_interval forwards (raise mode raises here)
-
-before_forward, kv_stored and after_forward launch device work only: no host copy, no host sync,
-no grid that depends on data. An engine may capture them with its forward in one CUDA graph and
-replay it with the view's tensors refilled in place; end_forward is never captured.
+It loads without triton and without importing torch (the tensor types below are annotations only).
+The two types an engine fills for the kernels, SlotMapping (where a slot lives) and ForwardView (one
+forward's batch), with GroupInputs, are defined with the kernels (``kvcanary_kernels.inputs``), which
+read them as they are; they are imported here for engine authors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
 
 from kvcanary_kernels.checks import check_int
 # The kernels' input types are the seam's: one definition, read by the kernels as they are.
@@ -40,7 +19,7 @@ from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping
 from kvcanary_kernels.records import GroupKind, Half
 
 __all__ = [
-    "CacheWalk", "CanaryHost", "Capacities", "ForwardHooks", "ForwardView", "FreeListener", "GroupInputs", "PoolGroup",
+    "CacheWalk", "Capacities", "ForwardHooks", "ForwardView", "FreeListener", "GroupInputs", "PoolGroup",
     "SlotMapping", "TransferListener",
 ]
 
@@ -133,7 +112,7 @@ TransferListener = Callable[["torch.Tensor", "torch.Tensor"], None]
 
 
 class ForwardHooks(Protocol):
-    """What an engine calls around each forward (the CanaryRuntime is one). Order: module docstring."""
+    """What an engine calls around each forward (the CanaryRuntime is one). Order: canary/seam.py."""
 
     def before_forward(self, view: ForwardView) -> None:
         """Before the forward reads KV; the batch's slots are in the mapping. Device work only."""
@@ -149,22 +128,3 @@ class ForwardHooks(Protocol):
 
     def end_forward(self) -> None:
         """Once per forward, after after_forward (eager) or after the graph replay; host side."""
-
-
-@runtime_checkable
-class CanaryHost(Protocol):
-    """What an engine exposes to the canary runtime."""
-
-    def canary_groups(self) -> Sequence[PoolGroup]:
-        """The pools to guard, FULL first. Called once, when the runtime attaches; the tensors
-        must stay the same objects for the engine's life (the runtime keeps views of them)."""
-        ...
-
-    def canary_capacities(self) -> Capacities:
-        """The largest forward; called once, when the runtime attaches."""
-        ...
-
-    def cache_walk(self) -> CacheWalk | None:
-        """A snapshot of the prefix cache for the sweep, or None when the engine has none. Called
-        by the runtime between forwards (end_forward); slots stay valid until the next forward."""
-        ...

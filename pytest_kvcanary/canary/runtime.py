@@ -15,7 +15,7 @@ from kvcanary_kernels.records import GroupKind, Half, Phase, launch_tag
 from ..config import CanaryConfig
 from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
-from .host import CanaryHost, ForwardView
+from .seam import CanaryHost, ForwardView
 from .log import ViolationLog
 from .plans import sweep_entries
 from .violation import Violation

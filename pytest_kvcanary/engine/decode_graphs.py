@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pytest_kvcanary.canary.host import ForwardHooks, ForwardView
+from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView
 
 from .kv_pool import KVPools
 from .model import CausalLM

@@ -17,7 +17,7 @@ import torch
 
 from kvcanary_kernels.checks import check_int, is_int
 from kvcanary_kernels.records import GroupKind
-from pytest_kvcanary.canary.host import (
+from pytest_kvcanary.canary.seam import (
     CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, SlotMapping,
 )
 

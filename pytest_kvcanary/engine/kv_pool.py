@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from kvcanary_kernels.records import GroupKind
-from pytest_kvcanary.canary.host import FreeListener
+from pytest_kvcanary.canary.seam import FreeListener
 
 from .config import EngineConfig, ModelConfig
 

@@ -11,7 +11,7 @@
 The decode side does not cache the transferred prompt: the request owns those slots, so its first
 decode forward reads (and a canary's HEAD re-verifies) the whole transferred prefix.
 
-PDPair implements the PrefillDecodePair seam (adapters/protocol.py) that the kv_pd fixture drives.
+PDPair implements the PrefillDecodePair seam (canary/seam.py) that the kv_pd fixture drives.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import ContextManager, Sequence
 
 import torch
 
-from ..canary.host import TransferListener
+from ..canary.seam import TransferListener
 from .engine import Engine
 from .kv_pool import KVPool
 from .request import Request

@@ -18,7 +18,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
-from pytest_kvcanary.canary.host import CacheWalk
+from pytest_kvcanary.canary.seam import CacheWalk
 
 from .kv_pool import KVPools, ReqToTokenPool
 from .radix_node import Node

@@ -15,8 +15,8 @@ import torch
 from kvcanary_kernels.records import GroupKind, Half
 
 from ..canary.groups import GroupState
-from ..canary.host import CanaryHost, ForwardView
 from ..canary.runtime import CanaryRuntime
+from ..canary.seam import CanaryHost, ForwardView, optional
 from ..config import PerturbSpec
 from .fit import misfit, target
 from .ledger import Injection, Ledger
@@ -38,7 +38,7 @@ class FaultInjector:
         self.specs: tuple[PerturbSpec, ...] = ()
         self._rng = random.Random(0)
         self._restore: list[tuple[torch.Tensor, int, int, int]] = []  # (table, row, column, entry) to put back
-        add_listener = getattr(host, "add_free_listener", None)
+        add_listener = optional(host, "add_free_listener")
         self._hears_frees = add_listener is not None
         if self._hears_frees:
             add_listener(self._on_free)

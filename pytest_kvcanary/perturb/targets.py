@@ -11,8 +11,8 @@ from typing import NamedTuple
 import torch
 
 from ..canary.groups import GroupState
-from ..canary.host import CanaryHost, ForwardView
 from ..canary.plans import sweep_entries
+from ..canary.seam import CanaryHost, ForwardView
 
 
 class Target(NamedTuple):

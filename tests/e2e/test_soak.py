@@ -19,7 +19,7 @@ import torch
 
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
-from pytest_kvcanary.harness import EngineHandle
+from pytest_kvcanary.handles.single import EngineHandle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LONG_SOAK_KERNELS = "triton" if DEVICE == "cuda" else "torch"

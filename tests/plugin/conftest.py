@@ -40,11 +40,11 @@ _TORCH_KERNELS = """
 import functools
 
 import pytest
-from pytest_kvcanary import harness
+from pytest_kvcanary.handles import start
 
 @pytest.fixture(scope="session")
 def kv_start_engine():
-    return functools.partial(harness.start_engine, kernels="torch")
+    return functools.partial(start.start_engine, kernels="torch")
 """
 
 

@@ -1,4 +1,4 @@
-"""A scripted stand-in for `pytest_kvcanary.harness`, to test the plugin's own logic fast.
+"""A scripted stand-in for `pytest_kvcanary.handles.start`, to test the plugin's own logic fast.
 
 `FakeHarness.start_engine` has the harness's signature and returns `FakeHandle`s, which satisfy
 the `Handle` protocol. A handle turns each kv_perturb spec into one injection per generate() call:

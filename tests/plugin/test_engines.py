@@ -129,7 +129,7 @@ def test_the_interpreter_is_chosen_before_any_conftest_imports_triton(
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kvtester.makeconftest(f"""
         import os
-        from pytest_kvcanary.canary.host import PoolGroup, ForwardView, SlotMapping
+        from pytest_kvcanary.canary.seam import PoolGroup, ForwardView, SlotMapping
         from kvcanary_kernels.records import GroupKind
 
         assert os.environ.get("TRITON_INTERPRET") == {interpreted!r}, os.environ.get("TRITON_INTERPRET")
@@ -213,7 +213,7 @@ def test_handle_numbers_name_the_engines_in_the_results(kvtester: pytest.Pyteste
 
 def test_the_fake_handle_satisfies_the_handle_protocol(kvtester: pytest.Pytester) -> None:
     kvtester.makepyfile("""
-        from pytest_kvcanary.handle import Handle
+        from pytest_kvcanary.handles.protocol import Handle
 
         def test_single(kv_engine):
             assert isinstance(kv_engine.target, Handle)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
-LIGHT_MODULES = ("plugin", "settings", "engines", "engine_pool", "handle", "markers", "assertions", "report", "gpu",
-                 "hookspecs", "config", "adapters.protocol", "canary.host", "canary.violation")
+LIGHT_MODULES = ("plugin", "settings", "handles.factories", "handles.checkpoints", "handles.pool", "handles.protocol",
+                 "plugin_support.markers", "plugin_support.interrupts", "assertions", "report", "gpu", "hookspecs",
+                 "config", "canary.seam", "canary.host", "canary.violation")
 # torch, triton, the engine, the harness, and every kernel module but the record layout, the
 # argument checks and the input types.
 HEAVY_CHECK = ("heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') "
-               "or m.startswith(('pytest_kvcanary.engine.', 'pytest_kvcanary.harness', 'pytest_kvcanary.side')) "
+               "or m.startswith(('pytest_kvcanary.engine.', 'pytest_kvcanary.handles.sided', "
+               "'pytest_kvcanary.handles.single', 'pytest_kvcanary.handles.pd', 'pytest_kvcanary.handles.start')) "
                "or (m.startswith('kvcanary_kernels.') "
                "and m not in ('kvcanary_kernels.records', 'kvcanary_kernels.checks', 'kvcanary_kernels.inputs'))); "
                "assert not heavy, heavy")
@@ -23,9 +25,11 @@ def test_plugin_modules_import_without_torch() -> None:
 
 
 def test_seam_types_an_engine_author_needs_import_without_torch() -> None:
-    code = ("import sys; from pytest_kvcanary.canary.host import CanaryHost, PoolGroup, ForwardView, SlotMapping, "
-            "Capacities, CacheWalk, ForwardHooks; from pytest_kvcanary.adapters.protocol import EngineUnderTest, "
-            "PrefillDecodePair; from kvcanary_kernels.records import GroupKind, Reason, Phase; " + HEAVY_CHECK)
+    """Everything an adapter uses comes from the one seam module, without torch or triton."""
+    code = ("import sys; from pytest_kvcanary.canary.seam import (CanaryHost, EngineUnderTest, PrefillDecodePair, "
+            "PoolGroup, ForwardView, SlotMapping, Capacities, CacheWalk, ForwardHooks, FreeListener, TransferListener, "
+            "GroupKind, Half, UnsupportedAttention); from kvcanary_kernels.records import Reason, Phase; "
+            + HEAVY_CHECK)
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -1,12 +1,15 @@
-"""Import facts a reviewer can check: the engine and adapter layers never import the plugin-level
-modules at the package root (the plugin, its handles, settings, markers, report...), the
-reference engine imports no adapter, and no modules of the project import each other, directly
-or around a loop (imports under TYPE_CHECKING and inside functions count too). Read from the
-source with `ast`; nothing is imported."""
+"""Import facts a reviewer can check: the package root holds only the plugin's entry and what it
+reads (settings, config, assertions, report, gpu, hookspecs); the engine and adapter layers never
+import the plugin level (those modules, the engine handles in handles/, the plugin's support in
+plugin_support/); the reference engine imports no adapter; the seam module imports only the
+types it hands over; and no modules of the project import each other, directly or around a loop
+(imports under TYPE_CHECKING and inside functions count too). Read from the source with `ast`;
+nothing is imported."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"pytest_kvcanary": ROOT / "pytest_kvcanary", "kvcanary_kernels": ROOT / "kernels"}
 LOWER_LAYERS = ("pytest_kvcanary.engine", "pytest_kvcanary.adapters")
+PLUGIN_PACKAGES = ("pytest_kvcanary.handles", "pytest_kvcanary.plugin_support")
+ROOT_MODULES = {"__init__", "plugin", "settings", "config", "assertions", "report", "gpu", "hookspecs"}
+SEAM = "pytest_kvcanary.canary.seam"
 
 
 def _modules() -> dict[str, Path]:
@@ -51,10 +57,17 @@ def _imports(name: str, path: Path) -> set[str]:
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
-def _is_root_module(name: str) -> bool:
-    """A module file directly in pytest_kvcanary/ (the plugin level), not a subpackage."""
+def _is_plugin_level(name: str) -> bool:
+    """A module file directly in pytest_kvcanary/, or one of the handles and the plugin's support."""
     prefix, _, rest = name.partition(".")
-    return prefix == "pytest_kvcanary" and rest != "" and "." not in rest and MODULES[name].name != "__init__.py"
+    at_root = prefix == "pytest_kvcanary" and rest != "" and "." not in rest and MODULES[name].name != "__init__.py"
+    return at_root or any(name == p or name.startswith(p + ".") for p in PLUGIN_PACKAGES)
+
+
+def test_every_package_is_installed():
+    """pyproject's package list names every package folder, so a wheel holds each module."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert listed == {name for name, path in MODULES.items() if path.name == "__init__.py"}
 
 
 def _in_lower_layer(name: str) -> bool:
@@ -64,15 +77,47 @@ def _in_lower_layer(name: str) -> bool:
 def test_the_graph_sees_the_known_imports():
     """The reading itself works: known edges of each import form are found."""
     assert "pytest_kvcanary.engine.radix_cache" in GRAPH["pytest_kvcanary.engine.engine"]  # from .x import Y
-    assert "pytest_kvcanary.canary.host" in GRAPH["pytest_kvcanary.engine.pd"]  # from ..x.y import Y
+    assert "pytest_kvcanary.canary.seam" in GRAPH["pytest_kvcanary.engine.pd"]  # from ..x.y import Y
     assert "kvcanary_kernels.records" in GRAPH["pytest_kvcanary.config"]  # absolute
-    assert "pytest_kvcanary.harness" in GRAPH["pytest_kvcanary.plugin"]  # from . import module, in a function
+    assert "pytest_kvcanary.handles.start" in GRAPH["pytest_kvcanary.plugin"]  # from .p import module, in a function
+    assert "pytest_kvcanary.plugin_support.markers" in GRAPH["pytest_kvcanary.plugin"]  # from .p import module
+
+
+def test_the_package_root_holds_only_the_plugin_and_what_it_reads():
+    root = ROOT / "pytest_kvcanary"
+    assert {p.stem for p in root.glob("*.py")} == ROOT_MODULES
+    assert {p.name for p in root.iterdir() if (p / "__init__.py").exists()} == {
+        "adapters", "canary", "engine", "handles", "perturb", "plugin_support"}
 
 
 def test_engine_and_adapters_import_nothing_from_the_plugin_level():
     upward = sorted(f"{name} -> {target}" for name, targets in GRAPH.items() if _in_lower_layer(name)
-                    for target in targets if _is_root_module(target))
+                    for target in targets if _is_plugin_level(target))
     assert not upward, "\n".join(upward)
+
+
+@pytest.mark.parametrize("target", ["pytest_kvcanary.handles.factories", "pytest_kvcanary.config",
+                                    "pytest_kvcanary.plugin_support.markers"])
+def test_an_upward_import_is_found(target, monkeypatch):
+    """The layering check can fail: an adapter importing a handle module, the config or the markers."""
+    source = "pytest_kvcanary.adapters.reference"
+    monkeypatch.setitem(GRAPH, source, GRAPH[source] | {target})
+    with pytest.raises(AssertionError, match=target):
+        test_engine_and_adapters_import_nothing_from_the_plugin_level()
+
+
+def test_the_seam_imports_only_the_types_it_hands_over():
+    """An engine author's one import: it pulls in the seam's data types and the record layout,
+    nothing of the runtime, the kernels or the plugin."""
+    assert GRAPH[SEAM] == {"pytest_kvcanary.canary.host", "kvcanary_kernels.records"}
+    assert GRAPH["pytest_kvcanary.canary.host"] <= {"kvcanary_kernels.records", "kvcanary_kernels.checks"}
+
+
+def test_adapters_and_the_reference_engine_import_the_seam_not_the_handles():
+    """The protocols an engine implements live in the seam; no adapter reaches past it."""
+    users = {name for name, targets in GRAPH.items() if SEAM in targets}
+    assert {"pytest_kvcanary.engine.engine", "pytest_kvcanary.engine.pd", "pytest_kvcanary.handles.factories",
+            "pytest_kvcanary.adapters.transformers_cb.model", "pytest_kvcanary.canary.runtime"} <= users
 
 
 def test_the_reference_engine_imports_no_adapter():

@@ -6,7 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from pytest_kvcanary.engines import INSTALL, install_hint
+from pytest_kvcanary.handles.factories import INSTALL, install_hint
 from pytest_kvcanary.settings import OPTIONS
 
 README = (Path(__file__).parents[2] / "README.md").read_text()

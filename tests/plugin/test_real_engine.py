@@ -14,9 +14,10 @@ import re
 import pytest
 
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
-from pytest_kvcanary.handle import Handle
-from pytest_kvcanary.harness import EngineHandle, start_engine
-from pytest_kvcanary.side import BASE_PROMPT, PROMPT_SHOWN
+from pytest_kvcanary.handles.protocol import Handle
+from pytest_kvcanary.handles.single import EngineHandle
+from pytest_kvcanary.handles.start import start_engine
+from pytest_kvcanary.handles.sided import BASE_PROMPT, PROMPT_SHOWN
 
 def _handle(attention: str = "mha", **canary: object) -> EngineHandle:
     from pytest_kvcanary.adapters.reference import make_reference_engine
@@ -85,7 +86,7 @@ class _NoContexts:
 
 
 def test_context_keys_on_an_engine_without_contexts_say_so_by_name() -> None:
-    from pytest_kvcanary.handle import check_context_keys
+    from pytest_kvcanary.handles.protocol import check_context_keys
 
     with pytest.raises(TypeError, match=r"context_keys: engine '_NoContexts' has no contexts"):
         check_context_keys([1], ["a"], _NoContexts().generate, "_NoContexts")
@@ -245,7 +246,7 @@ def pytest_kvcanary_make_engine(name, attention, device, seed):
 
 @pytest.mark.parametrize("name, outcome, message", [
     ("broken", {"errors": 1},
-     "engine 'broken' (object) does not implement EngineUnderTest (pytest_kvcanary/adapters/protocol.py): missing "
+     "engine 'broken' (object) does not implement EngineUnderTest (pytest_kvcanary/canary/seam.py): missing "
      "canary_groups, canary_capacities, cache_walk, set_forward_hooks, generate, reset"),
     ("nope", {"errors": 1},
      "no engine named 'nope': --kv-canary-engine names reference, transformers, vllm or an engine a "
@@ -285,7 +286,7 @@ def test_seam_types_in_a_conftest_and_the_triton_kernels_on_cpu(pytester: pytest
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     pytester.makeconftest("""
-        from pytest_kvcanary.canary.host import PoolGroup, ForwardView, SlotMapping
+        from pytest_kvcanary.canary.seam import PoolGroup, ForwardView, SlotMapping
         from kvcanary_kernels.records import GroupKind
         import triton
     """)

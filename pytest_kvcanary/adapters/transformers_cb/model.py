@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..protocol import UnsupportedAttention
+from ...canary.seam import UnsupportedAttention
 from ..random_checkpoint import write_random_checkpoint
 
 ATTENTION_KINDS = ("mha", "swa")

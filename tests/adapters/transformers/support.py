@@ -11,8 +11,8 @@ import torch
 
 from pytest_kvcanary.adapters.transformers_cb import TransformersEngine, load, random_checkpoint
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
-from pytest_kvcanary.engines import install_hint
-from pytest_kvcanary.harness import EngineHandle
+from pytest_kvcanary.handles.factories import install_hint
+from pytest_kvcanary.handles.single import EngineHandle
 
 INSTALL = f"transformers is not installed: {install_hint('transformers')}"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

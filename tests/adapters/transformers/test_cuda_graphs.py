@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 
 from kvcanary_kernels.records import GroupKind  # noqa: E402
 from pytest_kvcanary.config import CanaryConfig  # noqa: E402
-from pytest_kvcanary.harness import EngineHandle  # noqa: E402
+from pytest_kvcanary.handles.single import EngineHandle  # noqa: E402
 
 PROMPTS = [[11 + i for i in range(37)], [90 + i for i in range(21)]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvcanary.adapters.protocol import UnsupportedAttention
+from pytest_kvcanary.canary.seam import UnsupportedAttention
 
 from .support import INSTALL
 

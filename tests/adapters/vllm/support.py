@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
-from pytest_kvcanary.engines import install_hint
+from pytest_kvcanary.handles.factories import install_hint
 
 INSTALL = f"vLLM is not installed: {install_hint('vllm')}"
 KERNELS = "torch"  # the reference kernels: bit-identical to the Triton ones, fast on a CPU
@@ -28,7 +28,7 @@ def make_engine(attention: str = "mha", **settings: Any) -> Any:
 def make_handle(engine: Any, perturbs: tuple[PerturbSpec, ...] = (), seed: int = 0, **canary: Any) -> Any:
     """The canary attached to `engine` (all real-KV bytes it can read fingerprinted, a sweep every
     2 forwards unless overridden), reset for `seed` with these faults armed."""
-    from pytest_kvcanary.harness import EngineHandle
+    from pytest_kvcanary.handles.single import EngineHandle
 
     config = CanaryConfig(**{"real_data": "all", "sweep_interval": 2, **canary})
     handle = EngineHandle(engine, config, KERNELS)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, GroupKind
-from pytest_kvcanary.canary.host import CacheWalk, Capacities, ForwardView, PoolGroup, SlotMapping
+from pytest_kvcanary.canary.seam import CacheWalk, Capacities, ForwardView, PoolGroup, SlotMapping
 
 from fake_host_limits import DEVICE, MAX_CONTEXT, MAX_ROWS, MAX_TOKENS
 

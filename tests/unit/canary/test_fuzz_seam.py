@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcanary_kernels.records import Reason
-from pytest_kvcanary.canary.host import CacheWalk, ForwardView
+from pytest_kvcanary.canary.seam import CacheWalk, ForwardView
 
 from fake_host_limits import DEVICE, MAX_CONTEXT, MAX_ROWS
 

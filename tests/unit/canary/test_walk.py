@@ -3,7 +3,7 @@ import torch
 from kvcanary_kernels import ViolationRing
 from kvcanary_kernels.records import COL_EXPECTED, COL_POSITION, COL_REASONS, COL_SLOT, COL_STEP, COL_STORED, \
     COL_TAG, Reason
-from pytest_kvcanary.canary.host import CacheWalk
+from pytest_kvcanary.canary.seam import CacheWalk
 from pytest_kvcanary.canary.walk import check_walk
 
 

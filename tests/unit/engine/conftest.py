@@ -8,7 +8,7 @@ from typing import Callable
 import pytest
 import torch
 
-from pytest_kvcanary.canary.host import ForwardHooks, ForwardView
+from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
 
 WINDOW = 4

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcanary_kernels.records import GroupKind
-from pytest_kvcanary.canary.host import ForwardView
+from pytest_kvcanary.canary.seam import ForwardView
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.engine import Engine

@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 import torch
 
-from pytest_kvcanary.canary.host import CacheWalk
+from pytest_kvcanary.canary.seam import CacheWalk
 from pytest_kvcanary.canary.log import KvCanaryViolationError
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig

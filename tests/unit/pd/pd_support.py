@@ -10,8 +10,8 @@ import torch
 
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig, PDPair
-from pytest_kvcanary.pd_handle import PDHandle
-from pytest_kvcanary.side import BASE_PROMPT
+from pytest_kvcanary.handles.pd import PDHandle
+from pytest_kvcanary.handles.sided import BASE_PROMPT
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # A window longer than send_parallel_requests' prompts: decode's HEAD then reads every SWA slot sent.

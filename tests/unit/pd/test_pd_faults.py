@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_kvcanary.assertions import KvCanary
-from pytest_kvcanary.pd_handle import PDHandle
+from pytest_kvcanary.handles.pd import PDHandle
 
 from pd_support import LONG_WINDOW, make_handle, post_forward
 

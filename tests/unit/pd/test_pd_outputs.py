@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_kvcanary.canary.host import TransferListener
+from pytest_kvcanary.canary.seam import TransferListener
 from pytest_kvcanary.engine.pd import PDPair
-from pytest_kvcanary.pd_handle import PDHandle
+from pytest_kvcanary.handles.pd import PDHandle
 
 from pd_support import assert_idle_and_whole, make_engine, make_handle
 

@@ -13,9 +13,10 @@ import torch
 
 from pytest_kvcanary.adapters.reference import make_reference_engine
 from pytest_kvcanary.canary.groups import GroupState
-from pytest_kvcanary.canary.host import ForwardView
+from pytest_kvcanary.canary.seam import ForwardView
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.harness import EngineHandle, Side
+from pytest_kvcanary.handles.sided import Side
+from pytest_kvcanary.handles.single import EngineHandle
 from pytest_kvcanary.perturb.targets import read_targets
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

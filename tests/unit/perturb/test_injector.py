@@ -7,10 +7,10 @@ from collections import Counter
 import pytest
 import torch
 
-from pytest_kvcanary.canary.host import ForwardHooks, ForwardView
+from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import PERTURB_MODES, PerturbSpec
-from pytest_kvcanary.harness import EngineHandle
+from pytest_kvcanary.handles.single import EngineHandle
 from pytest_kvcanary.perturb.injector import PerturbError
 
 from perturb_support import BYTE_TOKENS, POOL_GROUPS, final_sweep, make_handle, send_waves

@@ -11,7 +11,7 @@ import pytest
 
 from pytest_kvcanary.canary.violation import Violation
 from pytest_kvcanary.config import PERTURB_MODES, PerturbSpec
-from pytest_kvcanary.harness import EngineHandle
+from pytest_kvcanary.handles.single import EngineHandle
 from pytest_kvcanary.perturb.ledger import DETECTING_REASONS, Injection
 
 from perturb_support import (

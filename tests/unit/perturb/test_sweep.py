@@ -8,7 +8,7 @@ import torch
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, PREV_SKIP, GroupKind
 from kvcanary_kernels.sources import RealDataMode
 from pytest_kvcanary.canary.groups import GroupState
-from pytest_kvcanary.canary.host import Capacities, CacheWalk, PoolGroup, SlotMapping
+from pytest_kvcanary.canary.seam import Capacities, CacheWalk, PoolGroup, SlotMapping
 from pytest_kvcanary.canary.plans import sweep_entries
 from pytest_kvcanary.config import PerturbSpec
 

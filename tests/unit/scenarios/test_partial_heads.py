@@ -16,7 +16,7 @@ import pytest_kvcanary.engine.pd as pd
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig, PDPair
 from pytest_kvcanary.engine.kv_pool import KVPool
-from pytest_kvcanary.pd_handle import PDHandle
+from pytest_kvcanary.handles.pd import PDHandle
 
 from scenario_support import DEVICE, KERNELS, tokens
 

@@ -1,33 +1,17 @@
-"""Engine handles the kv fixtures drive: start an engine (or a prefill/decode pair) with the
-canary on, send work, read results. The plugin reaches this module only through the
-kv_start_engine fixture, so torch loads only when a test needs an engine.
+"""start_engine: the function behind the kv_start_engine fixture. It builds an engine (or a
+prefill/decode pair) by name and hands it back as a handle with the canary on. The plugin reaches
+this module only through that fixture, so torch loads only when a test needs an engine.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from .adapters.protocol import EngineUnderTest
-from .config import CanaryConfig
-from .engines import make_engine, make_pd_pair
-from .pd_handle import PDHandle
-from .side import Side, SidedHandle
-
-
-class EngineHandle(SidedHandle):
-    """One engine, side "single"; kernels as for Side."""
-
-    def __init__(self, engine: EngineUnderTest, canary: CanaryConfig, kernels: str = "triton") -> None:
-        super().__init__()
-        self.side = Side("single", engine, canary, self.ledger, kernels)
-        self.sides = [self.side]
-
-    @property
-    def engine(self) -> EngineUnderTest:
-        return self.side.engine
-
-    def _engine_generate(self) -> Callable[..., list[list[int]]]:
-        return self.engine.generate
+from ..config import CanaryConfig
+from .factories import make_engine, make_pd_pair
+from .pd import PDHandle
+from .sided import SidedHandle
+from .single import EngineHandle
 
 
 def _make_current(device: str) -> None:
@@ -44,7 +28,7 @@ def start_engine(kind: str, *, canary: CanaryConfig, attention: str, device: str
                  kernels: str = "triton") -> SidedHandle:
     """A handle of this kind ("single" or "pd"), its (first) device made the current one. For pd,
     device may name two devices ("cuda:0,cuda:1"): prefill on the first, decode on the second.
-    Raises what engines.make_engine / make_pd_pair raise."""
+    Raises what factories.make_engine / make_pd_pair raise."""
     _make_current(device.split(",")[0])
     if kind == "single":
         return EngineHandle(make_engine(engine_name, attention, device, seed, model, pluginmanager), canary, kernels)

@@ -40,7 +40,7 @@ def _checkpoint_problem(path: Path, model_types: Callable[[], tuple[str, ...] | 
 
 
 def _reference_types() -> tuple[str, ...]:
-    from .engine.weights import MODEL_TYPES
+    from ..engine.weights import MODEL_TYPES
 
     return MODEL_TYPES
 

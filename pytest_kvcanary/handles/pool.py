@@ -7,12 +7,13 @@ import functools
 from dataclasses import asdict
 from typing import Any, Callable, NamedTuple
 
-from .config import CanaryConfig, PerturbSpec
-from .report import EngineRef
+from ..config import CanaryConfig, PerturbSpec
+from ..report import EngineRef
 
 
-class Guarded:
-    """An engine handle that notes when a call on it raises (the pool then replaces it)."""
+class WatchedHandle:
+    """An engine handle watched for calls that raise: it notes when one does (the pool then
+    replaces it)."""
 
     def __init__(self, target: Any) -> None:
         self.target = target
@@ -50,7 +51,7 @@ class EngineKey(NamedTuple):
 
 class Checkout(NamedTuple):
     serial: int  # the handle's number in this process, naming it in the results
-    handle: Guarded
+    handle: WatchedHandle
 
 
 class EnginePool:
@@ -77,7 +78,7 @@ class EnginePool:
         if key not in self._handles:
             handle = self._start(key.kind, canary=key.canary, attention=key.attention, device=key.device, seed=seed,
                                  engine_name=key.engine, model=key.model, pluginmanager=self._pluginmanager)
-            self._handles[key] = Checkout(self._serials, Guarded(handle))
+            self._handles[key] = Checkout(self._serials, WatchedHandle(handle))
             self._serials += 1
         return self._handles[key]
 
@@ -89,13 +90,13 @@ class EnginePool:
             raise
 
     def checkin(self, key: EngineKey) -> None:
-        guarded = self._handles[key].handle
+        watched = self._handles[key].handle
         try:
-            healthy = not guarded.raised and guarded.healthy()
+            healthy = not watched.raised and watched.healthy()
         except Exception:
             healthy = False
         if not healthy:
-            self._retire(key, "raised" if guarded.raised else "unhealthy")
+            self._retire(key, "raised" if watched.raised else "unhealthy")
 
     def take_retired(self) -> list[dict[str, Any]]:
         retired, self._retired = self._retired, []
@@ -106,6 +107,6 @@ class EnginePool:
             self._handles.pop(key).handle.target.close()
 
     def _retire(self, key: EngineKey, why: str) -> None:
-        serial, guarded = self._handles.pop(key)
+        serial, watched = self._handles.pop(key)
         self._retired.append({"engine": asdict(self.describe(key, serial)), "retired": why})
-        guarded.target.close()
+        watched.target.close()

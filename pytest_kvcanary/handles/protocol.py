@@ -1,6 +1,6 @@
 """The engine-handle protocol: what the kv fixtures hand a test, and what the plugin, its engine
-pool and the kv_canary assertions read from it (no torch). `harness.EngineHandle` (kv_engine),
-`pd_handle.PDHandle` (kv_pd) and test fakes implement it.
+pool and the kv_canary assertions read from it (no torch). `single.EngineHandle` (kv_engine),
+`pd.PDHandle` (kv_pd) and test fakes implement it.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 from kvcanary_kernels.checks import is_int
 
 if TYPE_CHECKING:
-    from .canary.violation import Violation
-    from .config import PerturbSpec
+    from ..canary.violation import Violation
+    from ..config import PerturbSpec
 
 
 @runtime_checkable

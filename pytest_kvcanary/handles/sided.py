@@ -1,8 +1,8 @@
 """What every engine handle is built from: sides (one engine each, its canary and fault injector)
 and the state a handle keeps across them (the fault ledger, the prompts sent, results).
 
-harness.EngineHandle has one side, pd_handle.PDHandle two; both derive from SidedHandle, so
-neither module imports the other.
+single.EngineHandle has one side, pd.PDHandle two; both derive from SidedHandle, so neither
+module imports the other.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import random
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
-from .adapters.protocol import EngineUnderTest
-from .canary.runtime import CanaryRuntime
-from .canary.violation import Violation
-from .config import CanaryConfig, PerturbSpec
-from .handle import check_context_keys, check_prompts, check_request_count
-from .perturb.injector import FaultInjector
-from .perturb.ledger import Injection, Ledger
+from ..canary.runtime import CanaryRuntime
+from ..canary.seam import EngineUnderTest, optional
+from ..canary.violation import Violation
+from ..config import CanaryConfig, PerturbSpec
+from ..perturb.injector import FaultInjector
+from ..perturb.ledger import Injection, Ledger
+from .protocol import check_context_keys, check_prompts, check_request_count
 
 BASE_PROMPT = "Once upon a time, in a cache far away, "
 PROMPT_SHOWN = 30  # characters of a prompt a failure report shows beside its request id
@@ -43,9 +43,8 @@ class Side:
 
     def request_label(self, row: int, step: int) -> str | None:
         """The label "req <id> '<prompt start>'" of the request that held `row` at forward `step`,
-        when the engine offers request_at and knows it."""
-        request_at = getattr(self.engine, "request_at", None)
-        found = request_at(row, step) if request_at is not None and row >= 0 else None
+        when the engine knows it (EngineUnderTest.request_at)."""
+        found = optional(self.engine, "request_at")(row, step) if row >= 0 else None
         if found is None:
             return None
         rid, prompt = found
@@ -56,7 +55,7 @@ class Side:
 
 
 class SidedHandle:
-    """What single and PD handles share (see handle.Handle for the contract): the workload record,
+    """What single and PD handles share (see protocol.Handle for the contract): the workload record,
     the ledger, results read from the sides."""
 
     sides: list[Side]

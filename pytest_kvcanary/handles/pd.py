@@ -1,6 +1,6 @@
 """PDHandle: a prefill/decode pair of engines, each side guarded by its own canary.
 
-It drives any PrefillDecodePair (adapters/protocol.py). Each transfer carries the canary records
+It drives any PrefillDecodePair (canary/seam.py). Each transfer carries the canary records
 of the transferred slots (every group, both halves) to the decode side, so its first decode
 forward's HEAD re-verifies the whole transferred prefix, and tells the fault ledger where
 damaged data went.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from .adapters.protocol import PrefillDecodePair
-from .config import CanaryConfig
-from .perturb.ledger import Place
-from .side import Side, SidedHandle
+from ..canary.seam import PrefillDecodePair
+from ..config import CanaryConfig
+from ..perturb.ledger import Place
+from .sided import Side, SidedHandle
 
 if TYPE_CHECKING:
     import torch

@@ -13,8 +13,10 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..canary.seam import missing_methods
+
 if TYPE_CHECKING:
-    from .adapters.protocol import EngineUnderTest, PrefillDecodePair
+    from ..canary.seam import EngineUnderTest, PrefillDecodePair
 
 
 class Builtin(NamedTuple):
@@ -25,14 +27,12 @@ class Builtin(NamedTuple):
 
 BUILTIN_ENGINES = {
     "reference": Builtin("pytest_kvcanary.adapters.reference:make_reference_engine", None,
-                         "pytest_kvcanary.checkpoints:reference_problem"),
+                         "pytest_kvcanary.handles.checkpoints:reference_problem"),
     "transformers": Builtin("pytest_kvcanary.adapters.transformers_cb:make_transformers_engine", "transformers",
-                            "pytest_kvcanary.checkpoints:transformers_problem"),
+                            "pytest_kvcanary.handles.checkpoints:transformers_problem"),
     "vllm": Builtin("pytest_kvcanary.adapters.vllm:make_vllm_engine", "vllm",
-                    "pytest_kvcanary.checkpoints:any_checkpoint_problem"),
+                    "pytest_kvcanary.handles.checkpoints:any_checkpoint_problem"),
 }
-# What EngineUnderTest requires (adapters/protocol.py), named in the error for an engine lacking some.
-REQUIRED_METHODS = ("canary_groups", "canary_capacities", "cache_walk", "set_forward_hooks", "generate", "reset")
 
 
 class UnknownEngine(LookupError):
@@ -97,10 +97,9 @@ def make_engine(name: str, attention: str, device: str, seed: int, model: str | 
     if engine is None:
         raise UnknownEngine(f"no engine named {name!r}: --kv-canary-engine names {', '.join(BUILTIN_ENGINES)} or "
                           "an engine a pytest_kvcanary_make_engine hook implementation returns")
-    missing = [m for m in REQUIRED_METHODS if not callable(getattr(engine, m, None))]
-    if missing:
+    if missing := missing_methods(engine):
         raise NotAnEngineUnderTest(f"engine {name!r} ({type(engine).__name__}) does not implement EngineUnderTest "
-                                   f"(pytest_kvcanary/adapters/protocol.py): missing {', '.join(missing)}")
+                                   f"(pytest_kvcanary/canary/seam.py): missing {', '.join(missing)}")
     return engine
 
 
@@ -111,7 +110,7 @@ def make_pd_pair(name: str, attention: str, devices: tuple[str, str], seed: int,
     builds one (before any engine is started)."""
     pair = None
     if name == "reference":
-        from .engine.pd import PDPair
+        from ..engine.pd import PDPair
 
         pair = PDPair(*(make_engine(name, attention, device, seed, model, pluginmanager) for device in devices))
     elif pluginmanager is not None:
@@ -122,5 +121,5 @@ def make_pd_pair(name: str, attention: str, devices: tuple[str, str], seed: int,
         raise NoPrefillDecodePair(
             f"kv_pd needs a prefill/decode pair of engine {name!r}, and none is known: the reference engine "
             "has one; for another engine, return one from a pytest_kvcanary_make_pd_pair hook "
-            "(the PrefillDecodePair seam in pytest_kvcanary/adapters/protocol.py)")
+            "(the PrefillDecodePair seam in pytest_kvcanary/canary/seam.py)")
     return pair

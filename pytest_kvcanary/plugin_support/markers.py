@@ -13,8 +13,8 @@ import pytest
 
 from kvcanary_kernels.records import GroupKind
 
-from .config import ATTENTION_KINDS, PERTURB_MODES, CanaryConfig, PerturbSpec
-from .perturb.fit import misfit
+from ..config import ATTENTION_KINDS, PERTURB_MODES, CanaryConfig, PerturbSpec
+from ..perturb.fit import misfit
 
 # Registered in pytest_configure, so `pytest --markers` lists them and --strict-markers accepts them.
 MARKER_LINES = (

@@ -1,0 +1,167 @@
+"""The seam between an inference engine and pytest-kvcanary: everything an engine author
+implements or hands over, in the order an adapter is written. Read this module top to bottom.
+
+It loads without triton and without importing torch (tensor types are annotations only), so a
+conftest can import it at module level. The data types come from `canary/host.py` (their fields
+and invariants are documented there) and `GroupKind` / `Half` from the kernels' record layout;
+import them all from here.
+
+An adapter is an `EngineUnderTest`:
+
+1. What to guard (`CanaryHost.canary_groups`): one `PoolGroup` per KV pool, FULL first, each
+   with the `SlotMapping` that says how (row, position) finds a slot.
+2. How big a forward gets (`CanaryHost.canary_capacities`): `Capacities`.
+3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView`.
+4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk`, swept between forwards.
+5. What the fixtures drive: `generate`, `reset`, and the optional members (declared below with
+   the defaults an engine that leaves them out gets: `optional(engine, name)` reads them).
+6. For kv_pd, a `PrefillDecodePair` of two of them; an attention kind an engine lacks raises
+   `UnsupportedAttention` from its factory.
+
+Call order (one engine, eager or inside a CUDA graph):
+
+    runtime = CanaryRuntime(config, engine)     attach: reads canary_groups() and
+                                                canary_capacities() once, allocates every buffer,
+                                                fingerprints the reserved slot 0
+    engine.set_forward_hooks(runtime)
+    per forward:
+        the engine maps the batch's slots (the mapping tables hold every slot the forward reads
+        and writes) and fills the view's tensors
+        hooks.before_forward(view)              HEAD: verify every slot the forward will read
+        forward                                 may call hooks.kv_stored(...) at its KV-store
+                                                point (write-through fingerprints, optional)
+        hooks.after_forward(view)               RECHECK the read set, TAIL-stamp the written slots
+        hooks.end_forward()                     host side, outside any graph: count the forward,
+                                                sweep the prefix cache every sweep_interval
+                                                forwards, drain the violation log every
+                                                drain_interval forwards (raise mode raises here)
+
+before_forward, kv_stored and after_forward launch device work only: no host copy, no host sync,
+no grid that depends on data. An engine may capture them with its forward in one CUDA graph and
+replay it with the view's tensors refilled in place; end_forward is never captured.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from kvcanary_kernels.records import GroupKind, Half
+
+from .host import (CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, SlotMapping,
+                   TransferListener)
+
+__all__ = [
+    "GroupKind", "Half", "SlotMapping", "PoolGroup", "Capacities", "GroupInputs", "ForwardView", "CacheWalk",
+    "FreeListener", "TransferListener", "ForwardHooks", "CanaryHost", "EngineUnderTest", "PrefillDecodePair",
+    "UnsupportedAttention", "OPTIONAL_MEMBERS", "REQUIRED_METHODS", "missing_methods", "optional",
+]
+
+
+class CanaryHost(Protocol):
+    """What an engine exposes to the canary runtime (and to the fault injector and the sweep)."""
+
+    def canary_groups(self) -> Sequence[PoolGroup]:
+        """The pools to guard, FULL first. Called once, when the runtime attaches; the tensors
+        must stay the same objects for the engine's life (the runtime keeps views of them)."""
+        ...
+
+    def canary_capacities(self) -> Capacities:
+        """The largest forward; called once, when the runtime attaches."""
+        ...
+
+    def cache_walk(self) -> CacheWalk | None:
+        """A snapshot of the prefix cache for the sweep, or None when the engine has none. Called
+        by the runtime between forwards (end_forward); slots stay valid until the next forward."""
+        ...
+
+    # Optional. add_free_listener(listener): listener(group, slots, cause) hears every free, so
+    # the fault ledger can say why an injected fault was never read. None: the engine does not
+    # announce frees (a damaged slot written again is then reported as overwritten).
+    add_free_listener: Callable[[FreeListener], None] | None = None
+
+
+class EngineUnderTest(CanaryHost, Protocol):
+    """An engine the kv fixtures can drive. `pytest_kvcanary_make_engine` returns one."""
+
+    def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
+        """The engine calls the hooks around each forward in the order of the module docstring:
+        before_forward(view) once the batch's slots are mapped and before the forward reads KV,
+        kv_stored(...) at its KV-store point if it offers write-through, after_forward(view)
+        once the forward wrote its K/V, end_forward() outside any CUDA graph. None detaches."""
+        ...
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy output ids per prompt (a sequence of prompts, never one bare string), running
+        until every request is done. An engine with per-request contexts also takes
+        context_keys=[one int per prompt] (0 = none)."""
+        ...
+
+    def reset(self) -> None:
+        """Drop every request and flush the prefix cache."""
+        ...
+
+    # Optional. prefix_caching: False where the engine runs without a prefix cache, so a test
+    # expects reuse only where it can happen.
+    prefix_caching: bool = True
+
+    def request_at(self, row: int, step: int) -> tuple[str, str] | None:
+        """Optional: the (request id, prompt text) that held mapping row `row` at forward `step`
+        since the last reset, or None; a failure report then names the request beside the row.
+        The default knows no request."""
+        return None
+
+
+@runtime_checkable
+class PrefillDecodePair(Protocol):
+    """Two engines of one model with a KV transfer between them: what kv_pd drives.
+    `pytest_kvcanary_make_pd_pair` returns one; the reference pair is engine/pd.py's PDPair.
+
+    prefill / decode: the two EngineUnderTest. generate: greedy output ids per prompt (and
+    context_keys, as for EngineUnderTest.generate); each prompt is prefilled on `prefill`, its KV
+    transferred, and decoded on `decode`.
+    add_transfer_listener: the listener hears every transfer (the harness moves the canary
+    records of the transferred slots with the KV there, so the decode side's first read
+    re-verifies the whole transferred prefix).
+    """
+
+    prefill: EngineUnderTest
+    decode: EngineUnderTest
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
+
+    def add_transfer_listener(self, listener: TransferListener) -> None: ...
+
+
+class UnsupportedAttention(LookupError):
+    """An engine factory raises it for an attention kind its engine lacks (transformers has no
+    latent pool for mla); tests of that kind skip with this message, which names the engine."""
+
+
+OPTIONAL_MEMBERS = ("add_free_listener", "prefix_caching", "request_at")
+
+
+def _required_methods() -> tuple[str, ...]:
+    """EngineUnderTest's methods, in declaration order (CanaryHost's first), less the optional."""
+    protocols = [c for c in reversed(EngineUnderTest.__mro__) if getattr(c, "_is_protocol", False) and c is not Protocol]
+    return tuple(name for cls in protocols for name, member in vars(cls).items()
+                 if inspect.isfunction(member) and not name.startswith("_") and name not in OPTIONAL_MEMBERS)
+
+
+REQUIRED_METHODS = _required_methods()
+
+
+def missing_methods(engine: object) -> list[str]:
+    """The methods EngineUnderTest requires that `engine` lacks (not callable), in REQUIRED_METHODS order."""
+    return [name for name in REQUIRED_METHODS if not callable(getattr(engine, name, None))]
+
+
+def optional(engine: object, name: str) -> Any:
+    """The engine's optional member `name` (one of OPTIONAL_MEMBERS), else the default declared
+    on the protocol (a method bound to the engine)."""
+    if name not in OPTIONAL_MEMBERS:
+        raise ValueError(f"name must be one of {', '.join(OPTIONAL_MEMBERS)}; got {name!r}")
+    if hasattr(engine, name):
+        return getattr(engine, name)
+    default = inspect.getattr_static(EngineUnderTest, name)
+    return default.__get__(engine) if inspect.isfunction(default) else default

@@ -1,0 +1,25 @@
+"""EngineHandle: one engine (side "single") with the canary attached; what kv_engine hands a test."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..canary.seam import EngineUnderTest
+from ..config import CanaryConfig
+from .sided import Side, SidedHandle
+
+
+class EngineHandle(SidedHandle):
+    """One engine, side "single"; kernels as for Side."""
+
+    def __init__(self, engine: EngineUnderTest, canary: CanaryConfig, kernels: str = "triton") -> None:
+        super().__init__()
+        self.side = Side("single", engine, canary, self.ledger, kernels)
+        self.sides = [self.side]
+
+    @property
+    def engine(self) -> EngineUnderTest:
+        return self.side.engine
+
+    def _engine_generate(self) -> Callable[..., list[list[int]]]:
+        return self.engine.generate

@@ -1,0 +1,67 @@
+"""The seam's protocol is the one list of what an engine must and may implement: the required
+methods are read from it, and an engine that leaves an optional member out gets the default
+declared there."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_kvcanary.canary.seam import OPTIONAL_MEMBERS, REQUIRED_METHODS, EngineUnderTest, missing_methods, optional
+
+
+def test_the_required_methods_are_the_protocols_less_the_optional_ones():
+    assert REQUIRED_METHODS == ("canary_groups", "canary_capacities", "cache_walk", "set_forward_hooks", "generate",
+                                "reset")
+    assert all(hasattr(EngineUnderTest, name) for name in OPTIONAL_MEMBERS)
+
+
+class _Bare:
+    """Every required method, no optional member."""
+
+    def __getattr__(self, name: str):
+        if name in REQUIRED_METHODS:
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+class _Full(_Bare):
+    prefix_caching = False
+
+    def __init__(self) -> None:
+        self.listeners: list = []
+
+    def add_free_listener(self, listener) -> None:
+        self.listeners.append(listener)
+
+    def request_at(self, row: int, step: int) -> tuple[str, str] | None:
+        return (f"r{row}", f"step {step}")
+
+
+def test_an_engine_without_the_optional_members_gets_the_declared_defaults():
+    engine = _Bare()
+    assert missing_methods(engine) == []
+    assert optional(engine, "prefix_caching") is True
+    assert optional(engine, "add_free_listener") is None
+    assert optional(engine, "request_at")(3, 4) is None
+
+
+def test_an_engine_with_the_optional_members_keeps_its_own():
+    engine = _Full()
+    assert optional(engine, "prefix_caching") is False
+    optional(engine, "add_free_listener")(print)
+    assert engine.listeners == [print]
+    assert optional(engine, "request_at")(3, 4) == ("r3", "step 4")
+
+
+def test_missing_methods_names_what_lacks_in_protocol_order():
+    class Half:
+        def canary_groups(self): ...
+        def generate(self): ...
+        reset = None  # not callable
+
+    assert missing_methods(Half()) == ["canary_capacities", "cache_walk", "set_forward_hooks", "reset"]
+
+
+def test_a_name_that_is_not_an_optional_member_is_an_error():
+    with pytest.raises(ValueError, match="name must be one of add_free_listener, prefix_caching, request_at; got 'generate'"):
+        optional(_Full(), "generate")
