@@ -107,10 +107,11 @@ def test_an_upward_import_is_found(target, monkeypatch):
 
 
 def test_the_seam_imports_only_the_types_it_hands_over():
-    """An engine author's one import: it pulls in the seam's data types and the record layout,
-    nothing of the runtime, the kernels or the plugin."""
+    """An engine author's one import: it pulls in the seam's data types, the kernels' input types
+    and the record layout, nothing of the runtime, the kernels' code or the plugin."""
     assert GRAPH[SEAM] == {"pytest_kvcanary.canary.host", "kvcanary_kernels.records"}
-    assert GRAPH["pytest_kvcanary.canary.host"] <= {"kvcanary_kernels.records", "kvcanary_kernels.checks"}
+    assert GRAPH["pytest_kvcanary.canary.host"] <= {"kvcanary_kernels.records", "kvcanary_kernels.checks",
+                                                    "kvcanary_kernels.inputs"}
 
 
 def test_adapters_and_the_reference_engine_import_the_seam_not_the_handles():
