@@ -1,7 +1,8 @@
 """The adapter's view of transformers, checked without the canary: for every forward, each
 (row, position) the mapping gives holds exactly the K/V a cacheless transformers forward computes
-for that request's tokens, the view says what the batch holds, and the cache walk's slots hold
-what its tokens make. Block 0 (the reserved slot 0) is never any request's."""
+for that request's tokens, the view (derived on the device from the forward's inputs) says what
+transformers' request states say the batch holds, and the cache walk's slots hold what its tokens
+make. Block 0 (the reserved slot 0) is never any request's."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ class MappingChecker:
     def after_forward(self, view) -> None:
         engine = self.engine
         tables = {g.kind: table for g, table in zip(engine.groups, (p.mapping.table for p in engine.canary_groups()))}
+        batch = engine.processor.inputs_and_outputs.requests_in_batch
+        lengths = [(f.state.position_offset - f.query_length, f.query_length) for f in batch]
+        padding = [(0, 0)] * (view.rows.numel() - len(batch))
+        assert list(zip(view.prefix_lens.tolist(), view.extend_lens.tolist())) == lengths + padding
         start = 0
         for row in range(view.rows.numel()):
             prefix, extend = int(view.prefix_lens[row]), int(view.extend_lens[row])
