@@ -34,6 +34,8 @@ in block 0, which the adapter takes out of the free list (5.17).
 from __future__ import annotations
 
 import inspect
+import itertools
+import operator
 from contextlib import nullcontext
 from typing import Any, Sequence
 
@@ -285,20 +287,21 @@ class TransformersEngine:
         if size != self._batch_size:
             buffers.set_batch(size)
             self._batch_size = size
-        tables = self.layout.block_tables()
+        states = [future.state for future in batch]
+        request_ids = [state.request_id for state in states]
+        for group, table, held in zip(self.groups, self.layout.block_tables(), self._row_blocks):
+            blocks = [table.get(request_id, NO_BLOCKS) for request_id in request_ids]
+            if blocks != held[:size]:  # a row grew, was re-pointed (de-duplication) or changed hands
+                for row in itertools.compress(range(size), map(operator.ne, blocks, held)):
+                    held[row] = list(blocks[row])
+                    buffers.set_row(group.kind, row, blocks[row])
         rows: list[int] = []
         positions: list[int] = []
         tokens: list[int] = []
-        for row, future in enumerate(batch):
-            state = future.state
+        for row, state in enumerate(states):
             if self._row_states[row] is not state:
                 self._row_states[row], self._row_known[row] = state, 0
                 self._row_owners.setdefault(row, []).append((self._steps, state.request_id))
-            blocks = [table.get(state.request_id, NO_BLOCKS) for table in tables]
-            if blocks != self._row_blocks[row]:  # grown, re-pointed (de-duplication) or another request's
-                self._row_blocks[row] = [list(ids) for ids in blocks]
-                for group, ids in zip(self.groups, blocks):
-                    buffers.set_row(group.kind, row, ids)
             known, length = self._row_known[row], state.position_offset  # advanced past this forward's tokens
             if length > known:
                 self._row_known[row] = length
@@ -317,7 +320,7 @@ class TransformersEngine:
         rows = self.capacities.max_batch
         self._batch_size = -1
         self._row_states: list[Any] = [None] * rows  # the RequestState each row's tokens are of
-        self._row_blocks: list[list[list[int]] | None] = [None] * rows  # per group, the block ids the row holds
+        self._row_blocks: list[list[list[int] | None]] = [[None] * rows for _ in self.groups]  # per group and row: block ids
         self._row_known = [0] * rows  # positions of that state already in token_table
 
     def _batch_buffers(self) -> BatchBuffers:

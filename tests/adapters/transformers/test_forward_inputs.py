@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .support import INSTALL, make_handle, reference_kv
+from .support import GRAPH_MODES, INSTALL, make_handle, reference_kv
 
 pytest.importorskip("transformers", reason=INSTALL)
 
@@ -47,8 +47,10 @@ def feed_a_wrong_position(engine) -> list[tuple[int, int, torch.Tensor]]:
     return faults
 
 
-def test_a_forward_fed_a_wrong_position_is_reported_by_write_position():
-    handle = make_handle("mha")
+@pytest.mark.parametrize("graphs", GRAPH_MODES, ids=lambda on: "graphs" if on else "eager")
+def test_a_forward_fed_a_wrong_position_is_reported_by_write_position(graphs):
+    # With graphs, forward FAULTY_STEP replays transformers' graph and the canary's (view included).
+    handle = make_handle("mha", use_cuda_graph=graphs, canary_graphs=graphs)
     engine = handle.engine
     faults = feed_a_wrong_position(engine)
     output = handle.generate([PROMPT], max_new_tokens=6)[0]
@@ -65,8 +67,9 @@ def test_a_forward_fed_a_wrong_position_is_reported_by_write_position():
     assert {v.slot for v in violations} == {slot}  # later HEADs see the same slot's record, nothing else
 
 
-def test_without_the_fault_nothing_is_reported():
-    handle = make_handle("mha")
+@pytest.mark.parametrize("graphs", GRAPH_MODES, ids=lambda on: "graphs" if on else "eager")
+def test_without_the_fault_nothing_is_reported(graphs):
+    handle = make_handle("mha", use_cuda_graph=graphs, canary_graphs=graphs)
     handle.generate([PROMPT], max_new_tokens=6)
     handle.side.runtime.drain()
     assert handle.violations() == []
