@@ -320,7 +320,7 @@ class TransformersEngine:
         rows = self.capacities.max_batch
         self._batch_size = -1
         self._row_states: list[Any] = [None] * rows  # the RequestState each row's tokens are of
-        self._row_blocks: list[list[list[int] | None]] = [[None] * rows for _ in self.groups]  # per group and row: block ids
+        self._row_blocks: list[list[list[int] | None]] = [[None] * rows for _ in self.groups]  # [group][row]: block ids
         self._row_known = [0] * rows  # positions of that state already in token_table
 
     def _batch_buffers(self) -> BatchBuffers:

@@ -197,7 +197,8 @@ class SectorLayout:
                     lambda request_id, no_cache=False: CAUSE_OFFLOADED if no_cache else CAUSE_RELEASED)
         causes.wrap(cache, "evict_cached_blocks", CAUSE_EVICTED)
         causes.wrap(cache, "mark_complete_blocks", CAUSE_DEDUPLICATED)
-        _after(cache, "mark_complete_blocks", lambda state, complete_blocks: on_marked(state) if complete_blocks else None)
+        _after(cache, "mark_complete_blocks",
+               lambda state, complete_blocks: on_marked(state) if complete_blocks else None)
 
     def flush(self) -> None:
         """Free every request's blocks and every hashed one; hand blocks out in a new cache's order."""
