@@ -18,15 +18,14 @@ RECHECK and TAIL every step over the FULL group, real_data as given, token check
 every SWEEP steps, the violation log drained as the runtime's drain_interval says; with CUDA
 graphs the canary's per-forward work replays from graphs of its own, canary_graphs=True). Host
 us is the host wall time the canary adds to a decode step, the mean over steps, and where it goes
-(PHASES): map (the batch's bookkeeping and its one upload), head (the view's derivation
-and HEAD, launched or replayed), tail (the forward's inputs, RECHECK and TAIL), end_forward
-(counting, the sweep every SWEEP steps, the log drain) and block log (noting hashed blocks, in
-update_batch after the step). Each configuration is
-measured `--runs` times (off, then on, each after one warm-up generation, over `--repeats`
-generations); the table shows the median run and the spread (min..max) of the cost over runs.
-The canary-on runs must report no violation. Without CUDA graphs the step is host-bound Python
-and its time moves between runs by more than the canary costs (benchmarks/RESULTS.md): compare
-the graph rows.
+(PHASES): map (the batch's bookkeeping and its one upload), head (the view's derivation and HEAD,
+launched or replayed), tail (the forward's inputs, RECHECK and TAIL), end_forward (counting, the
+sweep every SWEEP steps, the log drain) and block log (noting hashed blocks, in update_batch after
+the step). Each configuration is measured `--runs` times (off, then on, each after one warm-up
+generation, over `--repeats` generations); the table shows the median run and the spread
+(min..max) of the cost over runs. The canary-on runs must report no violation. Without CUDA
+graphs the step is host-bound Python and its time moves between runs by more than the canary
+costs (benchmarks/RESULTS.md): compare the graph rows.
 """
 
 from __future__ import annotations
