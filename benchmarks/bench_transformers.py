@@ -17,13 +17,15 @@ work) with the canary off (no hooks) and on (the CanaryRuntime with the Triton k
 RECHECK and TAIL every step over the FULL group, real_data as given, token checks on, the sweep
 every SWEEP steps, the violation log drained as the runtime's drain_interval says; with CUDA
 graphs the canary's per-forward work replays from graphs of its own, canary_graphs=True). Host
-ms is the host wall time the canary adds to a decode step (mapping the batch, launching or
-replaying its work, end_forward's sweep and drain), the mean over steps. Each configuration is
-measured `--runs` times (off, then on, each after one warm-up generation, over `--repeats`
-generations); the table shows the median run and the spread (min..max) of the cost over runs.
-The canary-on runs must report no violation. Without CUDA graphs the step is host-bound Python
-and its time moves between runs by more than the canary costs (benchmarks/RESULTS.md): compare
-the graph rows.
+us is the host wall time the canary adds to a decode step, the mean over steps, and where it goes
+(PHASES): map (the batch's bookkeeping and its one upload), head (the view's derivation and HEAD,
+launched or replayed), tail (the forward's inputs, RECHECK and TAIL), end_forward (counting, the
+sweep every SWEEP steps, the log drain) and block log (noting hashed blocks, in update_batch after
+the step). Each configuration is measured `--runs` times (off, then on, each after one warm-up
+generation, over `--repeats` generations); the table shows the median run and the spread
+(min..max) of the cost over runs. The canary-on runs must report no violation. Without CUDA
+graphs the step is host-bound Python and its time moves between runs by more than the canary
+costs (benchmarks/RESULTS.md): compare the graph rows.
 """
 
 from __future__ import annotations
@@ -71,45 +73,58 @@ def random_model(device: str, shape_name: str, smoke: bool) -> tuple[Any, Any]:
     return model.eval(), byte_tokenizer()
 
 
+PHASES = ("map", "head", "tail", "end_forward", "block log")
+
+
 class StepTimer:
     """Wraps the processor's (already guarded) generation step: wall seconds of each decode step,
-    and the host seconds the canary's work around it took in that step."""
+    and where the host seconds the canary adds to that step go (PHASES): mapping the batch and its
+    upload (_map_batch), the view's derivation and HEAD launched or replayed (_head), the
+    forward's inputs, RECHECK and TAIL (_tail), the runtime's end_forward (counting, the sweep
+    every SWEEP steps, the log drain), and noting hashed blocks in the block log (in update_batch,
+    after the step; counted with it)."""
 
     def __init__(self, engine: TransformersEngine) -> None:
-        self.engine, self.processor = engine, engine.processor
+        self.processor = engine.processor
         self.step = self.processor._generation_step
         self.processor._generation_step = self
         self.decode: list[float] = []
-        self.host: list[float] = []
-        self._canary = 0.0
-        for name in ("_canary_before", "_canary_after"):
-            setattr(engine, name, self._timed(getattr(engine, name)))
+        self.host: list[dict[str, float]] = []  # per decode step: host seconds per phase
+        self._phases: dict[str, float] = {}
+        hooks = engine._hooks
+        self._wrapped = [(engine, "_map_batch", "map"), (engine, "_head", "head"), (engine, "_tail", "tail"),
+                         (engine.block_log, "note", "block log")]
+        if hooks is not None:
+            self._wrapped.append((hooks, "end_forward", "end_forward"))
+        for obj, name, phase in self._wrapped:
+            setattr(obj, name, self._timed(getattr(obj, name), phase))
 
-    def _timed(self, work: Any) -> Any:
-        def timed(*args: Any) -> None:
+    def _timed(self, work: Any, phase: str) -> Any:
+        def timed(*args: Any) -> Any:
             start = time.perf_counter()
-            work(*args)
-            self._canary += time.perf_counter() - start
+            result = work(*args)
+            self._phases[phase] = self._phases.get(phase, 0.0) + time.perf_counter() - start
+            return result
         return timed
 
     def __call__(self, model: Any) -> None:
         decoding = all(f.query_length == 1 for f in self.processor.inputs_and_outputs.requests_in_batch)
-        self._canary = 0.0
+        self._phases = {}  # this step's, and its update_batch's (block log)
         start = time.perf_counter()
         self.step(model)
         if decoding:
             self.decode.append(time.perf_counter() - start)
-            self.host.append(self._canary)
+            self.host.append(self._phases)
 
     def close(self) -> None:
         self.processor._generation_step = self.step
-        for name in ("_canary_before", "_canary_after"):
-            delattr(self.engine, name)
+        for obj, name, _ in self._wrapped:
+            delattr(obj, name)
 
 
-def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: int) -> tuple[float, float]:
-    """(median decode-step ms, mean canary host ms per decode step) over `repeats` generations of
-    `batch` fresh prompts, after one that warms up."""
+def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: int) -> tuple[float, dict[str, float]]:
+    """(median decode-step ms, mean canary host us per decode step by phase) over `repeats`
+    generations of `batch` fresh prompts, after one that warms up."""
     timer = StepTimer(engine)
     gen = torch.Generator().manual_seed(batch)
     for repeat in range(repeats + 1):
@@ -118,12 +133,13 @@ def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: 
             timer.host.clear()
         engine.generate(torch.randint(0, 256, (batch, prompt), generator=gen).tolist(), max_new_tokens=new)
     timer.close()
-    return 1e3 * statistics.median(timer.decode), 1e3 * statistics.mean(timer.host)
+    host = {phase: 1e6 * statistics.mean(step.get(phase, 0.0) for step in timer.host) for phase in PHASES}
+    return 1e3 * statistics.median(timer.decode), host
 
 
 def measure(engine: TransformersEngine, batch: int, real_data: str, kernels: str, prompt: int, new: int,
-            repeats: int) -> tuple[float, float, float]:
-    """One run: (off ms, on ms, canary host ms) per decode step."""
+            repeats: int) -> tuple[float, float, dict[str, float]]:
+    """One run: (off ms, on ms, canary host us by phase) per decode step."""
     off, _ = run(engine, batch, prompt, new, repeats)
     handle = EngineHandle(engine, CanaryConfig(real_data=real_data, sweep_interval=SWEEP), kernels)
     handle.reset(0, ())
@@ -160,8 +176,8 @@ def main() -> None:
           f"model: {described} {model.dtype}  prompt {prompt} + {new} new tokens  runs {args.runs} x {args.repeats} "
           f"generations")
     print("| batch | cuda graphs | real_data | canary off ms/step | canary on ms/step | cost ms | cost % "
-          "| cost % min..max | host ms/step |")
-    print("|---:|---|---|---:|---:|---:|---:|---|---:|")
+          "| cost % min..max | host us/step | " + " | ".join(f"{phase} us" for phase in PHASES) + " |")
+    print("|---:|---|---|---:|---:|---:|---:|---|---:|" + "---:|" * len(PHASES))
     graph_modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs] if device == "cuda" else [False]
     kernels = "triton" if device == "cuda" else "torch"
     for batch in args.batches:
@@ -173,10 +189,12 @@ def main() -> None:
             for real_data in args.real_data:
                 runs = [measure(engine, batch, real_data, kernels, prompt, new, args.repeats) for _ in range(args.runs)]
                 costs = sorted(100 * (on - off) / off for off, on, _ in runs)
-                off, on, host = (statistics.median(column) for column in zip(*runs))
+                off, on = (statistics.median(column) for column in list(zip(*runs))[:2])
+                phases = {phase: statistics.median(host[phase] for _, _, host in runs) for phase in PHASES}
                 print(f"| {batch} | {'on' if use_cuda_graph else 'off'} | {real_data} | {off:.3f} | {on:.3f} | "
                       f"{on - off:.3f} | {statistics.median(costs):.1f}% | {costs[0]:.1f}..{costs[-1]:.1f}% | "
-                      f"{host:.3f} |", flush=True)
+                      f"{sum(phases.values()):.0f} | " + " | ".join(f"{phases[p]:.0f}" for p in PHASES) + " |",
+                      flush=True)
             del engine
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -1,9 +1,8 @@
-"""The per-forward mapping the transformers adapter hands the canary, uploaded in one copy: the
-batch's prefix and extend lengths, each group's block-table rows and the token-table entries the
-forward adds (row, position, token), all views of one device buffer filled from one pinned host
-buffer. Token entries are fixed-size (max_tokens): unused ones go to a scratch row past the
-view's rows, so applying them is one fixed-shape scatter (capturable in a CUDA graph). A forward
-that adds more (a request starting on a cached prefix adds its whole sequence) has the rest
+"""What the host uploads to the device per forward, in one copy from one pinned buffer: the batch
+size, the token-table entries the forward adds (row, position, token) and, only when one changed,
+the block-table rows. Token entries are fixed-size (max_tokens): unused ones go to a scratch row
+past the view's rows, so applying them is one fixed-shape scatter (capturable in a CUDA graph). A
+forward that adds more (a request starting on a cached prefix adds its whole sequence) has the rest
 applied at upload, eagerly."""
 
 from __future__ import annotations
@@ -19,15 +18,20 @@ from ...canary.host import Capacities
 
 
 class BatchBuffers:
-    """lens ``[2, max_batch]``, tables[kind] ``[max_batch, width]``, token_table ``[max_batch,
-    max_context]`` (device); fill the host side, then ``upload`` and ``apply_tokens``."""
+    """batch ``[1]``, tables[kind] ``[max_batch, width]``, token_table ``[max_batch, max_context]``
+    (device); fill the host side (``set_batch``, ``set_row``, ``set_entries``), then ``upload``
+    and, on the device, ``apply_tokens``."""
 
     def __init__(self, capacities: Capacities, widths: Mapping[GroupKind, int], device: torch.device) -> None:
         b, t = capacities.max_batch, capacities.max_tokens
-        shapes = {"lens": (2, b), **{kind: (b, w) for kind, w in widths.items()}, "tokens": (3, t)}
+        always = {"batch": (1, 1), "tokens": (3, t)}  # uploaded every forward
+        shapes = {**always, **{kind: (b, w) for kind, w in widths.items()}}  # tables: when a row changed
         total = sum(rows * cols for rows, cols in shapes.values())
+        self._always = sum(rows * cols for rows, cols in always.values())
         self.device_flat = torch.zeros(total, dtype=torch.int64, device=device)
         self.staging = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._copies = {False: (self.device_flat[:self._always], self.staging[:self._always]),
+                        True: (self.device_flat, self.staging)}  # tables changed -> (destination, source)
         host_flat = self.staging.numpy()
         self.device_views: dict[object, torch.Tensor] = {}
         self.host: dict[object, np.ndarray] = {}
@@ -40,36 +44,38 @@ class BatchBuffers:
         self.host["tokens"][0] = b  # every entry unused: the scratch row
         self._table = torch.full((b + 1, capacities.max_context), UNKNOWN, dtype=torch.int64, device=device)
         self.token_table = self._table[:b]
-        self.lens = self.device_views["lens"]
+        self.batch = self.device_views["batch"][0]
         self.tables = {kind: self.device_views[kind] for kind in widths}
-        self._batch = 0  # rows filled last forward
+        self._tables_changed = True  # the first upload sends every table
         self._entries = 0  # token entries filled last forward
         self._spill: list[Sequence[int]] = [[], [], []]  # this forward's entries past max_tokens
 
-    def fill(self, prefix: Sequence[int], extend: Sequence[int], tables: Mapping[GroupKind, dict[int, list[int]]],
-             rows: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
-        """This forward's lengths (one per batch row), the table rows that changed (row -> block
-        ids; rows from len(prefix) on are cleared) and its new token entries."""
-        n, lens = len(prefix), self.host["lens"]
-        lens[0, :n], lens[1, :n] = prefix, extend
-        lens[:, n:self._batch] = 0
-        for kind, changed in tables.items():
-            host = self.host[kind]
-            for row, blocks in changed.items():
-                host[row, :len(blocks)] = blocks
-                host[row, len(blocks):] = 0
-            host[n:self._batch] = 0
-        self._batch = n
+    def set_batch(self, size: int) -> None:
+        """The number of requests in this forward (rows at or past it are padding)."""
+        self.host["batch"][0, 0] = size
+
+    def set_row(self, kind: GroupKind, row: int, blocks: Sequence[int]) -> None:
+        """Row `row` of the group's block table now holds `blocks` (the rest of the row: 0)."""
+        host = self.host[kind]
+        host[row, :len(blocks)] = blocks
+        host[row, len(blocks):] = 0
+        self._tables_changed = True
+
+    def set_entries(self, rows: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
+        """This forward's new token-table entries."""
         entries = self.host["tokens"]
         m = min(len(rows), entries.shape[1])
-        entries[0, :m], entries[1, :m], entries[2, :m] = rows[:m], positions[:m], tokens[:m]
+        entries[:, :m] = (rows[:m], positions[:m], tokens[:m])
         entries[0, m:self._entries] = self.scratch_row
         self._entries = m
         self._spill = [rows[m:], positions[m:], tokens[m:]]
 
     def upload(self) -> None:
-        """Copy the host side over; write the token entries past the fixed-size part."""
-        self.device_flat.copy_(self.staging, non_blocking=True)
+        """Copy the host side over (the tables only when a row changed); write the token entries
+        past the fixed-size part."""
+        destination, source = self._copies[self._tables_changed]
+        destination.copy_(source, non_blocking=True)
+        self._tables_changed = False
         if self._spill[0]:
             rows, positions, tokens = torch.tensor(self._spill, dtype=torch.int64).to(self._table.device)
             self._table.index_put_((rows, positions), tokens)

@@ -3,7 +3,7 @@ sequence, its tokens and its parent block. The sweep's cache walk is built from 
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Container, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ class BlockLog:
         self.blocks: dict[int, LoggedBlock] = {}
         self._walked: tuple[dict[int, LoggedBlock], dict[int, bool], CacheWalk] | None = None  # the last walk
 
-    def note(self, table: Sequence[int], tokens: Sequence[int], hashed: Mapping[int, bool]) -> None:
+    def note(self, table: Sequence[int], tokens: Sequence[int], hashed: Container[int]) -> None:
         """Log the hashed blocks of one request's block table (`tokens`: its sequence so far). A
         block already logged is logged again when it now follows another parent (transformers
         re-created an evicted parent)."""

@@ -2,8 +2,9 @@
 TAIL), replayed around transformers' own graph replay, so a decode step pays two graph launches
 for the canary instead of a Python launch per kernel.
 
-The graphs read the engine's persistent view and mapping buffers, which the engine refills in
-place before each forward. The first forward under a set of hooks runs them eagerly (Triton
+The graphs read the engine's persistent upload buffers and transformers' static input buffers,
+which are refilled in place before each forward; the view is derived from them inside the graphs
+(`head_prelude`, `tail_prelude`). The first forward under a set of hooks runs them eagerly (Triton
 compiles, buffers are allocated); the second captures both graphs, and every forward replays.
 Forward observers (the fault injector) are not called on replay; write-through is off (the
 forward's own KV store runs inside transformers' graph).
@@ -19,11 +20,13 @@ from ...canary.host import ForwardHooks, ForwardView
 
 
 class CanaryGraphs:
-    """HEAD (after `prelude`, the engine's own device work on the view) and RECHECK+TAIL of one
-    hooks object over one view, eager once, then captured."""
+    """HEAD (after `head_prelude`) and RECHECK+TAIL (after `tail_prelude`) of one hooks object over
+    one view, eager once, then captured; the preludes are the engine's own device work on the view."""
 
-    def __init__(self, hooks: ForwardHooks, view: ForwardView, prelude: Callable[[], None]) -> None:
-        self.hooks, self.view, self.prelude = hooks, view, prelude
+    def __init__(self, hooks: ForwardHooks, view: ForwardView, head_prelude: Callable[[], None],
+                 tail_prelude: Callable[[], None]) -> None:
+        self.hooks, self.view = hooks, view
+        self.head_prelude, self.tail_prelude = head_prelude, tail_prelude
         self.eager_runs = 0
         self.head: torch.cuda.CUDAGraph | None = None
         self.tail: torch.cuda.CUDAGraph | None = None
@@ -37,16 +40,20 @@ class CanaryGraphs:
         self.head.replay()
 
     def _head(self) -> None:
-        self.prelude()
+        self.head_prelude()
         self.hooks.before_forward(self.view)
+
+    def _tail(self) -> None:
+        self.tail_prelude()
+        self.hooks.after_forward(self.view)
 
     def after(self) -> None:
         if self.eager_runs == 0:
-            self.hooks.after_forward(self.view)
+            self._tail()
             self.eager_runs = 1
             return
         if self.tail is None:
-            self.tail = self._capture(lambda: self.hooks.after_forward(self.view))
+            self.tail = self._capture(self._tail)
         self.tail.replay()
 
     @staticmethod

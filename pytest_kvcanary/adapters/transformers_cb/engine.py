@@ -4,13 +4,17 @@ The engine drives a ``ContinuousBatchProcessor`` in the calling thread (no backg
 
     prepare_next_batch -> _generation_step -> update_batch
 
-and wraps ``_generation_step`` on the processor: before it, the batch's lengths, changed
-block-table rows and new token-table entries are uploaded in one copy (batch_buffers.py) and the
-ForwardView is filled, then hooks.before_forward; after it, hooks.after_forward and
-hooks.end_forward. The wrapper runs in Python around whatever the step does inside, so it works
-the same when the step replays a CUDA graph (``use_cuda_graph=True``): the canary's kernels run
-on the processor's compute stream right before and after the replay, eagerly or, with
-``canary_graphs=True``, replayed from graphs of their own (canary_graphs.py).
+and wraps ``_generation_step`` on the processor: before it, the host uploads what only it knows
+(batch_buffers.py: the batch size, the token-table entries the forward adds, and a block-table row
+only when that row's block ids changed), the view's lengths are derived on the device from the
+cumulative sequence lengths transformers hands the forward (forward_view.py), then
+hooks.before_forward; after it, the view's input ids and positions are copied from the very
+buffers the forward consumed, then hooks.after_forward and hooks.end_forward. The wrapper runs in
+Python around whatever the step does inside, so it works the same when the step replays a CUDA
+graph (``use_cuda_graph=True``): the canary's kernels run on the processor's compute stream right
+before and after the replay, eagerly or, with ``canary_graphs=True``, replayed (with the view's
+derivation) from graphs of their own (canary_graphs.py). The per-forward host work is a pass over
+the batch's request states and one copy: no device sync, no read-back.
 
 With write_through (the default) the paged cache's ``update`` is wrapped too: each layer's K and
 V rows, as the forward computed them, go to hooks.kv_stored before transformers stores them, so
@@ -18,8 +22,10 @@ TAIL checks every written slot holds exactly what the forward computed (a store 
 slot, one slot early, say, is reported in that forward). Write-through runs in eager forwards
 only: a forward replayed from a CUDA graph skips the wrapper and is stamped without it.
 
-Mapping row r is batch row r of the current forward (refilled every forward: transformers
-re-points a request's table when it de-duplicates a block). Slot s of a group is offset
+Mapping row r is batch row r of the current forward. A row's block-table row is re-sent only when
+its block ids changed (the table grew, transformers re-pointed it when it de-duplicated a block,
+or the row changed hands); token-table entries only for the positions a row's request added since
+the last forward (its whole sequence when the row changed hands). Slot s of a group is offset
 ``s % page_size`` of block ``s // page_size`` in that group's block geometry; slot 0 (block 0's
 first slot) is never a token's: it lies in a trash block transformers never allocates (5.18+) or
 in block 0, which the adapter takes out of the free list (5.17).
@@ -28,6 +34,8 @@ in block 0, which the adapter takes out of the free list (5.17).
 from __future__ import annotations
 
 import inspect
+import itertools
+import operator
 from contextlib import nullcontext
 from typing import Any, Sequence
 
@@ -36,11 +44,15 @@ import torch
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import GroupKind
 
-from ...canary.host import CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping
+from ...canary.host import CacheWalk, Capacities, ForwardHooks, FreeListener, PoolGroup, SlotMapping
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .canary_graphs import CanaryGraphs
+from .forward_view import DerivedView
 from .versions import CAUSE_RESET, GroupCache, cache_layout, config_options, sdpa_attention
+
+
+NO_BLOCKS: list[int] = []
 
 
 class TransformersEngine:
@@ -97,11 +109,10 @@ class TransformersEngine:
             max_context=min(max_context, model.config.max_position_embeddings))
         self._buffers = self._batch_buffers()
         self._tables = self._buffers.tables
-        self._view = self._forward_view()
-        self._row_tables: list[tuple[Any, ...] | None] = [None] * self.capacities.max_batch  # what each row's tables hold
-        self._table_epoch = 0  # advances whenever a block is freed or hashed (a table may be re-pointed)
-        self._row_tokens: list[Any] = [None] * self.capacities.max_batch  # the RequestState each row's tokens are of
-        self._row_known = [0] * self.capacities.max_batch  # positions of that state already in token_table
+        self._derived = DerivedView(self.processor.inputs_and_outputs, self.capacities, self._buffers.batch,
+                                    self._buffers.token_table)
+        self._view = self._derived.view
+        self._clear_rows()
 
         self._hooks: ForwardHooks | None = None
         self._canary_graphs = canary_graphs
@@ -140,7 +151,7 @@ class TransformersEngine:
     # ------------------------------------------------------------------------ EngineUnderTest
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
         self._hooks = hooks
-        self._graphs = (CanaryGraphs(hooks, self._view, self._buffers.apply_tokens)
+        self._graphs = (CanaryGraphs(hooks, self._view, self._head_prelude, self._derived.copy_inputs)
                         if hooks is not None and self._canary_graphs else None)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -182,9 +193,7 @@ class TransformersEngine:
             self.layout.flush()
         self.block_log.clear()
         self._buffers.reset()
-        self._row_tables = [None] * self.capacities.max_batch
-        self._row_tokens = [None] * self.capacities.max_batch
-        self._row_known = [0] * self.capacities.max_batch
+        self._clear_rows()
         self._steps = 0
         self._row_owners.clear()
         self._prompts.clear()
@@ -215,18 +224,31 @@ class TransformersEngine:
 
     def _canary_before(self, hooks: ForwardHooks) -> None:
         self._map_batch()
+        self._head(hooks)
+
+    def _canary_after(self, hooks: ForwardHooks) -> None:
+        self._tail(hooks)
+        hooks.end_forward()
+
+    def _head(self, hooks: ForwardHooks) -> None:
+        """The view's derivation and HEAD (device work, replayed from a graph with canary_graphs)."""
         if self._graphs is not None:
             self._graphs.before()
         else:
-            self._buffers.apply_tokens()
+            self._head_prelude()
             hooks.before_forward(self._view)
 
-    def _canary_after(self, hooks: ForwardHooks) -> None:
+    def _tail(self, hooks: ForwardHooks) -> None:
+        """The forward's inputs into the view, RECHECK and TAIL (device work, as _head)."""
         if self._graphs is not None:
             self._graphs.after()
         else:
+            self._derived.copy_inputs()
             hooks.after_forward(self._view)
-        hooks.end_forward()
+
+    def _head_prelude(self) -> None:
+        self._buffers.apply_tokens()
+        self._derived.derive_lengths()
 
     def _wrap_cache_update(self) -> None:
         """Report each layer's computed K/V rows ([T, H, D], view token order) to hooks.kv_stored
@@ -254,65 +276,57 @@ class TransformersEngine:
         return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def _map_batch(self) -> None:
-        """Fill the mapping tables and the view for the batch transformers just prepared: one
-        upload of the lengths, the table rows that changed and the new token entries."""
-        io = self.processor.inputs_and_outputs
-        batch = io.requests_in_batch
-        if len(batch) > self.capacities.max_batch:
-            raise RuntimeError(f"transformers batched {len(batch)} requests; the canary was sized for "
+        """Upload what only the host knows about the batch transformers just prepared: its size,
+        the token-table entries it adds and the block-table rows that changed."""
+        batch = self.processor.inputs_and_outputs.requests_in_batch
+        size = len(batch)
+        if size > self.capacities.max_batch:
+            raise RuntimeError(f"transformers batched {size} requests; the canary was sized for "
                                f"{self.capacities.max_batch}")
-        prefix, extend = [], []
-        tables: dict[GroupKind, dict[int, list[int]]] = {g.kind: {} for g in self.groups}
-        rows, positions, tokens = [], [], []
-        for row, future in enumerate(batch):
-            state, query = future.state, future.query_length
-            start = state.position_offset - query  # prepare_batch_tensors already advanced the offset
-            prefix.append(start)
-            extend.append(query)
-            blocks = [self.layout.block_ids(g, state.request_id) for g in self.groups]
-            key = (id(state), self._table_epoch, *map(len, blocks))
-            if self._row_tables[row] != key:
-                self._row_tables[row] = key
-                for group, ids in zip(self.groups, blocks):
-                    tables[group.kind][row] = ids
-            self._note_tokens(row, state, start + query, rows, positions, tokens)
-        for row in range(len(batch), self.capacities.max_batch):
-            self._row_tables[row] = None
-        self._buffers.fill(prefix, extend, tables, rows, positions, tokens)
-        self._buffers.upload()
-        self._view.input_ids.copy_(io.input_ids[:self.capacities.max_tokens])
-        self._view.positions.copy_(io.position_ids[:self.capacities.max_tokens])
+        buffers = self._buffers
+        if size != self._batch_size:
+            buffers.set_batch(size)
+            self._batch_size = size
+        states = [future.state for future in batch]
+        request_ids = [state.request_id for state in states]
+        for group, table, held in zip(self.groups, self.layout.block_tables(), self._row_blocks):
+            blocks = [table.get(request_id, NO_BLOCKS) for request_id in request_ids]
+            if blocks != held[:size]:  # a row grew, was re-pointed (de-duplication) or changed hands
+                for row in itertools.compress(range(size), map(operator.ne, blocks, held)):
+                    held[row] = list(blocks[row])
+                    buffers.set_row(group.kind, row, blocks[row])
+        rows: list[int] = []
+        positions: list[int] = []
+        tokens: list[int] = []
+        for row, state in enumerate(states):
+            if self._row_states[row] is not state:
+                self._row_states[row], self._row_known[row] = state, 0
+                self._row_owners.setdefault(row, []).append((self._steps, state.request_id))
+            known, length = self._row_known[row], state.position_offset  # advanced past this forward's tokens
+            if length > known:
+                self._row_known[row] = length
+                rows.extend([row] * (length - known))
+                positions.extend(range(known, length))
+                prompt = state.initial_tokens
+                if known >= len(prompt):  # decoding: generated tokens only
+                    tokens.extend(state.generated_tokens[known - len(prompt):length - len(prompt)])
+                else:
+                    tokens.extend((prompt + state.generated_tokens)[known:length])
+        buffers.set_entries(rows, positions, tokens)
+        buffers.upload()
 
-    def _note_tokens(self, row: int, state: Any, length: int, rows: list[int], positions: list[int],
-                     tokens: list[int]) -> None:
-        """Queue the token_table entries of `row` that are new: the request's whole sequence up to
-        `length` when the row changed hands, else what was added since."""
-        if self._row_tokens[row] is not state:
-            self._row_tokens[row], self._row_known[row] = state, 0
-            self._row_owners.setdefault(row, []).append((self._steps, state.request_id))
-        start = self._row_known[row]
-        if length > start:
-            prompt, generated = state.initial_tokens, state.generated_tokens
-            tokens.extend(prompt[start:length])
-            tokens.extend(generated[max(0, start - len(prompt)):max(0, length - len(prompt))])
-            rows.extend([row] * (length - start))
-            positions.extend(range(start, length))
-            self._row_known[row] = length
+    def _clear_rows(self) -> None:
+        """Forget what every mapping row holds: the next forward re-sends each row it uses."""
+        rows = self.capacities.max_batch
+        self._batch_size = -1
+        self._row_states: list[Any] = [None] * rows  # the RequestState each row's tokens are of
+        self._row_blocks: list[list[list[int] | None]] = [[None] * rows for _ in self.groups]  # [group][row]: block ids
+        self._row_known = [0] * rows  # positions of that state already in token_table
 
     def _batch_buffers(self) -> BatchBuffers:
         c = self.capacities
         widths = {g.kind: -(-(g.ring if g.ring else c.max_context) // g.page_size) for g in self.groups}
         return BatchBuffers(c, widths, self.device)
-
-    def _forward_view(self) -> ForwardView:
-        c, device = self.capacities, self.device
-        lens = self._buffers.lens
-        return ForwardView(
-            rows=torch.arange(c.max_batch, dtype=torch.int64, device=device),
-            prefix_lens=lens[0], extend_lens=lens[1],
-            input_ids=torch.zeros(c.max_tokens, dtype=torch.int64, device=device),
-            positions=torch.zeros(c.max_tokens, dtype=torch.int64, device=device),
-            token_table=self._buffers.token_table)
 
     # ------------------------------------------------------------------------ bookkeeping
     def _encode(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
@@ -329,7 +343,6 @@ class TransformersEngine:
         return ids
 
     def _on_free(self, kind: GroupKind, blocks: list[int], cause: str) -> None:
-        self._table_epoch += 1
         if kind is GroupKind.FULL:
             self.block_log.forget(blocks)
         if self._free_listeners:
@@ -340,10 +353,9 @@ class TransformersEngine:
                 listener(kind, slots, cause)
 
     def _on_marked(self, state: Any) -> None:
-        self._table_epoch += 1
         full = self.groups[0]
         self.block_log.note(self.layout.block_ids(full, state.request_id),
-                            state.initial_tokens + state.generated_tokens, self.layout.hashed_blocks())
+                            state.initial_tokens + state.generated_tokens, self.layout.hashed_ids())
 
     def _collect(self) -> dict[str, list[int]]:
         queue = self.manager.output_router.output_queue

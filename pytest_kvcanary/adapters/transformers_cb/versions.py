@@ -13,10 +13,12 @@ about one of them:
   tracks complete blocks as ``Block`` objects. The two trash blocks are the last two, so block 0
   is taken out of the free deque here to serve as the canary's reserved slot 0.
 
-Both report a block id per (request, block index) through ``block_ids``, the hashed FULL blocks
-through ``hashed_blocks``, every block returning to the free pool through the ``on_free`` callback
-(before it is released, with a cause; ``causes.cause(...)`` names the cause of what an outer
-call releases) and every request whose completed blocks were just hashed through ``on_marked``.
+Both report a block id per (request, block index) through ``block_ids`` (every request's through
+``block_tables``), the hashed FULL blocks through ``hashed_blocks`` (``hashed_ids``: membership
+only), every block returning to the free pool through the ``on_free`` callback (before it is
+released, with a cause; ``causes.cause(...)`` names the cause of what an outer call releases) and
+every request whose completed blocks were just hashed through ``on_marked`` (not called for a
+request that completed none).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import inspect
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Container, Iterable, Iterator, Mapping
 
 import torch
 
@@ -163,6 +165,10 @@ class SectorLayout:
     def block_ids(self, group: GroupCache, request_id: str) -> list[int]:
         return self.cache.cache_allocators[group.key].block_table.get(request_id, [])
 
+    def block_tables(self) -> list[Mapping[str, list[int]]]:
+        """Per group (in `groups` order): request id -> its block ids."""
+        return [self.cache.cache_allocators[g.key].block_table for g in self.groups]
+
     def store_target(self, layer_idx: int) -> tuple[GroupKind, int]:
         """The group model layer `layer_idx` stores into and its index in that group's k_layers."""
         group = next(g for g in self.groups if layer_idx in g.layers)
@@ -172,6 +178,10 @@ class SectorLayout:
         """FULL blocks with a content hash -> True when a live request holds them."""
         ledger = self.cache.cache_allocators[FULL_ATTENTION].ledger
         return {block: block not in ledger.cached_blocks for block in ledger.block_to_hash}
+
+    def hashed_ids(self) -> Container[int]:
+        """The FULL blocks with a content hash (membership only; no copy)."""
+        return self.cache.cache_allocators[FULL_ATTENTION].ledger.block_to_hash
 
     def install(self, on_free: FreeCallback, on_marked: MarkedCallback) -> None:
         cache, causes = self.cache, self.causes
@@ -187,7 +197,8 @@ class SectorLayout:
                     lambda request_id, no_cache=False: CAUSE_OFFLOADED if no_cache else CAUSE_RELEASED)
         causes.wrap(cache, "evict_cached_blocks", CAUSE_EVICTED)
         causes.wrap(cache, "mark_complete_blocks", CAUSE_DEDUPLICATED)
-        _after(cache, "mark_complete_blocks", lambda state, complete_blocks: on_marked(state))
+        _after(cache, "mark_complete_blocks",
+               lambda state, complete_blocks: on_marked(state) if complete_blocks else None)
 
     def flush(self) -> None:
         """Free every request's blocks and every hashed one; hand blocks out in a new cache's order."""
@@ -248,6 +259,10 @@ class BlockManagerLayout:
     def block_ids(self, group: GroupCache, request_id: str) -> list[int]:
         return self.cache.group_cache_managers[group.key].block_table.get(request_id, [])
 
+    def block_tables(self) -> list[Mapping[str, list[int]]]:
+        """Per group (in `groups` order): request id -> its block ids."""
+        return [self.cache.group_cache_managers[g.key].block_table for g in self.groups]
+
     def store_target(self, layer_idx: int) -> tuple[GroupKind, int]:
         """The group model layer `layer_idx` stores into and its index in that group's k_layers
         (the per-layer tensors every group shares)."""
@@ -258,6 +273,10 @@ class BlockManagerLayout:
         manager = self.cache._block_manager
         return {block: manager._id_to_block[block].ref_count > 0 for block in manager._hash_to_id.values()}
 
+    def hashed_ids(self) -> Container[int]:
+        """The blocks with a content hash."""
+        return set(self.cache._block_manager._hash_to_id.values())
+
     def install(self, on_free: FreeCallback, on_marked: MarkedCallback) -> None:
         self._on_free = on_free
         self._hook_manager(self.cache._block_manager)
@@ -265,7 +284,7 @@ class BlockManagerLayout:
             self.causes.wrap(cm, "free_blocks", CAUSE_RELEASED)
         # 5.17 releases an offloaded request like a finished one; only the caller tells them apart.
         self.causes.wrap(self.processor.offloading_manager, "offload_requests", CAUSE_OFFLOADED)
-        _after(self.cache, "mark_shareable_blocks_as_complete", lambda state, n: on_marked(state))
+        _after(self.cache, "mark_shareable_blocks_as_complete", lambda state, n: on_marked(state) if n else None)
 
     def _hook_manager(self, manager: Any) -> None:
         """Announce the manager's frees, note which group each block goes to, keep block 0 out."""

@@ -1,7 +1,8 @@
 """The adapter's view of transformers, checked without the canary: for every forward, each
 (row, position) the mapping gives holds exactly the K/V a cacheless transformers forward computes
-for that request's tokens, the view says what the batch holds, and the cache walk's slots hold
-what its tokens make. Block 0 (the reserved slot 0) is never any request's."""
+for that request's tokens, the view (derived on the device from the forward's inputs) says what
+transformers' request states say the batch holds, and the cache walk's slots hold what its tokens
+make. Block 0 (the reserved slot 0) is never any request's."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ class MappingChecker:
     def after_forward(self, view) -> None:
         engine = self.engine
         tables = {g.kind: table for g, table in zip(engine.groups, (p.mapping.table for p in engine.canary_groups()))}
+        batch = engine.processor.inputs_and_outputs.requests_in_batch
+        lengths = [(f.state.position_offset - f.query_length, f.query_length) for f in batch]
+        padding = [(0, 0)] * (view.rows.numel() - len(batch))
+        assert list(zip(view.prefix_lens.tolist(), view.extend_lens.tolist())) == lengths + padding
         start = 0
         for row in range(view.rows.numel()):
             prefix, extend = int(view.prefix_lens[row]), int(view.extend_lens[row])
@@ -153,3 +158,16 @@ def test_request_at_names_the_request_of_each_row_and_forward():
     assert engine.request_at(0, 0) == ("kvcanary-0", "first prompt")
     assert engine.request_at(1, 0) == ("kvcanary-1", "second prompt")
     assert engine.request_at(2, 0) is None
+
+
+def test_a_block_table_row_is_sent_only_when_its_block_ids_change():
+    engine = make_engine("mha")  # page 16
+    engine.set_forward_hooks(Passive())
+    sent = []
+    set_row = engine._buffers.set_row
+    engine._buffers.set_row = lambda kind, row, blocks: (sent.append((engine._steps, list(blocks))),
+                                                        set_row(kind, row, blocks))
+    engine.generate([[9] * 20], max_new_tokens=30)  # positions 0..48: blocks 2, 3 and 4 start at 0, 32, 48
+    # The prefill (forward 0) sends the row; decode forwards send it again only when a block was added.
+    assert [(step, len(blocks)) for step, blocks in sent] == [(0, 2), (13, 3), (29, 4)]
+    assert [blocks[:2] for _, blocks in sent] == [sent[0][1]] * 3
