@@ -36,8 +36,8 @@ from __future__ import annotations
 import inspect
 import itertools
 import operator
-from contextlib import nullcontext
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -270,10 +270,22 @@ class TransformersEngine:
 
         cache.update = reporting_update
 
-    def _on_compute_stream(self) -> Any:
-        """The stream transformers computes on (CUDA), so the canary's work is ordered with it."""
+    @contextmanager
+    def _on_compute_stream(self) -> Iterator[None]:
+        """The canary's device work on the stream transformers computes on (CUDA), ordered both
+        ways with the host's stream: after the input writes transformers enqueued there for this
+        forward, and before its next batch's reset and writes of the same buffers (the canary
+        reads transformers' input buffers; without the second wait the next reset could zero them
+        before TAIL copies them)."""
         stream = getattr(self.processor.inputs_and_outputs, "compute_stream", None)
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+        if stream is None:
+            yield
+            return
+        host = torch.cuda.current_stream()
+        stream.wait_stream(host)
+        with torch.cuda.stream(stream):
+            yield
+        host.wait_stream(stream)
 
     def _map_batch(self) -> None:
         """Upload what only the host knows about the batch transformers just prepared: its size,

@@ -64,6 +64,15 @@ def reference_kv(model: Any, tokens: list[int]) -> list[tuple[torch.Tensor, torc
     """Per model layer, (K, V) ``[len(tokens), H, D]`` of a cacheless forward over `tokens`."""
     from transformers import DynamicCache
 
+    # Continuous batching may leave the model on its paged attention (transformers 5.17 does); a
+    # cacheless forward needs the plain implementation behind it.
+    paged = model.config._attn_implementation
+    if paged.startswith("paged|"):
+        model.set_attn_implementation(paged.removeprefix("paged|"))
     cache = DynamicCache()
-    model(input_ids=torch.tensor([tokens], device=model.device), past_key_values=cache, use_cache=True)
+    try:
+        model(input_ids=torch.tensor([tokens], device=model.device), past_key_values=cache, use_cache=True)
+    finally:
+        if paged.startswith("paged|"):
+            model.set_attn_implementation(paged)
     return [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]
