@@ -131,8 +131,9 @@ def test_block_table_entry_pointed_at_another_live_block_is_caught_at_head(atten
 def test_recomputing_a_fully_cached_prompt_writes_a_shared_block_before_5_18():
     """transformers 5.17 matches a prompt of whole pages in full, then recomputes its last token:
     the KV of that position is written again into the cached block every request with the prompt
-    reads, so a request reading it in the same forward sees its bytes change (RECHECK). 5.18 keeps
-    the last page out of the match."""
+    reads, so a request reading it in the same forward sees its bytes change (RECHECK), and with
+    write-through TAIL may find the slot holding another row's write of it. 5.18 keeps the last
+    page out of the match."""
     import transformers
 
     handle = make_handle("mha")
@@ -143,6 +144,8 @@ def test_recomputing_a_fully_cached_prompt_writes_a_shared_block_before_5_18():
     handle.side.runtime.drain()
     found = {(v.phase, v.reasons, v.position) for v in handle.violations()}
     if Version(transformers.__version__) < Version("5.18"):
-        assert found == {("RECHECK", ("verify_real_kv_hash",), 2 * page - 1)}
+        recheck = ("RECHECK", ("verify_real_kv_hash",), 2 * page - 1)
+        assert recheck in found
+        assert found <= {recheck, ("TAIL", ("write_real_kv_hash",), 2 * page - 1)}
     else:
         assert found == set()
