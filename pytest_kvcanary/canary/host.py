@@ -1,6 +1,6 @@
-"""The data the canary seam hands over (`canary/seam.py` is the seam an engine author reads: the
-call order and the protocols): the pool groups and their slot mappings, the capacities, the
-forward view, the cache walk, the listener types and the forward hooks.
+"""The data the canary seam hands over: the pool groups and their slot mappings, the capacities,
+the forward view and the cache walk. `canary/seam.py` is the seam an engine author reads (the call
+order, the protocols, the forward hooks and the listener types) and imports these from here.
 
 It loads without triton and without importing torch (the tensor types below are annotations only).
 The two types an engine fills for the kernels, SlotMapping (where a slot lives) and ForwardView (one
@@ -11,17 +11,14 @@ read them as they are; they are imported here for engine authors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from kvcanary_kernels.checks import check_int
 # The kernels' input types are the seam's: one definition, read by the kernels as they are.
 from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping
 from kvcanary_kernels.records import GroupKind, Half
 
-__all__ = [
-    "CacheWalk", "Capacities", "ForwardHooks", "ForwardView", "FreeListener", "GroupInputs", "PoolGroup",
-    "SlotMapping", "TransferListener",
-]
+__all__ = ["CacheWalk", "Capacities", "ForwardView", "GroupInputs", "PoolGroup", "SlotMapping"]
 
 if TYPE_CHECKING:
     import torch
@@ -100,31 +97,3 @@ class CacheWalk(NamedTuple):
     tokens: torch.Tensor
     locked: torch.Tensor
     context_keys: torch.Tensor | None = None
-
-
-# Called with (group, slots of that group's mapping space, cause) whenever slots stop holding their
-# data, before they are released. For a group mapped through full_to_group the slots are FULL slots.
-FreeListener = Callable[[GroupKind, "torch.Tensor", str], None]
-
-# Called with (prefill FULL slots, decode FULL slots) of one transferred prompt, position by
-# position, once its KV landed on the decode side and before the decode side's next forward.
-TransferListener = Callable[["torch.Tensor", "torch.Tensor"], None]
-
-
-class ForwardHooks(Protocol):
-    """What an engine calls around each forward (the CanaryRuntime is one). Order: canary/seam.py."""
-
-    def before_forward(self, view: ForwardView) -> None:
-        """Before the forward reads KV; the batch's slots are in the mapping. Device work only."""
-
-    def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        """Optional write-through, inside the forward at the KV-store point of ``layer`` (an index
-        into the group's k_layers): the K (and V) rows the forward computed for its tokens, shaped
-        ``[T, ...]`` in view token order. TAIL then checks each written slot holds exactly that.
-        Device work only."""
-
-    def after_forward(self, view: ForwardView) -> None:
-        """After the forward wrote its KV, before its samples are used. Device work only."""
-
-    def end_forward(self) -> None:
-        """Once per forward, after after_forward (eager) or after the graph replay; host side."""

@@ -1,4 +1,4 @@
-"""CanaryRuntime: the engine-agnostic canary. An engine calls it around each forward (see host.py
+"""CanaryRuntime: the engine-agnostic canary. An engine calls it around each forward (see seam.py
 for the call order); everything it does per forward is device work on buffers sized at attach."""
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 implements or hands over, in the order an adapter is written. Read this module top to bottom.
 
 It loads without triton and without importing torch (tensor types are annotations only), so a
-conftest can import it at module level. The data types come from `canary/host.py` (their fields
-and invariants are documented there) and `GroupKind` / `Half` from the kernels' record layout;
-import them all from here.
+conftest can import it at module level. The protocols, the forward hooks and the listener types
+are defined here; the data types come from `canary/host.py` (their fields and invariants are
+documented there) and `GroupKind` / `Half` from the kernels' record layout; import them all from
+here.
 
 An adapter is an `EngineUnderTest`:
 
@@ -44,18 +45,25 @@ replay it with the view's tensors refilled in place; end_forward is never captur
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 from kvcanary_kernels.records import GroupKind, Half
 
-from .host import (CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, SlotMapping,
-                   TransferListener)
+from .host import CacheWalk, Capacities, ForwardView, GroupInputs, PoolGroup, SlotMapping
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "GroupKind", "Half", "SlotMapping", "PoolGroup", "Capacities", "GroupInputs", "ForwardView", "CacheWalk",
     "FreeListener", "TransferListener", "ForwardHooks", "CanaryHost", "EngineUnderTest", "PrefillDecodePair",
     "UnsupportedAttention", "OPTIONAL_MEMBERS", "REQUIRED_METHODS", "missing_methods", "optional",
 ]
+
+
+# Called with (group, slots of that group's mapping space, cause) whenever slots stop holding their
+# data, before they are released. For a group mapped through full_to_group the slots are FULL slots.
+FreeListener = Callable[[GroupKind, "torch.Tensor", str], None]
 
 
 class CanaryHost(Protocol):
@@ -79,6 +87,26 @@ class CanaryHost(Protocol):
     # the fault ledger can say why an injected fault was never read. None: the engine does not
     # announce frees (a damaged slot written again is then reported as overwritten).
     add_free_listener: Callable[[FreeListener], None] | None = None
+
+
+class ForwardHooks(Protocol):
+    """What an engine calls around each forward, in the order of the module docstring (the
+    CanaryRuntime is one)."""
+
+    def before_forward(self, view: ForwardView) -> None:
+        """Before the forward reads KV; the batch's slots are in the mapping. Device work only."""
+
+    def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Optional write-through, inside the forward at the KV-store point of ``layer`` (an index
+        into the group's k_layers): the K (and V) rows the forward computed for its tokens, shaped
+        ``[T, ...]`` in view token order. TAIL then checks each written slot holds exactly that.
+        Device work only."""
+
+    def after_forward(self, view: ForwardView) -> None:
+        """After the forward wrote its KV, before its samples are used. Device work only."""
+
+    def end_forward(self) -> None:
+        """Once per forward, after after_forward (eager) or after the graph replay; host side."""
 
 
 class EngineUnderTest(CanaryHost, Protocol):
@@ -110,6 +138,11 @@ class EngineUnderTest(CanaryHost, Protocol):
         since the last reset, or None; a failure report then names the request beside the row.
         The default knows no request."""
         return None
+
+
+# Called with (prefill FULL slots, decode FULL slots) of one transferred prompt, position by
+# position, once its KV landed on the decode side and before the decode side's next forward.
+TransferListener = Callable[["torch.Tensor", "torch.Tensor"], None]
 
 
 @runtime_checkable

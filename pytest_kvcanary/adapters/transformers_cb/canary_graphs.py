@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ...canary.host import ForwardHooks, ForwardView
+from ...canary.seam import ForwardHooks, ForwardView
 
 
 class CanaryGraphs:

@@ -44,7 +44,7 @@ import torch
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import GroupKind
 
-from ...canary.host import CacheWalk, Capacities, ForwardHooks, FreeListener, PoolGroup, SlotMapping
+from ...canary.seam import CacheWalk, Capacities, ForwardHooks, FreeListener, PoolGroup, SlotMapping
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .canary_graphs import CanaryGraphs

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from kvcanary_kernels.records import GroupKind, Half
-from pytest_kvcanary.canary.host import (
+from pytest_kvcanary.canary.seam import (
     CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping,
 )
 
