@@ -141,7 +141,7 @@ def measure(engine: TransformersEngine, batch: int, real_data: str, kernels: str
             repeats: int) -> tuple[float, float, dict[str, float]]:
     """One run: (off ms, on ms, canary host us by phase) per decode step."""
     off, _ = run(engine, batch, prompt, new, repeats)
-    handle = EngineHandle(engine, CanaryConfig(real_data=real_data, sweep_interval=SWEEP), kernels)
+    handle = EngineHandle(engine, CanaryConfig(real_data=real_data, sweep_interval=SWEEP, kernels=kernels))
     handle.reset(0, ())
     on, host = run(engine, batch, prompt, new, repeats)
     handle.side.runtime.drain()

@@ -19,7 +19,7 @@ KERNELS = "triton" if DEVICE == "cuda" else "torch"
 def test_speculative_decoding_is_exact_and_guarded(k):
     plain = make_reference_engine("mha", DEVICE, seed=0).generate(PROMPTS, 10)
     engine = make_reference_engine("mha", DEVICE, seed=0, speculative_k=k)
-    canary = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=2), engine, kernels=KERNELS)
+    canary = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=2, kernels=KERNELS), engine)
     engine.set_forward_hooks(canary)
 
     assert engine.generate(PROMPTS, 10) == plain
@@ -30,7 +30,7 @@ def test_speculative_decoding_is_exact_and_guarded(k):
 
 def test_damage_in_the_draft_pool_is_reported_there():
     engine = make_reference_engine("mha", DEVICE, seed=0, speculative_k=3)
-    canary = CanaryRuntime(CanaryConfig(real_data="all"), engine, kernels=KERNELS)
+    canary = CanaryRuntime(CanaryConfig(real_data="all", kernels=KERNELS), engine)
     engine.set_forward_hooks(canary)
     req = engine.submit(PROMPTS[0], 8)
     engine.step()

@@ -20,6 +20,7 @@ PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_k
 SIDES = ("prefill", "decode")
 TARGET_GROUPS = tuple(kind.label for kind in GroupKind)
 ATTENTION_KINDS = ("mha", "swa", "mla")
+KERNELS = ("triton", "torch")
 
 
 def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -38,7 +39,9 @@ class CanaryConfig:
     layer per half that the fingerprint samples, against what the check before the forward read),
     so damage done inside the forward is reported before its samples are used. drain_interval:
     forwards between asynchronous drains of the device log (1 = every forward, synchronously: for
-    debugging); the log is also drained whenever it is read."""
+    debugging); the log is also drained whenever it is read. kernels: what the runtime launches,
+    triton (the Triton kernels) or torch (their pure-torch references, bit-identical: tests that
+    sweep many seeds on a CPU use them)."""
 
     mode: str = "log"
     real_data: str = "partial"
@@ -48,10 +51,12 @@ class CanaryConfig:
     check_write_inputs: bool = True
     recheck: bool = True
     drain_interval: int = 8
+    kernels: str = "triton"
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, CANARY_MODES)
         _choice("real_data", self.real_data, REAL_DATA_MODES)
+        _choice("kernels", self.kernels, KERNELS)
         check_int("sweep_interval", self.sweep_interval, 0)
         check_int("ring_capacity", self.ring_capacity, 1)
         check_int("drain_interval", self.drain_interval, 1)

@@ -20,16 +20,16 @@ if TYPE_CHECKING:
 
 
 class PDHandle(SidedHandle):
-    """Sides "prefill" and "decode" share the handle's ledger; kernels as for Side."""
+    """Sides "prefill" and "decode" share the handle's ledger."""
 
-    def __init__(self, pair: PrefillDecodePair, canary: CanaryConfig, kernels: str = "triton") -> None:
+    def __init__(self, pair: PrefillDecodePair, canary: CanaryConfig) -> None:
         if not isinstance(pair, PrefillDecodePair):
             raise TypeError(f"kv_pd drives a PrefillDecodePair (prefill, decode, generate, add_transfer_listener); "
                             f"got {type(pair).__name__}")
         super().__init__()
         self.pair = pair
-        self.prefill = Side("prefill", pair.prefill, canary, self.ledger, kernels)
-        self.decode = Side("decode", pair.decode, canary, self.ledger, kernels)
+        self.prefill = Side("prefill", pair.prefill, canary, self.ledger)
+        self.decode = Side("decode", pair.decode, canary, self.ledger)
         self.sides = [self.prefill, self.decode]
         pair.add_transfer_listener(self._on_transfer)
 

@@ -24,14 +24,12 @@ PROMPT_SHOWN = 30  # characters of a prompt a failure report shows beside its re
 
 
 class Side:
-    """One engine with the canary attached and the fault injector observing it. kernels:
-    "triton" or "torch" (the reference implementations; see CanaryRuntime)."""
+    """One engine with the canary attached and the fault injector observing it."""
 
-    def __init__(self, name: str, engine: EngineUnderTest, canary: CanaryConfig, ledger: Ledger,
-                 kernels: str = "triton") -> None:
+    def __init__(self, name: str, engine: EngineUnderTest, canary: CanaryConfig, ledger: Ledger) -> None:
         self.name = name
         self.engine = engine
-        self.runtime = CanaryRuntime(canary, engine, side=name, kernels=kernels)
+        self.runtime = CanaryRuntime(canary, engine, side=name)
         self.injector = FaultInjector(engine, self.runtime, name, ledger)
         self.runtime.observers.append(self.injector)
         engine.set_forward_hooks(self.runtime)

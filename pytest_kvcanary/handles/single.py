@@ -10,11 +10,11 @@ from .sided import Side, SidedHandle
 
 
 class EngineHandle(SidedHandle):
-    """One engine, side "single"; kernels as for Side."""
+    """One engine, side "single"."""
 
-    def __init__(self, engine: EngineUnderTest, canary: CanaryConfig, kernels: str = "triton") -> None:
+    def __init__(self, engine: EngineUnderTest, canary: CanaryConfig) -> None:
         super().__init__()
-        self.side = Side("single", engine, canary, self.ledger, kernels)
+        self.side = Side("single", engine, canary, self.ledger)
         self.sides = [self.side]
 
     @property

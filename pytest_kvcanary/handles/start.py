@@ -24,16 +24,16 @@ def _make_current(device: str) -> None:
 
 
 def start_engine(kind: str, *, canary: CanaryConfig, attention: str, device: str, seed: int,
-                 engine_name: str = "reference", model: str | None = None, pluginmanager: Any | None = None,
-                 kernels: str = "triton") -> SidedHandle:
+                 engine_name: str = "reference", model: str | None = None,
+                 pluginmanager: Any | None = None) -> SidedHandle:
     """A handle of this kind ("single" or "pd"), its (first) device made the current one. For pd,
     device may name two devices ("cuda:0,cuda:1"): prefill on the first, decode on the second.
     Raises what factories.make_engine / make_pd_pair raise."""
     _make_current(device.split(",")[0])
     if kind == "single":
-        return EngineHandle(make_engine(engine_name, attention, device, seed, model, pluginmanager), canary, kernels)
+        return EngineHandle(make_engine(engine_name, attention, device, seed, model, pluginmanager), canary)
     if kind == "pd":
         devices = device.split(",")
         pair = make_pd_pair(engine_name, attention, (devices[0], devices[-1]), seed, model, pluginmanager)
-        return PDHandle(pair, canary, kernels)
+        return PDHandle(pair, canary)
     raise ValueError(f"kind must be one of single, pd; got {kind!r}")

@@ -35,8 +35,8 @@ def pressure_engine(attention: str) -> Engine:
 
 
 def start(attention: str, kernels: str, real_data: str, perturbs: tuple[PerturbSpec, ...] = ()) -> EngineHandle:
-    canary = CanaryConfig(real_data=real_data, sweep_interval=SWEEP_INTERVAL)
-    handle = EngineHandle(pressure_engine(attention), canary, kernels)
+    canary = CanaryConfig(real_data=real_data, sweep_interval=SWEEP_INTERVAL, kernels=kernels)
+    handle = EngineHandle(pressure_engine(attention), canary)
     handle.reset(0, perturbs)
     return handle
 

@@ -37,14 +37,16 @@ def kvtester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
 
 
 _TORCH_KERNELS = """
-import functools
+import dataclasses
 
 import pytest
 from pytest_kvcanary.handles import start
 
 @pytest.fixture(scope="session")
 def kv_start_engine():
-    return functools.partial(start.start_engine, kernels="torch")
+    def start_with_torch_kernels(kind, *, canary, **options):
+        return start.start_engine(kind, canary=dataclasses.replace(canary, kernels="torch"), **options)
+    return start_with_torch_kernels
 """
 
 

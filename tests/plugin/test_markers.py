@@ -92,7 +92,7 @@ BAD_MARKERS = [
     ("kv_attention()", f"kv_attention(): takes one or more kinds; allowed kinds: {', '.join(ATTENTION_KINDS)}"),
     ("kv_canary(ring_size=8)",
      "kv_canary(ring_size=8): unknown canary setting 'ring_size'; allowed: check_tokens, check_write_inputs, "
-     "drain_interval, mode, real_data, recheck, ring_capacity, sweep_interval"),
+     "drain_interval, kernels, mode, real_data, recheck, ring_capacity, sweep_interval"),
     ('kv_canary(real_data="some")',
      "kv_canary(real_data='some'): real_data must be one of none, partial, all; got 'some'"),
     ('kv_canary("raise")', "kv_canary('raise'): takes keyword arguments only *"),

@@ -22,12 +22,12 @@ from pytest_kvcanary.handles.sided import BASE_PROMPT, PROMPT_SHOWN
 def _handle(attention: str = "mha", **canary: object) -> EngineHandle:
     from pytest_kvcanary.adapters.reference import make_reference_engine
 
-    return EngineHandle(make_reference_engine(attention, "cpu", 0), CanaryConfig(**canary), kernels="torch")
+    return EngineHandle(make_reference_engine(attention, "cpu", 0), CanaryConfig(**{"kernels": "torch", **canary}))
 
 
 def test_handles_implement_the_handle_protocol() -> None:
     handle = _handle()
-    pd = start_engine("pd", canary=CanaryConfig(), attention="mha", device="cpu", seed=0, kernels="torch")
+    pd = start_engine("pd", canary=CanaryConfig(kernels="torch"), attention="mha", device="cpu", seed=0)
     assert isinstance(handle, Handle) and isinstance(pd, Handle)
     assert (handle.side_names, pd.side_names) == (("single",), ("prefill", "decode"))
     assert handle.pool_groups() == ("full",) and _handle("swa").pool_groups() == ("full", "swa")

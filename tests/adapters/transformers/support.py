@@ -32,7 +32,8 @@ def make_handle(attention: str, perturbs: tuple[PerturbSpec, ...] = (), seed: in
                 ) -> EngineHandle:
     """An engine with the canary attached (all KV bytes fingerprinted, a sweep every 2 forwards),
     reset for `seed` with these faults armed."""
-    handle = EngineHandle(make_engine(attention, **options), CanaryConfig(real_data="all", sweep_interval=2), KERNELS)
+    canary = CanaryConfig(real_data="all", sweep_interval=2, kernels=KERNELS)
+    handle = EngineHandle(make_engine(attention, **options), canary)
     handle.reset(seed, perturbs)
     return handle
 

@@ -21,7 +21,7 @@ PROMPTS = [[11 + i for i in range(37)], [90 + i for i in range(21)]]
 
 def graph_handle() -> EngineHandle:
     engine = make_engine("mha", use_cuda_graph=True, canary_graphs=True)
-    handle = EngineHandle(engine, CanaryConfig(real_data="all", sweep_interval=2), "triton")
+    handle = EngineHandle(engine, CanaryConfig(real_data="all", sweep_interval=2, kernels="triton"))
     handle.reset(0, ())
     return handle
 

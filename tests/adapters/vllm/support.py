@@ -30,8 +30,8 @@ def make_handle(engine: Any, perturbs: tuple[PerturbSpec, ...] = (), seed: int =
     2 forwards unless overridden), reset for `seed` with these faults armed."""
     from pytest_kvcanary.handles.single import EngineHandle
 
-    config = CanaryConfig(**{"real_data": "all", "sweep_interval": 2, **canary})
-    handle = EngineHandle(engine, config, KERNELS)
+    config = CanaryConfig(**{"real_data": "all", "sweep_interval": 2, "kernels": KERNELS, **canary})
+    handle = EngineHandle(engine, config)
     handle.reset(seed, perturbs)
     return handle
 

@@ -127,10 +127,11 @@ def make_host():
     from pytest_kvcanary.config import CanaryConfig
 
     def make(window: int | None = None, jsonl_path=None, page: int = 1, write_through: bool = False,
-             kernels: str = "torch", **config) -> FakeHost:
+             **config) -> FakeHost:
         config.setdefault("drain_interval", 1)
+        config.setdefault("kernels", "torch")
         host = FakeHost(window=window, page=page, write_through=write_through)
-        host.runtime = CanaryRuntime(CanaryConfig(**config), host, jsonl_path=jsonl_path, kernels=kernels)
+        host.runtime = CanaryRuntime(CanaryConfig(**config), host, jsonl_path=jsonl_path)
         return host
 
     return make

@@ -245,6 +245,7 @@ def test_reset_clears_records_log_and_counters(make_host):
 @pytest.mark.parametrize("field, value, allowed", [
     ("mode", "loud", "off, log, raise"),
     ("real_data", "most", "none, partial, all"),
+    ("kernels", "cuda", "triton, torch"),
     ("sweep_interval", -1, ">= 0"),
     ("ring_capacity", 0, ">= 1"),
     ("drain_interval", 0, ">= 1"),

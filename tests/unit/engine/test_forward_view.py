@@ -103,7 +103,7 @@ def test_positions_the_forward_used_against_its_mapping_are_a_write_position(dec
     forward, not positions rebuilt from the prefix lengths, so the canary sees the ones it used."""
     decode_positions_one_ahead(monkeypatch)
     engine = make_engine("mha", decode_mode=decode_mode)
-    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=0), engine, kernels=KERNELS)
+    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=0, kernels=KERNELS), engine)
     engine.set_forward_hooks(runtime)
     req = engine.submit(list(b"eight to"), 3)
     engine.step()

@@ -55,7 +55,7 @@ def _corrupt_walk(monkeypatch, engine: Engine, corruption: str) -> None:
 def test_log_mode_reports_a_malformed_walk_and_the_engine_keeps_running(make_engine, assert_reference,
                                                                         monkeypatch, corruption):
     engine = make_engine()
-    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=1), engine, kernels=KERNELS)
+    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=1, kernels=KERNELS), engine)
     engine.set_forward_hooks(runtime)
     engine.generate(PROMPTS[:1], max_new_tokens=2)  # something cached before the walk goes bad
     _corrupt_walk(monkeypatch, engine, corruption)
@@ -71,8 +71,8 @@ def test_log_mode_reports_a_malformed_walk_and_the_engine_keeps_running(make_eng
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 def test_raise_mode_raises_the_canarys_error_with_the_walk_violations(make_engine, monkeypatch, corruption):
     engine = make_engine()
-    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=1, drain_interval=1, mode="raise"),
-                            engine, kernels=KERNELS)
+    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=1, drain_interval=1, mode="raise",
+                                         kernels=KERNELS), engine)
     engine.set_forward_hooks(runtime)
     engine.generate(PROMPTS[:1], max_new_tokens=2)
     _corrupt_walk(monkeypatch, engine, corruption)

@@ -21,8 +21,8 @@ KERNELS = "triton" if torch.cuda.is_available() else "torch"
 
 def attach(engine: Engine, **settings: object) -> CanaryRuntime:
     """Every check on: real-KV fingerprints over whole latent rows, recheck, write-through."""
-    runtime = CanaryRuntime(CanaryConfig(**{"real_data": "all", "sweep_interval": 0, **settings}), engine,
-                            kernels=KERNELS)
+    runtime = CanaryRuntime(CanaryConfig(**{"real_data": "all", "sweep_interval": 0, "kernels": KERNELS, **settings}),
+                            engine)
     engine.set_forward_hooks(runtime)
     return runtime
 

@@ -23,7 +23,7 @@ ROLLBACK = "rejected draft position rolled back"
 def attach(engine: Engine) -> CanaryRuntime:
     """Every check on (tokens, write inputs, recheck, write-through, real-KV fingerprints over whole
     slots) and a sweep every 3 forwards."""
-    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=3), engine, kernels=KERNELS)
+    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=3, kernels=KERNELS), engine)
     engine.set_forward_hooks(runtime)
     return runtime
 

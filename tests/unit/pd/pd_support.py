@@ -35,9 +35,9 @@ def make_handle(attention: str, *, kernels: str = "torch", window: int = 16, swe
                 real_data: str = "partial", **engine_kw) -> PDHandle:
     """Both sides alike; sweep_interval 0 by default, as in SGLang's PD tests (a prefill-side
     sweep would also see a damaged slot the prefill radix cache still holds)."""
-    canary = CanaryConfig(sweep_interval=sweep_interval, real_data=real_data)
+    canary = CanaryConfig(sweep_interval=sweep_interval, real_data=real_data, kernels=kernels)
     pair = PDPair(*(make_engine(attention, window=window, **engine_kw) for _ in range(2)))
-    return PDHandle(pair, canary, kernels=kernels)
+    return PDHandle(pair, canary)
 
 
 def assert_idle_and_whole(engine: Engine) -> None:

@@ -33,12 +33,12 @@ def group_name(group: GroupState) -> str:
     return group.pool.kind.name.lower()
 
 
-def make_handle(attention: str, kernels: str = SEED_SWEEP_KERNELS, **canary: object) -> EngineHandle:
+def make_handle(attention: str, **canary: object) -> EngineHandle:
     """A fresh reference engine (window 16, roomy pools) with the canary on; "speculative": mha
     decoding speculatively with 3 draft tokens per step."""
     engine = (make_reference_engine("mha", DEVICE, seed=0, speculative_k=3) if attention == "speculative"
               else make_reference_engine(attention, DEVICE, seed=0))
-    return EngineHandle(engine, CanaryConfig(**canary), kernels)
+    return EngineHandle(engine, CanaryConfig(**{"kernels": SEED_SWEEP_KERNELS, **canary}))
 
 
 def send_waves(handle: EngineHandle, seed: int, waves: int = 3, per_wave: int = 4, longest_output: int = 7) -> None:

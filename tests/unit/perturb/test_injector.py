@@ -161,7 +161,7 @@ def test_without_free_reports_a_damaged_slot_written_again_is_escaped_as_overwri
 
     engine = make_reference_engine("mha", DEVICE, seed=0)
     host = _HostWithoutFreeReports(engine)
-    runtime = CanaryRuntime(CanaryConfig(sweep_interval=0), host, kernels=SEED_SWEEP_KERNELS)
+    runtime = CanaryRuntime(CanaryConfig(sweep_interval=0, kernels=SEED_SWEEP_KERNELS), host)
     ledger = Ledger()
     injector = FaultInjector(host, runtime, "single", ledger)
     runtime.observers.append(injector)

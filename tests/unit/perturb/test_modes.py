@@ -102,7 +102,7 @@ def check_seeds(record_property: Callable[[str, object], None], kernels: str, mo
     latency line recorded for the terminal summary."""
     groups = SEED_SWEEP_ENGINES[attention]
     injections = [inj for seed in seeds
-                  for inj in run_seed(make_handle(attention, kernels), mode, groups, seed, **workload)]
+                  for inj in run_seed(make_handle(attention, kernels=kernels), mode, groups, seed, **workload)]
     for group in groups:
         mine = [i for i in injections if i.group == group]
         detected = [i for i in mine if i.status == "detected"]

@@ -33,7 +33,7 @@ def attach_canary(engine: Engine, **settings: object) -> CanaryRuntime:
     """A canary on every forward of the engine: every check on, real-KV fingerprints over whole
     slots, no sweep (unless settings say otherwise)."""
     settings = {"real_data": "all", "sweep_interval": 0, **settings}
-    runtime = CanaryRuntime(CanaryConfig(**settings), engine, kernels=KERNELS)
+    runtime = CanaryRuntime(CanaryConfig(**{"kernels": KERNELS, **settings}), engine)
     engine.set_forward_hooks(runtime)
     return runtime
 

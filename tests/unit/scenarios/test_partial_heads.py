@@ -56,7 +56,7 @@ def _damaged(pair: PDPair, transfers: list[tuple[torch.Tensor, torch.Tensor]]) -
 def _run(monkeypatch, real_data: str, transposed: bool) -> tuple[set[tuple[str, int]], list, set, int]:
     model = ModelConfig(attention="mha", num_kv_heads=PAGE, max_context=64, seed=0)
     pair = PDPair(*(Engine(EngineConfig(model=model, device=DEVICE, max_batch_tokens=64)) for _ in range(2)))
-    handle = PDHandle(pair, CanaryConfig(real_data=real_data, sweep_interval=0), kernels=KERNELS)
+    handle = PDHandle(pair, CanaryConfig(real_data=real_data, sweep_interval=0, kernels=KERNELS))
     transfers: list[tuple[torch.Tensor, torch.Tensor]] = []
     if transposed:
         monkeypatch.setattr(pd, "_copy_kv", _transposing_copy(transfers))
