@@ -15,8 +15,8 @@ form) cost two 64-bit multiplies and six shifts, and measurably less bandwidth
 (benchmarks/RESULTS.md).
 
 The sources travel as two tuples, ``launch.source_args(sources, chunk)``: per source
-``(words, row_stride, words_per_token)`` and the constexpr ``(READ_WORDS, CHUNK, PAGE_SIZE, STRIDE_WORDS)`` (CHUNK a power of two, words starting at the
-source's first sample); slot ``s``'s i-th read word is
+``(words, row_stride, words_per_token)`` and the constexpr ``launch.SourceRead`` (READ_WORDS, CHUNK,
+PAGE_SIZE, STRIDE_WORDS; CHUNK a power of two, words starting at the source's first sample); slot ``s``'s i-th read word is
 ``words[(s // page_size) * row_stride + (s % page_size) * words_per_token + (i // 2) * STRIDE_WORDS
 + i % 2]`` (a 16-byte sample every STRIDE_WORDS words; STRIDE_WORDS = 2: one run). A program walks
 its slots' words in ``[BLOCK, CHUNK]`` tiles (coalesced 16-byte loads along each slot's row, one
@@ -74,8 +74,8 @@ def slot_fingerprint(sources, READS: tl.constexpr, slots, mask):
     last = acc
     for k in tl.static_range(len(READS)):
         words, row_stride, words_per_token = sources[k]
-        # Indexed, not unpacked: unpacking a constexpr tuple loses constexpr-ness when compiled.
-        last = source_hash(words, row_stride, words_per_token, slots, mask, READS[k][0], READS[k][1], READS[k][2],
-                           READS[k][3])
+        # Read by field, not unpacked: unpacking a constexpr tuple loses constexpr-ness when compiled.
+        last = source_hash(words, row_stride, words_per_token, slots, mask, READS[k].read_words, READS[k].chunk,
+                           READS[k].page_size, READS[k].stride_words)
         acc = mix(acc ^ last)
     return acc, last

@@ -197,15 +197,34 @@ def optional_ptr(t: torch.Tensor | None, records: torch.Tensor) -> torch.Tensor:
     return records if t is None else t
 
 
-def source_args(sources: Sequence[RealKvSource], chunk: int) -> tuple[tuple, tuple]:
-    """Per source ``(words, row_stride, words_per_token)`` and the matching constexpr
-    ``(read_words, chunk, page_size, stride_words)``, as two tuples for ``slot_fingerprint``."""
+class SourceRead(NamedTuple):
+    """A source's constexpr read shape (``source_hash``): words read per slot, words loaded at a
+    time (a power of two), slots per row, and words from one 16-byte sample to the next."""
+
+    read_words: int
+    chunk: int
+    page_size: int
+    stride_words: int
+
+
+class MapConsts(NamedTuple):
+    """A slot mapping's constexpr part (``map_slot``): constants, so page and ring arithmetic
+    compiles to shifts and masks."""
+
+    page_size: int
+    ring: int
+    has_full_to_group: bool
+
+
+def source_args(sources: Sequence[RealKvSource], chunk: int) -> tuple[tuple, tuple[SourceRead, ...]]:
+    """Per source ``(words, row_stride, words_per_token)`` and its constexpr ``SourceRead``, as two
+    tuples for ``slot_fingerprint``."""
     args, reads = [], []
     for src in sources:
         words = src.words()
         args.append((words, words.stride(0), src.num_bytes_per_token // 8))
         read_words = src.read_bytes // 8
-        reads.append((read_words, min(chunk, next_power_of_2(read_words)), src.page_size, src.sample_stride // 8))
+        reads.append(SourceRead(read_words, min(chunk, next_power_of_2(read_words)), src.page_size, src.sample_stride // 8))
     return tuple(args), tuple(reads)
 
 
@@ -214,12 +233,12 @@ def ring_args(ring: ViolationRing) -> tuple:
     return ring.rows, ring.count, ring.step, ring.kernel_runs, ring.slot_runs, ring.capacity
 
 
-def mapping_args(mapping: SlotMapping, records: torch.Tensor) -> tuple[tuple, tuple[int, int, bool]]:
+def mapping_args(mapping: SlotMapping, records: torch.Tensor) -> tuple[tuple, MapConsts]:
     """The tuple ``lookup.map_slot`` takes and its constexpr ``MAP``."""
     table, f2g = mapping.table, mapping.full_to_group
     args = (table, table.stride(0), table.stride(1), table.shape[0], table.shape[1],
             optional_ptr(f2g, records), 0 if f2g is None else f2g.shape[0], records.shape[0])
-    return args, (mapping.page_size, mapping.ring, f2g is not None)
+    return args, MapConsts(mapping.page_size, mapping.ring, f2g is not None)
 
 
 def token_args(view: ForwardView, records: torch.Tensor) -> tuple[tuple, bool]:
@@ -252,9 +271,9 @@ class ViewKernelArgs(NamedTuple):
 
     tiling: Tiling
     sources: tuple
-    reads: tuple
+    reads: tuple[SourceRead, ...]
     mapping: tuple
-    map_consts: tuple[int, int, bool]
+    map_consts: MapConsts
     tokens: tuple
     has_tokens: bool
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]

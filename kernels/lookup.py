@@ -5,8 +5,7 @@ use the former): change one, change the other; tests compare them on random tabl
 
 Each table travels into a kernel as one tuple: ``launch.mapping_args(mapping, records)`` gives
 ``(table, row_stride, col_stride, table_rows, table_cols, full_to_group, n_full, num_slots)`` and
-the constexpr ``MAP = (page_size, ring, has_full_to_group)`` (constants, so page and ring
-arithmetic compiles to shifts and masks); ``launch.token_args(view, records)`` gives
+the constexpr ``MAP``, a ``launch.MapConsts`` (page_size, ring, has_full_to_group); ``launch.token_args(view, records)`` gives
 ``(token_table, row_stride, col_stride, table_rows, table_cols)`` plus HAS_TOKENS. ``rows`` may be
 a scalar (one batch row per tile).
 """
@@ -30,14 +29,14 @@ def map_slot(mapping, MAP: tl.constexpr, rows, positions, mask):
     table, row_stride, col_stride, table_rows, table_cols, full_to_group, n_full, num_slots = mapping
     rows = tl.zeros_like(positions) + rows  # a lane per position (bool scalars do not mix with masks)
     logical = positions
-    if MAP[1] > 0:
-        logical = positions % MAP[1]
-    cols = logical // MAP[0]
+    if MAP.ring > 0:
+        logical = positions % MAP.ring
+    cols = logical // MAP.page_size
     ok = mask & (positions >= 0) & (rows >= 0) & (rows < table_rows) & (cols < table_cols)
     entry = tl.load(table + rows * row_stride + cols * col_stride, mask=ok, other=0).to(tl.int64)
     ok &= entry != 0
-    slots = entry * MAP[0] + logical % MAP[0]
-    if MAP[2]:
+    slots = entry * MAP.page_size + logical % MAP.page_size
+    if MAP.has_full_to_group:
         ok &= (slots >= 0) & (slots < n_full)
         slots = tl.load(full_to_group + slots, mask=ok, other=0)
     return tl.where(ok & (slots >= 0) & (slots < num_slots), slots, 0)

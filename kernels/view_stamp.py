@@ -40,8 +40,8 @@ def _first_stamped(extend, MAP: tl.constexpr):
     """The first entry of a row that keeps its slot: with a ring, only the last ``ring`` of its
     ``extend`` entries (earlier ones are overwritten within the forward); else entry 0."""
     first = extend * 0
-    if MAP[1] > 0:
-        first = tl.maximum(extend - MAP[1], 0)
+    if MAP.ring > 0:
+        first = tl.maximum(extend - MAP.ring, 0)
     return first
 
 
@@ -133,7 +133,7 @@ def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_p
     mine = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
     in_batch = mine < n_batch
     batch = tl.arange(0, BATCH)
-    n_tokens = inputs[2]
+    _, _, n_tokens = inputs
     extend_all = _clamped(tl.load(extend_ptr + batch, mask=batch < n_batch, other=0), n_tokens)
     starts = tl.sum(tl.where(batch[None, :] < mine[:, None], extend_all[None, :], 0), axis=1)
     rows = tl.load(rows_ptr + mine, mask=in_batch, other=0)

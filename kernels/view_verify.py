@@ -58,7 +58,7 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
     lo = tl.where(window > 0, tl.maximum(hi - window, 0), 0)
     if AFTER_FORWARD:  # ring mappings only: the forward rewrote the slots of positions >= hi + extend - ring
         extend = tl.load(extend_ptr + b, mask=in_batch, other=0)
-        lo = tl.minimum(tl.maximum(lo, hi + extend - MAP[1]), hi)
+        lo = tl.minimum(tl.maximum(lo, hi + extend - MAP.ring), hi)
     if tl.program_id(1) == 0:
         count_slots(ring, tag, hi - lo)
     context = tl.zeros([BLOCK], tl.int64)

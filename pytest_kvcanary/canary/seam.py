@@ -45,7 +45,7 @@ replay it with the view's tensors refilled in place; end_forward is never captur
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, Sequence, TypeVar, runtime_checkable
 
 from kvcanary_kernels.records import GroupKind, Half
 
@@ -57,9 +57,10 @@ if TYPE_CHECKING:
 __all__ = [
     "GroupKind", "Half", "SlotMapping", "PoolGroup", "Capacities", "GroupInputs", "ForwardView", "CacheWalk",
     "FreeListener", "TransferListener", "ForwardHooks", "CanaryHost", "EngineUnderTest", "PrefillDecodePair",
-    "UnsupportedAttention", "OPTIONAL_MEMBERS", "REQUIRED_METHODS", "missing_methods", "optional",
+    "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS", "REQUIRED_METHODS", "missing_methods", "optional",
 ]
 
+Owner = TypeVar("Owner")
 
 # Called with (group, slots of that group's mapping space, cause) whenever slots stop holding their
 # data, before they are released. For a group mapped through full_to_group the slots are FULL slots.
@@ -136,8 +137,34 @@ class EngineUnderTest(CanaryHost, Protocol):
     def request_at(self, row: int, step: int) -> tuple[str, str] | None:
         """Optional: the (request id, prompt text) that held mapping row `row` at forward `step`
         since the last reset, or None; a failure report then names the request beside the row.
-        The default knows no request."""
+        The default knows no request; `RowOwners` keeps what an engine needs to answer it."""
         return None
+
+
+class RowOwners(Generic[Owner]):
+    """Which request held each mapping row from which forward on, since the last `clear`: what
+    an engine keeps to answer `request_at`."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, list[tuple[int, Owner]]] = {}
+
+    def note(self, row: int, step: int, owner: Owner) -> None:
+        """`owner` holds `row` from forward `step` on (noting the current holder again changes nothing)."""
+        held = self._rows.setdefault(row, [])
+        if not held or held[-1][1] is not owner:
+            held.append((step, owner))
+
+    def at(self, row: int, step: int) -> Owner | None:
+        """The owner of `row` at forward `step`, or None."""
+        owner = None
+        for first, candidate in self._rows.get(row, []):
+            if first > step:
+                break
+            owner = candidate
+        return owner
+
+    def clear(self) -> None:
+        self._rows.clear()
 
 
 # Called with (prefill FULL slots, decode FULL slots) of one transferred prompt, position by

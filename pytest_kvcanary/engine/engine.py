@@ -18,7 +18,7 @@ import torch
 from kvcanary_kernels.checks import check_int, is_int
 from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.seam import (
-    CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, SlotMapping,
+    CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, RowOwners, SlotMapping,
 )
 
 from .attention import PagedKV
@@ -63,7 +63,7 @@ class Engine:
         self._hooks: ForwardHooks | None = None
         self._next_rid = 0
         self._steps = 0  # forwards since the last reset: the step a canary's violations name
-        self._row_owners: dict[int, list[tuple[int, Request]]] = {}  # row -> (first step, request)
+        self._row_owners: RowOwners[Request] = RowOwners()
         self._decode = None if config.decode_mode == "eager" else DecodeGraphs(
             self.model, self.pools, self.req_to_token_pool.table, self.token_table, config.max_running,
             self.device, use_graphs=config.decode_mode == "graph")
@@ -144,11 +144,7 @@ class Engine:
     def request_at(self, row: int, step: int) -> tuple[int, str] | None:
         """The request (id, prompt text) that held mapping row `row` at forward `step` since the
         last reset; None when none did."""
-        owner = None
-        for first, req in self._row_owners.get(row, []):
-            if first > step:
-                break
-            owner = req
+        owner = self._row_owners.at(row, step)
         return None if owner is None else (owner.rid, self.tokenizer.decode(owner.prompt_ids))
 
     # CanaryHost
@@ -234,9 +230,7 @@ class Engine:
         token_table: the prefix and what this forward writes (a speculative decode's proposals are
         filled in by the draft), -1 past it."""
         for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            owners = self._row_owners.setdefault(req.row, [])
-            if not owners or owners[-1][1] is not req:
-                owners.append((self._steps, req))
+            self._row_owners.note(req.row, self._steps, req)
             known = req.token_ids[:prefix + extend]
             self.token_table[req.row, :len(known)] = torch.tensor(known, dtype=torch.int64)
             self.token_table[req.row, len(known):] = -1

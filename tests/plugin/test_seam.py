@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvcanary.canary.seam import OPTIONAL_MEMBERS, REQUIRED_METHODS, EngineUnderTest, missing_methods, optional
+from pytest_kvcanary.canary.seam import (OPTIONAL_MEMBERS, REQUIRED_METHODS, EngineUnderTest, RowOwners, missing_methods,
+                                         optional)
 
 
 def test_the_required_methods_are_the_protocols_less_the_optional_ones():
@@ -65,3 +66,15 @@ def test_missing_methods_names_what_lacks_in_protocol_order():
 def test_a_name_that_is_not_an_optional_member_is_an_error():
     with pytest.raises(ValueError, match="name must be one of add_free_listener, prefix_caching, request_at; got 'generate'"):
         optional(_Full(), "generate")
+
+
+def test_row_owners_name_who_held_a_row_at_each_forward() -> None:
+    owners: RowOwners[str] = RowOwners()
+    owners.note(0, 2, "a")
+    owners.note(0, 3, "a")  # the holder again: still held since forward 2
+    owners.note(0, 5, "b")
+    owners.note(1, 0, "c")
+    assert [owners.at(0, step) for step in range(7)] == [None, None, "a", "a", "a", "b", "b"]
+    assert owners.at(1, 9) == "c" and owners.at(2, 9) is None
+    owners.clear()
+    assert owners.at(0, 6) is None

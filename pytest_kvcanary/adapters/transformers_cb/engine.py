@@ -44,7 +44,7 @@ import torch
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import GroupKind
 
-from ...canary.seam import CacheWalk, Capacities, ForwardHooks, FreeListener, PoolGroup, SlotMapping
+from ...canary.seam import CacheWalk, Capacities, ForwardHooks, FreeListener, PoolGroup, RowOwners, SlotMapping
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .canary_graphs import CanaryGraphs
@@ -123,7 +123,7 @@ class TransformersEngine:
         self.processor._generation_step = self._guarded_step
         self._next_request = 0
         self._steps = 0  # forwards since the last reset: the step a canary's violations name
-        self._row_owners: dict[int, list[tuple[int, str]]] = {}  # row -> (first step, request id)
+        self._row_owners: RowOwners[str] = RowOwners()  # request ids
         self._prompts: dict[str, str] = {}
 
     # ----------------------------------------------------------------------------- CanaryHost
@@ -201,11 +201,7 @@ class TransformersEngine:
     def request_at(self, row: int, step: int) -> tuple[str, str] | None:
         """The request (id, prompt text) that held mapping row `row` at forward `step` since the
         last reset; None when none did."""
-        owner = None
-        for first, request_id in self._row_owners.get(row, []):
-            if first > step:
-                break
-            owner = request_id
+        owner = self._row_owners.at(row, step)
         return None if owner is None else (owner, self._prompts.get(owner, ""))
 
     # ------------------------------------------------------------------------------- forward
@@ -313,7 +309,7 @@ class TransformersEngine:
         for row, state in enumerate(states):
             if self._row_states[row] is not state:
                 self._row_states[row], self._row_known[row] = state, 0
-                self._row_owners.setdefault(row, []).append((self._steps, state.request_id))
+                self._row_owners.note(row, self._steps, state.request_id)
             known, length = self._row_known[row], state.position_offset  # advanced past this forward's tokens
             if length > known:
                 self._row_known[row] = length
