@@ -74,8 +74,9 @@ def slot_fingerprint(sources, READS: tl.constexpr, slots, mask):
     last = acc
     for k in tl.static_range(len(READS)):
         words, row_stride, words_per_token = sources[k]
-        # Read by field, not unpacked: unpacking a constexpr tuple loses constexpr-ness when compiled.
-        last = source_hash(words, row_stride, words_per_token, slots, mask, READS[k].read_words, READS[k].chunk,
-                           READS[k].page_size, READS[k].stride_words)
+        # READS[k] is a launch.SourceRead, read by position: compiled Triton hands a constexpr tuple's
+        # elements over as plain tuples, and unpacking one loses constexpr-ness.
+        last = source_hash(words, row_stride, words_per_token, slots, mask, READS[k][0], READS[k][1], READS[k][2],
+                           READS[k][3])
         acc = mix(acc ^ last)
     return acc, last

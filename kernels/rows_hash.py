@@ -16,8 +16,8 @@ def _source_hash_rows_kernel(source, n_rows, out, READS: tl.constexpr, BLOCK: tl
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     on = offs < n_rows
     words, row_stride, words_per_token = source[0]
-    hashes = source_hash(words, row_stride, words_per_token, offs, on, READS[0].read_words, READS[0].chunk,
-                           READS[0].page_size, READS[0].stride_words)
+    hashes = source_hash(words, row_stride, words_per_token, offs, on, READS[0][0], READS[0][1], READS[0][2],
+                           READS[0][3])
     tl.store(out + offs, as_i64(hashes), mask=on)
 
 
