@@ -17,9 +17,8 @@ from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .seam import CanaryHost, ForwardView
 from .log import ViolationLog
-from .plans import sweep_entries
+from .plans import SweepPlan
 from .violation import Violation
-from .walk import check_walk
 
 
 class ForwardObserver(Protocol):
@@ -83,6 +82,8 @@ class CanaryRuntime:
         self.launches = LaunchCounter(self._tags(phases))
         self.forwards = 0
         self.sweeps = 0
+        self._sweep_plan: SweepPlan | None = None
+        self._sweep_graph: torch.cuda.CUDAGraph | None = None
         self.observers: list[ForwardObserver] = []
 
     def _tags(self, phases: list[Phase], groups: list[GroupState] | None = None) -> list[int]:
@@ -167,25 +168,39 @@ class CanaryRuntime:
     def sweep(self, *, unlocked_only: bool = False) -> bool:
         """Verify every slot the host's prefix cache holds, in each group the walk reaches (FULL
         and groups mapped through full_to_group). A malformed walk is reported (walk.py) and its
-        checkable entries swept. False when the host has no prefix cache."""
+        checkable entries swept; a walk object the host returned before is not checked or planned
+        again (plans.SweepPlan). With the Triton kernels on a CUDA device the first sweep's
+        launches run eagerly and are captured in a CUDA graph that later sweeps replay. False
+        when the host has no prefix cache."""
         walk = self.host.cache_walk()
         if walk is None:
             return False
         full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
-        checked = check_walk(walk, full.pool.num_slots)
-        self.ring.append(checked.rows, launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind))
-        walk = checked.walk
         groups = [g for g in self.groups if g.swept_by_walk()]
         with self._on_device():
-            for group in groups:
-                entries = sweep_entries(walk, group, unlocked_only=unlocked_only)
-                for half, state in group.halves.items():
-                    self.kernels.verify_records(state.records, entries, state.sources, self.ring,
-                                                launch_tag(Phase.SWEEP, half, group.pool.kind),
-                                                check_tokens=self.config.check_tokens)
+            if self._sweep_plan is None:
+                self._sweep_plan = SweepPlan(groups, full.pool.num_slots, self.device)
+            plan = self._sweep_plan
+            plan.refresh(walk, unlocked_only)
+            self.ring.append(plan.malformed, launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind))
+            if self._sweep_graph is not None:
+                self._sweep_graph.replay()
+            else:
+                self._launch_sweep(plan)
+                if self.device.type == "cuda" and self.config.kernels == "triton" and not _capturing():
+                    self._sweep_graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(self._sweep_graph):  # captures; runs nothing
+                        self._launch_sweep(plan)
         self.launches.sweep(self._tags([Phase.SWEEP], groups))
         self.sweeps += 1
         return True
+
+    def _launch_sweep(self, plan: SweepPlan) -> None:
+        for group in plan.groups:
+            for half, state in group.halves.items():
+                self.kernels.verify_records(state.records, plan.entries[group.pool.kind], state.sources, self.ring,
+                                            launch_tag(Phase.SWEEP, half, group.pool.kind),
+                                            check_tokens=self.config.check_tokens)
 
     def drain(self) -> list[Violation]:
         """Move every row the device logged so far into `log` (synchronous); returns the new
@@ -242,3 +257,4 @@ class CanaryRuntime:
         self.log.clear()
         self.launches.reset()
         self.forwards = self.sweeps = 0
+        self._sweep_plan = self._sweep_graph = None

@@ -81,7 +81,10 @@ class CanaryHost(Protocol):
 
     def cache_walk(self) -> CacheWalk | None:
         """A snapshot of the prefix cache for the sweep, or None when the engine has none. Called
-        by the runtime between forwards (end_forward); slots stay valid until the next forward."""
+        by the runtime between forwards (end_forward); slots stay valid until the next forward.
+        Build it on the host (CPU tensors): the sweep checks and plans a host walk without
+        synchronising with the device. Return the same object again while the cache is
+        unchanged (never change its tensors in place): the sweep then skips checking and planning."""
         ...
 
     # Optional. add_free_listener(listener): listener(group, slots, cause) hears every free, so

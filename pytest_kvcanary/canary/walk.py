@@ -47,10 +47,10 @@ def check_walk(walk: CacheWalk, space: int) -> CheckedWalk:
     prev_in_range = (prev == PREV_CHAIN_HEAD) | ((prev >= 0) & (prev < space))
     safe = torch.where(in_range, slots, 0)
     listings = torch.bincount(safe[in_range], minlength=space)[safe]
-    key = torch.where(in_range, slots, -1)
-    order = torch.sort(key, stable=True).indices
     first = torch.ones(n, dtype=torch.bool, device=slots.device)
-    if n:
+    if bool((in_range & (listings > 1)).any()):  # the first listing of each slot (sorting only where one repeats)
+        key = torch.where(in_range, slots, -1)
+        order = torch.sort(key, stable=True).indices
         sorted_keys = key[order]
         first[order[1:]] = sorted_keys[1:] != sorted_keys[:-1]
     keep = in_range & prev_in_range & first
@@ -66,16 +66,17 @@ def check_walk(walk: CacheWalk, space: int) -> CheckedWalk:
         Reason.WALK_POSITION_GAP: (gap, prev_position, positions - 1),
     }
     bits, stored, expected = fold_checks(failing, slots)
-    bad = bits != 0
-    rows = torch.zeros(n, ROW_WIDTH, dtype=torch.int64, device=slots.device)
+    bad = (bits != 0).nonzero().squeeze(1)
+    rows = torch.zeros(bad.numel(), ROW_WIDTH, dtype=torch.int64, device=slots.device)
     for col, value in ((COL_REASONS, bits), (COL_SLOT, slots), (COL_POSITION, positions), (COL_STORED, stored),
                        (COL_EXPECTED, expected)):
-        rows[:, col] = value
+        rows[:, col] = value[bad]
     rows[:, COL_ROW] = -1
-    rows = rows[bad]
     if n > space:
         too_large = torch.zeros(1, ROW_WIDTH, dtype=torch.int64, device=slots.device)
         too_large[0, [COL_REASONS, COL_SLOT, COL_POSITION, COL_ROW, COL_STORED, COL_EXPECTED]] = torch.tensor(
             [int(Reason.WALK_TOO_LARGE), -1, -1, -1, n, space], device=slots.device)
         rows = torch.cat([too_large, rows])
+    if bool(keep.all()):
+        return CheckedWalk(walk, rows)
     return CheckedWalk(CacheWalk(*(None if t is None else t[keep] for t in walk)), rows)

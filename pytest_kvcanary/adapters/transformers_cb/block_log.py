@@ -66,17 +66,18 @@ class BlockLog:
                 order.append(block)
         return order
 
-    def walk(self, hashed: Mapping[int, bool], device: torch.device) -> CacheWalk:
-        """The sweep's view of every intact block: slot, position, previous slot (the parent's
-        last slot at a block's first position), token, locked (a live request holds it). The last
-        walk again while neither the log nor `hashed` changed (a decode step mostly changes neither)."""
+    def walk(self, hashed: Mapping[int, bool]) -> CacheWalk:
+        """The sweep's view of every intact block, on the host: slot, position, previous slot (the
+        parent's last slot at a block's first position), token, locked (a live request holds it).
+        The same walk object again while neither the log nor `hashed` changed (a decode step mostly
+        changes neither), which the sweep then neither checks nor plans again."""
         if self._walked is not None and self._walked[0] == self.blocks and self._walked[1] == hashed:
             return self._walked[2]
-        walk = self._walk(hashed, device)
+        walk = self._walk(hashed)
         self._walked = (dict(self.blocks), dict(hashed), walk)
         return walk
 
-    def _walk(self, hashed: Mapping[int, bool], device: torch.device) -> CacheWalk:
+    def _walk(self, hashed: Mapping[int, bool]) -> CacheWalk:
         page = self.page_size
         blocks = self.intact(hashed)
         offsets = torch.arange(page, dtype=torch.int64)
@@ -88,6 +89,5 @@ class BlockLog:
         prev[:, 0] = torch.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent[:, 0] * page + page - 1)
         tokens = torch.tensor([self.blocks[b].tokens for b in blocks], dtype=torch.int64).reshape(-1, page)
         locked = torch.tensor([hashed[b] for b in blocks], dtype=torch.bool).reshape(-1, 1).expand(-1, page)
-        return CacheWalk(slots=slots.flatten().to(device), positions=(index * page + offsets).flatten().to(device),
-                         prev_slots=prev.flatten().to(device), tokens=tokens.flatten().to(device),
-                         locked=locked.flatten().to(device))
+        return CacheWalk(slots=slots.flatten(), positions=(index * page + offsets).flatten(),
+                         prev_slots=prev.flatten(), tokens=tokens.flatten(), locked=locked.flatten())

@@ -141,7 +141,7 @@ class TransformersEngine:
         no prefix sharing: hybrid models, or allow_block_sharing=False)."""
         if not self.processor.cache.use_prefix_sharing:
             return None
-        return self.block_log.walk(self.layout.hashed_blocks(), self.device)
+        return self.block_log.walk(self.layout.hashed_blocks())
 
     def add_free_listener(self, listener: FreeListener) -> None:
         """listener(group, slots of that group, cause) before any block goes back to the free

@@ -3,8 +3,6 @@ sweep (no transformers needed)."""
 
 from __future__ import annotations
 
-import torch
-
 from pytest_kvcanary.adapters.transformers_cb.block_log import BlockLog
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
 
@@ -20,7 +18,7 @@ def logged(table, hashed) -> BlockLog:
 
 def test_walk_chains_each_block_to_its_parents_last_slot():
     log = logged([7, 3, 9], {7: False, 3: True, 9: True})
-    walk = log.walk({7: False, 3: True, 9: True}, torch.device("cpu"))
+    walk = log.walk({7: False, 3: True, 9: True})
     assert walk.slots.tolist() == [28, 29, 30, 31, 12, 13, 14, 15, 36, 37, 38, 39]
     assert walk.positions.tolist() == list(range(12))
     assert walk.prev_slots.tolist() == [PREV_CHAIN_HEAD, 28, 29, 30, 31, 12, 13, 14, 15, 36, 37, 38]

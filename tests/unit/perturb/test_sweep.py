@@ -10,6 +10,7 @@ from kvcanary_kernels.sources import RealDataMode
 from pytest_kvcanary.canary.groups import GroupState
 from pytest_kvcanary.canary.seam import Capacities, CacheWalk, PoolGroup, SlotMapping
 from pytest_kvcanary.canary.plans import sweep_entries
+from pytest_kvcanary.canary.walk import check_walk
 from pytest_kvcanary.config import PerturbSpec
 
 from perturb_support import POOL_GROUPS, make_handle, send_waves
@@ -73,3 +74,28 @@ def test_damage_only_the_cache_holds_is_found_by_the_sweep_alone(attention):
     assert all(i.status == "detected" and i.detected_by.phase == "SWEEP" for i in injections), \
         [i.describe() for i in injections]
     assert {v.reasons for v in handle.violations()} == {("verify_real_kv_hash",)}
+
+
+@pytest.mark.parametrize("attention", ["mha", "swa"])
+def test_a_walk_returned_again_is_checked_once_and_still_swept(attention, monkeypatch):
+    """An engine returns the same walk object while its cache is unchanged: the sweep checks and
+    plans it once, and every sweep still verifies what the slots hold now."""
+    import pytest_kvcanary.canary.plans as plans_module
+
+    handle = make_handle(attention, sweep_interval=0)
+    handle.reset(0, tuple(PerturbSpec("real_kv_unused_cache", target_group=g) for g in POOL_GROUPS[attention]))
+    send_waves(handle, seed=1)
+    runtime = handle.side.runtime
+    checks = []
+    monkeypatch.setattr(plans_module, "check_walk", lambda *args: checks.append(1) or check_walk(*args))
+    walk = runtime.host.cache_walk()
+    monkeypatch.setattr(runtime.host, "cache_walk", lambda: walk)
+    assert runtime.sweep() and runtime.sweep()
+    runtime.drain()
+    assert len(checks) == 1
+    found = {(v.group.lower(), v.slot) for v in handle.violations()}
+    assert found and found == {(i.group, i.slot) for i in handle.injections()}
+    assert runtime.log.repeats == len(handle.violations()), "the second sweep found each again"
+    monkeypatch.setattr(runtime.host, "cache_walk", lambda: walk._replace(locked=walk.locked.clone()))
+    assert runtime.sweep()
+    assert len(checks) == 2, "a new walk object is checked again"
