@@ -16,9 +16,11 @@ form) cost two 64-bit multiplies and six shifts, and measurably less bandwidth
 
 The sources travel as two tuples, ``launch.source_args(sources, chunk)``: per source
 ``(words, row_stride, words_per_token)`` and the constexpr ``launch.SourceRead`` (READ_WORDS, CHUNK,
-PAGE_SIZE, STRIDE_WORDS; CHUNK a power of two, words starting at the source's first sample); slot ``s``'s i-th read word is
+PAGE_SIZE, STRIDE_WORDS, SAMPLE_BYTES; CHUNK a power of two, words starting at the source's first
+sample); with 16-byte samples slot ``s``'s i-th read word is
 ``words[(s // page_size) * row_stride + (s % page_size) * words_per_token + (i // 2) * STRIDE_WORDS
-+ i % 2]`` (a 16-byte sample every STRIDE_WORDS words; STRIDE_WORDS = 2: one run). A program walks
++ i % 2]`` (a 16-byte sample every STRIDE_WORDS words; STRIDE_WORDS = 2: one run). A source read
+element by element (``element_source_hash``) packs its elements into the same words. A program walks
 its slots' words in ``[BLOCK, CHUNK]`` tiles (coalesced 16-byte loads along each slot's row, one
 tile ahead of the hashing, streamed past L2 so records stay cached), adds the hashed words into a
 tile accumulator and reduces it once at the end.
@@ -67,16 +69,49 @@ def source_hash(words, row_stride, words_per_token, slots, mask, READ_WORDS: tl.
 
 
 @triton.jit
+def element_source_hash(elements, row_stride, per_slot, slots, mask, READ_WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                        PAGE_SIZE: tl.constexpr, STRIDE: tl.constexpr, SAMPLE_BYTES: tl.constexpr):
+    """``source_hash`` of a source read element by element (a feature-major page): word i packs
+    samples ``i * P .. i * P + P - 1`` (P = 8 // SAMPLE_BYTES, little-endian), sample k being
+    element ``k * STRIDE`` from the slot's first, so a slot's features hash as they would as one
+    contiguous run."""
+    PER_WORD: tl.constexpr = 8 // SAMPLE_BYTES
+    base = (slots // PAGE_SIZE) * row_stride + (slots % PAGE_SIZE) * per_slot
+    cols = tl.arange(0, CHUNK)
+    acc = tl.zeros([slots.shape[0], CHUNK], tl.uint64)
+    for start in range(0, READ_WORDS, CHUNK):
+        on = (start + cols) < READ_WORDS
+        word = tl.zeros([slots.shape[0], CHUNK], tl.uint64)
+        for j in tl.static_range(PER_WORD):
+            at = ((start + cols) * PER_WORD + j) * STRIDE
+            e = tl.load(elements + base[:, None] + at[None, :], mask=mask[:, None] & on[None, :], other=0)
+            if SAMPLE_BYTES == 2:
+                u = e.to(tl.uint16, bitcast=True).to(tl.uint64)
+            elif SAMPLE_BYTES == 4:
+                u = e.to(tl.uint32, bitcast=True).to(tl.uint64)
+            else:
+                u = e.to(tl.uint64, bitcast=True)
+            word |= u << (j * 8 * SAMPLE_BYTES)
+        hashed = word_terms(word, mix((start + cols + 1).to(tl.uint64))[None, :])
+        acc += tl.where(on[None, :], hashed, 0)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def slot_fingerprint(sources, READS: tl.constexpr, slots, mask):
     """uint64 fingerprint of each lane's slot over the sources, and the last source's hash alone
     (both 0 with none)."""
     acc = tl.zeros(slots.shape, tl.uint64)
     last = acc
     for k in tl.static_range(len(READS)):
-        words, row_stride, words_per_token = sources[k]
+        words, row_stride, per_slot = sources[k]
         # READS[k] is a launch.SourceRead, read by position: compiled Triton hands a constexpr tuple's
         # elements over as plain tuples, and unpacking one loses constexpr-ness.
-        last = source_hash(words, row_stride, words_per_token, slots, mask, READS[k][0], READS[k][1], READS[k][2],
-                           READS[k][3])
+        if READS[k][4] == 16:
+            last = source_hash(words, row_stride, per_slot, slots, mask, READS[k][0], READS[k][1], READS[k][2],
+                               READS[k][3])
+        else:
+            last = element_source_hash(words, row_stride, per_slot, slots, mask, READS[k][0], READS[k][1],
+                                       READS[k][2], READS[k][3], READS[k][4])
         acc = mix(acc ^ last)
     return acc, last

@@ -198,13 +198,15 @@ def optional_ptr(t: torch.Tensor | None, records: torch.Tensor) -> torch.Tensor:
 
 
 class SourceRead(NamedTuple):
-    """A source's constexpr read shape (``source_hash``): words read per slot, words loaded at a
-    time (a power of two), slots per row, and words from one 16-byte sample to the next."""
+    """A source's constexpr read shape (``slot_fingerprint``): words read per slot, words hashed at
+    a time (a power of two), slots per row, the distance from one sample to the next in loaded
+    units (int64 words for 16-byte samples, else elements), and the sample's bytes."""
 
     read_words: int
     chunk: int
     page_size: int
-    stride_words: int
+    stride: int
+    sample_bytes: int
 
 
 class MapConsts(NamedTuple):
@@ -217,14 +219,17 @@ class MapConsts(NamedTuple):
 
 
 def source_args(sources: Sequence[RealKvSource], chunk: int) -> tuple[tuple, tuple[SourceRead, ...]]:
-    """Per source ``(words, row_stride, words_per_token)`` and its constexpr ``SourceRead``, as two
-    tuples for ``slot_fingerprint``."""
+    """Per source ``(words, row_stride, per_slot)`` (what ``RealKvSource.words`` gives, its row
+    stride and the distance from one slot of a page to the next, in loaded units) and its
+    constexpr ``SourceRead``, as two tuples for ``slot_fingerprint``."""
     args, reads = [], []
     for src in sources:
         words = src.words()
-        args.append((words, words.stride(0), src.num_bytes_per_token // 8))
+        unit = words.element_size()
+        args.append((words, words.stride(0), src.slot_stride // unit))
         read_words = src.read_bytes // 8
-        reads.append(SourceRead(read_words, min(chunk, next_power_of_2(read_words)), src.page_size, src.sample_stride // 8))
+        reads.append(SourceRead(read_words, min(chunk, next_power_of_2(read_words)), src.page_size,
+                                src.sample_stride // unit, src.sample_bytes))
     return tuple(args), tuple(reads)
 
 

@@ -48,11 +48,18 @@ def word_terms_ref(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def source_hash_ref(source: RealKvSource, slots: torch.Tensor) -> torch.Tensor:
     """Wrapping sum over the slot's read_words sampled words of their terms keyed by ``mix(i + 1)``."""
     words = source.words()
+    unit = words.element_size()
     cols = torch.arange(source.read_bytes // 8, device=slots.device)
     pages = slots // source.page_size
-    at = (cols // 2) * (source.sample_stride // 8) + cols % 2
-    offsets = (slots % source.page_size)[:, None] * (source.num_bytes_per_token // 8) + at
-    tile = words[pages[:, None], offsets]
+    first = (slots % source.page_size)[:, None] * (source.slot_stride // unit)
+    if not source.elementwise:
+        tile = words[pages[:, None], first + (cols // 2) * (source.sample_stride // unit) + cols % 2]
+    else:  # word i packs elements i * P .. i * P + P - 1, little-endian (fingerprint.element_source_hash)
+        per_word = 8 // unit
+        tile = torch.zeros(slots.shape[0], cols.shape[0], dtype=torch.int64, device=slots.device)
+        for j in range(per_word):
+            e = words[pages[:, None], first + (cols * per_word + j) * (source.sample_stride // unit)].to(torch.int64)
+            tile |= (e & ((1 << 8 * unit) - 1) if unit < 8 else e) << (8 * unit * j)
     return word_terms_ref(tile, mix_torch(cols + 1)).sum(dim=1)
 
 

@@ -1,9 +1,12 @@
 """Where a slot's real KV bytes live, and which of them the fingerprint reads.
 
-A fingerprint reads a slot's bytes in 16-byte samples: ``read_bytes // 16`` of them, the k-th at
-byte ``sample_offset + k * sample_stride`` of the slot's row (``sample_stride == 16``: one run
-from ``sample_offset``). ``all`` mode reads the whole row; ``partial`` mode reads 16 bytes of
-each KV head the layer is dealt (``layer_source``), so a fault confined to one head is seen.
+A fingerprint reads a slot's bytes in samples: ``read_bytes // sample_bytes`` of them, the k-th at
+byte ``sample_offset + k * sample_stride`` of the slot. A sample is 16 bytes where a slot's
+features lie in runs (``sample_stride == 16``: one run from ``sample_offset``), or one element
+(2, 4 or 8 bytes) where they lie one element every ``sample_stride`` bytes: a feature-major page,
+as vLLM's CPU attention keeps K (a block's dimension d of every token together). ``all`` mode
+reads the whole slot; ``partial`` mode reads 16 bytes of each KV head the layer is dealt
+(``layer_source``), so a fault confined to one head is seen.
 """
 
 from __future__ import annotations
@@ -18,17 +21,25 @@ from .inputs import RealDataMode
 ALIGN = 16
 PARTIAL_READ_BYTES = 16
 MAX_SOURCES = 4
+SAMPLE_BYTES = (2, 4, 8, ALIGN)  # an element of a feature-major page, or a 16-byte run
+_UNSIGNED_AS_SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
 class RealKvSource:
-    """A view of real KV bytes: slot s lives at
-    ``bytes[s // page_size, (s % page_size) * num_bytes_per_token : + num_bytes_per_token]``
-    and the fingerprint folds ``read_bytes`` of them, 16 bytes per sample, the k-th sample at
-    byte ``sample_offset + k * sample_stride`` of the slot (defaults: the first ``read_bytes``).
+    """A view of real KV bytes: slot s lives in row ``s // page_size`` of ``tensor`` (read as one
+    row of bytes per page) from byte ``(s % page_size) * slot_stride`` on, ``num_bytes_per_token``
+    of features per slot; the fingerprint folds ``read_bytes`` of them, ``sample_bytes`` per
+    sample, the k-th sample at byte ``sample_offset + k * sample_stride`` of the slot (defaults:
+    the first ``read_bytes``, in 16-byte samples).
 
-    ``tensor`` has >= 2 dims; everything past dim 0 must be contiguous (it is read as one row of
-    bytes per page; dim 0 may be strided). Sizes are multiples of 16 bytes.
+    ``slot_stride`` (``token_stride``, default ``num_bytes_per_token``): bytes from one slot of a
+    page to the next. ``sample_bytes`` 16: a sample is a 16-byte run; 2, 4 or 8: one element, the
+    samples being consecutive features one element apart by ``sample_stride`` (a feature-major
+    page: ``token_stride == sample_bytes``, ``sample_stride == page_size * sample_bytes``).
+
+    ``tensor`` has >= 2 dims; everything past dim 0 must be contiguous (dim 0 may be strided). Sizes
+    are multiples of 16 bytes, offsets and strides multiples of ``sample_bytes``.
     """
 
     tensor: torch.Tensor
@@ -37,6 +48,8 @@ class RealKvSource:
     read_bytes: int
     sample_offset: int = 0
     sample_stride: int = ALIGN
+    sample_bytes: int = ALIGN
+    token_stride: int | None = None
 
     def __post_init__(self) -> None:
         t = self.tensor
@@ -54,22 +67,30 @@ class RealKvSource:
                 "RealKvSource.read_bytes must be a positive multiple of 16 and <= "
                 f"num_bytes_per_token ({self.num_bytes_per_token}); got {self.read_bytes}"
             )
-        if self.sample_offset < 0 or self.sample_offset % ALIGN or self.sample_stride < ALIGN \
-                or self.sample_stride % ALIGN:
-            raise ValueError("RealKvSource.sample_offset (>= 0) and sample_stride (>= 16) must be multiples of 16; "
-                             f"got {self.sample_offset}, {self.sample_stride}")
-        if self.sample_end > self.num_bytes_per_token:
+        if self.sample_bytes not in SAMPLE_BYTES:
+            raise ValueError(f"RealKvSource.sample_bytes must be one of {', '.join(map(str, SAMPLE_BYTES))}; "
+                             f"got {self.sample_bytes}")
+        unit = self.sample_bytes
+        if self.sample_offset < 0 or self.sample_offset % unit or self.sample_stride < unit \
+                or self.sample_stride % unit or self.slot_stride < unit or self.slot_stride % unit:
+            raise ValueError(f"RealKvSource.sample_offset (>= 0), sample_stride and token_stride (>= {unit}) must be "
+                             f"multiples of sample_bytes ({unit}); got {self.sample_offset}, {self.sample_stride}, "
+                             f"{self.slot_stride}")
+        row_bytes = t[0].numel() * t.element_size()
+        if self.sample_end > self.num_bytes_per_token and self.slot_stride == self.num_bytes_per_token:
             raise ValueError(f"RealKvSource samples end at byte {self.sample_end}, past num_bytes_per_token "
                              f"({self.num_bytes_per_token})")
         if not t[0].is_contiguous():
             raise ValueError("RealKvSource.tensor must be contiguous past dim 0 (one byte row per page)")
-        row_bytes = t[0].numel() * t.element_size()
         if row_bytes != self.page_size * self.num_bytes_per_token:
             raise ValueError(
                 "RealKvSource.tensor row holds "
                 f"{row_bytes} bytes; page_size * num_bytes_per_token = "
                 f"{self.page_size * self.num_bytes_per_token}"
             )
+        if (self.page_size - 1) * self.slot_stride + self.sample_end > row_bytes:
+            raise ValueError(f"RealKvSource: the last slot of a page reads up to byte "
+                             f"{(self.page_size - 1) * self.slot_stride + self.sample_end}, past the row's {row_bytes}")
         stride_bytes = t.stride(0) * t.element_size()
         if stride_bytes % ALIGN or t.data_ptr() % ALIGN:
             raise ValueError(
@@ -81,31 +102,54 @@ class RealKvSource:
         return self.tensor.shape[0] * self.page_size
 
     @property
+    def slot_stride(self) -> int:
+        """Bytes from one slot of a page to the next."""
+        return self.num_bytes_per_token if self.token_stride is None else self.token_stride
+
+    @property
+    def elementwise(self) -> bool:
+        """Samples are single elements (a feature-major page), not 16-byte runs."""
+        return self.sample_bytes != ALIGN
+
+    @property
     def num_samples(self) -> int:
-        return self.read_bytes // ALIGN
+        return self.read_bytes // self.sample_bytes
 
     @property
     def sample_end(self) -> int:
         """One past the last byte of the slot's row a fingerprint reads."""
-        return self.sample_offset + (self.num_samples - 1) * self.sample_stride + ALIGN
+        return self.sample_offset + (self.num_samples - 1) * self.sample_stride + self.sample_bytes
 
     def sampled_bytes(self) -> list[int]:
-        """The byte offsets within a slot's row the fingerprint reads, in order."""
-        return [self.sample_offset + k * self.sample_stride + b for k in range(self.num_samples) for b in range(ALIGN)]
+        """The byte offsets from the slot's start the fingerprint reads, in order."""
+        return [self.sample_offset + k * self.sample_stride + b for k in range(self.num_samples)
+                for b in range(self.sample_bytes)]
+
+    def row_read(self) -> tuple[int, int]:
+        """``(sample_offset, sample_stride)`` of the same read in the slot's features laid out as
+        one contiguous row (what the forward computed, for write-through)."""
+        if self.elementwise:
+            return self.sample_offset // self.sample_stride * self.sample_bytes, ALIGN
+        return self.sample_offset, self.sample_stride
+
+    def row_bytes(self) -> torch.Tensor:
+        """The source as bytes, a row per page, from the first sampled byte on (a view)."""
+        t = self.tensor
+        flat = t.as_strided((t.shape[0], t[0].numel()), (t.stride(0), 1))
+        return flat.view(torch.uint8)[:, self.sample_offset:]
 
     def words(self) -> torch.Tensor:
-        """The source as int64 words from the first sample's word on (a view of the tensor, with
-        the row stride of ``[num_pages, page_size * num_bytes_per_token // 8]``): slot s's k-th
-        sample is words ``[(s % page_size) * num_bytes_per_token // 8 + k * sample_stride // 8
-        + (0, 1)]`` of row ``s // page_size``."""
+        """What the kernels load, from the first sample on, a row per page: int64 words for 16-byte
+        samples (slot s's k-th sample is words ``[(s % page_size) * slot_stride // 8 + k *
+        sample_stride // 8 + (0, 1)]``), else elements of ``sample_bytes`` (slot s's k-th sample is
+        element ``(s % page_size) * slot_stride // sample_bytes + k * sample_stride // sample_bytes``)."""
         return self._words
 
     @cached_property
     def _words(self) -> torch.Tensor:
         """``words()``, made once: every kernel launch reads it."""
-        t = self.tensor
-        flat = t.as_strided((t.shape[0], t[0].numel()), (t.stride(0), 1))
-        return flat.view(torch.uint8).view(torch.int64)[:, self.sample_offset // 8:]
+        unit = 8 if not self.elementwise else self.sample_bytes
+        return self.row_bytes().view(_UNSIGNED_AS_SIGNED[unit])
 
 
 def head_bytes_of(layer: torch.Tensor, num_bytes_per_token: int) -> int:
@@ -122,13 +166,22 @@ def layer_source(layer: torch.Tensor, page_size: int, mode: RealDataMode, share:
 
     ``share = (j, S)``: this layer is the j-th of S the fingerprint folds. Partial mode deals the
     slot's KV heads over them: layer j reads the first 16 bytes of heads ``j % H, j % H + S, ...``
-    (H heads), so the S layers together sample every head. All mode reads the whole row."""
+    (H heads), so the S layers together sample every head. All mode reads the whole row.
+
+    A feature-major view ``[num_pages, page_size, features]`` (a page keeps feature f of every
+    slot together: ``layer[0].T`` contiguous) is read element by element, its features in order
+    (all: every one; partial: the first 16 bytes)."""
+    if mode == RealDataMode.NONE:  # == : a str enum, so its value works too
+        return None
+    if feature_major(layer, page_size):
+        elem, nbpt = layer.element_size(), layer.shape[2] * layer.element_size()
+        return RealKvSource(tensor=layer.transpose(1, 2), page_size=page_size, num_bytes_per_token=nbpt,
+                            read_bytes=nbpt if mode == RealDataMode.ALL else PARTIAL_READ_BYTES,
+                            sample_stride=page_size * elem, sample_bytes=elem, token_stride=elem)
     per_page = layer[0].numel() * layer.element_size()
     if per_page % page_size:
         raise ValueError(f"layer row of {per_page} bytes does not split into page_size={page_size} slots")
     nbpt = per_page // page_size
-    if mode == RealDataMode.NONE:  # == : a str enum, so its value works too
-        return None
     if mode == RealDataMode.ALL:
         return RealKvSource(tensor=layer, page_size=page_size, num_bytes_per_token=nbpt, read_bytes=nbpt)
     j, count = share
@@ -137,6 +190,15 @@ def layer_source(layer: torch.Tensor, page_size: int, mode: RealDataMode, share:
     return RealKvSource(tensor=layer, page_size=page_size, num_bytes_per_token=nbpt,
                         read_bytes=PARTIAL_READ_BYTES * len(heads), sample_offset=heads[0] * head,
                         sample_stride=count * head if len(heads) > 1 else ALIGN)
+
+
+def feature_major(layer: torch.Tensor, page_size: int) -> bool:
+    """``layer`` is ``[num_pages, page_size, features]`` with each page feature-major (and more than
+    one slot per page: with one, a page is one run either way), its features a multiple of 16 bytes
+    of elements a fingerprint can sample."""
+    return (layer.dim() == 3 and page_size > 1 and layer.shape[1] == page_size and not layer[0].is_contiguous()
+            and layer[0].transpose(0, 1).is_contiguous() and layer.element_size() in SAMPLE_BYTES
+            and layer.shape[2] * layer.element_size() % ALIGN == 0)
 
 
 def _desc(t: object) -> str:

@@ -62,7 +62,7 @@ class GroupState:
                *, recheck: bool) -> "GroupState":
         if not pool.fingerprintable and real_data is not RealDataMode.NONE:
             raise ValueError(f"real_data must be none for the {pool.kind.name} group of this engine: its KV "
-                             f"layout is not one contiguous run per slot; got {real_data.value!r}")
+                             f"layout is one the fingerprint cannot read; got {real_data.value!r}")
         layers_of = {Half.K: pool.k_layers, Half.V: pool.v_layers}
         halves = {}
         for half, layers in layers_of.items():

@@ -34,11 +34,12 @@ class PoolGroup:
     slot 0 is reserved (never holds a token; padding may point there) and is the canary's
     sentinel: its bytes must stay what they were when the canary attached. mapping: how (row,
     position) finds a slot. window: attention window in tokens (SWA: a forward reads positions
-    [prefix_len - window, prefix_len)), None for FULL. fingerprintable: False when a slot's bytes
-    are not one contiguous run at that address (only real_data none is honoured then).
-    opaque_halves: the halves for which that holds in an otherwise fingerprintable group (vLLM's
-    CPU cache stores K transposed inside a block, V token by token): the fingerprint skips them,
-    their records keep token, position and chain.
+    [prefix_len - window, prefix_len)), None for FULL. fingerprintable: False when the
+    fingerprint cannot read a slot's bytes at that address: they are neither one contiguous run of
+    a multiple of 16 bytes nor a feature-major page (``kvcanary_kernels.sources.feature_major``;
+    only real_data none is honoured then). opaque_halves: the halves for which that holds in an
+    otherwise fingerprintable group: the fingerprint skips them, their records keep token,
+    position and chain.
     """
 
     kind: GroupKind

@@ -116,9 +116,10 @@ class CanaryRuntime:
             out = state.stored_hashes[i]
             out.zero_()
             src = state.sources[i]
+            offset, stride = src.row_read()  # the stored read, over the rows as the forward computed them
             with self._on_device():
                 self.kernels.source_hash_rows(rows, src.read_bytes, out[:rows.shape[0]],
-                                              sample_offset=src.sample_offset, sample_stride=src.sample_stride)
+                                              sample_offset=offset, sample_stride=stride)
             state.stored.add(i)
 
     def after_forward(self, view: ForwardView) -> None:

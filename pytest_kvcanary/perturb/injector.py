@@ -115,8 +115,8 @@ class FaultInjector:
         sampled = source.sampled_bytes()
         offset = sampled[self._rng.randrange(len(sampled)) if byte is None else byte]
         page, within = divmod(t.slot, source.page_size)
-        data = source.words().view(torch.uint8)  # starts at the source's first sampled byte
-        data[page, within * source.num_bytes_per_token + offset - source.sample_offset] ^= 1 << self._rng.randrange(8)
+        data = source.row_bytes()  # starts at the source's first sampled byte
+        data[page, within * source.slot_stride + offset - source.sample_offset] ^= 1 << self._rng.randrange(8)
         self._record(spec, group, t, offset, half.name)
 
     def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:

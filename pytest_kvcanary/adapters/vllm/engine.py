@@ -9,9 +9,9 @@ schedules, allocates blocks, caches prefixes and computes; the adapter watches.
   offset``; with the canary's connector vLLM runs without its hybrid allocator (its rule for
   connectors without hybrid support), so both groups share one block table and sliding-window
   layers keep every block. Per group and half, one buffer per (layer, KV head): vLLM's CPU cache
-  keeps heads apart. Which halves the fingerprint can read is probed (layout.py): on vLLM's
-  portable CPU paths V is, K is not (stored transposed inside a block), so K records carry
-  token, position and chain but no real-KV hash.
+  keeps heads apart. Each half's order is probed (layout.py): on vLLM's portable CPU paths V is
+  stored token by token and K dimension-major inside a block; the fingerprint reads both (K
+  element by element).
 - Mapping: a block table the adapter owns, ``[max_num_seqs, blocks per context]``; row b holds
   the block ids of the step's b-th scheduled request, refilled before every forward.
 - Views: per forward, from the scheduler's own step (blocks.py): prefix_len = vLLM's computed
@@ -243,7 +243,7 @@ class VllmEngine:
         groups = []
         for kind, window in [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]:
             views = half_views([self._kv_caches[n] for n in names if layers[n].sliding_window == window], orders)
-            opaque = frozenset(h for h, v in views.items() if not v.contiguous)
+            opaque = frozenset(h for h, v in views.items() if not v.readable)
             # Sliding-window layers use the FULL slots themselves: saying so (an identity map)
             # lets the prefix-cache walk reach them.
             mapping = SlotMapping(self._table, page_size=bs,

@@ -8,8 +8,8 @@ own, so the machine a test suite runs on would decide the layout the canary guar
 
 The ``attention_isa`` setting decides instead:
 
-- ``readable`` (default): vLLM's choice, except that ``amx`` becomes ``vec``, the path whose V rows
-  are one contiguous run per token (the canary fingerprints them), on every x86 CPU alike.
+- ``readable`` (default): vLLM's choice, except that ``amx`` becomes ``vec``, a path whose layout
+  the canary reads (V token by token, K dimension-major), on every x86 CPU alike.
 - ``vllm``: vLLM's choice, whatever it is.
 - ``amx``, ``vec``, ``vec16``: that path (``amx`` needs a CPU with AMX and bfloat16).
 

@@ -12,10 +12,10 @@ Two steps, kept apart so that one of them serves every layout:
   does the same for CPU_MLA's latent rows (``[num_blocks, block_size, kv_lora_rank + rope_dim]``).
 - `slot_bytes` takes one half of one layer as a view ``[num_blocks, block_size, *features]`` (any
   strides: the layout's own order) and splits it along its leading feature axes (heads) until
-  each slot's bytes are one contiguous run per view: ``[num_blocks, block_size, run]``, each
-  block one row of bytes, which the fingerprint reads. Where no split gets there (the innermost
-  feature axis is not the contiguous one, as in a ``dim`` half) the views keep the same
-  addressing, strided, and the half is not fingerprinted.
+  each view is one the fingerprint reads (``kvcanary_kernels.sources``): each slot's bytes one
+  contiguous run, ``[num_blocks, block_size, run]``, or each block feature-major, dimension d of
+  every token together (a ``dim`` half: read element by element). Where no split gets there the
+  views keep the same addressing, strided, and the half is not fingerprinted.
 
 vLLM's CUDA layouts go through `slot_bytes` alike: FlashAttention's ``[2, num_blocks, block_size,
 heads, head_size]`` (half ``cache[i]``), FlashInfer's NHD ``[num_blocks, 2, block_size, heads,
@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvcanary_kernels.records import Half
+from kvcanary_kernels.sources import feature_major
 
 
 class Order(str, Enum):
@@ -43,22 +44,23 @@ class Order(str, Enum):
 
 class SlotBytes(NamedTuple):
     """One half's views ``[num_blocks, block_size, width]`` (slot s at ``[s // block_size, s %
-    block_size]``), and whether each slot's bytes are one contiguous run in every one of them."""
+    block_size]``), and whether the fingerprint reads every one of them."""
 
     views: list[torch.Tensor]
-    contiguous: bool
+    readable: bool
 
 
 def slot_bytes(half: torch.Tensor) -> SlotBytes:
-    """Views of `half` (``[num_blocks, block_size, *features]``, any strides) in which each slot's
-    features are one run: the features flattened where a block's features are contiguous, else
-    split along the leading feature axis, recursively."""
+    """Views of `half` (``[num_blocks, block_size, *features]``, any strides) the fingerprint reads:
+    the features flattened where a block's features are contiguous, a block kept as it is where
+    it is feature-major, else split along the leading feature axis, recursively."""
     if half[0].is_contiguous():
-        return SlotBytes([half.reshape(half.shape[0], half.shape[1], -1)], True)
+        runs = half.reshape(half.shape[0], half.shape[1], -1)
+        return SlotBytes([runs], runs.shape[2] * runs.element_size() % 16 == 0)
     if half.dim() > 3:
         parts = [slot_bytes(half[:, :, i]) for i in range(half.shape[2])]
-        return SlotBytes([v for p in parts for v in p.views], all(p.contiguous for p in parts))
-    return SlotBytes([half], False)
+        return SlotBytes([v for p in parts for v in p.views], all(p.readable for p in parts))
+    return SlotBytes([half], feature_major(half, half.shape[1]))
 
 
 def cpu_attn_half(cache: torch.Tensor, half: Half, order: Order) -> torch.Tensor:
@@ -115,5 +117,5 @@ def half_views(caches: list[torch.Tensor], orders: dict[Half, Order]) -> dict[Ha
     out = {}
     for half, order in orders.items():
         parts = [slot_bytes(cpu_attn_half(cache, half, order)) for cache in caches]
-        out[half] = SlotBytes([v for p in parts for v in p.views], all(p.contiguous for p in parts))
+        out[half] = SlotBytes([v for p in parts for v in p.views], all(p.readable for p in parts))
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from pytest_kvcanary.config import PerturbSpec
 
@@ -106,3 +107,29 @@ def test_each_fault_is_caught_where_it_was_made(engines, attention, group, mode)
                 assert (v.row, v.step) == (inj.row, inj.step) and v.position in (inj.position, inj.position + 1)
             else:
                 assert (v.slot, v.half) == (inj.slot, inj.half)
+
+
+@pytest.mark.parametrize("real_data", ["partial", "all"])
+def test_a_k_only_flip_in_a_cached_prefix_is_reported_at_its_slot_on_half_k(engines, real_data):
+    """vLLM's CPU attention keeps K dimension-major inside a block; the fingerprint reads it element
+    by element, so a flip in K alone, in a block only the prefix cache holds, is found by the sweep
+    at that slot, on half K, and nowhere else."""
+    from kvcanary_kernels.records import GroupKind, Half
+
+    handle = make_handle(engines["mha"], real_data=real_data, sweep_interval=0)
+    fault_workload(handle, seed=0)
+    runtime = handle.side.runtime
+    runtime.drain()
+    assert handle.violations() == []
+    walk = runtime.host.cache_walk()
+    slot = int(walk.slots[~walk.locked][5])
+    group = runtime.group(GroupKind.FULL)
+    state = group.halves[Half.K]
+    assert state.sources and all(s.elementwise for s in state.sources), "K is read element by element"
+    k = group.pool.k_layers[state.source_layers[0]]  # [blocks, block_size, head_dim], dimension-major blocks
+    bs = group.pool.page_size
+    k.view(torch.int16)[slot // bs, slot % bs, 3] ^= 1  # dimension 3: read in partial mode too
+    assert runtime.sweep()
+    runtime.drain()
+    found = [(v.phase, v.half, v.slot, v.reasons) for v in handle.violations()]
+    assert found == [("SWEEP", "K", slot, ("verify_real_kv_hash",))]

@@ -1,7 +1,8 @@
 """Layout discovery on synthetic caches of vLLM's layouts (CUDA ones included: no vLLM needed):
-slot_bytes finds, for every slot, exactly the bytes the layout gives it, reports whether they are
-one run per view, and the fingerprint over its views changes with a byte of that slot, and only
-that slot, in every real_data mode."""
+slot_bytes finds, for every slot, exactly the bytes the layout gives it, reports whether the
+fingerprint reads every view (one run per slot, or a feature-major block read element by
+element), and the fingerprint over its views changes with a byte of that slot, and only that slot,
+in every real_data mode."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def cpu_attn(order: Order) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 # name -> (cache shape, half view of the cache, a view of the elements of slot (b, t) by the
-# layout's own definition, one contiguous run per view)
+# layout's own definition, whether the fingerprint reads every view)
 LAYOUTS = {
     "flash_attn": ((2, BLOCKS, BS, HEADS, D), lambda c: c[0], lambda c, b, t: c[0, b, t], True),
     "flashinfer_nhd": ((BLOCKS, 2, BS, HEADS, D), lambda c: c[:, 1], lambda c, b, t: c[b, 1, t], True),
@@ -32,16 +33,20 @@ LAYOUTS = {
     "cpu_attn_token": ((BLOCKS, HEADS, BS, 2 * D), cpu_attn(Order.TOKEN),
                        lambda c, b, t: c.view(BLOCKS, HEADS, 2 * BS, D)[b, :, t], True),
     "cpu_attn_dim": ((BLOCKS, HEADS, BS, 2 * D), cpu_attn(Order.DIM),
-                     lambda c, b, t: c.view(BLOCKS, HEADS, 2 * D, BS)[b, :, :D, t], False),
+                     lambda c, b, t: c.view(BLOCKS, HEADS, 2 * D, BS)[b, :, :D, t], True),
+    # not read: runs of dimension pairs (4 bytes, under a 16-byte sample), every other row
+    "pairs": ((BLOCKS, HEADS, D // 2, BS, 2), lambda c: c.permute(0, 3, 1, 2, 4),
+              lambda c, b, t: c[b, :, :, t], False),
+    "every_other_row": ((BLOCKS, 2 * BS, D), lambda c: c[:, ::2], lambda c, b, t: c[b, 2 * t], False),
 }
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_each_slot_gets_exactly_its_bytes(name):
-    shape, half, elements, contiguous = LAYOUTS[name]
+    shape, half, elements, readable = LAYOUTS[name]
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     found = slot_bytes(half(cache))
-    assert found.contiguous is contiguous
+    assert found.readable is readable
     for view in found.views:
         assert view.shape[:2] == (BLOCKS, BS) and view.data_ptr() >= cache.data_ptr()
     for b in range(BLOCKS):

@@ -15,7 +15,7 @@ from .support import INSTALL, make_engine, prompts_with_shared_prefixes, referen
 
 pytest.importorskip("vllm", reason=INSTALL)
 
-from kvcanary_kernels.records import PREV_CHAIN_HEAD, Half  # noqa: E402
+from kvcanary_kernels.records import PREV_CHAIN_HEAD  # noqa: E402
 
 ATOL = 2e-4
 
@@ -149,15 +149,15 @@ def test_the_walk_names_what_the_cached_slots_hold(engine, reference_model):
     torch.testing.assert_close(group.v_layers[0][slots // bs, slots % bs], ref_v[0], atol=ATOL, rtol=0)
 
 
-def test_only_token_major_halves_are_fingerprinted():
-    """On vLLM's portable CPU paths K is stored transposed inside a block: its views are strided
-    (the fingerprint must not read them), V's are one contiguous run per slot. A latent (MLA) cache
-    is one row per token: one half, fingerprinted."""
+def test_both_halves_are_fingerprinted_in_the_layout_vllm_keeps():
+    """On vLLM's portable CPU paths K is stored dimension-major inside a block (the fingerprint
+    reads it element by element), V one contiguous run per slot. A latent (MLA) cache is one row
+    per token: one half, fingerprinted."""
     engine = make_engine("swa", num_blocks=24)
     for group in engine.canary_groups():
-        assert group.opaque_halves == frozenset({Half.K}) and group.fingerprintable
+        assert group.opaque_halves == frozenset() and group.fingerprintable
         assert all(layer[0].is_contiguous() for layer in group.v_layers)
-        assert not any(layer[0].is_contiguous() for layer in group.k_layers)
+        assert all(layer[0].transpose(0, 1).is_contiguous() for layer in group.k_layers)
     full, swa = engine.canary_groups()
     assert swa.window == 24 - 1, "a token reads the window before it, itself excluded"
     assert len(full.k_layers) == len(swa.k_layers) == 2 * 2  # 2 layers of each kind x 2 KV heads

@@ -28,7 +28,8 @@ Row = tuple[int, ...]
 
 class SourceSpec(NamedTuple):
     """One KV layer: dtype, slots per page, elements per slot, read mode, extra elements per row,
-    KV heads per slot, and the layer's share of the sampled layers (``layer_source``'s share)."""
+    KV heads per slot, the layer's share of the sampled layers (``layer_source``'s share), and
+    whether a page is feature-major (element f of every slot together; one head)."""
 
     dtype: torch.dtype
     page_size: int
@@ -37,6 +38,7 @@ class SourceSpec(NamedTuple):
     row_pad: int = 0
     heads: int = 1
     share: tuple[int, int] = (0, 1)
+    feature_major: bool = False
 
 
 class MappingKind(NamedTuple):
@@ -185,10 +187,19 @@ class World:
     # ---- KV bytes --------------------------------------------------------------------------
 
     def kv_bytes(self, source: int, slot: int) -> torch.Tensor:
-        """A uint8 view of ``slot``'s bytes in sources[source] (writes go to the layer)."""
+        """A uint8 view of ``slot``'s bytes in sources[source] (writes go to the layer): ``[bytes]``,
+        or ``[features, element bytes]`` for a feature-major page."""
         src = self.sources[source]
         page, off = divmod(slot, src.page_size)
+        if src.elementwise:
+            return src.tensor[page][:, off, None].view(torch.uint8)
         return src.tensor[page].reshape(-1).view(torch.uint8)[off * src.num_bytes_per_token :][: src.num_bytes_per_token]
+
+    def flip_kv_bit(self, source: int, slot: int) -> None:
+        """Flip a random bit of a random byte of ``slot`` in sources[source]."""
+        kv = self.kv_bytes(source, slot)
+        byte = self.randint(0, kv.numel())
+        kv[divmod(byte, kv.shape[1]) if kv.dim() == 2 else byte] ^= 1 << self.randint(0, 8)
 
     def fill_kv(self, slots: list[int]) -> None:
         """The forward writes fresh KV bytes into ``slots`` (every source, whole slot)."""
@@ -315,7 +326,10 @@ def make_world(seed: int, mapping: str | MappingKind = "token",
         assert num_slots % spec.page_size == 0
         width = spec.page_size * spec.elems
         backing = random_bits(gen, (num_slots // spec.page_size, width + spec.row_pad), spec.dtype).to(DEVICE)
-        layer = backing[:, :width].view(backing.shape[0], spec.page_size, spec.heads, -1)
+        if spec.feature_major:
+            layer = backing[:, :width].view(backing.shape[0], spec.elems, spec.page_size).transpose(1, 2)
+        else:
+            layer = backing[:, :width].view(backing.shape[0], spec.page_size, spec.heads, -1)
         src = K.layer_source(layer, spec.page_size, spec.mode, share=spec.share)
         if src is not None:
             sources.append(src)

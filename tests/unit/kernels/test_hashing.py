@@ -159,3 +159,28 @@ def test_partial_mode_deals_every_kv_head_over_the_sampled_layers(world_factory)
 def test_all_mode_catches_a_flip_past_byte_16(world_factory):
     rows = _byte_flip_rows(world_factory, "all", byte=20)
     assert [r[0] for r in rows] == [Reason.VERIFY_REAL_KV_HASH]
+
+
+@pytest.mark.parametrize("mode, features_read", [("partial", 8), ("all", 32)])
+def test_a_feature_major_page_is_read_feature_by_feature(world_factory, mode, features_read):
+    """A page keeping feature f of every slot together (vLLM's CPU K): a flip in a feature the mode
+    reads changes that slot's fingerprint alone, one past them changes nothing, and the slot's
+    features hash as they would as one contiguous run (what write-through hashes)."""
+    spec = (torch.bfloat16, 8, 32, mode, 0, 1, (0, 1), True)
+    w = world_factory(8, specs=(spec,))
+    (source,) = w.sources
+    assert source.elementwise and source.read_bytes == 2 * features_read
+    slots = torch.arange(1, 64, device=w.device)
+    runs = source.tensor.transpose(1, 2).reshape(-1, 32)  # slot s's features, contiguous
+    out = torch.empty(runs.shape[0], dtype=torch.int64, device=w.device)
+    K.source_hash_rows(runs, source.read_bytes, out, **dict(zip(("sample_offset", "sample_stride"), source.row_read())))
+    before = K.fingerprint_ref([source], slots)
+    assert torch.equal(K.mix_torch(out[slots]), before)
+    for feature, seen in ((0, True), (features_read - 1, True), (features_read, False)):
+        if feature == 32:
+            continue
+        w.kv_bytes(0, 9)[feature, 1] ^= 0x10
+        after = K.fingerprint_ref([source], slots)
+        changed = (after != before).nonzero().flatten().add(1).tolist()
+        assert changed == ([9] if seen else []), (feature, changed)
+        w.kv_bytes(0, 9)[feature, 1] ^= 0x10

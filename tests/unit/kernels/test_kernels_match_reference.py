@@ -26,6 +26,9 @@ LAYOUTS = {
     "4src-mixed": ((FP16, 1, 8), (BF16, 2, 16, "partial"), (FP32, 4, 12, "all", 4), (FP16, 8, 8)),
     # partial mode dealing 4 KV heads over 2 layers (heads 0, 2 and 1, 3: strided samples)
     "2src-heads": ((BF16, 2, 64, "partial", 8, 4, (0, 2)), (FP16, 1, 64, "partial", 0, 4, (1, 2))),
+    # feature-major pages (vLLM's CPU K), read element by element, beside a page of runs
+    "3src-feature-major": ((BF16, 4, 32, "all", 0, 1, (0, 1), True), (FP32, 2, 8, "partial", 4),
+                           (FP16, 8, 16, "partial", 8, 1, (0, 1), True)),
 }
 # Small tiles walk a row's positions in several tiles and each slot's words in several chunks,
 # the last one partial where read_words is not a multiple of the chunk.
@@ -42,6 +45,8 @@ CASES = [
     ("full_to_group", "none", "default", 18, False),
     ("block4", "2src-heads", "small", 19, True),
     ("token", "2src-heads", "default", 20, False),
+    ("block4", "3src-feature-major", "small", 21, True),
+    ("token", "3src-feature-major", "default", 22, False),
 ]
 
 
@@ -74,8 +79,7 @@ def _damage_inside_the_forward(w: World, fwd: Forward) -> None:
     if not w.sources or w.randint(0, 2):
         return
     if read and w.randint(0, 3):
-        kv = w.kv_bytes(w.randint(0, len(w.sources)), read[w.randint(0, len(read))])
-        kv[w.randint(0, kv.numel())] ^= 1 << w.randint(0, 8)
+        w.flip_kv_bit(w.randint(0, len(w.sources)), read[w.randint(0, len(read))])
     else:
         w.kv_bytes(len(w.sources) - 1, 0)[0] ^= 0x40
 
@@ -106,8 +110,7 @@ def _corrupt_state(w: World, reqs) -> None:
         slot = live[w.randint(0, len(live))]
         what = w.randint(0, 4)
         if what == 0 and w.sources:
-            kv = w.kv_bytes(w.randint(0, len(w.sources)), slot)
-            kv[w.randint(0, kv.numel())] ^= 1 << w.randint(0, 8)
+            w.flip_kv_bit(w.randint(0, len(w.sources)), slot)
         elif what == 1:
             w.records[slot, w.randint(0, 4)] += w.randint(1, 1000)
         else:
