@@ -15,11 +15,12 @@ form) cost two 64-bit multiplies and six shifts, and measurably less bandwidth
 (benchmarks/RESULTS.md).
 
 The sources travel as two tuples, ``launch.source_args(sources, chunk)``: per source
-``(words, row_stride, words_per_token)`` and the constexpr ``launch.SourceRead`` (READ_WORDS, CHUNK,
-PAGE_SIZE, STRIDE_WORDS, SAMPLE_BYTES; CHUNK a power of two, words starting at the source's first
-sample); with 16-byte samples slot ``s``'s i-th read word is
-``words[(s // page_size) * row_stride + (s % page_size) * words_per_token + (i // 2) * STRIDE_WORDS
-+ i % 2]`` (a 16-byte sample every STRIDE_WORDS words; STRIDE_WORDS = 2: one run). A source read
+``(words, row_stride, words_per_token, per_tile)`` and the constexpr ``launch.SourceRead``
+(READ_WORDS, CHUNK, PAGE_SIZE, STRIDE_WORDS, SAMPLE_BYTES, TILE; CHUNK a power of two, words
+starting at the source's first sample); with 16-byte samples and one tile per page, slot ``s``'s
+i-th read word is ``words[(s // page_size) * row_stride + (s % page_size) * words_per_token +
+(i // 2) * STRIDE_WORDS + i % 2]`` (a 16-byte sample every STRIDE_WORDS words; STRIDE_WORDS = 2:
+one run); ``slot_start`` adds the tile level. A source read
 element by element (``element_source_hash``) packs its elements into the same words. A program walks
 its slots' words in ``[BLOCK, CHUNK]`` tiles (coalesced 16-byte loads along each slot's row, one
 tile ahead of the hashing, streamed past L2 so records stay cached), adds the hashed words into a
@@ -43,11 +44,22 @@ def word_terms(words, keys):
 
 
 @triton.jit
-def source_hash(words, row_stride, words_per_token, slots, mask, READ_WORDS: tl.constexpr, CHUNK: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, STRIDE_WORDS: tl.constexpr):
+def slot_start(slots, row_stride, per_slot, per_tile, PAGE_SIZE: tl.constexpr, TILE: tl.constexpr):
+    """Each slot's first loaded unit: its page's row, then its tile's, then its own place."""
+    within = slots % PAGE_SIZE
+    base = (slots // PAGE_SIZE) * row_stride
+    if TILE < PAGE_SIZE:
+        base += (within // TILE) * per_tile
+        within = within % TILE
+    return base + within * per_slot
+
+
+@triton.jit
+def source_hash(words, row_stride, words_per_token, per_tile, slots, mask, READ_WORDS: tl.constexpr,
+                CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr, STRIDE_WORDS: tl.constexpr, TILE: tl.constexpr):
     """uint64 hash of one source's words for each lane's slot (lanes off ``mask``: meaningless)."""
     # Every source offset is a multiple of 16 bytes (validated on the host).
-    base = tl.multiple_of((slots // PAGE_SIZE) * row_stride + (slots % PAGE_SIZE) * words_per_token, 2)
+    base = tl.multiple_of(slot_start(slots, row_stride, words_per_token, per_tile, PAGE_SIZE, TILE), 2)
     cols = tl.arange(0, CHUNK)
     # Word i of the read lies at (i // 2) * STRIDE_WORDS + i % 2; CHUNK is even, so a chunk
     # starting at read word `start` starts at (start // 2) * STRIDE_WORDS.
@@ -69,14 +81,15 @@ def source_hash(words, row_stride, words_per_token, slots, mask, READ_WORDS: tl.
 
 
 @triton.jit
-def element_source_hash(elements, row_stride, per_slot, slots, mask, READ_WORDS: tl.constexpr, CHUNK: tl.constexpr,
-                        PAGE_SIZE: tl.constexpr, STRIDE: tl.constexpr, SAMPLE_BYTES: tl.constexpr):
+def element_source_hash(elements, row_stride, per_slot, per_tile, slots, mask, READ_WORDS: tl.constexpr,
+                        CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr, STRIDE: tl.constexpr, SAMPLE_BYTES: tl.constexpr,
+                        TILE: tl.constexpr):
     """``source_hash`` of a source read element by element (a feature-major page): word i packs
     samples ``i * P .. i * P + P - 1`` (P = 8 // SAMPLE_BYTES, little-endian), sample k being
     element ``k * STRIDE`` from the slot's first, so a slot's features hash as they would as one
     contiguous run."""
     PER_WORD: tl.constexpr = 8 // SAMPLE_BYTES
-    base = (slots // PAGE_SIZE) * row_stride + (slots % PAGE_SIZE) * per_slot
+    base = slot_start(slots, row_stride, per_slot, per_tile, PAGE_SIZE, TILE)
     cols = tl.arange(0, CHUNK)
     acc = tl.zeros([slots.shape[0], CHUNK], tl.uint64)
     for start in range(0, READ_WORDS, CHUNK):
@@ -104,14 +117,14 @@ def slot_fingerprint(sources, READS: tl.constexpr, slots, mask):
     acc = tl.zeros(slots.shape, tl.uint64)
     last = acc
     for k in tl.static_range(len(READS)):
-        words, row_stride, per_slot = sources[k]
+        words, row_stride, per_slot, per_tile = sources[k]
         # READS[k] is a launch.SourceRead, read by position: compiled Triton hands a constexpr tuple's
         # elements over as plain tuples, and unpacking one loses constexpr-ness.
         if READS[k][4] == 16:
-            last = source_hash(words, row_stride, per_slot, slots, mask, READS[k][0], READS[k][1], READS[k][2],
-                               READS[k][3])
+            last = source_hash(words, row_stride, per_slot, per_tile, slots, mask, READS[k][0], READS[k][1],
+                               READS[k][2], READS[k][3], READS[k][5])
         else:
-            last = element_source_hash(words, row_stride, per_slot, slots, mask, READS[k][0], READS[k][1],
-                                       READS[k][2], READS[k][3], READS[k][4])
+            last = element_source_hash(words, row_stride, per_slot, per_tile, slots, mask, READS[k][0], READS[k][1],
+                                       READS[k][2], READS[k][3], READS[k][4], READS[k][5])
         acc = mix(acc ^ last)
     return acc, last

@@ -200,13 +200,15 @@ def optional_ptr(t: torch.Tensor | None, records: torch.Tensor) -> torch.Tensor:
 class SourceRead(NamedTuple):
     """A source's constexpr read shape (``slot_fingerprint``): words read per slot, words hashed at
     a time (a power of two), slots per row, the distance from one sample to the next in loaded
-    units (int64 words for 16-byte samples, else elements), and the sample's bytes."""
+    units (int64 words for 16-byte samples, else elements), the sample's bytes, and slots per
+    tile of a page."""
 
     read_words: int
     chunk: int
     page_size: int
     stride: int
     sample_bytes: int
+    tile: int
 
 
 class MapConsts(NamedTuple):
@@ -219,17 +221,18 @@ class MapConsts(NamedTuple):
 
 
 def source_args(sources: Sequence[RealKvSource], chunk: int) -> tuple[tuple, tuple[SourceRead, ...]]:
-    """Per source ``(words, row_stride, per_slot)`` (what ``RealKvSource.words`` gives, its row
-    stride and the distance from one slot of a page to the next, in loaded units) and its
-    constexpr ``SourceRead``, as two tuples for ``slot_fingerprint``."""
+    """Per source ``(words, row_stride, per_slot, per_tile)`` (what ``RealKvSource.words`` gives,
+    its row stride, and the distances from one slot of a tile to the next and from one tile of a
+    page to the next, in loaded units) and its constexpr ``SourceRead``, as two tuples for
+    ``slot_fingerprint``."""
     args, reads = [], []
     for src in sources:
         words = src.words()
         unit = words.element_size()
-        args.append((words, words.stride(0), src.slot_stride // unit))
+        args.append((words, words.stride(0), src.slot_stride // unit, src.tile_stride // unit))
         read_words = src.read_bytes // 8
         reads.append(SourceRead(read_words, min(chunk, next_power_of_2(read_words)), src.page_size,
-                                src.sample_stride // unit, src.sample_bytes))
+                                src.sample_stride // unit, src.sample_bytes, src.slots_per_tile))
     return tuple(args), tuple(reads)
 
 

@@ -51,7 +51,9 @@ def source_hash_ref(source: RealKvSource, slots: torch.Tensor) -> torch.Tensor:
     unit = words.element_size()
     cols = torch.arange(source.read_bytes // 8, device=slots.device)
     pages = slots // source.page_size
-    first = (slots % source.page_size)[:, None] * (source.slot_stride // unit)
+    within = slots % source.page_size
+    tile = source.slots_per_tile
+    first = ((within // tile) * (source.tile_stride // unit) + (within % tile) * (source.slot_stride // unit))[:, None]
     if not source.elementwise:
         tile = words[pages[:, None], first + (cols // 2) * (source.sample_stride // unit) + cols % 2]
     else:  # word i packs elements i * P .. i * P + P - 1, little-endian (fingerprint.element_source_hash)

@@ -15,9 +15,9 @@ from .launch import Tiling, cdiv, check_tiling, default_tiling, rows_source, sou
 def _source_hash_rows_kernel(source, n_rows, out, READS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     on = offs < n_rows
-    words, row_stride, words_per_token = source[0]
-    hashes = source_hash(words, row_stride, words_per_token, offs, on, READS[0][0], READS[0][1], READS[0][2],
-                           READS[0][3])
+    words, row_stride, words_per_token, per_tile = source[0]
+    hashes = source_hash(words, row_stride, words_per_token, per_tile, offs, on, READS[0][0], READS[0][1],
+                         READS[0][2], READS[0][3], READS[0][5])
     tl.store(out + offs, as_i64(hashes), mask=on)
 
 

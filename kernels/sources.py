@@ -11,6 +11,7 @@ reads the whole slot; ``partial`` mode reads 16 bytes of each KV head the layer 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -34,9 +35,12 @@ class RealKvSource:
     the first ``read_bytes``, in 16-byte samples).
 
     ``slot_stride`` (``token_stride``, default ``num_bytes_per_token``): bytes from one slot of a
-    page to the next. ``sample_bytes`` 16: a sample is a 16-byte run; 2, 4 or 8: one element, the
-    samples being consecutive features one element apart by ``sample_stride`` (a feature-major
-    page: ``token_stride == sample_bytes``, ``sample_stride == page_size * sample_bytes``).
+    page to the next. A page may hold its slots in tiles of ``tile`` slots, ``tile_stride`` bytes
+    apart: slot ``s`` then starts at byte ``(s % page_size) // tile * tile_stride + s % tile *
+    slot_stride`` of its row (``slot_offset``; default: one tile, the whole page).
+    ``sample_bytes`` 16: a sample is a 16-byte run; 2, 4 or 8: one element (one group of features),
+    the samples being consecutive features ``sample_stride`` apart (a feature-major page:
+    ``token_stride == sample_bytes``, ``sample_stride == page_size * sample_bytes``).
 
     ``tensor`` has >= 2 dims; everything past dim 0 must be contiguous (dim 0 may be strided). Sizes
     are multiples of 16 bytes, offsets and strides multiples of ``sample_bytes``.
@@ -50,6 +54,8 @@ class RealKvSource:
     sample_stride: int = ALIGN
     sample_bytes: int = ALIGN
     token_stride: int | None = None
+    tile: int = 0
+    tile_stride: int = 0
 
     def __post_init__(self) -> None:
         t = self.tensor
@@ -76,6 +82,10 @@ class RealKvSource:
             raise ValueError(f"RealKvSource.sample_offset (>= 0), sample_stride and token_stride (>= {unit}) must be "
                              f"multiples of sample_bytes ({unit}); got {self.sample_offset}, {self.sample_stride}, "
                              f"{self.slot_stride}")
+        if self.tile < 0 or (self.tile and self.page_size % self.tile) or self.tile_stride < 0 \
+                or self.tile_stride % unit:
+            raise ValueError(f"RealKvSource.tile must divide page_size ({self.page_size}) and tile_stride be a "
+                             f"multiple of sample_bytes ({unit}); got {self.tile}, {self.tile_stride}")
         row_bytes = t[0].numel() * t.element_size()
         if self.sample_end > self.num_bytes_per_token and self.slot_stride == self.num_bytes_per_token:
             raise ValueError(f"RealKvSource samples end at byte {self.sample_end}, past num_bytes_per_token "
@@ -88,9 +98,9 @@ class RealKvSource:
                 f"{row_bytes} bytes; page_size * num_bytes_per_token = "
                 f"{self.page_size * self.num_bytes_per_token}"
             )
-        if (self.page_size - 1) * self.slot_stride + self.sample_end > row_bytes:
+        if self.slot_offset(self.page_size - 1) + self.sample_end > row_bytes:
             raise ValueError(f"RealKvSource: the last slot of a page reads up to byte "
-                             f"{(self.page_size - 1) * self.slot_stride + self.sample_end}, past the row's {row_bytes}")
+                             f"{self.slot_offset(self.page_size - 1) + self.sample_end}, past the row's {row_bytes}")
         stride_bytes = t.stride(0) * t.element_size()
         if stride_bytes % ALIGN or t.data_ptr() % ALIGN:
             raise ValueError(
@@ -105,6 +115,14 @@ class RealKvSource:
     def slot_stride(self) -> int:
         """Bytes from one slot of a page to the next."""
         return self.num_bytes_per_token if self.token_stride is None else self.token_stride
+
+    @property
+    def slots_per_tile(self) -> int:
+        return self.tile or self.page_size
+
+    def slot_offset(self, within: int) -> int:
+        """Byte of its page's row where the slot ``within`` the page starts."""
+        return within // self.slots_per_tile * self.tile_stride + within % self.slots_per_tile * self.slot_stride
 
     @property
     def elementwise(self) -> bool:
@@ -140,9 +158,9 @@ class RealKvSource:
 
     def words(self) -> torch.Tensor:
         """What the kernels load, from the first sample on, a row per page: int64 words for 16-byte
-        samples (slot s's k-th sample is words ``[(s % page_size) * slot_stride // 8 + k *
-        sample_stride // 8 + (0, 1)]``), else elements of ``sample_bytes`` (slot s's k-th sample is
-        element ``(s % page_size) * slot_stride // sample_bytes + k * sample_stride // sample_bytes``)."""
+        samples (slot s's k-th sample is words ``[(slot_offset(s % page_size) + k * sample_stride)
+        // 8 + (0, 1)]``), else elements of ``sample_bytes`` (slot s's k-th sample is element
+        ``(slot_offset(s % page_size) + k * sample_stride) // sample_bytes``)."""
         return self._words
 
     @cached_property
@@ -168,16 +186,16 @@ def layer_source(layer: torch.Tensor, page_size: int, mode: RealDataMode, share:
     slot's KV heads over them: layer j reads the first 16 bytes of heads ``j % H, j % H + S, ...``
     (H heads), so the S layers together sample every head. All mode reads the whole row.
 
-    A feature-major view ``[num_pages, page_size, features]`` (a page keeps feature f of every
-    slot together: ``layer[0].T`` contiguous) is read element by element, its features in order
-    (all: every one; partial: the first 16 bytes)."""
+    A view whose slots' features are not one run (``strided_read``) is read element by element,
+    its features in order (all: every one; partial: the first 16 bytes)."""
     if mode == RealDataMode.NONE:  # == : a str enum, so its value works too
         return None
-    if feature_major(layer, page_size):
-        elem, nbpt = layer.element_size(), layer.shape[2] * layer.element_size()
-        return RealKvSource(tensor=layer.transpose(1, 2), page_size=page_size, num_bytes_per_token=nbpt,
-                            read_bytes=nbpt if mode == RealDataMode.ALL else PARTIAL_READ_BYTES,
-                            sample_stride=page_size * elem, sample_bytes=elem, token_stride=elem)
+    if not layer[0].is_contiguous():
+        read = strided_read(layer, page_size)
+        if read is None:
+            raise ValueError(f"a layer of shape {tuple(layer.shape)} and strides {layer.stride()} is neither one "
+                             f"run per slot nor a layout strided_read reads")
+        return read.source(mode)
     per_page = layer[0].numel() * layer.element_size()
     if per_page % page_size:
         raise ValueError(f"layer row of {per_page} bytes does not split into page_size={page_size} slots")
@@ -192,13 +210,65 @@ def layer_source(layer: torch.Tensor, page_size: int, mode: RealDataMode, share:
                         sample_stride=count * head if len(heads) > 1 else ALIGN)
 
 
-def feature_major(layer: torch.Tensor, page_size: int) -> bool:
-    """``layer`` is ``[num_pages, page_size, features]`` with each page feature-major (and more than
-    one slot per page: with one, a page is one run either way), its features a multiple of 16 bytes
-    of elements a fingerprint can sample."""
-    return (layer.dim() == 3 and page_size > 1 and layer.shape[1] == page_size and not layer[0].is_contiguous()
-            and layer[0].transpose(0, 1).is_contiguous() and layer.element_size() in SAMPLE_BYTES
-            and layer.shape[2] * layer.element_size() % ALIGN == 0)
+@dataclass(frozen=True)
+class StridedRead:
+    """How ``layer_source`` reads a layer whose slots' features are strided: pages of ``row``
+    elements (a contiguous run per page), slots ``token`` elements apart in tiles of ``tile``
+    slots ``tile_step`` elements apart, and features in runs of ``run`` elements ``group``
+    elements apart."""
+
+    rows: torch.Tensor
+    page_size: int
+    features: int
+    token: int
+    tile: int
+    tile_step: int
+    run: int
+    group: int
+
+    def source(self, mode: RealDataMode) -> RealKvSource:
+        elem = self.rows.element_size()
+        nbpt = self.features * elem
+        return RealKvSource(tensor=self.rows, page_size=self.page_size, num_bytes_per_token=nbpt,
+                            read_bytes=nbpt if mode == RealDataMode.ALL else PARTIAL_READ_BYTES,
+                            sample_stride=self.group * elem, sample_bytes=self.run * elem,
+                            token_stride=self.token * elem, tile=self.tile, tile_stride=self.tile_step * elem)
+
+
+def strided_read(layer: torch.Tensor, page_size: int) -> StridedRead | None:
+    """How to read ``layer`` (``[num_pages, page_size, *features]``, or ``[num_pages, tiles, tile,
+    *features]`` with ``tiles * tile == page_size``) element by element, or None when it cannot
+    be: each page must be one contiguous run of ``page_size * features`` elements, the slots of a
+    tile evenly spaced, and the features (in order) in runs of 2, 4 or 8 bytes evenly spaced,
+    a multiple of 16 bytes in all. Feature-major pages (vLLM's CPU K) and tiled, pair-packed ones
+    (its AMX path) are read so."""
+    slot_dims = 1 if layer.dim() >= 3 and layer.shape[1] == page_size else 2
+    if layer.dim() < 2 + slot_dims or (slot_dims == 2 and layer.shape[1] * layer.shape[2] != page_size):
+        return None
+    elem = layer.element_size()
+    shape, strides = layer.shape[1 + slot_dims:], layer.stride()[1 + slot_dims:]
+    features = math.prod(shape)
+    offsets = torch.zeros((), dtype=torch.int64)  # each feature's element offset, in feature order
+    for size, stride in zip(shape, strides):
+        offsets = (offsets[..., None] + torch.arange(size) * stride).flatten()
+    run = next((r for r in (8 // elem, 4 // elem, 2 // elem) if r and features % r == 0
+                and torch.equal(offsets.view(-1, r) - offsets.view(-1, r)[:, :1], torch.arange(r).expand(features // r, r))), 0)
+    if not run or features * elem % ALIGN:
+        return None
+    starts = offsets[::run]
+    group = int(starts[1] - starts[0]) if starts.numel() > 1 else run
+    if not torch.equal(starts - starts[0], torch.arange(starts.numel()) * group):
+        return None
+    if slot_dims == 1:
+        tiles, tile, tile_step, token = 1, page_size, 0, layer.stride(1)
+    else:
+        tiles, tile, tile_step, token = layer.shape[1], layer.shape[2], layer.stride(1), layer.stride(2)
+    slot_starts = (torch.arange(tiles)[:, None] * tile_step + torch.arange(tile) * token).flatten()
+    page = (slot_starts[:, None] + offsets - offsets.min()).flatten().sort().values
+    if not torch.equal(page, torch.arange(page_size * features)) or int(offsets[0]) != int(offsets.min()):
+        return None
+    rows = layer.as_strided((layer.shape[0], page_size * features), (layer.stride(0), 1), layer.storage_offset())
+    return StridedRead(rows, page_size, features, token, 0 if slot_dims == 1 else tile, tile_step, run, group)
 
 
 def _desc(t: object) -> str:

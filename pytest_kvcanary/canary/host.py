@@ -30,14 +30,15 @@ class PoolGroup:
 
     kind: FULL or SWA. k_layers / v_layers: the per-layer buffers, each ``[num_pages, page_size,
     ...]`` (or ``[num_slots, ...]`` when page_size is 1), slot s at ``[s // page_size, s %
-    page_size]``; v_layers is empty for a latent pool (one half). num_slots: slots in the pool;
+    page_size]``, or ``[num_pages, tiles, tile, ...]`` for a page kept in tiles, slot s at
+    ``[s // page_size, s % page_size // tile, s % tile]``; v_layers is empty for a latent pool (one half). num_slots: slots in the pool;
     slot 0 is reserved (never holds a token; padding may point there) and is the canary's
     sentinel: its bytes must stay what they were when the canary attached. mapping: how (row,
     position) finds a slot. window: attention window in tokens (SWA: a forward reads positions
     [prefix_len - window, prefix_len)), None for FULL. fingerprintable: False when the
     fingerprint cannot read a slot's bytes at that address: they are neither one contiguous run of
-    a multiple of 16 bytes nor a feature-major page (``kvcanary_kernels.sources.feature_major``;
-    only real_data none is honoured then). opaque_halves: the halves for which that holds in an
+    a multiple of 16 bytes nor evenly strided within a page (``kvcanary_kernels.sources.
+    strided_read``; only real_data none is honoured then). opaque_halves: the halves for which that holds in an
     otherwise fingerprintable group: the fingerprint skips them, their records keep token,
     position and chain.
     """

@@ -106,7 +106,7 @@ class CanaryRuntime:
         with self._on_device():
             self._verify_view(view, Phase.HEAD)
 
-    def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         group = self.group(kind)
         for half, rows in ((Half.K, k), (Half.V, v)):
             state = group.halves.get(half)

@@ -100,10 +100,11 @@ class ForwardHooks(Protocol):
     def before_forward(self, view: ForwardView) -> None:
         """Before the forward reads KV; the batch's slots are in the mapping. Device work only."""
 
-    def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Optional write-through, inside the forward at the KV-store point of ``layer`` (an index
-        into the group's k_layers): the K (and V) rows the forward computed for its tokens, shaped
-        ``[T, ...]`` in view token order. TAIL then checks each written slot holds exactly that.
+        into the group's k_layers and v_layers): the K and V rows the forward computed for its
+        tokens (either may be None: that half is not reported here), shaped ``[T, ...]`` in view
+        token order. TAIL then checks each written slot holds exactly that.
         Device work only."""
 
     def after_forward(self, view: ForwardView) -> None:

@@ -116,7 +116,7 @@ class FaultInjector:
         offset = sampled[self._rng.randrange(len(sampled)) if byte is None else byte]
         page, within = divmod(t.slot, source.page_size)
         data = source.row_bytes()  # starts at the source's first sampled byte
-        data[page, within * source.slot_stride + offset - source.sample_offset] ^= 1 << self._rng.randrange(8)
+        data[page, source.slot_offset(within) + offset - source.sample_offset] ^= 1 << self._rng.randrange(8)
         self._record(spec, group, t, offset, half.name)
 
     def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:

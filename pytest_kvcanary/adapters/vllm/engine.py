@@ -253,11 +253,13 @@ class VllmEngine:
                 window=None if window is None else window - 1, fingerprintable=len(opaque) < len(views),
                 opaque_halves=opaque))
             heads = cache.shape[1]
-            for i, name in enumerate(n for n in names if layers[n].sliding_window == window):
-                self._write_through.wrap(layers[name], kind, i * heads)
+            named = [n for n in names if layers[n].sliding_window == window]
+            parts = {half: len(v.views) // (len(named) * heads) for half, v in views.items()}  # views per head
+            for i, name in enumerate(named):
+                self._write_through.wrap(layers[name], kind, i * heads, parts)
         return groups
 
-    def _kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    def _kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         if self._hooks is not None:
             self._hooks.kv_stored(kind, layer, k, v)
 

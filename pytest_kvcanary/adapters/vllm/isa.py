@@ -8,8 +8,9 @@ own, so the machine a test suite runs on would decide the layout the canary guar
 
 The ``attention_isa`` setting decides instead:
 
-- ``readable`` (default): vLLM's choice, except that ``amx`` becomes ``vec``, a path whose layout
-  the canary reads (V token by token, K dimension-major), on every x86 CPU alike.
+- ``readable`` (default): vLLM's choice, except that ``amx`` becomes ``vec`` (V token by token, K
+  dimension-major), so every x86 CPU guards the same layout. The canary reads the ``amx`` layout
+  too (layout.py); ``vllm`` or ``amx`` run it on a CPU with AMX.
 - ``vllm``: vLLM's choice, whatever it is.
 - ``amx``, ``vec``, ``vec16``: that path (``amx`` needs a CPU with AMX and bfloat16).
 

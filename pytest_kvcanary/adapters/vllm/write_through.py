@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-from kvcanary_kernels.records import GroupKind
+from kvcanary_kernels.records import GroupKind, Half
 
 # Called with (kind, index into the group's k_layers, K rows, V rows or None for a single-half pool).
-Report = Callable[[GroupKind, int, torch.Tensor, "torch.Tensor | None"], None]
+Report = Callable[[GroupKind, int, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
 class WriteThrough:
@@ -46,8 +46,10 @@ class WriteThrough:
     def end_forward(self) -> None:
         self.written_slots = self._index = None
 
-    def wrap(self, layer: Any, kind: GroupKind, first_index: int) -> None:
-        """Report this CPU_ATTN layer's writes as group `kind`'s layers first_index + head."""
+    def wrap(self, layer: Any, kind: GroupKind, first_index: int, parts: dict[Half, int]) -> None:
+        """Report this CPU_ATTN layer's writes as group `kind`'s layers: head h's K or V, in
+        ``parts[half]`` equal parts of its dimensions (one per view of that head), as layers
+        ``(first_index + h) * parts[half] + j`` of that half."""
         impl = layer.impl
         write = impl.do_kv_cache_update
 
@@ -57,7 +59,14 @@ class WriteThrough:
             if (index := self._rows(slot_mapping)) is None:
                 return
             for head in range(key.shape[1]):
-                self.report(kind, first_index + head, key[index, head].contiguous(), value[index, head].contiguous())
+                if parts[Half.K] == parts[Half.V] == 1:
+                    self.report(kind, first_index + head, key[index, head].contiguous(), value[index, head].contiguous())
+                    continue
+                for half, rows in ((Half.K, key), (Half.V, value)):
+                    n = parts[half]
+                    for j, chunk in enumerate(rows[index, head].chunk(n, dim=-1)):
+                        k, v = (chunk.contiguous(), None) if half is Half.K else (None, chunk.contiguous())
+                        self.report(kind, (first_index + head) * n + j, k, v)
 
         impl.do_kv_cache_update = do_kv_cache_update
 

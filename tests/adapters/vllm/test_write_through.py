@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcanary_kernels.records import GroupKind
+from kvcanary_kernels.records import GroupKind, Half
 from pytest_kvcanary.adapters.vllm.write_through import WriteThrough
 
 from .support import INSTALL, make_engine, make_handle
@@ -27,11 +27,31 @@ def test_an_empty_slot_mapping_reports_no_rows():
     written: list[tuple[torch.Tensor, torch.Tensor]] = []
     layer = SimpleNamespace(impl=SimpleNamespace(do_kv_cache_update=lambda *args: None))
     through = WriteThrough(lambda kind, index, k, v: written.append((k, v)))
-    through.wrap(layer, GroupKind.FULL, 0)
+    through.wrap(layer, GroupKind.FULL, 0, {Half.K: 1, Half.V: 1})
     through.start_forward(torch.tensor([40, 41], dtype=torch.int64))
     nothing = torch.empty(0, 2, 16)
     layer.impl.do_kv_cache_update(layer, nothing, nothing, torch.empty(0), torch.empty(0, dtype=torch.int32))
     assert written == []
+
+
+def test_a_half_kept_in_parts_per_head_is_reported_part_by_part():
+    """vLLM's amx path keeps V in 16-dimension parts per head (a view each): each part is reported
+    as its own layer of that half, in view order, and K per head."""
+    written: list[tuple[int, str, torch.Tensor]] = []
+
+    def report(kind, index, k, v):
+        assert (k is None) != (v is None)
+        written.append((index, "K" if v is None else "V", k if v is None else v))
+
+    layer = SimpleNamespace(impl=SimpleNamespace(do_kv_cache_update=lambda *args: None))
+    through = WriteThrough(report)
+    through.wrap(layer, GroupKind.FULL, 2, {Half.K: 1, Half.V: 2})  # the second layer of 2 heads
+    through.start_forward(torch.tensor([40, 41], dtype=torch.int64))
+    key, value = torch.randn(2, 2, 32), torch.randn(2, 2, 32)
+    layer.impl.do_kv_cache_update(layer, key, value, torch.empty(0), torch.tensor([40, 41]))
+    assert [(i, half) for i, half, _ in written] == [(2, "K"), (4, "V"), (5, "V"), (3, "K"), (6, "V"), (7, "V")]
+    rows = {(i, half): t for i, half, t in written}
+    assert torch.equal(rows[5, "V"], value[:, 0, 16:]) and torch.equal(rows[3, "K"], key[:, 1])
 
 
 def prefill(engine, real_data: str):

@@ -28,8 +28,10 @@ Row = tuple[int, ...]
 
 class SourceSpec(NamedTuple):
     """One KV layer: dtype, slots per page, elements per slot, read mode, extra elements per row,
-    KV heads per slot, the layer's share of the sampled layers (``layer_source``'s share), and
-    whether a page is feature-major (element f of every slot together; one head)."""
+    KV heads per slot, the layer's share of the sampled layers (``layer_source``'s share),
+    whether a page is feature-major (element f of every slot together; one head), and for such a
+    page, slots per tile (0: one tile; vLLM's AMX K packs 16, its V 2) and features per packed run
+    (AMX K keeps dimension pairs together)."""
 
     dtype: torch.dtype
     page_size: int
@@ -39,6 +41,8 @@ class SourceSpec(NamedTuple):
     heads: int = 1
     share: tuple[int, int] = (0, 1)
     feature_major: bool = False
+    tile: int = 0
+    run: int = 1
 
 
 class MappingKind(NamedTuple):
@@ -191,8 +195,10 @@ class World:
         or ``[features, element bytes]`` for a feature-major page."""
         src = self.sources[source]
         page, off = divmod(slot, src.page_size)
-        if src.elementwise:
-            return src.tensor[page][:, off, None].view(torch.uint8)
+        if src.elementwise:  # every sample of the slot's features, a row each
+            row = src.row_bytes()[page]
+            return row.as_strided((src.num_bytes_per_token // src.sample_bytes, src.sample_bytes),
+                                  (src.sample_stride, 1), row.storage_offset() + src.slot_offset(off))
         return src.tensor[page].reshape(-1).view(torch.uint8)[off * src.num_bytes_per_token :][: src.num_bytes_per_token]
 
     def flip_kv_bit(self, source: int, slot: int) -> None:
@@ -326,7 +332,11 @@ def make_world(seed: int, mapping: str | MappingKind = "token",
         assert num_slots % spec.page_size == 0
         width = spec.page_size * spec.elems
         backing = random_bits(gen, (num_slots // spec.page_size, width + spec.row_pad), spec.dtype).to(DEVICE)
-        if spec.feature_major:
+        if spec.feature_major and spec.tile:  # [tiles][features / run][tile][run] per page
+            t, r = spec.tile, spec.run
+            layer = backing[:, :width].view(backing.shape[0], spec.page_size // t, spec.elems // r, t, r)
+            layer = layer.permute(0, 1, 3, 2, 4)
+        elif spec.feature_major:
             layer = backing[:, :width].view(backing.shape[0], spec.elems, spec.page_size).transpose(1, 2)
         else:
             layer = backing[:, :width].view(backing.shape[0], spec.page_size, spec.heads, -1)

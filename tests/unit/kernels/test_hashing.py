@@ -161,26 +161,40 @@ def test_all_mode_catches_a_flip_past_byte_16(world_factory):
     assert [r[0] for r in rows] == [Reason.VERIFY_REAL_KV_HASH]
 
 
+# (spec, slots per tile, bytes per sample): feature-major pages (vLLM's CPU K), and tiled packed
+# ones (its AMX path: K in 16-slot tiles of dimension pairs, V in slot pairs)
+PACKED = {
+    "feature-major": ((torch.bfloat16, 8, 32, "all", 0, 1, (0, 1), True), 0, 2),
+    "amx-k": ((torch.bfloat16, 32, 32, "all", 0, 1, (0, 1), True, 16, 2), 16, 4),
+    "amx-v": ((torch.bfloat16, 32, 32, "all", 0, 1, (0, 1), True, 2), 2, 2),
+}
+
+
+@pytest.mark.parametrize("packing", PACKED)
 @pytest.mark.parametrize("mode, features_read", [("partial", 8), ("all", 32)])
-def test_a_feature_major_page_is_read_feature_by_feature(world_factory, mode, features_read):
-    """A page keeping feature f of every slot together (vLLM's CPU K): a flip in a feature the mode
-    reads changes that slot's fingerprint alone, one past them changes nothing, and the slot's
-    features hash as they would as one contiguous run (what write-through hashes)."""
-    spec = (torch.bfloat16, 8, 32, mode, 0, 1, (0, 1), True)
-    w = world_factory(8, specs=(spec,))
+def test_a_packed_page_is_read_feature_by_feature(world_factory, packing, mode, features_read):
+    """A page keeping its slots' features apart (feature-major, or tiled and packed): a flip in a
+    feature the mode reads changes that slot's fingerprint alone, one past them changes nothing,
+    and each slot's features hash as they would as one contiguous run (what write-through hashes)."""
+    spec, tile, sample_bytes = PACKED[packing]
+    w = world_factory(8, specs=((*spec[:3], mode, *spec[4:]),))
     (source,) = w.sources
-    assert source.elementwise and source.read_bytes == 2 * features_read
-    slots = torch.arange(1, 64, device=w.device)
-    runs = source.tensor.transpose(1, 2).reshape(-1, 32)  # slot s's features, contiguous
+    assert (source.tile, source.sample_bytes, source.read_bytes) == (tile, sample_bytes, 2 * features_read)
+    slots = torch.arange(1, 128, device=w.device)
+    runs = torch.stack([w.kv_bytes(0, s).reshape(-1) for s in range(128)]).view(torch.bfloat16)  # features in order
     out = torch.empty(runs.shape[0], dtype=torch.int64, device=w.device)
     K.source_hash_rows(runs, source.read_bytes, out, **dict(zip(("sample_offset", "sample_stride"), source.row_read())))
     before = K.fingerprint_ref([source], slots)
     assert torch.equal(K.mix_torch(out[slots]), before)
-    for feature, seen in ((0, True), (features_read - 1, True), (features_read, False)):
-        if feature == 32:
-            continue
-        w.kv_bytes(0, 9)[feature, 1] ^= 0x10
-        after = K.fingerprint_ref([source], slots)
-        changed = (after != before).nonzero().flatten().add(1).tolist()
-        assert changed == ([9] if seen else []), (feature, changed)
-        w.kv_bytes(0, 9)[feature, 1] ^= 0x10
+    page = source.page_size
+    for slot in (page - 1, page + (tile or 1) + 1):
+        for feature, seen in ((0, True), (features_read - 1, True), (features_read, False)):
+            if feature == 32:
+                continue
+            samples = w.kv_bytes(0, slot)  # [samples, sample bytes]
+            per = sample_bytes // 2
+            samples[feature // per, 2 * (feature % per) + 1] ^= 0x10
+            after = K.fingerprint_ref([source], slots)
+            changed = (after != before).nonzero().flatten().add(1).tolist()
+            assert changed == ([slot] if seen else []), (slot, feature, changed)
+            samples[feature // per, 2 * (feature % per) + 1] ^= 0x10

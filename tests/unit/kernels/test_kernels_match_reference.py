@@ -29,6 +29,9 @@ LAYOUTS = {
     # feature-major pages (vLLM's CPU K), read element by element, beside a page of runs
     "3src-feature-major": ((BF16, 4, 32, "all", 0, 1, (0, 1), True), (FP32, 2, 8, "partial", 4),
                            (FP16, 8, 16, "partial", 8, 1, (0, 1), True)),
+    # tiled, packed pages (vLLM's AMX path: K in 16-slot tiles of dimension pairs, V in slot pairs)
+    "4src-tiled": ((BF16, 32, 32, "all", 0, 1, (0, 1), True, 16, 2), (BF16, 32, 32, "partial", 0, 1, (0, 1), True, 2),
+                   (FP32, 2, 8, "partial", 4), (FP16, 8, 16, "all", 8, 1, (0, 1), True, 4, 4)),
 }
 # Small tiles walk a row's positions in several tiles and each slot's words in several chunks,
 # the last one partial where read_words is not a multiple of the chunk.
@@ -47,6 +50,8 @@ CASES = [
     ("token", "2src-heads", "default", 20, False),
     ("block4", "3src-feature-major", "small", 21, True),
     ("token", "3src-feature-major", "default", 22, False),
+    ("block16", "4src-tiled", "small", 23, True),
+    ("token", "4src-tiled", "default", 24, False),
 ]
 
 
