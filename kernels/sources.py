@@ -87,7 +87,7 @@ class RealKvSource:
             raise ValueError(f"RealKvSource.tile must divide page_size ({self.page_size}) and tile_stride be a "
                              f"multiple of sample_bytes ({unit}); got {self.tile}, {self.tile_stride}")
         row_bytes = t[0].numel() * t.element_size()
-        if self.sample_end > self.num_bytes_per_token and self.slot_stride == self.num_bytes_per_token:
+        if not self.elementwise and self.sample_end > self.num_bytes_per_token:  # runs stay in their slot
             raise ValueError(f"RealKvSource samples end at byte {self.sample_end}, past num_bytes_per_token "
                              f"({self.num_bytes_per_token})")
         if not t[0].is_contiguous():
@@ -126,7 +126,7 @@ class RealKvSource:
 
     @property
     def elementwise(self) -> bool:
-        """Samples are single elements (a feature-major page), not 16-byte runs."""
+        """Samples are single elements (or packed element groups) of a strided page, not 16-byte runs."""
         return self.sample_bytes != ALIGN
 
     @property
@@ -191,11 +191,11 @@ def layer_source(layer: torch.Tensor, page_size: int, mode: RealDataMode, share:
     if mode == RealDataMode.NONE:  # == : a str enum, so its value works too
         return None
     if not layer[0].is_contiguous():
-        read = strided_read(layer, page_size)
-        if read is None:
+        source = strided_read(layer, page_size, mode)
+        if source is None:
             raise ValueError(f"a layer of shape {tuple(layer.shape)} and strides {layer.stride()} is neither one "
                              f"run per slot nor a layout strided_read reads")
-        return read.source(mode)
+        return source
     per_page = layer[0].numel() * layer.element_size()
     if per_page % page_size:
         raise ValueError(f"layer row of {per_page} bytes does not split into page_size={page_size} slots")
@@ -210,37 +210,13 @@ def layer_source(layer: torch.Tensor, page_size: int, mode: RealDataMode, share:
                         sample_stride=count * head if len(heads) > 1 else ALIGN)
 
 
-@dataclass(frozen=True)
-class StridedRead:
-    """How ``layer_source`` reads a layer whose slots' features are strided: pages of ``row``
-    elements (a contiguous run per page), slots ``token`` elements apart in tiles of ``tile``
-    slots ``tile_step`` elements apart, and features in runs of ``run`` elements ``group``
-    elements apart."""
-
-    rows: torch.Tensor
-    page_size: int
-    features: int
-    token: int
-    tile: int
-    tile_step: int
-    run: int
-    group: int
-
-    def source(self, mode: RealDataMode) -> RealKvSource:
-        elem = self.rows.element_size()
-        nbpt = self.features * elem
-        return RealKvSource(tensor=self.rows, page_size=self.page_size, num_bytes_per_token=nbpt,
-                            read_bytes=nbpt if mode == RealDataMode.ALL else PARTIAL_READ_BYTES,
-                            sample_stride=self.group * elem, sample_bytes=self.run * elem,
-                            token_stride=self.token * elem, tile=self.tile, tile_stride=self.tile_step * elem)
-
-
-def strided_read(layer: torch.Tensor, page_size: int) -> StridedRead | None:
-    """How to read ``layer`` (``[num_pages, page_size, *features]``, or ``[num_pages, tiles, tile,
-    *features]`` with ``tiles * tile == page_size``) element by element, or None when it cannot
-    be: each page must be one contiguous run of ``page_size * features`` elements, the slots of a
-    tile evenly spaced, and the features (in order) in runs of 2, 4 or 8 bytes evenly spaced,
-    a multiple of 16 bytes in all. Feature-major pages (vLLM's CPU K) and tiled, pair-packed ones
+def strided_read(layer: torch.Tensor, page_size: int, mode: RealDataMode = RealDataMode.ALL) -> RealKvSource | None:
+    """The source reading ``layer`` (``[num_pages, page_size, *features]``, or ``[num_pages, tiles,
+    tile, *features]`` with ``tiles * tile == page_size``) element by element in ``mode`` (all or
+    partial: the first 16 bytes of its features), or None when it cannot be read so: each page
+    must be one contiguous run of ``page_size * features`` elements, the slots of a tile evenly
+    spaced, and the features (in order) in runs of 2, 4 or 8 bytes evenly spaced, a multiple of
+    16 bytes in all. Feature-major pages (vLLM's CPU K) and tiled, pair-packed ones
     (its AMX path) are read so."""
     slot_dims = 1 if layer.dim() >= 3 and layer.shape[1] == page_size else 2
     if layer.dim() < 2 + slot_dims or (slot_dims == 2 and layer.shape[1] * layer.shape[2] != page_size):
@@ -268,7 +244,11 @@ def strided_read(layer: torch.Tensor, page_size: int) -> StridedRead | None:
     if not torch.equal(page, torch.arange(page_size * features)) or int(offsets[0]) != int(offsets.min()):
         return None
     rows = layer.as_strided((layer.shape[0], page_size * features), (layer.stride(0), 1), layer.storage_offset())
-    return StridedRead(rows, page_size, features, token, 0 if slot_dims == 1 else tile, tile_step, run, group)
+    nbpt = features * elem
+    return RealKvSource(tensor=rows, page_size=page_size, num_bytes_per_token=nbpt,
+                        read_bytes=nbpt if mode == RealDataMode.ALL else PARTIAL_READ_BYTES,
+                        sample_stride=group * elem, sample_bytes=run * elem, token_stride=token * elem,
+                        tile=0 if slot_dims == 1 else tile, tile_stride=tile_step * elem)
 
 
 def _desc(t: object) -> str:

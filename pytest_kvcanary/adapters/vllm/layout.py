@@ -73,8 +73,9 @@ def slot_bytes(half: torch.Tensor, slot_dims: int = 1) -> SlotBytes:
     if half[0].is_contiguous():
         runs = half.reshape(half.shape[0], block_size, -1)
         return SlotBytes([runs], runs.shape[2] * runs.element_size() % 16 == 0)
-    if strided_read(half, block_size) is not None or half.dim() == 2 + slot_dims:
-        return SlotBytes([half], strided_read(half, block_size) is not None)
+    readable = strided_read(half, block_size) is not None
+    if readable or half.dim() == 2 + slot_dims:
+        return SlotBytes([half], readable)
     parts = [slot_bytes(half.select(1 + slot_dims, i), slot_dims) for i in range(half.shape[1 + slot_dims])]
     return SlotBytes([v for p in parts for v in p.views], all(p.readable for p in parts))
 

@@ -26,7 +26,8 @@ import torch
 
 from kvcanary_kernels.records import GroupKind, Half
 
-# Called with (kind, index into the group's k_layers, K rows, V rows or None for a single-half pool).
+# Called with (kind, index into the group's k_layers or v_layers, K rows, V rows): None for a half
+# this call does not report.
 Report = Callable[[GroupKind, int, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
@@ -59,9 +60,6 @@ class WriteThrough:
             if (index := self._rows(slot_mapping)) is None:
                 return
             for head in range(key.shape[1]):
-                if parts[Half.K] == parts[Half.V] == 1:
-                    self.report(kind, first_index + head, key[index, head].contiguous(), value[index, head].contiguous())
-                    continue
                 for half, rows in ((Half.K, key), (Half.V, value)):
                     n = parts[half]
                     for j, chunk in enumerate(rows[index, head].chunk(n, dim=-1)):
