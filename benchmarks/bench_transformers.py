@@ -3,9 +3,11 @@
     python benchmarks/bench_transformers.py                     # the table (GPU)
     python benchmarks/bench_transformers.py --shape llama3-8b --graphs on --batches 1 32 --runs 3
     python benchmarks/bench_transformers.py --model /path/to/checkpoint --batches 8 32
+    python benchmarks/bench_transformers.py --batching async --graphs on --batches 1 32 --runs 3
     python benchmarks/bench_transformers.py --smoke             # tiny model, any device (checks the script)
 
-The engine is pytest-kvcanary's transformers adapter (SDPA attention, synchronous batching) over a
+The engine is pytest-kvcanary's transformers adapter (SDPA attention, synchronous batching, or
+transformers' async batching with --batching async) over a
 random bf16 model of TinyLlama-1.1B's shape (22 layers, 32 heads, 4 KV heads x 64 dims) or of
 Llama-3-8B's (32 layers, 32 heads, 8 KV heads x 128 dims), no download, or a local checkpoint.
 Per batch size B: B requests of a PROMPT-token prompt each generate NEW tokens together; every
@@ -25,7 +27,9 @@ the step). Each configuration is measured `--runs` times (off, then on, each aft
 generation, over `--repeats` generations); the table shows the median run and the spread
 (min..max) of the cost over runs. The canary-on runs must report no violation. Without CUDA
 graphs the step is host-bound Python and its time moves between runs by more than the canary
-costs (benchmarks/RESULTS.md): compare the graph rows.
+costs (benchmarks/RESULTS.md): compare the graph rows. Under async batching a step returns before
+the device finishes it (the host prepares the next batch meanwhile), so a decode step's time is
+the interval from its start to the next step's start, the pace the loop settles at.
 """
 
 from __future__ import annotations
@@ -91,6 +95,9 @@ class StepTimer:
         self.decode: list[float] = []
         self.host: list[dict[str, float]] = []  # per decode step: host seconds per phase
         self._phases: dict[str, float] = {}
+        self._async = bool(engine._io_pairs)
+        self._decoding_since: float | None = None  # async: when the decode step in flight started
+        self._previous_phases: dict[str, float] = {}
         hooks = engine._hooks
         self._wrapped = [(engine, "_map_batch", "map"), (engine, "_head", "head"), (engine, "_tail", "tail"),
                          (engine.block_log, "note", "block log")]
@@ -108,13 +115,23 @@ class StepTimer:
         return timed
 
     def __call__(self, model: Any) -> None:
-        decoding = all(f.query_length == 1 for f in self.processor.inputs_and_outputs.requests_in_batch)
+        io = self.processor.inputs_and_outputs
+        batch = (io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io).requests_in_batch
+        decoding = all(f.query_length == 1 for f in batch)
         self._phases = {}  # this step's, and its update_batch's (block log)
         start = time.perf_counter()
         self.step(model)
-        if decoding:
+        if self._async:  # the previous decode step lasted until this one started
+            if self._decoding_since is not None and decoding:
+                self.decode.append(start - self._decoding_since)
+                self.host.append(self._previous_phases)
+            self._decoding_since, self._previous_phases = (start if decoding else None), self._phases
+        elif decoding:
             self.decode.append(time.perf_counter() - start)
             self.host.append(self._phases)
+
+    def generation_done(self) -> None:
+        self._decoding_since = None
 
     def close(self) -> None:
         self.processor._generation_step = self.step
@@ -132,6 +149,7 @@ def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: 
             timer.decode.clear()
             timer.host.clear()
         engine.generate(torch.randint(0, 256, (batch, prompt), generator=gen).tolist(), max_new_tokens=new)
+        timer.generation_done()
     timer.close()
     host = {phase: 1e6 * statistics.mean(step.get(phase, 0.0) for step in timer.host) for phase in PHASES}
     return 1e3 * statistics.median(timer.decode), host
@@ -157,6 +175,8 @@ def main() -> None:
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 8, 32])
     parser.add_argument("--real-data", nargs="*", default=["partial"], choices=["none", "partial", "all"])
     parser.add_argument("--graphs", default="both", choices=["on", "off", "both"])
+    parser.add_argument("--batching", default="sync", choices=["sync", "async"],
+                        help="transformers' synchronous or async batching (async: CUDA only)")
     parser.add_argument("--runs", type=int, default=1, help="measurements per configuration (spread shown)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per measurement")
     parser.add_argument("--smoke", action="store_true", help="tiny random model, 1 repeat, any device")
@@ -173,8 +193,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     described = args.model or ("random tiny" if args.smoke else SHAPE_NAMES[args.shape])
     print(f"device: {name}  torch {torch.__version__}  transformers {transformers.__version__}  "
-          f"model: {described} {model.dtype}  prompt {prompt} + {new} new tokens  runs {args.runs} x {args.repeats} "
-          f"generations")
+          f"model: {described} {model.dtype}  prompt {prompt} + {new} new tokens  {args.batching} batching  "
+          f"runs {args.runs} x {args.repeats} generations")
     print("| batch | cuda graphs | real_data | canary off ms/step | canary on ms/step | cost ms | cost % "
           "| cost % min..max | host us/step | " + " | ".join(f"{phase} us" for phase in PHASES) + " |")
     print("|---:|---|---|---:|---:|---:|---:|---|---:|" + "---:|" * len(PHASES))
@@ -185,7 +205,7 @@ def main() -> None:
             engine = TransformersEngine(model, tokenizer, page_size=64, num_blocks=batch * (prompt + new) // 64 + 16,
                                         max_batch_tokens=max(2048, batch), max_requests_per_batch=batch,
                                         max_context=prompt + new, use_cuda_graph=use_cuda_graph,
-                                        canary_graphs=use_cuda_graph)
+                                        use_async_batching=args.batching == "async", canary_graphs=use_cuda_graph)
             for real_data in args.real_data:
                 runs = [measure(engine, batch, real_data, kernels, prompt, new, args.repeats) for _ in range(args.runs)]
                 costs = sorted(100 * (on - off) / off for off, on, _ in runs)

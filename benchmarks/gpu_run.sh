@@ -9,8 +9,10 @@
 # fault and soak cases CPU CI leaves to this pass), kernels
 # (bench_kernels.py), overhead (bench_overhead.py), examples (the example suite under two xdist
 # workers), transformers (the example suite on the transformers engine, eager and with CUDA graphs,
-# and bench_transformers.py with CUDA graphs over the TinyLlama and Llama-3-8B shapes). Wheels the
-# machine lacks (pytest-xdist, execnet) may be placed in .whl/ beforehand.
+# and bench_transformers.py with CUDA graphs over the TinyLlama and Llama-3-8B shapes), async (the
+# example suite under transformers' async batching, eager and with CUDA graphs, and the TinyLlama
+# bench; the async tests run in "tests"). Wheels the machine lacks (pytest-xdist, execnet) may be placed in .whl/
+# beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvcanary-gpu}
@@ -45,6 +47,7 @@ if wants tests; then  # kernel compiles dominate: spread them over workers when 
     tests/unit/canary tests/unit/engine/test_cuda_graph_canary.py tests/unit/engine/test_padded_decode.py \
     tests/unit/scenarios tests/adapters/transformers/test_cuda_graphs.py \
     tests/adapters/transformers/test_forward_inputs.py tests/adapters/transformers/test_faults.py \
+    tests/adapters/transformers/test_async_batching.py \
     tests/unit/perturb/test_modes.py::test_triton_kernels_detect_every_fault \
     tests/e2e/test_soak.py::test_30_requests_under_pressure_raise_no_violation_with_triton_kernels
 fi
@@ -69,11 +72,20 @@ if wants transformers; then
       --real-data partial all --runs 3 --repeats 1
   done
 fi
+if wants async; then
+  export KVCANARY_TRANSFORMERS_ASYNC_BATCHING=1
+  step async-eager 150 python3 -m pytest --kv-canary --kv-canary-engine transformers examples/ -p no:cacheprovider -q
+  KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 step async-graphs 150 python3 -m pytest --kv-canary \
+    --kv-canary-engine transformers examples/ -p no:cacheprovider -q
+  unset KVCANARY_TRANSFORMERS_ASYNC_BATCHING
+  step async-bench 300 python3 benchmarks/bench_transformers.py --shape tinyllama --graphs on --batches 1 32 \
+    --real-data partial --runs 3 --repeats 1 --batching async
+fi
 
 echo
 echo "| step | exit | time | result |"
 echo "|---|---|---|---|"
 cat "$summary"
-for f in kernels overhead tf-bench-tinyllama tf-bench-llama3-8b; do
+for f in kernels overhead tf-bench-tinyllama tf-bench-llama3-8b async-bench; do
   [ -f "$OUT/$f.log" ] && { echo; echo "== $f"; grep -E '^(\||device)' "$OUT/$f.log"; }
 done

@@ -18,16 +18,18 @@ import os
 from .engine import TransformersEngine
 from .model import load, random_checkpoint
 
-__all__ = ["CUDA_GRAPHS_VARIABLE", "TransformersEngine", "load", "make_transformers_engine", "random_checkpoint"]
+__all__ = ["ASYNC_BATCHING_VARIABLE", "CUDA_GRAPHS_VARIABLE", "TransformersEngine", "load", "make_transformers_engine",
+           "random_checkpoint"]
 
 CUDA_GRAPHS_VARIABLE = "KVCANARY_TRANSFORMERS_CUDA_GRAPHS"
+ASYNC_BATCHING_VARIABLE = "KVCANARY_TRANSFORMERS_ASYNC_BATCHING"
 
 
-def cuda_graphs_requested() -> bool:
-    """KVCANARY_TRANSFORMERS_CUDA_GRAPHS: 1 runs the forward in CUDA graphs, 0 or unset eagerly."""
-    value = os.environ.get(CUDA_GRAPHS_VARIABLE, "0")
+def switched_on(variable: str) -> bool:
+    """An on/off environment variable: 1 on, 0 or unset off."""
+    value = os.environ.get(variable, "0")
     if value not in ("0", "1"):
-        raise ValueError(f"{CUDA_GRAPHS_VARIABLE} must be one of 0, 1; got {value!r}")
+        raise ValueError(f"{variable} must be one of 0, 1; got {value!r}")
     return value == "1"
 
 
@@ -35,8 +37,9 @@ def make_transformers_engine(attention: str, device: str, seed: int, model: str 
     """The engine `--kv-canary-engine transformers` runs: the checkpoint directory `model`, else a
     small seeded random Llama (attention "mha") or Qwen2 alternating sliding-window and full
     layers (attention "swa"). With KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 (CUDA only) transformers
-    captures its forward in CUDA graphs."""
-    graphs = cuda_graphs_requested()
+    captures its forward in CUDA graphs; with KVCANARY_TRANSFORMERS_ASYNC_BATCHING=1 (CUDA only)
+    it batches asynchronously."""
+    graphs, batching = switched_on(CUDA_GRAPHS_VARIABLE), switched_on(ASYNC_BATCHING_VARIABLE)
     path = model if model is not None else random_checkpoint(attention, seed)
     hf_model, tokenizer = load(path, device)
-    return TransformersEngine(hf_model, tokenizer, use_cuda_graph=graphs)
+    return TransformersEngine(hf_model, tokenizer, use_cuda_graph=graphs, use_async_batching=batching)

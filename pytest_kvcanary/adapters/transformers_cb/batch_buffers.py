@@ -3,7 +3,9 @@ size, the token-table entries the forward adds (row, position, token) and, only 
 the block-table rows. Token entries are fixed-size (max_tokens): unused ones go to a scratch row
 past the view's rows, so applying them is one fixed-shape scatter (capturable in a CUDA graph). A
 forward that adds more (a request starting on a cached prefix adds its whole sequence) has the rest
-applied at upload, eagerly."""
+applied at upload, eagerly. The host side is one pinned buffer the copy reads asynchronously: a
+forward's fill waits for the previous forward's copy (``wait_for_upload``), which matters where the
+host runs a forward ahead of the device (async batching)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from ...canary.host import Capacities
 
 class BatchBuffers:
     """batch ``[1]``, tables[kind] ``[max_batch, width]``, token_table ``[max_batch, max_context]``
-    (device); fill the host side (``set_batch``, ``set_row``, ``set_entries``), then ``upload``
-    and, on the device, ``apply_tokens``."""
+    (device); per forward: ``wait_for_upload``, fill the host side (``set_batch``, ``set_row``,
+    ``set_entries``), then ``upload`` and, on the device, ``apply_tokens``."""
 
     def __init__(self, capacities: Capacities, widths: Mapping[GroupKind, int], device: torch.device) -> None:
         b, t = capacities.max_batch, capacities.max_tokens
@@ -49,6 +51,13 @@ class BatchBuffers:
         self._tables_changed = True  # the first upload sends every table
         self._entries = 0  # token entries filled last forward
         self._spill: list[Sequence[int]] = [[], [], []]  # this forward's entries past max_tokens
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None  # the last copy's end
+
+    def wait_for_upload(self) -> None:
+        """Block until the last upload's copy has read the host side (CUDA; returns at once when
+        the device has caught up, as it has whenever the engine synchronised since)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
 
     def set_batch(self, size: int) -> None:
         """The number of requests in this forward (rows at or past it are padding)."""
@@ -75,6 +84,8 @@ class BatchBuffers:
         past the fixed-size part."""
         destination, source = self._copies[self._tables_changed]
         destination.copy_(source, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
         self._tables_changed = False
         if self._spill[0]:
             rows, positions, tokens = torch.tensor(self._spill, dtype=torch.int64).to(self._table.device)

@@ -4,17 +4,27 @@ The engine drives a ``ContinuousBatchProcessor`` in the calling thread (no backg
 
     prepare_next_batch -> _generation_step -> update_batch
 
-and wraps ``_generation_step`` on the processor: before it, the host uploads what only it knows
-(batch_buffers.py: the batch size, the token-table entries the forward adds, and a block-table row
-only when that row's block ids changed), the view's lengths are derived on the device from the
-cumulative sequence lengths transformers hands the forward (forward_view.py), then
-hooks.before_forward; after it, the view's input ids and positions are copied from the very
-buffers the forward consumed, then hooks.after_forward and hooks.end_forward. The wrapper runs in
-Python around whatever the step does inside, so it works the same when the step replays a CUDA
-graph (``use_cuda_graph=True``): the canary's kernels run on the processor's compute stream right
-before and after the replay, eagerly or, with ``canary_graphs=True``, replayed (with the view's
-derivation) from graphs of their own (canary_graphs.py). The per-forward host work is a pass over
-the batch's request states and one copy: no device sync, no read-back.
+(with ``use_async_batching=True`` as transformers' own loop does: the first batch is launched
+before any update, then each update is of the batch before the one just launched). It wraps the
+model runner's ``compute_batch`` (inside ``_generation_step``, after transformers moved the
+batch's inputs to the device and before it marks the compute over): before it, the host uploads
+what only it knows (batch_buffers.py: the batch size, the token-table entries the forward adds,
+and a block-table row only when that row's block ids changed), the view's lengths are derived on
+the device from the cumulative sequence lengths transformers hands the forward (forward_view.py),
+then hooks.before_forward; after it, the view's input ids and positions are copied from the very
+buffers the forward consumed, then hooks.after_forward; hooks.end_forward follows the step. The
+wrapper runs in Python around whatever the runner does inside, so it works the same when it
+replays a CUDA graph (``use_cuda_graph=True``): the canary's kernels run on the processor's
+compute stream right before and after the replay, eagerly or, with ``canary_graphs=True``,
+replayed (with the view's derivation) from graphs of their own (canary_graphs.py; one set per IO
+pair under async batching). The per-forward host work is a pass over the batch's request states
+and one copy: no device sync, no read-back.
+
+Async batching schedules a decoding request before the host knows the token it decodes (the
+forward takes it from the previous forward's output on the device): its token-table entry goes up
+UNKNOWN (stamped from what the forward consumed, not checked in that forward) and the host sends
+the token in the next forward that request is in, after transformers handed it over, so that
+forward's HEAD checks the slot's record holds the token the request really generated.
 
 With write_through (the default) the paged cache's ``update`` is wrapped too: each layer's K and
 V rows, as the forward computed them, go to hooks.kv_stored before transformers stores them, so
@@ -37,18 +47,18 @@ import inspect
 import itertools
 import operator
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from kvcanary_kernels.checks import check_int
-from kvcanary_kernels.records import GroupKind
+from kvcanary_kernels.records import UNKNOWN, GroupKind
 
 from ...canary.seam import CacheWalk, Capacities, ForwardHooks, FreeListener, PoolGroup, RowOwners, SlotMapping
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .canary_graphs import CanaryGraphs
-from .forward_view import DerivedView
+from .forward_view import DerivedView, empty_view
 from .versions import CAUSE_RESET, GroupCache, cache_layout, config_options, sdpa_attention
 
 
@@ -62,7 +72,9 @@ class TransformersEngine:
     and transformers offloads requests when it runs short); max_batch_tokens /
     max_requests_per_batch: the largest forward; max_context: the longest request (prompt plus
     new tokens); allow_block_sharing: prefix sharing and block de-duplication (full-attention
-    models only); use_cuda_graph: capture the forward in CUDA graphs (CUDA only); write_through:
+    models only); use_cuda_graph: capture the forward in CUDA graphs (CUDA only);
+    use_async_batching: transformers' asynchronous batching (two IO pairs, the next batch prepared
+    while the device computes this one; CUDA only); write_through:
     hand each layer's computed K/V to the canary at the cache's update (eager forwards);
     canary_graphs: with use_cuda_graph, replay the canary's per-forward device work from CUDA
     graphs of its own (canary_graphs.py; forward observers such as the fault injector are then
@@ -75,7 +87,7 @@ class TransformersEngine:
 
     def __init__(self, model: Any, tokenizer: Any, *, page_size: int = 16, num_blocks: int = 256,
                  max_batch_tokens: int = 256, max_requests_per_batch: int = 8, max_context: int = 512,
-                 allow_block_sharing: bool = True, use_cuda_graph: bool = False,
+                 allow_block_sharing: bool = True, use_cuda_graph: bool = False, use_async_batching: bool = False,
                  write_through: bool = True, canary_graphs: bool = False) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -83,6 +95,8 @@ class TransformersEngine:
         self.device = model.device
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs a CUDA device; the model is on {self.device}")
+        if use_async_batching and self.device.type != "cuda":
+            raise ValueError(f"use_async_batching=True needs a CUDA device; the model is on {self.device}")
         if canary_graphs and not use_cuda_graph:
             raise ValueError("canary_graphs=True needs use_cuda_graph=True")
         self.eos_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else -1
@@ -92,7 +106,7 @@ class TransformersEngine:
         config = ContinuousBatchingConfig(**config_options(
             page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
             max_requests_per_batch=max_requests_per_batch, allow_block_sharing=allow_block_sharing,
-            use_cuda_graph=use_cuda_graph, use_async_batching=False, cpu_offload_space=0.0))
+            use_cuda_graph=use_cuda_graph, use_async_batching=use_async_batching, cpu_offload_space=0.0))
         self.manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
         self.manager.warmup()  # creates the processor; captures CUDA graphs when they are on
         self.processor = self.manager.batch_processor
@@ -109,16 +123,21 @@ class TransformersEngine:
             max_context=min(max_context, model.config.max_position_embeddings))
         self._buffers = self._batch_buffers()
         self._tables = self._buffers.tables
-        self._derived = DerivedView(self.processor.inputs_and_outputs, self.capacities, self._buffers.batch,
-                                    self._buffers.token_table)
-        self._view = self._derived.view
+        self._view = empty_view(self.capacities, self._buffers.token_table)
+        io = self.processor.inputs_and_outputs
+        self._io_pairs: list[Any] = list(io.io_pairs) if use_async_batching else []
+        device_ios = [pair.device_io for pair in self._io_pairs] or [io]
+        self._derived = [DerivedView(d, self.capacities, self._buffers.batch, self._view) for d in device_ios]
         self._clear_rows()
 
         self._hooks: ForwardHooks | None = None
         self._canary_graphs = canary_graphs
-        self._graphs: CanaryGraphs | None = None
+        self._graphs: list[CanaryGraphs] = []
         if write_through and not canary_graphs:
             self._wrap_cache_update()
+        runner = self.processor.model_runner
+        self._compute = runner.compute_batch
+        runner.compute_batch = self._guarded_compute
         self._step = self.processor._generation_step
         self.processor._generation_step = self._guarded_step
         self._next_request = 0
@@ -151,8 +170,8 @@ class TransformersEngine:
     # ------------------------------------------------------------------------ EngineUnderTest
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
         self._hooks = hooks
-        self._graphs = (CanaryGraphs(hooks, self._view, self._head_prelude, self._derived.copy_inputs)
-                        if hooks is not None and self._canary_graphs else None)
+        self._graphs = [CanaryGraphs(hooks, self._view, self._head_prelude(derived), derived.copy_inputs)
+                        for derived in self._derived] if hooks is not None and self._canary_graphs else []
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy output token ids per prompt, in order; runs until every request is done. If a
@@ -170,9 +189,7 @@ class TransformersEngine:
                                      eos_token_id=self.eos_token_id)
             request_ids.append(request_id)
         try:
-            while self.processor.prepare_next_batch():
-                self.processor._generation_step(self.model)
-                self.processor.update_batch()
+            self._run_batches()
         except BaseException:
             self._drop_requests()
             raise
@@ -205,46 +222,71 @@ class TransformersEngine:
         return None if owner is None else (owner, self._prompts.get(owner, ""))
 
     # ------------------------------------------------------------------------------- forward
+    def _run_batches(self) -> None:
+        """Every batch until no request is left, as transformers' generation loop runs them."""
+        processor = self.processor
+        if not self._io_pairs:
+            while processor.prepare_next_batch():
+                processor._generation_step(self.model)
+                processor.update_batch()
+            return
+        if not processor.prepare_next_batch():
+            return
+        processor._generation_step(self.model)  # the first batch: nothing to update yet
+        while processor.prepare_next_batch():
+            processor._generation_step(self.model)
+            processor.update_batch()  # the batch before the one just launched
+        io = processor.inputs_and_outputs  # the last batch launched: back to its IO pair, update it
+        io.current_pair = 1 - io.current_pair
+        processor.update_batch()
+
     @torch.no_grad()
     def _guarded_step(self, model: Any) -> None:
-        hooks = self._hooks
-        if hooks is None:
-            self._step(model)
-        else:
+        self._step(model)
+        if self._hooks is not None:
             with self._on_compute_stream():
-                self._canary_before(hooks)
-            self._step(model)
-            with self._on_compute_stream():
-                self._canary_after(hooks)
+                self._hooks.end_forward()
         self._steps += 1
 
-    def _canary_before(self, hooks: ForwardHooks) -> None:
-        self._map_batch()
-        self._head(hooks)
+    @torch.no_grad()
+    def _guarded_compute(self, model: Any, batch_data: dict[str, Any]) -> None:
+        hooks = self._hooks
+        if hooks is None:
+            self._compute(model, batch_data)
+            return
+        pair = self._pair()
+        with self._on_compute_stream():
+            self._map_batch()
+            self._head(hooks, pair)
+        self._compute(model, batch_data)
+        with self._on_compute_stream():
+            self._tail(hooks, pair)
 
-    def _canary_after(self, hooks: ForwardHooks) -> None:
-        self._tail(hooks)
-        hooks.end_forward()
+    def _pair(self) -> int:
+        """The IO pair this forward's inputs are in (always 0 without async batching)."""
+        return self.processor.inputs_and_outputs.current_pair if self._io_pairs else 0
 
-    def _head(self, hooks: ForwardHooks) -> None:
+    def _head(self, hooks: ForwardHooks, pair: int) -> None:
         """The view's derivation and HEAD (device work, replayed from a graph with canary_graphs)."""
-        if self._graphs is not None:
-            self._graphs.before()
+        if self._graphs:
+            self._graphs[pair].before()
         else:
-            self._head_prelude()
+            self._head_prelude(self._derived[pair])()
             hooks.before_forward(self._view)
 
-    def _tail(self, hooks: ForwardHooks) -> None:
+    def _tail(self, hooks: ForwardHooks, pair: int) -> None:
         """The forward's inputs into the view, RECHECK and TAIL (device work, as _head)."""
-        if self._graphs is not None:
-            self._graphs.after()
+        if self._graphs:
+            self._graphs[pair].after()
         else:
-            self._derived.copy_inputs()
+            self._derived[pair].copy_inputs()
             hooks.after_forward(self._view)
 
-    def _head_prelude(self) -> None:
-        self._buffers.apply_tokens()
-        self._derived.derive_lengths()
+    def _head_prelude(self, derived: DerivedView) -> Callable[[], None]:
+        def prelude() -> None:
+            self._buffers.apply_tokens()
+            derived.derive_lengths()
+        return prelude
 
     def _wrap_cache_update(self) -> None:
         """Report each layer's computed K/V rows ([T, H, D], view token order) to hooks.kv_stored
@@ -286,12 +328,14 @@ class TransformersEngine:
     def _map_batch(self) -> None:
         """Upload what only the host knows about the batch transformers just prepared: its size,
         the token-table entries it adds and the block-table rows that changed."""
-        batch = self.processor.inputs_and_outputs.requests_in_batch
+        io = self.processor.inputs_and_outputs
+        batch = (self._io_pairs[io.current_pair].host_io if self._io_pairs else io).requests_in_batch
         size = len(batch)
         if size > self.capacities.max_batch:
             raise RuntimeError(f"transformers batched {size} requests; the canary was sized for "
                                f"{self.capacities.max_batch}")
         buffers = self._buffers
+        buffers.wait_for_upload()
         if size != self._batch_size:
             buffers.set_batch(size)
             self._batch_size = size
@@ -311,15 +355,17 @@ class TransformersEngine:
                 self._row_states[row], self._row_known[row] = state, 0
                 self._row_owners.note(row, self._steps, state.request_id)
             known, length = self._row_known[row], state.position_offset  # advanced past this forward's tokens
-            if length > known:
-                self._row_known[row] = length
+            if length > known:  # positions [known, length), the tokens the host does not know yet UNKNOWN
+                prompt, generated = state.initial_tokens, state.generated_tokens
+                have = min(length, len(prompt) + len(generated))
+                self._row_known[row] = have  # an UNKNOWN position is sent again once its token is known
                 rows.extend([row] * (length - known))
                 positions.extend(range(known, length))
-                prompt = state.initial_tokens
                 if known >= len(prompt):  # decoding: generated tokens only
-                    tokens.extend(state.generated_tokens[known - len(prompt):length - len(prompt)])
+                    tokens.extend(generated[known - len(prompt):have - len(prompt)])
                 else:
-                    tokens.extend((prompt + state.generated_tokens)[known:length])
+                    tokens.extend((prompt + generated)[known:have])
+                tokens.extend([UNKNOWN] * (length - max(have, known)))
         buffers.set_entries(rows, positions, tokens)
         buffers.upload()
 

@@ -6,6 +6,10 @@ buffers transformers fills for that forward and hands to it (``ContinuousBatchin
     input_ids       the input ids the forward embedded
     positions       the position ids its rotary embedding used
 
+With async batching transformers keeps two sets of these buffers (one per IO pair) and
+alternates; the engine derives the view from the set the forward at hand consumes (one
+DerivedView per set, all filling the same view).
+
 Rows at or past the batch size (uploaded by the host) are padding: prefix 0, extend 0 (transformers
 leaves stale cumulative lengths there). Positions are never derived from the lengths nor the
 lengths from the positions, so TAIL's write_position compares two things the forward consumed: the
@@ -23,11 +27,20 @@ from ...canary.host import Capacities, ForwardView
 from .versions import FULL_ATTENTION, UnsupportedModel
 
 
-class DerivedView:
-    """``view``, refilled by ``derive_lengths`` (before HEAD) and ``copy_inputs`` (after the
-    forward, before TAIL: the inputs as the forward left them) from transformers' IO buffers."""
+def empty_view(capacities: Capacities, token_table: torch.Tensor) -> ForwardView:
+    """The view's persistent buffers (zeros), on the token table's device."""
+    b, t, device = capacities.max_batch, capacities.max_tokens, token_table.device
+    lens = torch.zeros(2, b, dtype=torch.int64, device=device)
+    return ForwardView(rows=torch.arange(b, dtype=torch.int64, device=device), prefix_lens=lens[0],
+                       extend_lens=lens[1], input_ids=torch.zeros(t, dtype=torch.int64, device=device),
+                       positions=torch.zeros(t, dtype=torch.int64, device=device), token_table=token_table)
 
-    def __init__(self, io: Any, capacities: Capacities, batch: torch.Tensor, token_table: torch.Tensor) -> None:
+
+class DerivedView:
+    """Refills `view` by ``derive_lengths`` (before HEAD) and ``copy_inputs`` (after the forward,
+    before TAIL: the inputs as the forward left them) from one set of transformers' IO buffers."""
+
+    def __init__(self, io: Any, capacities: Capacities, batch: torch.Tensor, view: ForwardView) -> None:
         b, t = capacities.max_batch, capacities.max_tokens
         self.cu_q = io.cumulative_seqlens_q[:b + 1]
         self.cu_k = io.cumulative_seqlens_k[FULL_ATTENTION][:b + 1]
@@ -35,17 +48,11 @@ class DerivedView:
         if self.cu_q.shape[0] != b + 1 or self.input_ids.shape[0] != t:
             raise UnsupportedModel(f"transformers' static inputs hold {self.cu_q.shape[0] - 1} rows and "
                                    f"{self.input_ids.shape[0]} tokens; the canary was sized for {b} and {t}")
-        device = self.cu_q.device
         self.batch = batch
-        self._row_index = torch.arange(b, dtype=torch.int64, device=device)
-        lens = torch.zeros(2, b, dtype=torch.int64, device=device)
-        self.view = ForwardView(rows=self._row_index, prefix_lens=lens[0], extend_lens=lens[1],
-                                input_ids=torch.zeros(t, dtype=torch.int64, device=device),
-                                positions=torch.zeros(t, dtype=torch.int64, device=device),
-                                token_table=token_table)
+        self.view = view
 
     def derive_lengths(self) -> None:
-        live = self._row_index < self.batch
+        live = self.view.rows < self.batch
         extend = torch.diff(self.cu_q) * live
         self.view.extend_lens.copy_(extend)
         self.view.prefix_lens.copy_(torch.diff(self.cu_k) * live - extend)

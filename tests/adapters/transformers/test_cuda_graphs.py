@@ -31,7 +31,7 @@ def test_replayed_canary_is_clean_and_matches_eager_outputs():
     outputs = handle.generate(PROMPTS, max_new_tokens=8)
     handle.side.runtime.drain()
     assert handle.violations() == []
-    assert handle.engine._graphs.head is not None and handle.engine._graphs.tail is not None
+    assert handle.engine._graphs[0].head is not None and handle.engine._graphs[0].tail is not None
     eager = make_engine("mha").generate(PROMPTS, max_new_tokens=8)
     assert outputs == eager
 
@@ -53,6 +53,6 @@ def test_damage_between_decode_steps_is_reported_by_the_replayed_head():
     engine.processor._generation_step = damaging_step
     handle.generate(PROMPTS, max_new_tokens=8)
     handle.side.runtime.drain()
-    assert damaged and engine._graphs.head is not None
+    assert damaged and engine._graphs[0].head is not None
     found = [v for v in handle.violations() if v.phase == "HEAD" and v.slot == damaged[0]]
     assert found and found[0].step == 4 and "verify_real_kv_hash" in found[0].reasons, handle.violations()[:3]

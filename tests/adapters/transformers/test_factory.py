@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason=INSTALL)
 
 from kvcanary_kernels.records import GroupKind  # noqa: E402
 from pytest_kvcanary.adapters.transformers_cb import (  # noqa: E402
-    CUDA_GRAPHS_VARIABLE, make_transformers_engine, random_checkpoint,
+    ASYNC_BATCHING_VARIABLE, CUDA_GRAPHS_VARIABLE, make_transformers_engine, random_checkpoint,
 )
 from pytest_kvcanary.adapters.transformers_cb.model import SLIDING_WINDOW  # noqa: E402
 
@@ -46,6 +46,13 @@ def test_usage_errors_name_the_setting_and_value(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"use_cuda_graph=True needs a CUDA device; the model is on cpu"):
         make_transformers_engine("mha", "cpu", 0, None)
     monkeypatch.delenv(CUDA_GRAPHS_VARIABLE)
+    monkeypatch.setenv(ASYNC_BATCHING_VARIABLE, "on")
+    with pytest.raises(ValueError, match=rf"{ASYNC_BATCHING_VARIABLE} must be one of 0, 1; got 'on'"):
+        make_transformers_engine("mha", "cpu", 0, None)
+    monkeypatch.setenv(ASYNC_BATCHING_VARIABLE, "1")
+    with pytest.raises(ValueError, match=r"use_async_batching=True needs a CUDA device; the model is on cpu"):
+        make_transformers_engine("mha", "cpu", 0, None)
+    monkeypatch.delenv(ASYNC_BATCHING_VARIABLE)
     engine = make_transformers_engine("mha", "cpu", 0, None)
     with pytest.raises(ValueError, match=r"= 520 exceeds max_context \(512\)"):
         engine.generate([[1] * 500], max_new_tokens=20)

@@ -1,0 +1,81 @@
+"""Async batching on transformers (GPU only: transformers runs it on CUDA streams). The canary reads
+each forward's inputs from the IO pair that forward consumed; a run is clean and generates what
+synchronous batching generates; a decode forward fed a wrong carried-over token (the device-side
+hand-over async batching adds) is reported by the next forward's HEAD at the slot it wrote, once
+the host knows the token the request really generated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .support import INSTALL, make_engine, make_handle, reference_kv
+
+pytest.importorskip("transformers", reason=INSTALL)
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="async batching needs a CUDA device")
+
+from kvcanary_kernels.records import GroupKind  # noqa: E402
+from pytest_kvcanary.config import CanaryConfig  # noqa: E402
+from pytest_kvcanary.handles.single import EngineHandle  # noqa: E402
+
+PROMPTS = [[11 + i for i in range(37)], [90 + i for i in range(21)]]
+NEW_TOKENS = 8
+WRONG_STEP = 3  # a decode forward whose inputs are carried over from the forward before
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_async_batching_is_clean_and_generates_what_sync_does(graphs):
+    engine = make_engine("mha", use_async_batching=True, use_cuda_graph=graphs, canary_graphs=graphs)
+    handle = EngineHandle(engine, CanaryConfig(real_data="all", sweep_interval=2, kernels="triton"))
+    handle.reset(0, ())
+    outputs = handle.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    handle.side.runtime.drain()
+    assert handle.violations() == []
+    if graphs:  # each IO pair's forwards replay their own canary graphs
+        assert all(g.head is not None and g.tail is not None for g in engine._graphs) and len(engine._graphs) == 2
+    assert outputs == make_engine("mha").generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+
+
+def test_a_wrong_carried_over_token_is_reported_by_the_next_head_at_its_slot():
+    handle = make_handle("mha", use_async_batching=True)
+    engine = handle.engine
+    io = engine.processor.inputs_and_outputs
+    carry = io.carry_over_tokens
+    full = next(g for g in engine.groups if g.kind is GroupKind.FULL)
+    written: dict[str, tuple[int, int]] = {}  # request id -> (position, slot) the wrong token went to
+
+    def carry_one_higher(input_ids, carry_over_ids, prev_output_ids):
+        if engine._steps != WRONG_STEP:
+            return carry(input_ids, carry_over_ids, prev_output_ids)
+        table = engine._buffers.host[GroupKind.FULL]
+        for row, future in enumerate(io.io_pairs[io.current_pair].host_io.requests_in_batch):
+            position = future.state.position_offset - 1
+            written[future.state.request_id] = (position, int(table[row, position // full.page_size]) *
+                                                full.page_size + position % full.page_size)
+        return carry(input_ids, carry_over_ids, prev_output_ids + 1)
+
+    io.carry_over_tokens = carry_one_higher
+    outputs = handle.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert len(written) == len(PROMPTS)
+
+    # The damage, without the canary: the slot holds K of another token than the request generated.
+    for prompt, output, (position, slot) in zip(PROMPTS, outputs, written.values()):
+        keys = reference_kv(engine.model, prompt + output)[0][0]
+        held = full.k_layers[0].reshape(-1, *keys.shape[1:])
+        assert torch.allclose(held[slot - 1].float(), keys[position - 1].float(), atol=1e-3)  # the one before: right
+        assert not torch.allclose(held[slot].float(), keys[position].float(), atol=1e-3)
+
+    handle.side.runtime.drain()
+    violations = handle.violations()
+    first = {(v.position, v.slot) for v in violations
+             if v.phase == "HEAD" and v.step == WRONG_STEP + 1 and "verify_token" in v.reasons}
+    assert first == set(written.values()), violations[:4]
+    assert min(v.step for v in violations) == WRONG_STEP + 1  # not stamped as right, not reported early
+    assert {v.slot for v in violations} == {slot for _, slot in written.values()}  # nowhere else
+
+
+def test_without_the_wrong_token_async_decoding_reports_nothing():
+    handle = make_handle("mha", use_async_batching=True)
+    handle.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    handle.side.runtime.drain()
+    assert handle.violations() == []
