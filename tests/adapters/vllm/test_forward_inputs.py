@@ -7,6 +7,8 @@ its slots, and the same workload runs clean on the unpatched code.
   its block table names hold other than a cacheless forward computes (write_real_kv_hash at TAIL).
 - Positions shifted by one for one request after its slots were mapped: its RoPE runs at p + 1,
   so its K is not a cacheless forward's (write_position at TAIL: stored p + 1, expected p).
+- Input ids with their lowest bit flipped for one request: its K/V are computed for other tokens
+  than the scheduler's (write_token at TAIL: stored the id embedded, expected the scheduler's).
 - A block table whose first entry for one decoding request names another request's block: its
   attention reads KV the scheduler never gave it (verify_token at HEAD, at that block's slots).
 """
@@ -70,6 +72,19 @@ def shift_positions(monkeypatch, damage: dict) -> None:
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", shifted)
 
 
+def change_input_ids(monkeypatch, damage: dict) -> None:
+    prepare = GPUModelRunner._prepare_inputs
+
+    def changed(self, scheduler_output, num_scheduled_tokens):
+        out = prepare(self, scheduler_output, num_scheduled_tokens)
+        if scheduler_output.total_num_scheduled_tokens > self.input_batch.num_reqs:  # a prefill
+            self.input_ids.gpu[victim_tokens(self.query_start_loc.cpu)] ^= 1
+            damage["forwards"] = damage.get("forwards", 0) + 1
+        return out
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", changed)
+
+
 def borrow_a_block(monkeypatch, damage: dict, manager) -> None:
     """At the first decode, the victim's first block-table entry becomes row 0's (after its slots
     were mapped: only its attention reads through it). `damage` keeps the block and the blocks
@@ -112,7 +127,8 @@ def cache_differs_from_reference(engine, reference_model, prompt: list[int], slo
 
 @pytest.mark.parametrize("patched", [True, False], ids=["bug", "clean"])
 @pytest.mark.parametrize("bug,reason", [(shift_slot_mapping, "write_real_kv_hash"),
-                                        (shift_positions, "write_position")])
+                                        (shift_positions, "write_position"),
+                                        (change_input_ids, "write_token")])
 def test_a_prefill_fed_other_inputs_than_its_schedule_is_reported_at_tail(
         engine, reference_model, monkeypatch, bug, reason, patched):
     engine.reset()
@@ -139,6 +155,8 @@ def test_a_prefill_fed_other_inputs_than_its_schedule_is_reported_at_tail(
     assert all(v.reasons[0] == reason for v in violations), violations
     if reason == "write_position":
         assert all(v.stored == v.expected + 1 for v in violations), violations
+    elif reason == "write_token":
+        assert all(v.stored == v.expected ^ 1 for v in violations), violations
     else:
         assert {v.half for v in violations} == {"K", "V"}
 
