@@ -2,6 +2,7 @@
 
 `make_vllm_engine` is what ``--kv-canary-engine vllm`` builds. Modules: engine.py (the
 EngineUnderTest over an in-process ``LLM``), connector.py (the KV connector vLLM loads),
+forward_inputs.py (what vLLM's model runner hands a forward, which the canary's view is made of),
 blocks.py (the scheduler-side account of what each block holds), layout.py (where a slot's bytes
 lie in vLLM's CPU cache), isa.py (which CPU attention path, and so which layout, vLLM runs),
 write_through.py (what each layer's cache write was handed, for TAIL), checkpoint.py (the default

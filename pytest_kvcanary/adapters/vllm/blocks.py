@@ -33,14 +33,15 @@ BlocksFreed = Callable[[list[int], str], None]
 
 
 class RowPlan(NamedTuple):
-    """One scheduled request as the canary sees this step: it reads positions [0, prefix_len)
-    from its blocks and the forward computes [prefix_len, prefix_len + extend_len)."""
+    """One scheduled request as the scheduler plans this step: the forward reads and writes what
+    vLLM's model runner hands it (forward_inputs.py); the plan says what only the scheduler
+    knows."""
 
+    request_id: str  # vLLM's request id
     request: int  # the book's id of the request (admission order since the last reset)
-    blocks: list[int]  # its block ids, position p in blocks[p // block_size]
-    prefix_len: int
-    extend_len: int
-    tokens: list[int]  # token at each position [0, prefix_len + extend_len)
+    first: int  # positions [0, first) were computed before this step; [first, vLLM's computed
+    # tokens) are computed in this step by another request that shares their blocks
+    tokens: list[int]  # the scheduler's token at each position the forward reads or writes
 
 
 class BlockContent(NamedTuple):
@@ -83,9 +84,9 @@ class BlockBook:
 
         A request can hit prefix blocks that another request of the same step computes (vLLM
         caches a block when it schedules its computation). The forward writes those blocks before
-        attention reads them, but the canary cannot verify them before the forward: such a row
-        reads only the blocks computed before this step, and the blocks computed in it count as
-        computed by this row too (the records both rows stamp are the same: they chain content).
+        attention reads them, but the canary cannot verify them before the forward: such a row's
+        `first` stops before them (the engine counts them as computed by this row too; the
+        records both rows stamp are the same: they chain content).
         """
         if step.scheduled_spec_decode_tokens or step.kv_cache_block_copies:
             raise NotImplementedError("the vLLM canary connector guards neither speculative decoding nor KV "
@@ -111,7 +112,7 @@ class BlockBook:
             tokens = list(request.all_token_ids[:end])
             self._record(mine, tokens, first, end)
             self._held[rid] = mine
-            rows.append(RowPlan(book_id, mine, first, end - first, tokens))
+            rows.append(RowPlan(rid, book_id, first, tokens))
         self.planned += bool(rows)
         return rows
 

@@ -7,9 +7,10 @@ vLLM calls, per step, in this order:
 
     scheduler side                          worker side
     on_new_request(request)   -> book.admit
-    build_connector_meta(out) -> StepPlan   bind_connector_metadata(plan)  -> adapter.before_forward
-    (book.plan: rows, frees of reused       forward (attention writes K/V)
-    blocks and preempted requests)          wait_for_save()                -> adapter.after_forward
+    build_connector_meta(out) -> StepPlan   bind_connector_metadata(plan)  -> adapter.bind
+    (book.plan: rows, frees of reused       the model is called            -> the adapter's pre-hook
+    blocks and preempted requests)          forward (attention writes K/V)    reads its inputs: HEAD
+                                            wait_for_save()                -> adapter.after_forward
     request_finished(request) -> book.finished (before vLLM frees the blocks)
     reset_cache()             -> book.reset  (LLM.reset_prefix_cache(reset_connector=True))
 
@@ -52,7 +53,7 @@ class Guarded(Protocol):
 
     def attach_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None: ...
 
-    def before_forward(self, rows: list[RowPlan]) -> None: ...
+    def bind(self, rows: list[RowPlan]) -> None: ...
 
     def after_forward(self) -> None: ...
 
@@ -102,7 +103,7 @@ class CanaryConnector(KVConnectorBase_V1):
         plan = connector_metadata
         assert isinstance(plan, StepPlan)
         if plan.rows:
-            registry[plan.engine].before_forward(plan.rows)
+            registry[plan.engine].bind(plan.rows)
 
     def wait_for_save(self) -> None:
         plan = self._connector_metadata

@@ -1,7 +1,9 @@
 """VllmEngine: an in-process vLLM ``LLM`` (the CPU build) as an EngineUnderTest.
 
-The canary reaches vLLM only through vLLM's KV-connector interface (connector.py): vLLM itself
-schedules, allocates blocks, caches prefixes and computes; the adapter watches.
+The canary reaches vLLM through vLLM's KV-connector interface (connector.py: the step's scheduled
+requests, frees, the prefix cache) and a forward pre-hook on its model (forward_inputs.py: what
+the forward consumes): vLLM itself schedules, allocates blocks, caches prefixes and computes; the
+adapter watches.
 
 - Pools: one FULL group over the full-attention layers and, for a model with sliding-window layers,
   one SWA group over those (window: the positions before a token that its attention reads, the
@@ -12,10 +14,17 @@ schedules, allocates blocks, caches prefixes and computes; the adapter watches.
   keeps heads apart. Each half's order is probed (layout.py): on vLLM's portable CPU paths V is
   stored token by token and K dimension-major inside a block; the fingerprint reads both (K
   element by element).
-- Mapping: a block table the adapter owns, ``[max_num_seqs, blocks per context]``; row b holds
-  the block ids of the step's b-th scheduled request, refilled before every forward.
-- Views: per forward, from the scheduler's own step (blocks.py): prefix_len = vLLM's computed
-  tokens, extend_len = its scheduled tokens, the tokens the scheduler holds, and a token table.
+- Views: per forward, from what vLLM's model runner hands the forward (forward_inputs.py), read by
+  a forward pre-hook on the model: row b is the b-th request of vLLM's batch, extend_len the
+  difference of its query start locations, prefix_len its sequence length minus that, input ids
+  and positions the model call's own; the token table holds the tokens the scheduler holds
+  (blocks.py), so TAIL compares what the forward embedded and where its RoPE put it with the
+  scheduler's account.
+- Mapping: a block table the adapter owns, ``[max_num_seqs, blocks per context]``, a copy of the
+  block table the forward's attention reads, refilled before every forward. The slots the forward
+  stores to (its slot mapping) are checked through write-through: each view token's K/V is what
+  vLLM computed for that token, so a store that goes elsewhere than the block table says leaves
+  a slot that does not hold it.
 - Block 0 is vLLM's null block: its pool never hands it to a request, so slot 0 (the canary's
   reserved sentinel) is never written.
 """
@@ -35,11 +44,12 @@ from pytest_kvcanary.canary.seam import (
     CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping,
 )
 
+from . import forward_inputs
 from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
 from .isa import attention_isa, check_attention_isa, default_attention_isa
 from .layout import half_views, probe, probe_latent
-from .write_through import WriteThrough
+from .write_through import WriteThrough, rows_by_slot
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class VllmEngine:
         self._hooks: ForwardHooks | None = None
         self._listeners: list[FreeListener] = []
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._plan: dict[str, RowPlan] | None = None  # the bound step's rows by vLLM request id
         self._view: ForwardView | None = None
         self._steps: list[list[int]] = []  # per forward since the last reset: the book id of each row
         self._write_through = WriteThrough(self._kv_stored)
@@ -107,37 +118,75 @@ class VllmEngine:
         self._table = torch.zeros(s.max_num_seqs, -(-s.max_model_len // bs), dtype=torch.int64)
         self._token_table = torch.full((s.max_num_seqs, s.max_model_len), -1, dtype=torch.int64)
         self._groups = self._pool_groups()
+        self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        self._runner.model.register_forward_pre_hook(self._model_called, with_kwargs=True)
 
     # What the connector calls ---------------------------------------------------------------
 
     def attach_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
 
-    def before_forward(self, rows: list[RowPlan]) -> None:
-        """Map the step's rows into the table and the view, then HEAD."""
-        for b, row in enumerate(rows):
-            self._table[b, :len(row.blocks)] = torch.tensor(row.blocks, dtype=torch.int64)
-            self._table[b, len(row.blocks):] = 0
-            self._token_table[b, :len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.int64)
-            self._token_table[b, len(row.tokens):] = -1
-        bs = self.block_size
-        # Per written token, in view order: position, token, slot.
-        positions, input_ids, slots = torch.tensor(
-            [(p, row.tokens[p], row.blocks[p // bs] * bs + p % bs)
-             for row in rows for p in range(row.prefix_len, row.prefix_len + row.extend_len)],
-            dtype=torch.int64).reshape(-1, 3).T.contiguous()
-        self._view = ForwardView(
-            rows=torch.arange(len(rows), dtype=torch.int64),
-            prefix_lens=torch.tensor([row.prefix_len for row in rows], dtype=torch.int64),
-            extend_lens=torch.tensor([row.extend_len for row in rows], dtype=torch.int64),
-            input_ids=input_ids,
-            positions=positions,
-            token_table=self._token_table,
-        )
+    def bind(self, rows: list[RowPlan]) -> None:
+        """The scheduler's rows of the step whose forward comes next."""
+        self._plan = {row.request_id: row for row in rows}
+
+    def _model_called(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """vLLM calls its model (a forward pre-hook): map what it hands the forward into the table
+        and the view, then HEAD. A forward without a bound step is vLLM's own (profiling, warm-up)."""
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        inputs = forward_inputs.read(self._runner, kwargs)
+        rows = [plan[rid] for rid in inputs.request_ids]
+        self._view, index = self._map(inputs, rows)
         self._steps.append([row.request for row in rows])
-        self._write_through.start_forward(slots)
+        self._write_through.start_forward(index)
         if self._hooks is not None:
             self._hooks.before_forward(self._view)
+
+    def _map(self, inputs: forward_inputs.ForwardInputs, rows: list[RowPlan]
+             ) -> tuple[ForwardView, torch.Tensor | None]:
+        """The view of the forward and, per view token, its row in vLLM's batch (write-through's
+        index; None when it cannot be told). vLLM's CPU build keeps its inputs on the host: reading
+        their values here costs no device sync."""
+        n = len(rows)
+        width = min(inputs.block_table.shape[1], self._table.shape[1])
+        self._table[:n, :width].copy_(inputs.block_table[:, :width])
+        self._table[:n, width:] = 0
+        for b, row in enumerate(rows):
+            self._token_table[b, :len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.int64)
+            self._token_table[b, len(row.tokens):] = -1
+        qsl = inputs.query_start_loc.to(torch.int64)
+        extend = qsl[1:] - qsl[:-1]
+        prefix = inputs.seq_lens.to(torch.int64) - extend
+        view = ForwardView(rows=torch.arange(n, dtype=torch.int64), prefix_lens=prefix, extend_lens=extend,
+                           input_ids=inputs.input_ids.to(torch.int64), positions=inputs.positions.to(torch.int64),
+                           token_table=self._token_table)
+        if all(p <= row.first for p, row in zip(prefix.tolist(), rows)):
+            return view, torch.arange(int(qsl[-1]))
+        return self._with_shared(view, inputs, rows)
+
+    def _with_shared(self, view: ForwardView, inputs: forward_inputs.ForwardInputs, rows: list[RowPlan]
+                     ) -> tuple[ForwardView, torch.Tensor | None]:
+        """A row that hits blocks another row of this step computes counts them as written by
+        itself too (blocks.py: the canary can verify them only once that row wrote them), with
+        the tokens the scheduler holds; their write-through rows are the other row's."""
+        bs, ends, prefixes = self.block_size, view.extend_lens.cumsum(0).tolist(), view.prefix_lens.tolist()
+        ids, positions, index, shared = [], [], [], []
+        for b, row in enumerate(rows):
+            span, own = torch.arange(row.first, prefixes[b]), slice(ends[b] - int(view.extend_lens[b]), ends[b])
+            ids += [torch.tensor(row.tokens[row.first:prefixes[b]], dtype=torch.int64), view.input_ids[own]]
+            positions += [span, view.positions[own]]
+            index += [torch.full((span.numel(),), -1), torch.arange(own.start, own.stop)]
+            shared.append(self._table[b, span // bs] * bs + span % bs)
+        by_slot = rows_by_slot(inputs.slot_mapping, torch.cat(shared))
+        order = torch.cat(index)
+        if by_slot is not None:
+            order[order < 0] = by_slot
+        firsts = torch.minimum(torch.tensor([row.first for row in rows], dtype=torch.int64), view.prefix_lens)
+        view = ForwardView(rows=view.rows, prefix_lens=firsts, extend_lens=view.extend_lens + view.prefix_lens - firsts,
+                           input_ids=torch.cat(ids), positions=torch.cat(positions), token_table=self._token_table)
+        return view, None if by_slot is None else order
 
     def after_forward(self) -> None:
         """The forward wrote its K/V: RECHECK and TAIL, then the host side of the forward."""

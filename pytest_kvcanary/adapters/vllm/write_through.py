@@ -12,10 +12,11 @@ vLLM writes a layer's cache through its impl's ``do_kv_cache_update``:
   single half (K).
 
 Both take tokens in the order of vLLM's input batch, ``slot_mapping`` the slot of each (-1 for
-padding). The view lists the slots it writes in its own order (a row may also count slots another
-row of the step computes), so each view token takes the row of vLLM's token with its slot. A write
-that lands elsewhere than its slot leaves the slot holding something other than what is reported
-here, and TAIL says so.
+padding). The engine hands over, per forward, each view token's row in that batch: the identity
+where the view lists the tokens the forward consumed as they are; a row that also counts slots
+another row of the step computes takes those from the row that computed them (`rows_by_slot`). A
+write that lands elsewhere than the slot the block table gives leaves that slot holding something
+other than what is reported here, and TAIL says so.
 """
 
 from __future__ import annotations
@@ -32,20 +33,18 @@ Report = Callable[[GroupKind, int, "torch.Tensor | None", "torch.Tensor | None"]
 
 
 class WriteThrough:
-    """Wraps the cache write of CPU_ATTN and CPU_MLA layers; `written_slots` is set per forward
-    (None: report nothing)."""
+    """Wraps the cache write of CPU_ATTN and CPU_MLA layers; `index` is set per forward (None:
+    report nothing)."""
 
     def __init__(self, report: Report) -> None:
         self.report = report
-        self.written_slots: torch.Tensor | None = None  # the view's written slots, in view token order
-        self._index: torch.Tensor | None = None  # per view token: its row in vLLM's batch this forward
+        self.index: torch.Tensor | None = None  # per view token: its row in vLLM's batch this forward
 
-    def start_forward(self, written_slots: torch.Tensor) -> None:
-        self.written_slots = written_slots
-        self._index = None
+    def start_forward(self, index: torch.Tensor | None) -> None:
+        self.index = index
 
     def end_forward(self) -> None:
-        self.written_slots = self._index = None
+        self.index = None
 
     def wrap(self, layer: Any, kind: GroupKind, first_index: int, parts: dict[Half, int]) -> None:
         """Report this CPU_ATTN layer's writes as group `kind`'s layers: head h's K or V, in
@@ -84,23 +83,18 @@ class WriteThrough:
         impl.do_kv_cache_update = do_kv_cache_update
 
     def _rows(self, slot_mapping: torch.Tensor) -> torch.Tensor | None:
-        """Per view token, its row in this write's batch; None when there is nothing to report."""
-        if self.written_slots is None:
-            return None
-        index = self._batch_rows(slot_mapping.flatten())
-        return index if index.numel() else None
+        """Per view token, its row in this write's batch; None when there is nothing to report
+        (no index this forward, or a layer that writes no slot)."""
+        return None if self.index is None or slot_mapping.numel() == 0 else self.index
 
-    def _batch_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        if self._index is None:
-            assert self.written_slots is not None
-            slots = slot_mapping.to(torch.int64)
-            if slots.numel() == 0:  # this forward writes no slot through this layer: no rows
-                self._index = slots
-                return self._index
-            order = torch.argsort(slots)
-            at = torch.searchsorted(slots[order], self.written_slots).clamp(max=slots.numel() - 1)
-            index = order[at]
-            # A forward that writes other slots than the view says (an engine bug the view's own
-            # checks report at the slots) reports no rows through here: nothing to match them to.
-            self._index = index if torch.equal(slots[index], self.written_slots) else index[:0]
-        return self._index
+
+def rows_by_slot(slot_mapping: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+    """Per slot of `slots`, the row of vLLM's batch whose token ``slot_mapping`` stores there;
+    None when one of them has no such row (the forward wrote other slots)."""
+    written = slot_mapping.to(torch.int64)
+    if written.numel() == 0:
+        return None
+    order = torch.argsort(written)
+    at = torch.searchsorted(written[order], slots).clamp(max=written.numel() - 1)
+    index = order[at]
+    return index if torch.equal(written[index], slots) else None

@@ -82,3 +82,29 @@ def reference_kv(model: Any, tokens: list[int]) -> list[tuple[torch.Tensor, torc
     cache = DynamicCache()
     model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True)
     return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
+class ViewRecorder:
+    """Installed between an engine and the forward hooks its canary set: keeps, per forward, the
+    slots the mapping gives the positions its view writes (view order), read before the forward."""
+
+    def __init__(self, engine: Any) -> None:
+        self.hooks, self.written = engine._hooks, []
+        self.group = engine.canary_groups()[0]
+        engine.set_forward_hooks(self)
+
+    def before_forward(self, view: Any) -> None:
+        bs, table = self.group.page_size, self.group.mapping.table
+        self.written.append([int(table[row, p // bs]) * bs + p % bs for row, prefix, extend in
+                             zip(view.rows.tolist(), view.prefix_lens.tolist(), view.extend_lens.tolist())
+                             for p in range(prefix, prefix + extend)])
+        self.hooks.before_forward(view)
+
+    def kv_stored(self, *args: Any) -> None:
+        self.hooks.kv_stored(*args)
+
+    def after_forward(self, view: Any) -> None:
+        self.hooks.after_forward(view)
+
+    def end_forward(self) -> None:
+        self.hooks.end_forward()

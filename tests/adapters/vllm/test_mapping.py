@@ -69,8 +69,8 @@ def reference_model(engine):
 
 
 def count_same_step_hits(book) -> list[int]:
-    """Wrap the book's plan to count rows that hit blocks their own step computes (their view
-    starts before vLLM's computed tokens)."""
+    """Wrap the book's plan to count rows that hit blocks their own step computes (their
+    verified prefix stops before vLLM's computed tokens)."""
     counted = [0]
     plan = book.plan
 
@@ -78,7 +78,7 @@ def count_same_step_hits(book) -> list[int]:
         rows = plan(step)
         computed = [r.num_computed_tokens for r in step.scheduled_new_reqs]
         computed += step.scheduled_cached_reqs.num_computed_tokens
-        counted[0] += sum(row.prefix_len < c for row, c in zip(rows, computed))
+        counted[0] += sum(row.first < c for row, c in zip(rows, computed))
         return rows
 
     book.plan = counting

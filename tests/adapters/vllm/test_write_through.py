@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvcanary_kernels.records import GroupKind, Half
-from pytest_kvcanary.adapters.vllm.write_through import WriteThrough
+from pytest_kvcanary.adapters.vllm.write_through import WriteThrough, rows_by_slot
 
-from .support import INSTALL, make_engine, make_handle
+from .support import INSTALL, ViewRecorder, make_engine, make_handle
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,19 @@ def test_an_empty_slot_mapping_reports_no_rows():
     layer = SimpleNamespace(impl=SimpleNamespace(do_kv_cache_update=lambda *args: None))
     through = WriteThrough(lambda kind, index, k, v: written.append((k, v)))
     through.wrap(layer, GroupKind.FULL, 0, {Half.K: 1, Half.V: 1})
-    through.start_forward(torch.tensor([40, 41], dtype=torch.int64))
+    through.start_forward(torch.tensor([0, 1]))
     nothing = torch.empty(0, 2, 16)
     layer.impl.do_kv_cache_update(layer, nothing, nothing, torch.empty(0), torch.empty(0, dtype=torch.int32))
     assert written == []
+
+
+def test_slots_another_row_wrote_find_that_rows_tokens():
+    """A row counting slots another row of the step computes takes write-through rows from the
+    tokens vLLM stored there; a slot no token was stored in gives none."""
+    slot_mapping = torch.tensor([70, 71, 72, 40, 41], dtype=torch.int32)
+    assert rows_by_slot(slot_mapping, torch.tensor([71, 72, 40])).tolist() == [1, 2, 3]
+    assert rows_by_slot(slot_mapping, torch.tensor([71, 73])) is None
+    assert rows_by_slot(slot_mapping[:0], torch.tensor([71])) is None
 
 
 def test_a_half_kept_in_parts_per_head_is_reported_part_by_part():
@@ -46,7 +55,7 @@ def test_a_half_kept_in_parts_per_head_is_reported_part_by_part():
     layer = SimpleNamespace(impl=SimpleNamespace(do_kv_cache_update=lambda *args: None))
     through = WriteThrough(report)
     through.wrap(layer, GroupKind.FULL, 2, {Half.K: 1, Half.V: 2})  # the second layer of 2 heads
-    through.start_forward(torch.tensor([40, 41], dtype=torch.int64))
+    through.start_forward(torch.tensor([0, 1]))
     key, value = torch.randn(2, 2, 32), torch.randn(2, 2, 32)
     layer.impl.do_kv_cache_update(layer, key, value, torch.empty(0), torch.tensor([40, 41]))
     assert [(i, half) for i, half, _ in written] == [(2, "K"), (4, "V"), (5, "V"), (3, "K"), (6, "V"), (7, "V")]
@@ -58,20 +67,9 @@ def prefill(engine, real_data: str):
     handle = make_handle(engine, real_data=real_data, sweep_interval=0)
     rng = random.Random(0)
     prompt = [rng.randrange(256) for _ in range(70)]  # blocks 32 + 32 + 6
-    slots: list[int] = []
-    take = engine.before_forward
-
-    def remember(rows):
-        if not slots:
-            bs = engine.block_size
-            slots.extend(r.blocks[p // bs] * bs + p % bs for r in rows for p in range(r.prefix_len, r.prefix_len + r.extend_len))
-        take(rows)
-
-    engine.before_forward = remember
-    try:
-        handle.generate([prompt], 1)
-    finally:
-        del engine.before_forward
+    views = ViewRecorder(engine)
+    handle.generate([prompt], 1)
+    slots = views.written[0]
     return handle, slots
 
 

@@ -1,0 +1,61 @@
+"""What vLLM's model runner hands one forward, read where the forward reads it.
+
+vLLM's CPU model runner (its GPU model runner with host buffers) prepares a step's inputs, enters
+its forward context and calls the model with ``input_ids`` and ``positions``. A forward pre-hook on
+the model (engine.py) reads, at that call:
+
+- ``input_ids`` and ``positions``: the model call's own arguments (its embedding's token ids, its
+  rotary positions);
+- ``slot_mapping``: the forward context's slot mapping of the first attention layer, the slot each
+  token's K/V is stored in (every layer of the one KV cache group shares it);
+- ``query_start_loc``: the first layer's attention metadata (each request's tokens in the batch);
+- ``seq_lens`` and the block table: the model runner's persistent buffers for this step, which the
+  attention metadata slices (vLLM's CPU attention metadata holds them as such; its CPU MLA metadata
+  splits them by prefill and decode, so the buffers are read for both);
+- the request id of each batch row, from the runner's persistent batch.
+
+vLLM 0.32 exposes all of them; a model fed embeddings instead of token ids (multimodal input) or
+multi-dimensional positions (M-RoPE) is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class ForwardInputs(NamedTuple):
+    """One forward's inputs, as vLLM hands them to it (tensors on vLLM's device)."""
+
+    request_ids: list[str]  # per batch row
+    query_start_loc: torch.Tensor  # [rows + 1]: row b's tokens are [qsl[b], qsl[b + 1])
+    seq_lens: torch.Tensor  # [rows]: positions a row's attention reads, its new tokens included
+    block_table: torch.Tensor  # [rows, blocks per request]
+    slot_mapping: torch.Tensor  # [tokens]: the slot each token's K/V is stored in (-1: padding)
+    input_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+
+
+def read(runner: Any, model_kwargs: dict[str, Any]) -> ForwardInputs:
+    """The inputs of the forward now starting: call inside vLLM's forward context, from a forward
+    pre-hook on ``runner.model`` registered with kwargs."""
+    from vllm.forward_context import get_forward_context
+
+    input_ids, positions = model_kwargs.get("input_ids"), model_kwargs.get("positions")
+    if input_ids is None or positions is None or positions.dim() != 1:
+        raise NotImplementedError("the vLLM canary reads a forward's token ids and 1-D positions; this model is "
+                                  "fed embeddings or multi-dimensional positions")
+    context = get_forward_context()
+    layer, metadata = next(iter(context.attn_metadata.items()))
+    qsl = metadata.query_start_loc
+    rows = qsl.numel() - 1
+    return ForwardInputs(
+        request_ids=list(runner.input_batch.req_ids[:rows]),
+        query_start_loc=qsl,
+        seq_lens=runner.seq_lens[:rows],
+        block_table=runner.input_batch.block_table[0].get_device_tensor(rows),
+        slot_mapping=context.slot_mapping[layer],
+        input_ids=input_ids,
+        positions=positions,
+    )
