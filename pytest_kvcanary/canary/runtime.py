@@ -17,7 +17,7 @@ from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .seam import CanaryHost, ForwardView
 from .log import ViolationLog
-from .plans import SweepPlan
+from .plans import SweepPlan, one_host_thread
 from .violation import Violation
 
 
@@ -173,7 +173,8 @@ class CanaryRuntime:
         again (plans.SweepPlan). With the Triton kernels on a CUDA device the first sweep's
         launches run eagerly and are captured in a CUDA graph that later sweeps replay. False
         when the host has no prefix cache."""
-        walk = self.host.cache_walk()
+        with one_host_thread():  # the walk and its plan are small host tensors
+            walk = self.host.cache_walk()
         if walk is None:
             return False
         full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
@@ -182,7 +183,8 @@ class CanaryRuntime:
             if self._sweep_plan is None:
                 self._sweep_plan = SweepPlan(groups, full.pool.num_slots, self.device)
             plan = self._sweep_plan
-            plan.refresh(walk, unlocked_only)
+            with one_host_thread():
+                plan.refresh(walk, unlocked_only)
             self.ring.append(plan.malformed, launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind))
             if self._sweep_graph is not None:
                 self._sweep_graph.replay()

@@ -99,3 +99,27 @@ def test_a_walk_returned_again_is_checked_once_and_still_swept(attention, monkey
     monkeypatch.setattr(runtime.host, "cache_walk", lambda: walk._replace(locked=walk.locked.clone()))
     assert runtime.sweep()
     assert len(checks) == 2, "a new walk object is checked again"
+
+
+def test_the_walk_is_built_and_checked_on_one_host_thread_and_the_count_restored(monkeypatch):
+    """The sweep's host work is small tensors: torch's thread pool made it many times slower on a
+    busy GPU host (benchmarks/RESULTS.md), so it runs on one intra-op thread."""
+    import pytest_kvcanary.canary.plans as plans_module
+
+    handle = make_handle("mha", sweep_interval=0)
+    handle.reset(0, ())
+    send_waves(handle, seed=1)
+    runtime = handle.side.runtime
+    threads_seen = []
+    walk = runtime.host.cache_walk
+    monkeypatch.setattr(runtime.host, "cache_walk", lambda: threads_seen.append(torch.get_num_threads()) or walk())
+    monkeypatch.setattr(plans_module, "check_walk",
+                        lambda *args: threads_seen.append(torch.get_num_threads()) or check_walk(*args))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert runtime.sweep()
+        assert threads_seen == [1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
