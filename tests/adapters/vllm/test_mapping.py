@@ -153,7 +153,7 @@ def test_both_halves_are_fingerprinted_in_the_layout_vllm_keeps():
     """On vLLM's portable CPU paths K is stored dimension-major inside a block (the fingerprint
     reads it element by element), V one contiguous run per slot. A latent (MLA) cache is one row
     per token: one half, fingerprinted."""
-    engine = make_engine("swa", num_blocks=24)
+    engine = make_engine("swa")
     for group in engine.canary_groups():
         assert group.opaque_halves == frozenset() and group.fingerprintable
         assert all(layer[0].is_contiguous() for layer in group.v_layers)
