@@ -11,7 +11,9 @@ import random
 import pytest
 import torch
 
-from .support import INSTALL, PrefixCacheCounter, make_engine, make_handle, prompts_with_shared_prefixes, stems
+from .support import (
+    INSTALL, PrefixCacheCounter, count_same_step_hits, make_engine, make_handle, prompts_with_shared_prefixes, stems,
+)
 
 pytest.importorskip("vllm", reason=INSTALL)
 
@@ -76,21 +78,26 @@ def test_vllm_runs_swa_with_its_hybrid_kv_cache_manager(engine):
 def test_a_workload_that_slides_past_the_window_runs_clean(engine, real_data, monkeypatch):
     """Prompts several windows long (chunks past the window in one prefill), 40 decode steps past
     it, prompts sharing a stem (prefix hits keep only the window's blocks), twice (hits on the
-    first round's cached blocks): vLLM drops sliding-window blocks, and nothing is reported."""
+    first round's cached blocks), the second round with repeats in one batch (hits on blocks the
+    same step computes): vLLM drops sliding-window blocks, and nothing is reported."""
     handle = make_handle(engine, real_data=real_data)
     tables = SlidingTables(engine)
     counter = PrefixCacheCounter(engine, monkeypatch)
+    monkeypatch.setattr(engine.book, "plan", engine.book.plan)  # restored after the test
+    same_step_hits = count_same_step_hits(engine.book)
     rng = random.Random(1)
     try:
         prompts = sliding_prompts(rng, 6)
         handle.generate(prompts, 40)
-        handle.generate([p + [rng.randrange(256) for _ in range(10)] for p in prompts]
+        longer = [p + [rng.randrange(256) for _ in range(40)] for p in prompts[:3]]
+        handle.generate([p for p in longer for _ in range(2)]
                         + prompts_with_shared_prefixes(rng, 2, stems(rng, count=1)), 30)
     finally:
         tables.remove()
     assert handle.violations() == []
     assert tables.dropped, "vLLM dropped sliding-window blocks that left the window"
     assert counter.hits > 0, "vLLM hit its prefix cache"
+    assert same_step_hits[0] > 0, "requests hit blocks their own step computes"
     stats = handle.stats()["single"]
     assert stats["sweeps"] > 0 and stats["health"] == "ok"
     runtime = handle.side.runtime
