@@ -18,6 +18,7 @@ from .support import (
 pytest.importorskip("vllm", reason=INSTALL)
 
 from kvcanary_kernels.records import GroupKind  # noqa: E402
+from pytest_kvcanary.config import PerturbSpec  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_group_id  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
@@ -141,3 +142,19 @@ def test_blocks_that_leave_the_window_are_announced_freed():
     assert tables.dropped and announced == tables.dropped
     assert handle.violations() == []
     assert after == before
+
+
+def test_a_fault_in_a_block_that_left_the_window_escapes_with_that_cause():
+    """Without a prefix cache, a flip right after the stamp lands in a prefill's early positions
+    that no later token reads: vLLM drops their block once it leaves the window, and the fault
+    ledger says so (escaped, cause named) instead of leaving the fault latent; every other flip
+    is caught."""
+    engine = make_engine("swa", prefix_caching=False)
+    causes = set()
+    for seed in range(3):
+        handle = make_handle(engine, (PerturbSpec("real_kv_post_forward", target_group="swa"),), seed)
+        handle.generate(sliding_prompts(random.Random(seed), 4), 8)
+        for inj in handle.injections():
+            assert inj.status in ("detected", "escaped"), inj
+            causes.add(inj.cause)
+    assert "left the sliding window" in causes
