@@ -2,12 +2,20 @@
 connector.
 
 vLLM's blocks carry a ref count and, once full, a chained content hash, but no tokens, positions
-or parent. The book records them as each step is scheduled: for every scheduled request, the
-positions this step computes, the tokens there and, per block written, the hash key of the block
-before it. From that it plans the canary's view of the step (`plan`), walks the prefix cache for
-the sweep (`walk`), and tells free listeners when a block's data stops being anyone's (a request
-finished or was preempted holding a block no hash keeps, a block was handed out again, the prefix
-cache was reset).
+or parent. The book records them as each step is scheduled: for every scheduled request and KV
+cache group, the positions this step computes, the tokens there and, per block written, the hash
+key of the block before it. From that it plans the canary's view of the step (`plan`), walks the
+prefix cache for the sweep (`walk`: the full-attention group's blocks; `window_pairs`: the
+sliding-window block cached beside each), and tells free listeners when a block's data stops
+being anyone's (a request finished or was preempted holding a block no hash keeps, a block was
+handed out again, a block no hash keeps left a request's sliding window, the prefix cache was
+reset).
+
+With vLLM's hybrid KV cache manager (a model with sliding-window layers), full-attention and
+sliding-window layers are KV cache groups of their own, each with its own block table over one
+shared block pool (a block id belongs to one group at a time); the sliding-window group's manager
+drops a request's blocks once they leave its window (their entries become the null block 0) and
+tells no connector: the book hooks that drop (`bind`).
 
 Everything here runs between forwards on the scheduler side; vLLM calls the connector, the
 connector calls the book.
@@ -28,6 +36,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+NULL_BLOCK = 0  # vLLM's null block: never a request's; a sliding-window entry that left the window
+
 # Called with (block ids, cause) before the blocks' data is declared gone.
 BlocksFreed = Callable[[list[int], str], None]
 
@@ -45,6 +55,7 @@ class RowPlan(NamedTuple):
 
 
 class BlockContent(NamedTuple):
+    group: int  # vLLM's KV cache group the block was written for
     index: int  # the block's index in the request that wrote it: positions index * block_size + j
     tokens: tuple[int, ...]  # tokens written so far
     parent: Any  # vLLM's hash key (BlockHashWithGroupId) of the block before it; None at index 0
@@ -53,13 +64,50 @@ class BlockContent(NamedTuple):
 @dataclass
 class BlockBook:
     on_freed: BlocksFreed
-    manager: KVCacheManager | None = None  # bound once vLLM built its scheduler
+    manager: KVCacheManager | None = None  # bound once vLLM built its scheduler (`bind`)
     planned: int = 0  # steps planned that run a forward (the worker side must see each)
     _requests: dict[str, tuple[int, Request]] = field(default_factory=dict)  # vLLM id -> (book id, request)
     _prompts: list[list[int]] = field(default_factory=list)  # prompt token ids by book id
     _held: dict[str, list[int]] = field(default_factory=dict)  # blocks each request had when last scheduled
+    # (every group, the null block left out)
     _contents: dict[int, BlockContent] = field(default_factory=dict)
     _released: set[int] = field(default_factory=set)  # blocks whose data listeners already heard is gone
+
+    def bind(self, manager: KVCacheManager) -> None:
+        """vLLM built its scheduler: keep its KV cache manager and hear its sliding-window managers
+        drop blocks that left a request's window (vLLM frees them without telling a connector)."""
+        self.manager = manager
+        for group in self.window_groups:
+            single = manager.coordinator.single_type_managers[group]
+            remove = single.remove_skipped_blocks
+
+            def dropping(request_id: str, *args: Any, _remove: Any = remove, _single: Any = single, **kwargs: Any
+                         ) -> None:
+                before = list(_single.req_to_blocks.get(request_id, ()))
+                _remove(request_id, *args, **kwargs)
+                after = _single.req_to_blocks.get(request_id, ())
+                dropped = [b for b, now in zip(before, after) if now is not b]
+                self._release([b.block_id for b in dropped if b.ref_cnt == 0 and b.block_hash is None],
+                              "left the sliding window")
+
+            single.remove_skipped_blocks = dropping
+
+    @property
+    def full_group(self) -> int:
+        """vLLM's KV cache group of the full-attention layers (the prefix cache's walk)."""
+        return next(g for g in range(len(self._specs)) if g not in self.window_groups)
+
+    @property
+    def window_groups(self) -> list[int]:
+        """vLLM's KV cache groups of sliding-window layers (only with its hybrid KV cache manager)."""
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        return [g for g, spec in enumerate(self._specs) if isinstance(spec, SlidingWindowSpec)]
+
+    @property
+    def _specs(self) -> list[Any]:
+        assert self.manager is not None, "vLLM has not bound its KV cache manager to the connector yet"
+        return [group.kv_cache_spec for group in self.manager.kv_cache_config.kv_cache_groups]
 
     @property
     def pool(self) -> BlockPool:
@@ -95,32 +143,38 @@ class BlockBook:
         computed = {r.req_id: r.num_computed_tokens for r in step.scheduled_new_reqs}
         cached = step.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        blocks = {rid: list(self.manager.get_block_ids(rid)[0]) for rid in computed}
+        blocks = {rid: [list(ids) for ids in self.manager.get_block_ids(rid)] for rid in computed}
         writer: dict[int, str] = {}
         for rid, start in computed.items():
-            for i in self._indices(start, start + step.num_scheduled_tokens[rid]):
-                writer.setdefault(blocks[rid][i], rid)
+            for mine in blocks[rid]:
+                for i in self._indices(start, start + step.num_scheduled_tokens[rid]):
+                    writer.setdefault(mine[i], rid)
+        paired = self._paired(blocks.values(), set(writer))
         rows = []
         for rid, start in computed.items():
             end = start + step.num_scheduled_tokens[rid]
-            mine = blocks[rid]
             held = set(self._held.get(rid, ()))
-            self._reused([b for b in (mine[i] for i in self._indices(start, end)) if b not in held])
-            first = next((i * self.block_size for i in range(-(-start // self.block_size))
-                          if writer.get(mine[i], rid) != rid), start)
+            self._reused([b for mine in blocks[rid] for b in (mine[i] for i in self._indices(start, end))
+                          if b not in held])
+            first = min(next((i * self.block_size for i in range(-(-start // self.block_size))
+                              if writer.get(mine[i], rid) != rid), start) for mine in blocks[rid])
+            if first < start:
+                first = self._window_mapped(blocks[rid], paired, first)
             book_id, request = self._requests[rid]
             tokens = list(request.all_token_ids[:end])
-            self._record(mine, tokens, first, end)
-            self._held[rid] = mine
+            for group, mine in enumerate(blocks[rid]):
+                self._record(group, mine, tokens, first, end)
+            self._held[rid] = [b for mine in blocks[rid] for b in mine if b != NULL_BLOCK]
             rows.append(RowPlan(rid, book_id, first, tokens))
         self.planned += bool(rows)
         return rows
 
-    def finished(self, request: Request, block_ids: list[int]) -> None:
-        """vLLM is about to free a finished request's blocks: those only it holds and no hash
-        keeps in the prefix cache lose their data."""
+    def finished(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
+        """vLLM is about to free a finished request's blocks (per KV cache group): those only it
+        holds and no hash keeps in the prefix cache lose their data."""
         blocks = self.pool.blocks
-        self._release([b for b in block_ids if blocks[b].ref_cnt == 1 and blocks[b].block_hash is None],
+        self._release([b for ids in block_ids for b in ids
+                       if b != NULL_BLOCK and blocks[b].ref_cnt == 1 and blocks[b].block_hash is None],
                       "request finished")
         self._held.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
@@ -142,9 +196,10 @@ class BlockBook:
             return None
         bs, blocks, index = self.block_size, self.pool.blocks, self.pool.cached_block_hash_to_block
         cols: list[list[int]] = [[], [], [], [], []]  # slots, positions, prev slots, tokens, locked
+        full = self.full_group
         for block_id, content in self._contents.items():
             block = blocks[block_id]
-            if block.block_hash is None:
+            if block.block_hash is None or content.group != full:
                 continue
             prev = -1
             if content.index:
@@ -162,15 +217,65 @@ class BlockBook:
         slots, positions, prev_slots, tokens = (torch.tensor(c, dtype=torch.int64) for c in cols[:4])
         return CacheWalk(slots, positions, prev_slots, tokens, torch.tensor(cols[4], dtype=torch.bool))
 
+    def window_pairs(self) -> list[tuple[int, int]]:
+        """(full-attention block, sliding-window block) for every full-attention block the prefix
+        cache holds whose sliding-window block of the same hash it holds too, held by no request:
+        the pair a prefix hit on that hash hands a request. (vLLM caches a block when it schedules
+        its computation: a held sliding-window block may not hold its data yet; the rows that hold
+        it map it.) Empty without a sliding-window group or prefix caching."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, make_block_hash_with_group_id
+
+        windows = self.window_groups
+        if not windows or not self.pool.enable_caching:
+            return []
+        blocks, index, full = self.pool.blocks, self.pool.cached_block_hash_to_block, self.full_group
+        pairs = []
+        for block_id, content in self._contents.items():
+            key = blocks[block_id].block_hash
+            if key is None or content.group != full:
+                continue
+            twin = index.get_one_block(make_block_hash_with_group_id(get_block_hash(key), windows[0]))
+            if twin is not None and twin.ref_cnt == 0:
+                pairs.append((block_id, twin.block_id))
+        return pairs
+
+    def _paired(self, blocks: Any, writing: set[int]) -> set[int]:
+        """The full-attention blocks the canary's SWA mapping sends to a sliding-window block this
+        step's forward does not write (engine.py: a scheduled request's sliding-window block at the
+        same index, or the prefix cache's twin): what a row can read there before the forward."""
+        windows = self.window_groups
+        if not windows:
+            return set()
+        full = self.full_group
+        paired = {f for ids in blocks for f, w in zip(ids[full], ids[windows[0]])
+                  if w != NULL_BLOCK and w not in writing}
+        return paired | {f for f, _ in self.window_pairs()}
+
+    def _window_mapped(self, blocks: list[list[int]], paired: set[int], first: int) -> int:
+        """`first`, or 0 where the sliding window a row reads before `first` has a block the
+        canary's SWA mapping cannot reach before the forward: a row hitting blocks another row of
+        the step computes reads from `first` on, and a prefix hit keeps only the sliding-window
+        blocks before the hit's end (the others are the null block). From 0 the row reads nothing
+        before the forward and counts its whole prefix as written (the same content another row
+        writes or wrote; engine.py stamps its positions no sliding-window block holds for it
+        elsewhere, so that its chain stays whole)."""
+        for group in self.window_groups:
+            window = self.manager.coordinator.single_type_managers[group].sliding_window - 1
+            if any(blocks[self.full_group][i] not in paired for i in self._indices(max(0, first - window), first)):
+                return 0
+        return first
+
     def _indices(self, start: int, end: int) -> range:
         """Indices of the blocks holding positions [start, end)."""
         return range(start // self.block_size, -(-end // self.block_size))
 
-    def _record(self, mine: list[int], tokens: list[int], start: int, end: int) -> None:
+    def _record(self, group: int, mine: list[int], tokens: list[int], start: int, end: int) -> None:
         bs = self.block_size
         for i in self._indices(start, end):
+            if mine[i] == NULL_BLOCK:  # a sliding-window block a prefix hit left out
+                continue
             parent = self.pool.blocks[mine[i - 1]].block_hash if i else None
-            self._contents[mine[i]] = BlockContent(i, tuple(tokens[i * bs:min(end, (i + 1) * bs)]), parent)
+            self._contents[mine[i]] = BlockContent(group, i, tuple(tokens[i * bs:min(end, (i + 1) * bs)]), parent)
             self._released.discard(mine[i])
 
     def _reused(self, fresh: list[int]) -> None:

@@ -11,13 +11,19 @@ vLLM calls, per step, in this order:
     (book.plan: rows, frees of reused       the model is called            -> the adapter's pre-hook
     blocks and preempted requests)          forward (attention writes K/V)    reads its inputs: HEAD
                                             wait_for_save()                -> adapter.after_forward
-    request_finished(request) -> book.finished (before vLLM frees the blocks)
+    request_finished_all_groups(request)
+                              -> book.finished (before vLLM frees its blocks, every KV cache group)
     reset_cache()             -> book.reset  (LLM.reset_prefix_cache(reset_connector=True))
 
 At start-up the worker side's register_kv_caches hands over the KV tensors. vLLM keeps one worker
 connector per process (its first engine's): with several engines in one process, worker calls
 dispatch on the plan's key, and register_kv_caches goes to the adapter whose LLM is being built.
 The adapter needs scheduler and worker in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+
+It declares hybrid support (`SupportsHMA`), so vLLM keeps its hybrid KV cache manager for models
+with sliding-window layers (a KV cache group per attention kind, each with its own block table)
+instead of turning it off; bind_kv_cache_manager hands the book vLLM's KV cache manager, whose
+sliding-window managers' drops the book hooks (blocks.py).
 
 The connector loads nothing and saves nothing; it never changes what vLLM schedules or computes.
 """
@@ -30,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA,
 )
 
 from .blocks import BlockBook, RowPlan
@@ -83,7 +89,7 @@ class StepPlan(KVConnectorMetadata):
     rows: list[RowPlan]
 
 
-class CanaryConnector(KVConnectorBase_V1):
+class CanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._key = vllm_config.kv_transfer_config.kv_connector_extra_config[CONFIG_KEY]
@@ -127,7 +133,7 @@ class CanaryConnector(KVConnectorBase_V1):
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._book.manager = kv_cache_manager
+        self._book.bind(kv_cache_manager)
 
     def on_new_request(self, request: Request) -> None:
         self._book.admit(request)
@@ -141,7 +147,8 @@ class CanaryConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         return StepPlan(self._key, self._book.plan(scheduler_output))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         self._book.finished(request, block_ids)
         return False, None
 

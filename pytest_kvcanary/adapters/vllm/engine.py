@@ -8,12 +8,14 @@ adapter watches.
 - Pools: one FULL group over the full-attention layers and, for a model with sliding-window layers,
   one SWA group over those (window: the positions before a token that its attention reads, the
   sliding window minus the token itself). Both address slots as vLLM does, ``block * block_size +
-  offset``; with the canary's connector vLLM runs without its hybrid allocator (its rule for
-  connectors without hybrid support), so both groups share one block table and sliding-window
-  layers keep every block. Per group and half, one buffer per (layer, KV head): vLLM's CPU cache
-  keeps heads apart. Each half's order is probed (layout.py): on vLLM's portable CPU paths V is
-  stored token by token and K dimension-major inside a block; the fingerprint reads both (K
-  element by element).
+  offset``. The canary's connector declares hybrid support, so vLLM runs such a model with its
+  hybrid KV cache manager: full-attention and sliding-window layers are KV cache groups of their
+  own, each with its own block table over one block pool (a block belongs to one group at a time;
+  a full-attention layer and a sliding-window layer share each KV tensor), and the sliding-window
+  group drops a request's blocks once they leave its window. Per group and half, one buffer per
+  (layer, KV head): vLLM's CPU cache keeps heads apart. Each half's order is probed (layout.py):
+  on vLLM's portable CPU paths V is stored token by token and K dimension-major inside a block;
+  the fingerprint reads both (K element by element).
 - Views: per forward, from what vLLM's model runner hands the forward (forward_inputs.py), read by
   a forward pre-hook on the model: row b is the b-th request of vLLM's batch, extend_len the
   difference of its query start locations, prefix_len its sequence length minus that, input ids
@@ -21,10 +23,16 @@ adapter watches.
   (blocks.py), so TAIL compares what the forward embedded and where its RoPE put it with the
   scheduler's account.
 - Mapping: a block table the adapter owns, ``[max_num_seqs, blocks per context]``, a copy of the
-  block table the forward's attention reads, refilled before every forward. The slots the forward
-  stores to (its slot mapping) are checked through write-through: each view token's K/V is what
-  vLLM computed for that token, so a store that goes elsewhere than the block table says leaves
-  a slot that does not hold it.
+  full-attention group's block table the forward's attention reads, refilled before every forward.
+  The SWA group maps through it and a full-to-window slot map (``full_to_group``, as an SGLang-style
+  SWA pool does): per row, from the block holding the first position its window reads on, each
+  full-attention block's slots to the slots of the sliding-window block at the same index of the
+  row's sliding-window block table (none where that entry is the null block), and per
+  full-attention block the prefix cache holds, the sliding-window block cached under the same
+  hash (so the sweep reaches cached sliding-window blocks). Without the hybrid manager (one KV
+  cache group) the map is the identity. The slots the forward stores to (its slot mapping) are
+  checked through write-through: each view token's K/V is what vLLM computed for that token, so a
+  store that goes elsewhere than the block table says leaves a slot that does not hold it.
 - Block 0 is vLLM's null block: its pool never hands it to a request, so slot 0 (the canary's
   reserved sentinel) is never written.
 """
@@ -56,7 +64,8 @@ from .write_through import WriteThrough, rows_by_slot
 class VllmSettings:
     """The LLM the adapter starts. block_size: what it asks for (vLLM's CPU attention needs a
     multiple of 32; its CPU MLA backend sets 16 itself). num_blocks includes vLLM's null block and
-    must hold one max_model_len request; dtype as vLLM's ``dtype`` argument. attention_isa: the
+    must hold one max_model_len request (for a sliding-window model, its sliding-window blocks too:
+    vLLM's hybrid KV cache manager draws both from one pool); dtype as vLLM's ``dtype`` argument. attention_isa: the
     instruction-set path of vLLM's CPU attention, which decides its KV layout (isa.py: readable,
     vllm, amx, vec, vec16; default the environment variable KVCANARY_VLLM_ATTENTION_ISA, else
     readable)."""
@@ -117,8 +126,12 @@ class VllmEngine:
         self.block_size = bs = self.llm.llm_engine.vllm_config.cache_config.block_size  # vLLM may change it
         self._table = torch.zeros(s.max_num_seqs, -(-s.max_model_len // bs), dtype=torch.int64)
         self._token_table = torch.full((s.max_num_seqs, s.max_model_len), -1, dtype=torch.int64)
-        self._groups = self._pool_groups()
         self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        kv_groups = self._runner.kv_cache_config.kv_cache_groups
+        self._group_layers = [group.layer_names[0] for group in kv_groups]  # a layer per vLLM KV cache group
+        self._full_group = self.book.full_group
+        self._window_pairs = torch.zeros(0, 2, dtype=torch.int64)  # the last forward's rows' (full, window) blocks
+        self._groups = self._pool_groups()
         self._runner.model.register_forward_pre_hook(self._model_called, with_kwargs=True)
 
     # What the connector calls ---------------------------------------------------------------
@@ -136,9 +149,11 @@ class VllmEngine:
         plan, self._plan = self._plan, None
         if plan is None:
             return
-        inputs = forward_inputs.read(self._runner, kwargs)
+        inputs = forward_inputs.read(self._runner, kwargs, self._group_layers)
         rows = [plan[rid] for rid in inputs.request_ids]
         self._view, index = self._map(inputs, rows)
+        if self._hybrid:
+            self._pair_window(inputs, self._view)
         self._steps.append([row.request for row in rows])
         self._write_through.start_forward(index)
         if self._hooks is not None:
@@ -150,8 +165,9 @@ class VllmEngine:
         index; None when it cannot be told). vLLM's CPU build keeps its inputs on the host: reading
         their values here costs no device sync."""
         n = len(rows)
-        width = min(inputs.block_table.shape[1], self._table.shape[1])
-        self._table[:n, :width].copy_(inputs.block_table[:, :width])
+        full = inputs.block_tables[self._full_group]
+        width = min(full.shape[1], self._table.shape[1])
+        self._table[:n, :width].copy_(full[:, :width])
         self._table[:n, width:] = 0
         for b, row in enumerate(rows):
             self._token_table[b, :len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.int64)
@@ -179,7 +195,7 @@ class VllmEngine:
             positions += [span, view.positions[own]]
             index += [torch.full((span.numel(),), -1), torch.arange(own.start, own.stop)]
             shared.append(self._table[b, span // bs] * bs + span % bs)
-        by_slot = rows_by_slot(inputs.slot_mapping, torch.cat(shared))
+        by_slot = rows_by_slot(inputs.slot_mappings[self._full_group], torch.cat(shared))
         order = torch.cat(index)
         if by_slot is not None:
             order[order < 0] = by_slot
@@ -258,9 +274,54 @@ class VllmEngine:
                           max_context=s.max_model_len)
 
     def cache_walk(self) -> CacheWalk | None:
-        return self.book.walk()
+        walk = self.book.walk()
+        if self._hybrid:
+            self._map_window(self.book.window_pairs())
+        return walk
 
     # Internals -------------------------------------------------------------------------------
+
+    @property
+    def _hybrid(self) -> bool:
+        """vLLM keeps the sliding-window layers' blocks in a KV cache group of their own."""
+        return bool(self.book.window_groups)
+
+    def _pair_window(self, inputs: forward_inputs.ForwardInputs, view: ForwardView) -> None:
+        """The forward's (full, window) block pairs, per row from the block holding the first position
+        its sliding window reads on (the view's prefix length minus the window): vLLM drops the
+        blocks before it on its scheduler side only, its model runner's block table keeps their
+        old ids (never read again, possibly another request's by now). Then refill the map."""
+        bs, window, prefix_lens = self.block_size, self._groups[1].window, view.prefix_lens
+        full = inputs.block_tables[self._full_group].to(torch.int64)
+        twin = inputs.block_tables[self.book.window_groups[0]].to(torch.int64)
+        width = min(full.shape[1], twin.shape[1])
+        index = torch.arange(width)
+        live = index >= ((prefix_lens - window).clamp(min=0) // bs)[:, None]
+        pairs = torch.stack([full[:, :width], twin[:, :width]], dim=-1)
+        own = pairs[live]
+        own = own[(own[:, 0] != 0) & (own[:, 1] != 0)]
+        cached = self.book.window_pairs()
+        # A row that counts positions as written although no sliding-window block of its own holds
+        # them (blocks.py, `first`: a hit on blocks another row computes this step) has them
+        # stamped at the full-attention block's own slots, so that the chain it stamps on stays
+        # whole: no sliding-window block table names a block the full-attention group holds, so
+        # the SWA records there are nobody else's (until the map moves, at the next forward).
+        mapped = set(own[:, 0].tolist()) | {f for f, _ in cached}
+        ends = (-(-(prefix_lens + view.extend_lens) // bs)).tolist()
+        unmapped = sorted({f for b, start in enumerate((prefix_lens // bs).tolist())
+                           for f in full[b, start:min(ends[b], width)].tolist() if f != 0 and f not in mapped})
+        self._window_pairs = torch.cat([own, torch.tensor(unmapped, dtype=torch.int64)[:, None].expand(-1, 2)])
+        self._map_window(cached)
+
+    def _map_window(self, cached: list[tuple[int, int]]) -> None:
+        """Refill the full-to-window slot map: the prefix cache's (full, window) block pairs, then
+        the last forward's rows' pairs (which the forward reads; they win where both name a
+        full-attention block)."""
+        bs = self.block_size
+        pairs = torch.cat([torch.tensor(cached, dtype=torch.int64).reshape(-1, 2), self._window_pairs])
+        offsets = torch.arange(bs)
+        self._to_window.zero_()
+        self._to_window[(pairs[:, :1] * bs + offsets).flatten()] = (pairs[:, 1:] * bs + offsets).flatten()
 
     def _pool_groups(self) -> list[PoolGroup]:
         layers = self.llm.llm_engine.vllm_config.compilation_config.static_forward_context
@@ -289,14 +350,14 @@ class VllmEngine:
         windows = {layers[n].sliding_window for n in names} - {None}
         if len(windows) > 1:
             raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
+        # Full-attention slot -> sliding-window slot: refilled before every forward and walk with
+        # the hybrid manager; without it sliding-window layers use the full-attention slots themselves.
+        self._to_window = torch.zeros(num_slots, dtype=torch.int64) if self._hybrid else torch.arange(num_slots)
         groups = []
         for kind, window in [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]:
             views = half_views([self._kv_caches[n] for n in names if layers[n].sliding_window == window], orders)
             opaque = frozenset(h for h, v in views.items() if not v.readable)
-            # Sliding-window layers use the FULL slots themselves: saying so (an identity map)
-            # lets the prefix-cache walk reach them.
-            mapping = SlotMapping(self._table, page_size=bs,
-                                  full_to_group=None if window is None else torch.arange(num_slots))
+            mapping = SlotMapping(self._table, page_size=bs, full_to_group=None if window is None else self._to_window)
             groups.append(PoolGroup(
                 kind, views[Half.K].views, views[Half.V].views, num_slots, mapping, page_size=bs,
                 window=None if window is None else window - 1, fingerprintable=len(opaque) < len(views),
@@ -313,8 +374,13 @@ class VllmEngine:
             self._hooks.kv_stored(kind, layer, k, v)
 
     def _freed(self, blocks: list[int], cause: str) -> None:
+        """Listeners hear the blocks' slots in each group's mapping space: for the SWA group the
+        full-attention slots its map sends there (a block belongs to one vLLM group at a time, so
+        for the other group the slots hold nothing of its own)."""
         bs = self.block_size
         slots = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + torch.arange(bs)).flatten()
+        spaces = {group.kind: slots if group.mapping.full_to_group is None
+                  else torch.isin(group.mapping.full_to_group, slots).nonzero().flatten() for group in self._groups}
         for listener in self._listeners:
-            for group in self._groups:
-                listener(group.kind, slots, cause)
+            for kind, space in spaces.items():
+                listener(kind, space, cause)

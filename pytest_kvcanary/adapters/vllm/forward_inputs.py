@@ -6,12 +6,15 @@ the model (engine.py) reads, at that call:
 
 - ``input_ids`` and ``positions``: the model call's own arguments (its embedding's token ids, its
   rotary positions);
-- ``slot_mapping``: the forward context's slot mapping of the first attention layer, the slot each
-  token's K/V is stored in (every layer of the one KV cache group shares it);
-- ``query_start_loc``: the first layer's attention metadata (each request's tokens in the batch);
-- ``seq_lens`` and the block table: the model runner's persistent buffers for this step, which the
-  attention metadata slices (vLLM's CPU attention metadata holds them as such; its CPU MLA metadata
-  splits them by prefill and decode, so the buffers are read for both);
+- ``slot_mappings``: per KV cache group, the forward context's slot mapping of the group's first
+  layer, the slot each token's K/V is stored in (every layer of a group shares it; with vLLM's
+  hybrid KV cache manager, full-attention and sliding-window layers are groups of their own);
+- ``query_start_loc``: the first layer's attention metadata (each request's tokens in the batch;
+  the same in every group);
+- ``seq_lens`` and the block tables (one per KV cache group): the model runner's persistent
+  buffers for this step, which the attention metadata slices (vLLM's CPU attention metadata holds
+  them as such; its CPU MLA metadata splits them by prefill and decode, so the buffers are read for
+  both);
 - the request id of each batch row, from the runner's persistent batch.
 
 vLLM 0.32 exposes all of them; a model fed embeddings instead of token ids (multimodal input) or
@@ -31,15 +34,17 @@ class ForwardInputs(NamedTuple):
     request_ids: list[str]  # per batch row
     query_start_loc: torch.Tensor  # [rows + 1]: row b's tokens are [qsl[b], qsl[b + 1])
     seq_lens: torch.Tensor  # [rows]: positions a row's attention reads, its new tokens included
-    block_table: torch.Tensor  # [rows, blocks per request]
-    slot_mapping: torch.Tensor  # [tokens]: the slot each token's K/V is stored in (-1: padding)
+    block_tables: tuple[torch.Tensor, ...]  # per KV cache group: [rows, blocks per request]
+    slot_mappings: tuple[torch.Tensor, ...]  # per KV cache group, [tokens]: the slot each token's K/V is
+    # stored in (-1: padding)
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
 
 
-def read(runner: Any, model_kwargs: dict[str, Any]) -> ForwardInputs:
+def read(runner: Any, model_kwargs: dict[str, Any], group_layers: list[str]) -> ForwardInputs:
     """The inputs of the forward now starting: call inside vLLM's forward context, from a forward
-    pre-hook on ``runner.model`` registered with kwargs."""
+    pre-hook on ``runner.model`` registered with kwargs. group_layers: a layer of each KV cache
+    group, in vLLM's group order."""
     from vllm.forward_context import get_forward_context
 
     input_ids, positions = model_kwargs.get("input_ids"), model_kwargs.get("positions")
@@ -47,15 +52,15 @@ def read(runner: Any, model_kwargs: dict[str, Any]) -> ForwardInputs:
         raise NotImplementedError("the vLLM canary reads a forward's token ids and 1-D positions; this model is "
                                   "fed embeddings or multi-dimensional positions")
     context = get_forward_context()
-    layer, metadata = next(iter(context.attn_metadata.items()))
-    qsl = metadata.query_start_loc
+    qsl = context.attn_metadata[group_layers[0]].query_start_loc
     rows = qsl.numel() - 1
     return ForwardInputs(
         request_ids=list(runner.input_batch.req_ids[:rows]),
         query_start_loc=qsl,
         seq_lens=runner.seq_lens[:rows],
-        block_table=runner.input_batch.block_table[0].get_device_tensor(rows),
-        slot_mapping=context.slot_mapping[layer],
+        block_tables=tuple(runner.input_batch.block_table[g].get_device_tensor(rows)
+                           for g in range(len(group_layers))),
+        slot_mappings=tuple(context.slot_mapping[layer] for layer in group_layers),
         input_ids=input_ids,
         positions=positions,
     )

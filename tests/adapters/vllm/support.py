@@ -54,6 +54,23 @@ def prompts_with_shared_prefixes(rng: random.Random, n: int, stems: list[list[in
     return prompts
 
 
+def count_same_step_hits(book) -> list[int]:
+    """Wrap the book's plan to count rows that hit blocks their own step computes (their
+    verified prefix stops before vLLM's computed tokens)."""
+    counted = [0]
+    plan = book.plan
+
+    def counting(step):
+        rows = plan(step)
+        computed = [r.num_computed_tokens for r in step.scheduled_new_reqs]
+        computed += step.scheduled_cached_reqs.num_computed_tokens
+        counted[0] += sum(row.first < c for row, c in zip(rows, computed))
+        return rows
+
+    book.plan = counting
+    return counted
+
+
 class PrefixCacheCounter:
     """vLLM's own prefix-cache counters (the PrefixCacheStats its KV cache manager hands its stat
     loggers and restarts every step), summed from installation on: queries and hits, in tokens.

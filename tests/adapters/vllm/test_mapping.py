@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from .support import INSTALL, make_engine, prompts_with_shared_prefixes, reference_kv, stems
+from .support import INSTALL, count_same_step_hits, make_engine, prompts_with_shared_prefixes, reference_kv, stems
 
 pytest.importorskip("vllm", reason=INSTALL)
 
@@ -66,23 +66,6 @@ def reference_model(engine):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(engine.llm.llm_engine.model_config.model, dtype=torch.float32)
-
-
-def count_same_step_hits(book) -> list[int]:
-    """Wrap the book's plan to count rows that hit blocks their own step computes (their
-    verified prefix stops before vLLM's computed tokens)."""
-    counted = [0]
-    plan = book.plan
-
-    def counting(step):
-        rows = plan(step)
-        computed = [r.num_computed_tokens for r in step.scheduled_new_reqs]
-        computed += step.scheduled_cached_reqs.num_computed_tokens
-        counted[0] += sum(row.first < c for row, c in zip(rows, computed))
-        return rows
-
-    book.plan = counting
-    return counted
 
 
 def test_mapped_slots_hold_the_kv_transformers_computes(engine, reference_model, monkeypatch):
@@ -153,7 +136,7 @@ def test_both_halves_are_fingerprinted_in_the_layout_vllm_keeps():
     """On vLLM's portable CPU paths K is stored dimension-major inside a block (the fingerprint
     reads it element by element), V one contiguous run per slot. A latent (MLA) cache is one row
     per token: one half, fingerprinted."""
-    engine = make_engine("swa", num_blocks=24)
+    engine = make_engine("swa")
     for group in engine.canary_groups():
         assert group.opaque_halves == frozenset() and group.fingerprintable
         assert all(layer[0].is_contiguous() for layer in group.v_layers)
