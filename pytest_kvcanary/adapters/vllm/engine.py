@@ -55,7 +55,7 @@ from pytest_kvcanary.canary.seam import (
 from . import forward_inputs
 from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
-from .isa import attention_isa, check_attention_isa, default_attention_isa
+from .isa import attention_isa, check_attention_isa, default_attention_isa, latent_backend
 from .layout import half_views, probe, probe_latent
 from .write_through import WriteThrough, rows_by_slot
 
@@ -90,7 +90,7 @@ class VllmSettings:
                     num_gpu_blocks_override=self.num_blocks, enable_prefix_caching=self.prefix_caching,
                     # The pool is num_blocks; a KV budget (any that fits in memory) keeps vLLM's CPU
                     # worker from reserving a fraction of the machine's memory instead.
-                    kv_cache_memory_bytes=1 << 26, disable_log_stats=False)
+                    kv_cache_memory_bytes=1 << 26, disable_log_stats=False, **latent_backend(self.attention_isa))
 
 
 class VllmEngine:

@@ -14,6 +14,12 @@ The ``attention_isa`` setting decides instead:
 - ``vllm``: vLLM's choice, whatever it is.
 - ``amx``, ``vec``, ``vec16``: that path (``amx`` needs a CPU with AMX and bfloat16).
 
+Latent attention (MLA) follows the same rule: on a CPU with AMX tiles vLLM picks its ``AMX_MLA``
+backend, whose cache the adapter does not know, unless its attention backend is set to
+``CPU_MLA`` (``vllm/platforms/cpu.py``: the backend choice and the block-size rule both honour
+it); ``readable``, ``vec`` and ``vec16`` set it (``latent_backend``), which vLLM runs on any CPU
+and ignores for a model without latent attention.
+
 The environment variable ``KVCANARY_VLLM_ATTENTION_ISA`` sets the default; under pytest, the
 ``--kv-canary-vllm-attention-isa`` option (or its ini key ``kv_canary_vllm_attention_isa``) sets
 that variable for the run (settings.py).
@@ -71,3 +77,8 @@ def attention_isa(setting: str) -> Iterator[None]:
         yield
     finally:
         cpu_attn._get_attn_isa = vllm_chooser
+
+
+def latent_backend(setting: str) -> dict[str, str]:
+    """vLLM ``LLM(...)`` keyword arguments for the latent-attention backend under `setting`."""
+    return {} if setting in ("vllm", "amx") else {"attention_backend": "CPU_MLA"}

@@ -90,3 +90,13 @@ def test_readable_runs_vec_where_vllm_would_run_amx(monkeypatch):
     assert layer_paths(engine) == {"vec"}
     assert cpu_attn._get_attn_isa is on_amx_cpu
     run_clean_and_faulty(engine, "partial")
+
+
+def test_readable_runs_cpu_mla_where_vllm_would_run_amx_mla(monkeypatch):
+    """vLLM's backend choice as on a CPU with AMX tiles (AMX_MLA for latent attention, which the
+    adapter does not know and this CPU may not run): readable asks for CPU_MLA, which vLLM runs."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    engine = make_engine("mla", attention_isa="readable")
+    layers = engine.llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    assert {layers[name].attn_backend.get_name() for name in engine._kv_caches} == {"CPU_MLA"}
+    run_clean_and_faulty(engine, "partial")
