@@ -89,7 +89,7 @@ class StepTimer:
     after the step; counted with it)."""
 
     def __init__(self, engine: TransformersEngine) -> None:
-        self.processor = engine.processor
+        self.engine, self.processor = engine, engine.processor
         self.step = self.processor._generation_step
         self.processor._generation_step = self
         self.decode: list[float] = []
@@ -115,9 +115,7 @@ class StepTimer:
         return timed
 
     def __call__(self, model: Any) -> None:
-        io = self.processor.inputs_and_outputs
-        batch = (io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io).requests_in_batch
-        decoding = all(f.query_length == 1 for f in batch)
+        decoding = all(f.query_length == 1 for f in self.engine.batch_requests())
         self._phases = {}  # this step's, and its update_batch's (block log)
         start = time.perf_counter()
         self.step(model)

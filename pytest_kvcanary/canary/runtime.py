@@ -173,18 +173,18 @@ class CanaryRuntime:
         again (plans.SweepPlan). With the Triton kernels on a CUDA device the first sweep's
         launches run eagerly and are captured in a CUDA graph that later sweeps replay. False
         when the host has no prefix cache."""
-        with one_host_thread():  # the walk and its plan are small host tensors
-            walk = self.host.cache_walk()
-        if walk is None:
-            return False
         full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
         groups = [g for g in self.groups if g.swept_by_walk()]
+        with one_host_thread():  # the walk and its plan are small host tensors
+            walk = self.host.cache_walk()
+            if walk is None:
+                return False
+            with self._on_device():
+                if self._sweep_plan is None:
+                    self._sweep_plan = SweepPlan(groups, full.pool.num_slots, self.device)
+                self._sweep_plan.refresh(walk, unlocked_only)
+        plan = self._sweep_plan
         with self._on_device():
-            if self._sweep_plan is None:
-                self._sweep_plan = SweepPlan(groups, full.pool.num_slots, self.device)
-            plan = self._sweep_plan
-            with one_host_thread():
-                plan.refresh(walk, unlocked_only)
             self.ring.append(plan.malformed, launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind))
             if self._sweep_graph is not None:
                 self._sweep_graph.replay()

@@ -43,11 +43,12 @@ in block 0, which the adapter takes out of the free list (5.17).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import operator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -93,10 +94,9 @@ class TransformersEngine:
 
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device
-        if use_cuda_graph and self.device.type != "cuda":
-            raise ValueError(f"use_cuda_graph=True needs a CUDA device; the model is on {self.device}")
-        if use_async_batching and self.device.type != "cuda":
-            raise ValueError(f"use_async_batching=True needs a CUDA device; the model is on {self.device}")
+        for option, on in (("use_cuda_graph", use_cuda_graph), ("use_async_batching", use_async_batching)):
+            if on and self.device.type != "cuda":
+                raise ValueError(f"{option}=True needs a CUDA device; the model is on {self.device}")
         if canary_graphs and not use_cuda_graph:
             raise ValueError("canary_graphs=True needs use_cuda_graph=True")
         self.eos_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else -1
@@ -170,7 +170,8 @@ class TransformersEngine:
     # ------------------------------------------------------------------------ EngineUnderTest
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
         self._hooks = hooks
-        self._graphs = [CanaryGraphs(hooks, self._view, self._head_prelude(derived), derived.copy_inputs)
+        self._graphs = [CanaryGraphs(hooks, self._view, functools.partial(self._head_prelude, derived),
+                                     derived.copy_inputs)
                         for derived in self._derived] if hooks is not None and self._canary_graphs else []
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -266,12 +267,18 @@ class TransformersEngine:
         """The IO pair this forward's inputs are in (always 0 without async batching)."""
         return self.processor.inputs_and_outputs.current_pair if self._io_pairs else 0
 
+    def batch_requests(self) -> list[Any]:
+        """The FutureRequestStates of the batch transformers prepared last (under async batching,
+        those of the current IO pair)."""
+        io = self.processor.inputs_and_outputs
+        return (self._io_pairs[io.current_pair].host_io if self._io_pairs else io).requests_in_batch
+
     def _head(self, hooks: ForwardHooks, pair: int) -> None:
         """The view's derivation and HEAD (device work, replayed from a graph with canary_graphs)."""
         if self._graphs:
             self._graphs[pair].before()
         else:
-            self._head_prelude(self._derived[pair])()
+            self._head_prelude(self._derived[pair])
             hooks.before_forward(self._view)
 
     def _tail(self, hooks: ForwardHooks, pair: int) -> None:
@@ -282,11 +289,9 @@ class TransformersEngine:
             self._derived[pair].copy_inputs()
             hooks.after_forward(self._view)
 
-    def _head_prelude(self, derived: DerivedView) -> Callable[[], None]:
-        def prelude() -> None:
-            self._buffers.apply_tokens()
-            derived.derive_lengths()
-        return prelude
+    def _head_prelude(self, derived: DerivedView) -> None:
+        self._buffers.apply_tokens()
+        derived.derive_lengths()
 
     def _wrap_cache_update(self) -> None:
         """Report each layer's computed K/V rows ([T, H, D], view token order) to hooks.kv_stored
@@ -328,8 +333,7 @@ class TransformersEngine:
     def _map_batch(self) -> None:
         """Upload what only the host knows about the batch transformers just prepared: its size,
         the token-table entries it adds and the block-table rows that changed."""
-        io = self.processor.inputs_and_outputs
-        batch = (self._io_pairs[io.current_pair].host_io if self._io_pairs else io).requests_in_batch
+        batch = self.batch_requests()
         size = len(batch)
         if size > self.capacities.max_batch:
             raise RuntimeError(f"transformers batched {size} requests; the canary was sized for "

@@ -39,20 +39,14 @@ def test_usage_errors_name_the_setting_and_value(tmp_path, monkeypatch):
         make_transformers_engine("mha", "cpu", 0, str(tmp_path))
     with pytest.raises(UnsupportedAttention, match=r"engine 'transformers' has no attention kind 'mla'; it runs mha, swa"):
         make_transformers_engine("mla", "cpu", 0, None)
-    monkeypatch.setenv(CUDA_GRAPHS_VARIABLE, "yes")
-    with pytest.raises(ValueError, match=rf"{CUDA_GRAPHS_VARIABLE} must be one of 0, 1; got 'yes'"):
-        make_transformers_engine("mha", "cpu", 0, None)
-    monkeypatch.setenv(CUDA_GRAPHS_VARIABLE, "1")
-    with pytest.raises(ValueError, match=r"use_cuda_graph=True needs a CUDA device; the model is on cpu"):
-        make_transformers_engine("mha", "cpu", 0, None)
-    monkeypatch.delenv(CUDA_GRAPHS_VARIABLE)
-    monkeypatch.setenv(ASYNC_BATCHING_VARIABLE, "on")
-    with pytest.raises(ValueError, match=rf"{ASYNC_BATCHING_VARIABLE} must be one of 0, 1; got 'on'"):
-        make_transformers_engine("mha", "cpu", 0, None)
-    monkeypatch.setenv(ASYNC_BATCHING_VARIABLE, "1")
-    with pytest.raises(ValueError, match=r"use_async_batching=True needs a CUDA device; the model is on cpu"):
-        make_transformers_engine("mha", "cpu", 0, None)
-    monkeypatch.delenv(ASYNC_BATCHING_VARIABLE)
+    for variable, option in ((CUDA_GRAPHS_VARIABLE, "use_cuda_graph"), (ASYNC_BATCHING_VARIABLE, "use_async_batching")):
+        monkeypatch.setenv(variable, "yes")
+        with pytest.raises(ValueError, match=rf"{variable} must be one of 0, 1; got 'yes'"):
+            make_transformers_engine("mha", "cpu", 0, None)
+        monkeypatch.setenv(variable, "1")
+        with pytest.raises(ValueError, match=rf"{option}=True needs a CUDA device; the model is on cpu"):
+            make_transformers_engine("mha", "cpu", 0, None)
+        monkeypatch.delenv(variable)
     engine = make_transformers_engine("mha", "cpu", 0, None)
     with pytest.raises(ValueError, match=r"= 520 exceeds max_context \(512\)"):
         engine.generate([[1] * 500], max_new_tokens=20)

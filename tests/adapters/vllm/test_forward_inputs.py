@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from .support import INSTALL, ViewRecorder, make_engine, make_handle, reference_kv
+from .support import INSTALL, ViewRecorder, make_handle, reference_kv
 
 pytest.importorskip("vllm", reason=INSTALL)
 
@@ -29,18 +29,6 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
 ATOL = 2e-4
 VICTIM = 1  # the batch row whose inputs the bugs change
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return make_engine("mha", dtype="float32", num_blocks=24)
-
-
-@pytest.fixture(scope="module")
-def reference_model(engine):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(engine.llm.llm_engine.model_config.model, dtype=torch.float32)
 
 
 def victim_tokens(query_start_loc: torch.Tensor) -> slice:
@@ -59,30 +47,32 @@ def shift_slot_mapping(monkeypatch, damage: dict) -> None:
     monkeypatch.setattr(BlockTable, "compute_slot_mapping", shifted)
 
 
-def shift_positions(monkeypatch, damage: dict) -> None:
-    prepare = GPUModelRunner._prepare_inputs
-
-    def shifted(self, scheduler_output, num_scheduled_tokens):
-        out = prepare(self, scheduler_output, num_scheduled_tokens)
-        if scheduler_output.total_num_scheduled_tokens > self.input_batch.num_reqs:  # a prefill
-            self.positions[victim_tokens(self.query_start_loc.cpu)] += 1
-            damage["forwards"] = damage.get("forwards", 0) + 1
-        return out
-
-    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", shifted)
-
-
-def change_input_ids(monkeypatch, damage: dict) -> None:
+def change_prepared_prefill(monkeypatch, damage: dict, change) -> None:
+    """After vLLM's model runner prepares a prefill's inputs, change(runner, the victim's tokens)."""
     prepare = GPUModelRunner._prepare_inputs
 
     def changed(self, scheduler_output, num_scheduled_tokens):
         out = prepare(self, scheduler_output, num_scheduled_tokens)
         if scheduler_output.total_num_scheduled_tokens > self.input_batch.num_reqs:  # a prefill
-            self.input_ids.gpu[victim_tokens(self.query_start_loc.cpu)] ^= 1
+            change(self, victim_tokens(self.query_start_loc.cpu))
             damage["forwards"] = damage.get("forwards", 0) + 1
         return out
 
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", changed)
+
+
+def shift_positions(monkeypatch, damage: dict) -> None:
+    def shift(runner, tokens: slice) -> None:
+        runner.positions[tokens] += 1
+
+    change_prepared_prefill(monkeypatch, damage, shift)
+
+
+def change_input_ids(monkeypatch, damage: dict) -> None:
+    def flip(runner, tokens: slice) -> None:
+        runner.input_ids.gpu[tokens] ^= 1
+
+    change_prepared_prefill(monkeypatch, damage, flip)
 
 
 def borrow_a_block(monkeypatch, damage: dict, manager) -> None:

@@ -56,18 +56,6 @@ class MappingChecker:
         pass
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return make_engine("mha", dtype="float32", num_blocks=24)
-
-
-@pytest.fixture(scope="module")
-def reference_model(engine):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(engine.llm.llm_engine.model_config.model, dtype=torch.float32)
-
-
 def test_mapped_slots_hold_the_kv_transformers_computes(engine, reference_model, monkeypatch):
     engine.reset()
     monkeypatch.setattr(engine.book, "plan", engine.book.plan)  # restored after the test
