@@ -47,7 +47,7 @@ if wants tests; then  # kernel compiles dominate: spread them over workers when 
     tests/unit/canary tests/unit/engine/test_cuda_graph_canary.py tests/unit/engine/test_padded_decode.py \
     tests/unit/scenarios tests/adapters/transformers/test_cuda_graphs.py \
     tests/adapters/transformers/test_forward_inputs.py tests/adapters/transformers/test_faults.py \
-    tests/adapters/transformers/test_async_batching.py \
+    tests/adapters/transformers/test_async_batching.py tests/adapters/transformers/test_model_hooks.py \
     tests/unit/perturb/test_modes.py::test_triton_kernels_detect_every_fault \
     tests/e2e/test_soak.py::test_30_requests_under_pressure_raise_no_violation_with_triton_kernels
 fi

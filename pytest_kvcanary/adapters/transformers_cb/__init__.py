@@ -7,7 +7,6 @@ transformers``). Needs the transformers package: in a clone of the project,
     model.py          a local checkpoint, or the seeded random one written on first use
     batch_buffers.py  what the host uploads per forward (batch size, new tokens, changed table rows)
     forward_view.py   the canary's view derived on the device from the forward's own inputs
-    canary_graphs.py  the canary's per-forward work replayed from CUDA graphs of its own
     engine.py         TransformersEngine: the CanaryHost seam around ContinuousBatchProcessor
 """
 

@@ -9,16 +9,22 @@ before any update, then each update is of the batch before the one just launched
 model runner's ``compute_batch`` (inside ``_generation_step``, after transformers moved the
 batch's inputs to the device and before it marks the compute over): before it, the host uploads
 what only it knows (batch_buffers.py: the batch size, the token-table entries the forward adds,
-and a block-table row only when that row's block ids changed), the view's lengths are derived on
-the device from the cumulative sequence lengths transformers hands the forward (forward_view.py),
-then hooks.before_forward; after it, the view's input ids and positions are copied from the very
-buffers the forward consumed, then hooks.after_forward; hooks.end_forward follows the step. The
-wrapper runs in Python around whatever the runner does inside, so it works the same when it
-replays a CUDA graph (``use_cuda_graph=True``): the canary's kernels run on the processor's
-compute stream right before and after the replay, eagerly or, with ``canary_graphs=True``,
-replayed (with the view's derivation) from graphs of their own (canary_graphs.py; one set per IO
-pair under async batching). The per-forward host work is a pass over the batch's request states
-and one copy: no device sync, no read-back.
+and a block-table row only when that row's block ids changed). The canary's device work runs
+inside the model's forward, from a forward pre-hook and a forward hook on the model that act only
+in a forward the wrapper runs (never in a test's own model call): before the model, after
+transformers' carry-over of async tokens, the view's lengths are derived on the device from the
+cumulative sequence lengths transformers hands the forward (forward_view.py), then
+hooks.before_forward; after it, the view's input ids and positions are copied from the very
+buffers the forward consumed, then hooks.after_forward. hooks.end_forward follows the step.
+
+With CUDA graphs (``use_cuda_graph=True``) and ``canary_graphs=True`` transformers captures that
+work in its own graphs and every replay runs it: a decode step launches no canary kernel from
+Python. Graphs transformers captured before (at warmup, or under other hooks) are dropped whenever
+the hooks change and captured again on first use (transformers runs that forward eagerly, then
+captures it). With CUDA graphs and ``canary_graphs=False`` the same work runs eagerly on the
+compute stream right before and after the replay (forward observers, the fault injector, see
+every forward). The per-forward host work is a pass over the batch's request states and one copy:
+no device sync, no read-back.
 
 Async batching schedules a decoding request before the host knows the token it decodes (the
 forward takes it from the previous forward's output on the device): its token-table entry goes up
@@ -43,12 +49,12 @@ in block 0, which the adapter takes out of the free list (5.17).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import operator
+import weakref
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -58,12 +64,22 @@ from kvcanary_kernels.records import UNKNOWN, GroupKind
 from ...canary.seam import CacheWalk, Capacities, ForwardHooks, FreeListener, PoolGroup, RowOwners, SlotMapping
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
-from .canary_graphs import CanaryGraphs
 from .forward_view import DerivedView, empty_view
-from .versions import CAUSE_RESET, GroupCache, cache_layout, config_options, sdpa_attention
+from .versions import CAUSE_RESET, GroupCache, UnsupportedModel, cache_layout, config_options, sdpa_attention
 
 
 NO_BLOCKS: list[int] = []
+
+
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """`method` through a weak reference to its object (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call
 
 
 class TransformersEngine:
@@ -77,9 +93,10 @@ class TransformersEngine:
     use_async_batching: transformers' asynchronous batching (two IO pairs, the next batch prepared
     while the device computes this one; CUDA only); write_through:
     hand each layer's computed K/V to the canary at the cache's update (eager forwards);
-    canary_graphs: with use_cuda_graph, replay the canary's per-forward device work from CUDA
-    graphs of its own (canary_graphs.py; forward observers such as the fault injector are then
-    not called, so fault-injection tests leave it off).
+    canary_graphs: with use_cuda_graph, the canary's per-forward device work is captured in
+    transformers' own CUDA graphs (forward observers such as the fault injector are then not
+    called on replay, so fault-injection tests leave it off); without it that work runs eagerly
+    around each replay.
 
     Attributes for tools that reach inside: ``model``, ``tokenizer``, ``manager`` (the
     ContinuousBatchingManager), ``processor`` (its ContinuousBatchProcessor; ``processor.cache``
@@ -127,12 +144,18 @@ class TransformersEngine:
         io = self.processor.inputs_and_outputs
         self._io_pairs: list[Any] = list(io.io_pairs) if use_async_batching else []
         device_ios = [pair.device_io for pair in self._io_pairs] or [io]
+        self._device_ios = device_ios
         self._derived = [DerivedView(d, self.capacities, self._buffers.batch, self._view) for d in device_ios]
         self._clear_rows()
 
         self._hooks: ForwardHooks | None = None
-        self._canary_graphs = canary_graphs
-        self._graphs: list[CanaryGraphs] = []
+        self._use_cuda_graph = use_cuda_graph
+        self._in_forward = canary_graphs or not use_cuda_graph  # the canary's work inside the model's forward
+        self._forward_pair: int | None = None  # the IO pair of the forward the wrapper runs now
+        if self._in_forward:  # the model outlives the engine: its hooks hold the engine weakly
+            for handle in (model.register_forward_pre_hook(_weakly(self._head_in_forward), with_kwargs=True),
+                           model.register_forward_hook(_weakly(self._tail_in_forward), with_kwargs=True)):
+                weakref.finalize(self, handle.remove)
         if write_through and not canary_graphs:
             self._wrap_cache_update()
         runner = self.processor.model_runner
@@ -169,10 +192,10 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------------ EngineUnderTest
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
+        if self._in_forward and self._use_cuda_graph and hooks is not self._hooks:
+            for io in self._device_ios:  # captured with the old hooks' work inside: capture again
+                io.graphs = type(io.graphs)()
         self._hooks = hooks
-        self._graphs = [CanaryGraphs(hooks, self._view, functools.partial(self._head_prelude, derived),
-                                     derived.copy_inputs)
-                        for derived in self._derived] if hooks is not None and self._canary_graphs else []
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy output token ids per prompt, in order; runs until every request is done. If a
@@ -258,9 +281,35 @@ class TransformersEngine:
         pair = self._pair()
         with self._on_compute_stream():
             self._map_batch()
-            self._head(hooks, pair)
-        self._compute(model, batch_data)
-        with self._on_compute_stream():
+            if not self._in_forward:
+                self._head(hooks, pair)
+        self._forward_pair = pair
+        try:
+            self._compute(model, batch_data)
+        finally:
+            self._forward_pair = None
+        if not self._in_forward:
+            with self._on_compute_stream():
+                self._tail(hooks, pair)
+
+    @torch.compiler.disable
+    def _head_in_forward(self, model: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The model's forward pre-hook: HEAD inside the forward, on its stream (captured with it);
+        a forward the wrapper does not run (a test's own model call) is left alone."""
+        pair, hooks = self._forward_pair, self._hooks
+        if pair is None or hooks is None:
+            return
+        consumed = kwargs.get("input_ids")
+        if consumed is None or consumed.data_ptr() != self._derived[pair].input_ids.data_ptr():
+            raise UnsupportedModel("the model's forward does not embed the input ids transformers staged for "
+                                   "it; the canary's view would not be what the forward consumed")
+        self._head(hooks, pair)
+
+    @torch.compiler.disable
+    def _tail_in_forward(self, model: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        """The model's forward hook: RECHECK and TAIL inside the forward."""
+        pair, hooks = self._forward_pair, self._hooks
+        if pair is not None and hooks is not None:
             self._tail(hooks, pair)
 
     def _pair(self) -> int:
@@ -274,24 +323,15 @@ class TransformersEngine:
         return (self._io_pairs[io.current_pair].host_io if self._io_pairs else io).requests_in_batch
 
     def _head(self, hooks: ForwardHooks, pair: int) -> None:
-        """The view's derivation and HEAD (device work, replayed from a graph with canary_graphs)."""
-        if self._graphs:
-            self._graphs[pair].before()
-        else:
-            self._head_prelude(self._derived[pair])
-            hooks.before_forward(self._view)
+        """The view's lengths from the buffers this forward consumes, then HEAD (device work)."""
+        self._buffers.apply_tokens()
+        self._derived[pair].derive_lengths()
+        hooks.before_forward(self._view)
 
     def _tail(self, hooks: ForwardHooks, pair: int) -> None:
-        """The forward's inputs into the view, RECHECK and TAIL (device work, as _head)."""
-        if self._graphs:
-            self._graphs[pair].after()
-        else:
-            self._derived[pair].copy_inputs()
-            hooks.after_forward(self._view)
-
-    def _head_prelude(self, derived: DerivedView) -> None:
-        self._buffers.apply_tokens()
-        derived.derive_lengths()
+        """The inputs as the forward left them into the view, then RECHECK and TAIL (device work)."""
+        self._derived[pair].copy_inputs()
+        hooks.after_forward(self._view)
 
     def _wrap_cache_update(self) -> None:
         """Report each layer's computed K/V rows ([T, H, D], view token order) to hooks.kv_stored
@@ -351,27 +391,47 @@ class TransformersEngine:
                 for row in itertools.compress(range(size), map(operator.ne, blocks, held)):
                     held[row] = list(blocks[row])
                     buffers.set_row(group.kind, row, blocks[row])
+        buffers.set_entries(*self._token_entries(states))
+        buffers.upload()
+
+    def _token_entries(self, states: list[Any]) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
+        """(rows, positions, tokens) of the token-table entries this forward adds: per row the
+        positions its request advanced past since the last forward, UNKNOWN where the host does not
+        have the token yet (sent again once it does). A decode step of the batch before (every row
+        one known token further, and under async batching one more it has not seen yet) takes one
+        pass per field instead of per row."""
+        size = len(states)
+        known = self._row_known
+        lengths = [state.position_offset for state in states]  # advanced past this forward's tokens
+        if all(map(operator.is_, states, self._row_states)):
+            totals = [len(state.initial_tokens) + len(state.generated_tokens) for state in states]
+            if totals == [k + 1 for k in known[:size]] and (lengths == totals or lengths == [t + 1 for t in totals]):
+                positions = known[:size]
+                known[:size] = totals
+                tokens = [(state.generated_tokens or state.initial_tokens)[-1] for state in states]
+                if lengths == totals:
+                    return range(size), positions, tokens
+                return [*range(size), *range(size)], positions + totals, tokens + [UNKNOWN] * size
         rows: list[int] = []
-        positions: list[int] = []
+        positions = []
         tokens: list[int] = []
-        for row, state in enumerate(states):
+        for row, (state, length) in enumerate(zip(states, lengths)):
             if self._row_states[row] is not state:
-                self._row_states[row], self._row_known[row] = state, 0
+                self._row_states[row], known[row] = state, 0
                 self._row_owners.note(row, self._steps, state.request_id)
-            known, length = self._row_known[row], state.position_offset  # advanced past this forward's tokens
-            if length > known:  # positions [known, length), the tokens the host does not know yet UNKNOWN
+            if length > known[row]:  # positions [known, length)
+                start = known[row]
                 prompt, generated = state.initial_tokens, state.generated_tokens
                 have = min(length, len(prompt) + len(generated))
-                self._row_known[row] = have  # an UNKNOWN position is sent again once its token is known
-                rows.extend([row] * (length - known))
-                positions.extend(range(known, length))
-                if known >= len(prompt):  # decoding: generated tokens only
-                    tokens.extend(generated[known - len(prompt):have - len(prompt)])
+                known[row] = have
+                rows.extend([row] * (length - start))
+                positions.extend(range(start, length))
+                if start >= len(prompt):  # decoding: generated tokens only
+                    tokens.extend(generated[start - len(prompt):have - len(prompt)])
                 else:
-                    tokens.extend((prompt + generated)[known:have])
-                tokens.extend([UNKNOWN] * (length - max(have, known)))
-        buffers.set_entries(rows, positions, tokens)
-        buffers.upload()
+                    tokens.extend((prompt + generated)[start:have])
+                tokens.extend([UNKNOWN] * (length - max(have, start)))
+        return rows, positions, tokens
 
     def _clear_rows(self) -> None:
         """Forget what every mapping row holds: the next forward re-sends each row it uses."""

@@ -77,3 +77,18 @@ def reference_kv(model: Any, tokens: list[int]) -> list[tuple[torch.Tensor, torc
         if paged.startswith("paged|"):
             model.set_attn_implementation(paged)
     return [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]
+
+
+def python_tails(handle: EngineHandle) -> list[int]:
+    """Record the engine step of every Python call of the runtime's after_forward from now on (a
+    forward replayed from a CUDA graph runs the captured TAIL without one)."""
+    engine, runtime = handle.engine, handle.side.runtime
+    after_forward, steps = runtime.after_forward, []
+
+    def recording(view: Any) -> None:
+        steps.append(engine._steps)
+        after_forward(view)
+
+    runtime.after_forward = recording
+    return steps
+

@@ -1,13 +1,16 @@
-"""CUDA graphs on transformers (GPU only): transformers replays its captured forward and the
-canary replays its own captured HEAD and RECHECK+TAIL around it; a run is clean, and K bytes
-damaged between two decode steps are reported by the next forward's replayed HEAD at that slot."""
+"""CUDA graphs on transformers (GPU only): with canary_graphs the canary's HEAD, RECHECK and TAIL
+run inside the model's forward, so transformers captures them in its own graphs and replays them
+with the forward; a run is clean, generates what eager batching does, and every forward ran TAIL
+on the device once while Python called it only for the forwards transformers ran eagerly or
+captured; K bytes damaged between two decode steps are reported by the next forward's replayed
+HEAD at that slot."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from .support import INSTALL, make_engine
+from .support import INSTALL, make_engine, python_tails
 
 pytest.importorskip("transformers", reason=INSTALL)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -19,32 +22,44 @@ from pytest_kvcanary.handles.single import EngineHandle  # noqa: E402
 PROMPTS = [[11 + i for i in range(37)], [90 + i for i in range(21)]]
 
 
-def graph_handle() -> EngineHandle:
-    engine = make_engine("mha", use_cuda_graph=True, canary_graphs=True)
+def graph_handle(**options) -> EngineHandle:
+    engine = make_engine("mha", use_cuda_graph=True, canary_graphs=True, **options)
     handle = EngineHandle(engine, CanaryConfig(real_data="all", sweep_interval=2, kernels="triton"))
     handle.reset(0, ())
     return handle
 
 
-def test_replayed_canary_is_clean_and_matches_eager_outputs():
-    handle = graph_handle()
+def assert_replayed_inside_transformers_graphs(handle: EngineHandle, python_steps: list[int]) -> None:
+    """Every forward advanced the device's step once (one TAIL each), most of them without Python
+    calling TAIL (replayed from transformers' graphs, which it captured under these hooks)."""
+    engine = handle.engine
+    assert int(handle.side.runtime.ring.step) == engine._steps
+    replayed = set(range(engine._steps)) - set(python_steps)
+    assert len(replayed) >= engine._steps // 2, python_steps
+    assert all(io.graphs._storage for io in engine._device_ios)
+
+
+@pytest.mark.parametrize("batching", ["sync", "async"])
+def test_canary_inside_transformers_graphs_is_clean_and_matches_eager_outputs(batching):
+    handle = graph_handle(use_async_batching=batching == "async")
+    python_steps = python_tails(handle)
     outputs = handle.generate(PROMPTS, max_new_tokens=8)
     handle.side.runtime.drain()
     assert handle.violations() == []
-    assert handle.engine._graphs[0].head is not None and handle.engine._graphs[0].tail is not None
-    eager = make_engine("mha").generate(PROMPTS, max_new_tokens=8)
-    assert outputs == eager
+    assert_replayed_inside_transformers_graphs(handle, python_steps)
+    assert outputs == make_engine("mha").generate(PROMPTS, max_new_tokens=8)
 
 
 def test_damage_between_decode_steps_is_reported_by_the_replayed_head():
     handle = graph_handle()
     engine = handle.engine
+    python_steps = python_tails(handle)
     step = engine.processor._generation_step
     full = next(g for g in engine.groups if g.kind is GroupKind.FULL)
     damaged: list[int] = []
 
     def damaging_step(model):
-        if engine._steps == 4 and not damaged:  # a decode step, canary graphs captured by now
+        if engine._steps == 4 and not damaged:  # a decode step replayed from transformers' graph
             block = int(engine._tables[GroupKind.FULL][0, 0])
             full.k_layers[0][block, 3] += 1.0
             damaged.append(block * full.page_size + 3)
@@ -53,6 +68,20 @@ def test_damage_between_decode_steps_is_reported_by_the_replayed_head():
     engine.processor._generation_step = damaging_step
     handle.generate(PROMPTS, max_new_tokens=8)
     handle.side.runtime.drain()
-    assert damaged and engine._graphs[0].head is not None
+    assert damaged and 4 not in python_steps
+    assert_replayed_inside_transformers_graphs(handle, python_steps)
     found = [v for v in handle.violations() if v.phase == "HEAD" and v.slot == damaged[0]]
     assert found and found[0].step == 4 and "verify_real_kv_hash" in found[0].reasons, handle.violations()[:3]
+
+
+def test_changing_the_hooks_drops_the_graphs_captured_under_the_old_ones():
+    handle = graph_handle()
+    engine = handle.engine
+    handle.generate(PROMPTS, max_new_tokens=4)
+    old = dict(engine._device_ios[0].graphs._storage)
+    assert old
+    engine.set_forward_hooks(None)  # the canary off: transformers captures its forward alone again
+    assert not engine._device_ios[0].graphs._storage
+    before = int(handle.side.runtime.ring.step)
+    engine.generate(PROMPTS, max_new_tokens=4)
+    assert int(handle.side.runtime.ring.step) == before  # no canary work replayed with the canary off
