@@ -1,11 +1,15 @@
-"""What the host uploads to the device per forward, in one copy from one pinned buffer: the batch
-size, the token-table entries the forward adds (row, position, token) and, only when one changed,
-the block-table rows. Token entries are fixed-size (max_tokens): unused ones go to a scratch row
-past the view's rows, so applying them is one fixed-shape scatter (capturable in a CUDA graph). A
-forward that adds more (a request starting on a cached prefix adds its whole sequence) has the rest
-applied at upload, eagerly. The host side is one pinned buffer the copy reads asynchronously: a
-forward's fill waits for the previous forward's copy (``wait_for_upload``), which matters where the
-host runs a forward ahead of the device (async batching)."""
+"""What the host hands the device per forward, through one pinned staging buffer per IO pair: the
+batch size, the token-table entries the forward adds (row, position, token) and the block-table
+rows. The host only fills the staging buffer; the copy to the device is the first device work of
+the canary inside the forward (``upload``), so under CUDA graphs it is a copy node of the captured
+forward and a replay reads the buffer as the host left it: a decode step launches no copy for it.
+
+Token entries are fixed-size (max_tokens): unused ones go to a scratch row past the view's rows,
+so applying them is one fixed-shape scatter. A forward that adds more (a request starting on a
+cached prefix adds its whole sequence) has the rest written by the host before the forward
+(``write_spill``). With async batching the host fills one pair's buffer while the device may still
+run the other pair's forward; before refilling a pair's buffer the host waits for the last forward
+that read it (``select``; that forward is long done in transformers' loop, so the wait is free)."""
 
 from __future__ import annotations
 
@@ -21,80 +25,92 @@ from ...canary.host import Capacities
 
 class BatchBuffers:
     """batch ``[1]``, tables[kind] ``[max_batch, width]``, token_table ``[max_batch, max_context]``
-    (device); per forward: ``wait_for_upload``, fill the host side (``set_batch``, ``set_row``,
-    ``set_entries``), then ``upload`` and, on the device, ``apply_tokens``."""
+    (device); per forward: ``select`` the pair, fill its staging buffer (``set_batch``,
+    ``set_row``, ``set_entries``) and, when it ``spills``, ``write_spill``; then, in the forward, ``upload`` and
+    ``apply_tokens``; after it is enqueued, ``read_by`` the stream it runs on."""
 
-    def __init__(self, capacities: Capacities, widths: Mapping[GroupKind, int], device: torch.device) -> None:
+    def __init__(self, capacities: Capacities, widths: Mapping[GroupKind, int], device: torch.device,
+                 pairs: int) -> None:
         b, t = capacities.max_batch, capacities.max_tokens
-        always = {"batch": (1, 1), "tokens": (3, t)}  # uploaded every forward
-        shapes = {**always, **{kind: (b, w) for kind, w in widths.items()}}  # tables: when a row changed
+        shapes = {"batch": (1, 1), "tokens": (3, t), **{kind: (b, w) for kind, w in widths.items()}}
         total = sum(rows * cols for rows, cols in shapes.values())
-        self._always = sum(rows * cols for rows, cols in always.values())
+        cuda = device.type == "cuda"
         self.device_flat = torch.zeros(total, dtype=torch.int64, device=device)
-        self.staging = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._copies = {False: (self.device_flat[:self._always], self.staging[:self._always]),
-                        True: (self.device_flat, self.staging)}  # tables changed -> (destination, source)
-        host_flat = self.staging.numpy()
+        self.staging = [torch.zeros(total, dtype=torch.int64, pin_memory=cuda) for _ in range(pairs)]
         self.device_views: dict[object, torch.Tensor] = {}
-        self.host: dict[object, np.ndarray] = {}
+        self._hosts: list[dict[object, np.ndarray]] = [{} for _ in range(pairs)]
         start = 0
         for name, (rows, cols) in shapes.items():
             self.device_views[name] = self.device_flat[start:start + rows * cols].view(rows, cols)
-            self.host[name] = host_flat[start:start + rows * cols].reshape(rows, cols)
+            for host, staging in zip(self._hosts, self.staging):
+                host[name] = staging.numpy()[start:start + rows * cols].reshape(rows, cols)
             start += rows * cols
         self.scratch_row = b
-        self.host["tokens"][0] = b  # every entry unused: the scratch row
+        for host in self._hosts:
+            host["tokens"][0] = b  # every entry unused: the scratch row
         self._table = torch.full((b + 1, capacities.max_context), UNKNOWN, dtype=torch.int64, device=device)
         self.token_table = self._table[:b]
         self.batch = self.device_views["batch"][0]
         self.tables = {kind: self.device_views[kind] for kind in widths}
-        self._tables_changed = True  # the first upload sends every table
-        self._entries = 0  # token entries filled last forward
+        self._pair = 0
+        self.host = self._hosts[0]  # the selected pair's staging buffer, as numpy views
+        self._entries = [0] * pairs  # token entries each staging buffer holds
         self._spill: list[Sequence[int]] = [[], [], []]  # this forward's entries past max_tokens
-        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None  # the last copy's end
+        self._read = [torch.cuda.Event() if cuda else None for _ in range(pairs)]  # the last forward's end
 
-    def wait_for_upload(self) -> None:
-        """Block until the last upload's copy has read the host side (CUDA; returns at once when
-        the device has caught up, as it has whenever the engine synchronised since)."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
+    def select(self, pair: int) -> None:
+        """Fill pair `pair`'s staging buffer next; first wait (CUDA) until the last forward that
+        read it is over."""
+        event = self._read[pair]
+        if event is not None:
+            event.synchronize()
+        self._pair, self.host = pair, self._hosts[pair]
 
     def set_batch(self, size: int) -> None:
         """The number of requests in this forward (rows at or past it are padding)."""
         self.host["batch"][0, 0] = size
 
     def set_row(self, kind: GroupKind, row: int, blocks: Sequence[int]) -> None:
-        """Row `row` of the group's block table now holds `blocks` (the rest of the row: 0)."""
-        host = self.host[kind]
-        host[row, :len(blocks)] = blocks
-        host[row, len(blocks):] = 0
-        self._tables_changed = True
+        """Row `row` of the group's block table now holds `blocks` (the rest of the row: 0), in
+        every pair's buffer."""
+        for host in self._hosts:
+            table = host[kind]
+            table[row, :len(blocks)] = blocks
+            table[row, len(blocks):] = 0
 
     def set_entries(self, rows: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
         """This forward's new token-table entries."""
         entries = self.host["tokens"]
         m = min(len(rows), entries.shape[1])
         entries[:, :m] = (rows[:m], positions[:m], tokens[:m])
-        entries[0, m:self._entries] = self.scratch_row
-        self._entries = m
+        entries[0, m:self._entries[self._pair]] = self.scratch_row
+        self._entries[self._pair] = m
         self._spill = [rows[m:], positions[m:], tokens[m:]]
 
+    def spills(self) -> bool:
+        """Whether this forward's entries overflow the fixed-size part."""
+        return len(self._spill[0]) > 0
+
+    def write_spill(self) -> None:
+        """Write the entries past the fixed-size part into the token table (device work, eager)."""
+        rows, positions, tokens = torch.tensor(self._spill, dtype=torch.int64).to(self._table.device)
+        self._table.index_put_((rows, positions), tokens)
+
     def upload(self) -> None:
-        """Copy the host side over (the tables only when a row changed); write the token entries
-        past the fixed-size part."""
-        destination, source = self._copies[self._tables_changed]
-        destination.copy_(source, non_blocking=True)
-        if self._uploaded is not None:
-            self._uploaded.record()
-        self._tables_changed = False
-        if self._spill[0]:
-            rows, positions, tokens = torch.tensor(self._spill, dtype=torch.int64).to(self._table.device)
-            self._table.index_put_((rows, positions), tokens)
+        """Copy the selected pair's staging buffer to the device (device work; a copy node when
+        captured)."""
+        self.device_flat.copy_(self.staging[self._pair], non_blocking=True)
 
     def apply_tokens(self) -> None:
         """token_table[row, position] = token for this forward's entries (device work only)."""
         rows, positions, tokens = self.device_views["tokens"]
         self._table.index_put_((rows, positions), tokens)
+
+    def read_by(self, stream: torch.cuda.Stream | None) -> None:
+        """The forward that reads the selected pair's buffer is enqueued on `stream` (CUDA)."""
+        event = self._read[self._pair]
+        if event is not None:
+            event.record(stream)
 
     def reset(self) -> None:
         self._table.fill_(UNKNOWN)

@@ -7,13 +7,13 @@ The engine drives a ``ContinuousBatchProcessor`` in the calling thread (no backg
 (with ``use_async_batching=True`` as transformers' own loop does: the first batch is launched
 before any update, then each update is of the batch before the one just launched). It wraps the
 model runner's ``compute_batch`` (inside ``_generation_step``, after transformers moved the
-batch's inputs to the device and before it marks the compute over): before it, the host uploads
-what only it knows (batch_buffers.py: the batch size, the token-table entries the forward adds,
-and a block-table row only when that row's block ids changed). The canary's device work runs
-inside the model's forward, from a forward pre-hook and a forward hook on the model that act only
-in a forward the wrapper runs (never in a test's own model call): before the model, after
-transformers' carry-over of async tokens, the view's lengths are derived on the device from the
-cumulative sequence lengths transformers hands the forward (forward_view.py), then
+batch's inputs to the device and before it marks the compute over): before it, the host stages
+what only it knows in a pinned buffer (batch_buffers.py: the batch size, the token-table entries
+the forward adds, and a block-table row when that row's block ids changed). The canary's device
+work runs inside the model's forward, from a forward pre-hook and a forward hook on the model
+that act only in a forward the wrapper runs (never in a test's own model call): before the model,
+after transformers' carry-over of async tokens, the staged buffer is copied to the device and
+the view's lengths are derived there from the cumulative sequence lengths transformers hands the forward (forward_view.py), then
 hooks.before_forward; after it, the view's input ids and positions are copied from the very
 buffers the forward consumed, then hooks.after_forward. hooks.end_forward follows the step.
 
@@ -23,8 +23,9 @@ Python. Graphs transformers captured before (at warmup, or under other hooks) ar
 the hooks change and captured again on first use (transformers runs that forward eagerly, then
 captures it). With CUDA graphs and ``canary_graphs=False`` the same work runs eagerly on the
 compute stream right before and after the replay (forward observers, the fault injector, see
-every forward). The per-forward host work is a pass over the batch's request states and one copy:
-no device sync, no read-back.
+every forward). The per-forward host work is a pass over the batch's request states filling the
+staged buffer (with the canary inside transformers' graphs no copy or kernel launched from
+Python; an event says when a staged buffer may be refilled): no device sync, no read-back.
 
 Async batching schedules a decoding request before the host knows the token it decodes (the
 forward takes it from the previous forward's output on the device): its token-table entry goes up
@@ -138,12 +139,12 @@ class TransformersEngine:
         self.capacities = Capacities(
             max_batch=resolved.max_requests_per_batch, max_tokens=self.processor.cache.max_batch_tokens,
             max_context=min(max_context, model.config.max_position_embeddings))
-        self._buffers = self._batch_buffers()
-        self._tables = self._buffers.tables
-        self._view = empty_view(self.capacities, self._buffers.token_table)
         io = self.processor.inputs_and_outputs
         self._io_pairs: list[Any] = list(io.io_pairs) if use_async_batching else []
         device_ios = [pair.device_io for pair in self._io_pairs] or [io]
+        self._buffers = self._batch_buffers(len(device_ios))
+        self._tables = self._buffers.tables
+        self._view = empty_view(self.capacities, self._buffers.token_table)
         self._device_ios = device_ios
         self._derived = [DerivedView(d, self.capacities, self._buffers.batch, self._view) for d in device_ios]
         self._clear_rows()
@@ -279,15 +280,16 @@ class TransformersEngine:
             self._compute(model, batch_data)
             return
         pair = self._pair()
-        with self._on_compute_stream():
-            self._map_batch()
-            if not self._in_forward:
+        self._map_batch(pair)
+        if not self._in_forward:
+            with self._on_compute_stream():
                 self._head(hooks, pair)
         self._forward_pair = pair
         try:
             self._compute(model, batch_data)
         finally:
             self._forward_pair = None
+        self._buffers.read_by(self._compute_stream())
         if not self._in_forward:
             with self._on_compute_stream():
                 self._tail(hooks, pair)
@@ -323,7 +325,9 @@ class TransformersEngine:
         return (self._io_pairs[io.current_pair].host_io if self._io_pairs else io).requests_in_batch
 
     def _head(self, hooks: ForwardHooks, pair: int) -> None:
-        """The view's lengths from the buffers this forward consumes, then HEAD (device work)."""
+        """What the host staged for this forward onto the device, the view's lengths from the
+        buffers the forward consumes, then HEAD (device work)."""
+        self._buffers.upload()
         self._buffers.apply_tokens()
         self._derived[pair].derive_lengths()
         hooks.before_forward(self._view)
@@ -353,6 +357,10 @@ class TransformersEngine:
 
         cache.update = reporting_update
 
+    def _compute_stream(self) -> torch.cuda.Stream | None:
+        """The stream transformers computes on (None: no stream of its own, or no CUDA)."""
+        return getattr(self.processor.inputs_and_outputs, "compute_stream", None)
+
     @contextmanager
     def _on_compute_stream(self) -> Iterator[None]:
         """The canary's device work on the stream transformers computes on (CUDA), ordered both
@@ -360,7 +368,7 @@ class TransformersEngine:
         forward, and before its next batch's reset and writes of the same buffers (the canary
         reads transformers' input buffers; without the second wait the next reset could zero them
         before TAIL copies them)."""
-        stream = getattr(self.processor.inputs_and_outputs, "compute_stream", None)
+        stream = self._compute_stream()
         if stream is None:
             yield
             return
@@ -370,19 +378,18 @@ class TransformersEngine:
             yield
         host.wait_stream(stream)
 
-    def _map_batch(self) -> None:
-        """Upload what only the host knows about the batch transformers just prepared: its size,
-        the token-table entries it adds and the block-table rows that changed."""
+    def _map_batch(self, pair: int) -> None:
+        """Stage what only the host knows about the batch transformers just prepared (its size, the
+        token-table entries it adds and the block-table rows that changed) in the pair's buffer;
+        entries past its fixed-size part go to the device here."""
         batch = self.batch_requests()
         size = len(batch)
         if size > self.capacities.max_batch:
             raise RuntimeError(f"transformers batched {size} requests; the canary was sized for "
                                f"{self.capacities.max_batch}")
         buffers = self._buffers
-        buffers.wait_for_upload()
-        if size != self._batch_size:
-            buffers.set_batch(size)
-            self._batch_size = size
+        buffers.select(pair)
+        buffers.set_batch(size)
         states = [future.state for future in batch]
         request_ids = [state.request_id for state in states]
         for group, table, held in zip(self.groups, self.layout.block_tables(), self._row_blocks):
@@ -392,7 +399,9 @@ class TransformersEngine:
                     held[row] = list(blocks[row])
                     buffers.set_row(group.kind, row, blocks[row])
         buffers.set_entries(*self._token_entries(states))
-        buffers.upload()
+        if buffers.spills():
+            with self._on_compute_stream():
+                buffers.write_spill()
 
     def _token_entries(self, states: list[Any]) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
         """(rows, positions, tokens) of the token-table entries this forward adds: per row the
@@ -436,15 +445,14 @@ class TransformersEngine:
     def _clear_rows(self) -> None:
         """Forget what every mapping row holds: the next forward re-sends each row it uses."""
         rows = self.capacities.max_batch
-        self._batch_size = -1
         self._row_states: list[Any] = [None] * rows  # the RequestState each row's tokens are of
         self._row_blocks: list[list[list[int] | None]] = [[None] * rows for _ in self.groups]  # [group][row]: block ids
         self._row_known = [0] * rows  # positions of that state already in token_table
 
-    def _batch_buffers(self) -> BatchBuffers:
+    def _batch_buffers(self, pairs: int) -> BatchBuffers:
         c = self.capacities
         widths = {g.kind: -(-(g.ring if g.ring else c.max_context) // g.page_size) for g in self.groups}
-        return BatchBuffers(c, widths, self.device)
+        return BatchBuffers(c, widths, self.device, pairs)
 
     # ------------------------------------------------------------------------ bookkeeping
     def _encode(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
