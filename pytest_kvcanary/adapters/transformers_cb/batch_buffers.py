@@ -82,8 +82,9 @@ class BatchBuffers:
         """This forward's new token-table entries."""
         entries = self.host["tokens"]
         m = min(len(rows), entries.shape[1])
-        entries[:, :m] = (rows[:m], positions[:m], tokens[:m])
-        entries[0, m:self._entries[self._pair]] = self.scratch_row
+        entries[0, :m], entries[1, :m], entries[2, :m] = rows[:m], positions[:m], tokens[:m]
+        if m < self._entries[self._pair]:
+            entries[0, m:self._entries[self._pair]] = self.scratch_row
         self._entries[self._pair] = m
         self._spill = [rows[m:], positions[m:], tokens[m:]]
 
@@ -93,7 +94,7 @@ class BatchBuffers:
 
     def write_spill(self) -> None:
         """Write the entries past the fixed-size part into the token table (device work, eager)."""
-        rows, positions, tokens = torch.tensor(self._spill, dtype=torch.int64).to(self._table.device)
+        rows, positions, tokens = torch.from_numpy(np.array(self._spill, dtype=np.int64)).to(self._table.device)
         self._table.index_put_((rows, positions), tokens)
 
     def upload(self) -> None:

@@ -57,6 +57,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from kvcanary_kernels.checks import check_int
@@ -147,6 +148,7 @@ class TransformersEngine:
         self._view = empty_view(self.capacities, self._buffers.token_table)
         self._device_ios = device_ios
         self._derived = [DerivedView(d, self.capacities, self._buffers.batch, self._view) for d in device_ios]
+        self._rows = np.arange(self.capacities.max_batch)  # the row numbers, as token entries take them
         self._clear_rows()
 
         self._hooks: ForwardHooks | None = None
@@ -418,9 +420,10 @@ class TransformersEngine:
                 positions = known[:size]
                 known[:size] = totals
                 tokens = [(state.generated_tokens or state.initial_tokens)[-1] for state in states]
+                rows = self._rows[:size]
                 if lengths == totals:
-                    return range(size), positions, tokens
-                return [*range(size), *range(size)], positions + totals, tokens + [UNKNOWN] * size
+                    return rows, positions, tokens
+                return np.concatenate((rows, rows)), positions + totals, tokens + [UNKNOWN] * size
         rows: list[int] = []
         positions = []
         tokens: list[int] = []
