@@ -12,10 +12,11 @@ what only it knows in a pinned buffer (batch_buffers.py: the batch size, the tok
 the forward adds, and a block-table row when that row's block ids changed). The canary's device
 work runs inside the model's forward, from a forward pre-hook and a forward hook on the model
 that act only in a forward the wrapper runs (never in a test's own model call): before the model,
-after transformers' carry-over of async tokens, the staged buffer is copied to the device and
-the view's lengths are derived there from the cumulative sequence lengths transformers hands the forward (forward_view.py), then
-hooks.before_forward; after it, the view's input ids and positions are copied from the very
-buffers the forward consumed, then hooks.after_forward. hooks.end_forward follows the step.
+after transformers' carry-over of async tokens, the staged buffer is copied to the device and the
+view's lengths are derived there from the cumulative sequence lengths transformers hands the
+forward (forward_view.py), then hooks.before_forward; after it, the view's input ids and
+positions are copied from the very buffers the forward consumed, then hooks.after_forward.
+hooks.end_forward follows the step.
 
 With CUDA graphs (``use_cuda_graph=True``) and ``canary_graphs=True`` transformers captures that
 work in its own graphs and every replay runs it: a decode step launches no canary kernel from
