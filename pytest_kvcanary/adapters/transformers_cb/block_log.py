@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Container, Iterable, Mapping, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ...canary.host import CacheWalk
@@ -87,7 +88,8 @@ class BlockLog:
         slots = ids * page + offsets
         prev = slots - 1
         prev[:, 0] = torch.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent[:, 0] * page + page - 1)
-        tokens = torch.tensor([self.blocks[b].tokens for b in blocks], dtype=torch.int64).reshape(-1, page)
+        # numpy reads the token tuples several times faster than torch.tensor does
+        tokens = torch.from_numpy(np.array([self.blocks[b].tokens for b in blocks], dtype=np.int64)).reshape(-1, page)
         locked = torch.tensor([hashed[b] for b in blocks], dtype=torch.bool).reshape(-1, 1).expand(-1, page)
         return CacheWalk(slots=slots.flatten(), positions=(index * page + offsets).flatten(),
                          prev_slots=prev.flatten(), tokens=tokens.flatten(), locked=locked.flatten())
