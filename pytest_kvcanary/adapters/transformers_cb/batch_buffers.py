@@ -26,8 +26,8 @@ from ...canary.host import Capacities
 class BatchBuffers:
     """batch ``[1]``, tables[kind] ``[max_batch, width]``, token_table ``[max_batch, max_context]``
     (device); per forward: ``select`` the pair, fill its staging buffer (``set_batch``,
-    ``set_row``, ``set_entries``) and, when it ``spills``, ``write_spill``; then, in the forward, ``upload`` and
-    ``apply_tokens``; after it is enqueued, ``read_by`` the stream it runs on."""
+    ``set_row``, ``set_entries``) and, when it ``spills``, ``write_spill``; then, in the forward,
+    ``upload`` and ``apply_tokens``; after it is enqueued, ``read_by`` the stream it runs on."""
 
     def __init__(self, capacities: Capacities, widths: Mapping[GroupKind, int], device: torch.device,
                  pairs: int) -> None:
