@@ -5,7 +5,7 @@ transformers``). Needs the transformers package: in a clone of the project,
     versions.py       what differs between the supported transformers releases (cache layout, config)
     block_log.py      what the prefix cache does not keep about its blocks; the sweep's cache walk
     model.py          a local checkpoint, or the seeded random one written on first use
-    batch_buffers.py  what the host uploads per forward (batch size, new tokens, changed table rows)
+    batch_buffers.py  what the host stages per forward (batch size, new tokens, changed table rows)
     forward_view.py   the canary's view derived on the device from the forward's own inputs
     engine.py         TransformersEngine: the CanaryHost seam around ContinuousBatchProcessor
 """

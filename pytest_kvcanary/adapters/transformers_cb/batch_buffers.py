@@ -52,8 +52,7 @@ class BatchBuffers:
         self.token_table = self._table[:b]
         self.batch = self.device_views["batch"][0]
         self.tables = {kind: self.device_views[kind] for kind in widths}
-        self._pair = 0
-        self.host = self._hosts[0]  # the selected pair's staging buffer, as numpy views
+        self._pair = 0  # the pair whose staging buffer is filled now
         self._entries = [0] * pairs  # token entries each staging buffer holds
         self._spill: list[Sequence[int]] = [[], [], []]  # this forward's entries past max_tokens
         self._read = [torch.cuda.Event() if cuda else None for _ in range(pairs)]  # the last forward's end
@@ -64,7 +63,12 @@ class BatchBuffers:
         event = self._read[pair]
         if event is not None:
             event.synchronize()
-        self._pair, self.host = pair, self._hosts[pair]
+        self._pair = pair
+
+    @property
+    def host(self) -> dict[object, np.ndarray]:
+        """The selected pair's staging buffer, as numpy views."""
+        return self._hosts[self._pair]
 
     def set_batch(self, size: int) -> None:
         """The number of requests in this forward (rows at or past it are padding)."""

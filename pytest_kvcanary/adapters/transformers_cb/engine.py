@@ -153,7 +153,7 @@ class TransformersEngine:
         self._clear_rows()
 
         self._hooks: ForwardHooks | None = None
-        self._use_cuda_graph = use_cuda_graph
+        self._canary_graphs = canary_graphs
         self._in_forward = canary_graphs or not use_cuda_graph  # the canary's work inside the model's forward
         self._forward_pair: int | None = None  # the IO pair of the forward the wrapper runs now
         if self._in_forward:  # the model outlives the engine: its hooks hold the engine weakly
@@ -196,7 +196,7 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------------ EngineUnderTest
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
-        if self._in_forward and self._use_cuda_graph and hooks is not self._hooks:
+        if self._canary_graphs and hooks is not self._hooks:
             for io in self._device_ios:  # captured with the old hooks' work inside: capture again
                 io.graphs = type(io.graphs)()
         self._hooks = hooks
