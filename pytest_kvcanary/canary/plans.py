@@ -8,9 +8,10 @@ tensors are and moves them to the device in one copy; ``group_entries`` maps the
 device operations only. ``SweepPlan`` keeps them in buffers refilled in place, so the sweep's
 launches can be captured once in a CUDA graph.
 
-The host's part runs on one intra-op thread (``one_host_thread``): its tensors are a few
+A walk's check and plan run on one intra-op thread (``one_host_thread``): its tensors are a few
 thousand entries, and on a GPU host busy with the engine torch's thread pool made the check of an
-18k-entry walk 25 to 70 ms instead of 2 ms (benchmarks/RESULTS.md)."""
+18k-entry walk 25 to 70 ms instead of 2 ms (benchmarks/RESULTS.md). Only then: switching the
+thread count costs about 0.1 ms on a 16-core host, so a sweep of an unchanged walk does not."""
 
 from __future__ import annotations
 
@@ -104,8 +105,10 @@ class SweepPlan:
         """Bring the buffers up to date with ``walk``; ``malformed``: its violation rows (walk.py)."""
         stale = [g for g in self.groups if g.mapping.full_to_group is not None]
         if walk is not self.walk or unlocked_only != self.unlocked_only:
-            checked = check_walk(walk, self.space)
-            self._full.copy_(_planned(checked.walk, self.space, self.device, unlocked_only), non_blocking=True)
+            with one_host_thread():
+                checked = check_walk(walk, self.space)
+                planned = _planned(checked.walk, self.space, self.device, unlocked_only)
+            self._full.copy_(planned, non_blocking=True)
             self.walk, self.unlocked_only, self.malformed, stale = walk, unlocked_only, checked.rows, self.groups
         full = VerifyEntries(*self._full.unbind(0))
         for group in stale:

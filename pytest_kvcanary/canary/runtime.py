@@ -17,7 +17,7 @@ from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .seam import CanaryHost, ForwardView
 from .log import ViolationLog
-from .plans import SweepPlan, one_host_thread
+from .plans import SweepPlan
 from .violation import Violation
 
 
@@ -129,6 +129,7 @@ class CanaryRuntime:
             for observer in self.observers:
                 observer.after_stamp(view)
         self.ring.advance_step()
+        self.log.note_forward()
 
     def _recheck_and_stamp(self, view: ForwardView) -> None:
         if self.config.recheck:
@@ -143,15 +144,17 @@ class CanaryRuntime:
                     written_hashes=state.written_fingerprints(view.input_ids.shape[0]),
                 )
 
-    def end_forward(self) -> None:
+    def end_forward(self, device_work: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
         self.forwards += 1
         self.launches.forward()
         if self.config.sweep_interval and self.forwards % self.config.sweep_interval == 0:
-            self.sweep()
-        if self.config.drain_interval == 1:
-            self.log.drain()  # the debugging setting: every forward, synchronously
+            with device_work():
+                self.sweep()
+        if self.config.drain_interval == 1:  # the debugging setting: every forward, synchronously
+            with device_work():
+                self.log.drain()
         elif self.forwards % self.config.drain_interval == 0:
-            self.log.poll()
+            self.log.poll(device_work)
 
     def _verify_view(self, view: ForwardView, phase: Phase) -> None:
         for group in self.groups:
@@ -173,16 +176,15 @@ class CanaryRuntime:
         again (plans.SweepPlan). With the Triton kernels on a CUDA device the first sweep's
         launches run eagerly and are captured in a CUDA graph that later sweeps replay. False
         when the host has no prefix cache."""
+        walk = self.host.cache_walk()
+        if walk is None:
+            return False
         full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
         groups = [g for g in self.groups if g.swept_by_walk()]
-        with one_host_thread():  # the walk and its plan are small host tensors
-            walk = self.host.cache_walk()
-            if walk is None:
-                return False
-            with self._on_device():
-                if self._sweep_plan is None:
-                    self._sweep_plan = SweepPlan(groups, full.pool.num_slots, self.device)
-                self._sweep_plan.refresh(walk, unlocked_only)
+        with self._on_device():
+            if self._sweep_plan is None:
+                self._sweep_plan = SweepPlan(groups, full.pool.num_slots, self.device)
+            self._sweep_plan.refresh(walk, unlocked_only)
         plan = self._sweep_plan
         with self._on_device():
             self.ring.append(plan.malformed, launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind))

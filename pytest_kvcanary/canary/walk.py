@@ -38,45 +38,56 @@ class CheckedWalk(NamedTuple):
 
 
 def check_walk(walk: CacheWalk, space: int) -> CheckedWalk:
-    """Check `walk` against a FULL slot space of `space` slots (see the module docstring)."""
+    """Check `walk` against a FULL slot space of `space` slots (see the module docstring). A
+    well-formed walk (every entry in range, listed once, after its predecessor) takes no boolean
+    compaction and no fold of the reasons: the checks' masks are all it costs."""
     slots = walk.slots.to(torch.int64)
     positions = walk.positions.to(torch.int64)
     prev = walk.prev_slots.to(torch.int64)
     n = slots.numel()
     in_range = (slots >= 0) & (slots < space)
     prev_in_range = (prev == PREV_CHAIN_HEAD) | ((prev >= 0) & (prev < space))
-    safe = torch.where(in_range, slots, 0)
-    listings = torch.bincount(safe[in_range], minlength=space)[safe]
+    all_in_range = bool(in_range.all())
+    safe = slots if all_in_range else torch.where(in_range, slots, 0)
+    listings = torch.bincount(safe if all_in_range else safe[in_range], minlength=space)[safe]
+    repeated = in_range & (listings > 1)
     first = torch.ones(n, dtype=torch.bool, device=slots.device)
-    if bool((in_range & (listings > 1)).any()):  # the first listing of each slot (sorting only where one repeats)
+    if bool(repeated.any()):  # the first listing of each slot (sorting only where one repeats)
         key = torch.where(in_range, slots, -1)
         order = torch.sort(key, stable=True).indices
         sorted_keys = key[order]
         first[order[1:]] = sorted_keys[1:] != sorted_keys[:-1]
     keep = in_range & prev_in_range & first
+    kept_all = bool(keep.all())
     position_of = torch.full((space,), -1, dtype=torch.int64, device=slots.device)
-    position_of[safe[keep]] = positions[keep]
+    if kept_all:
+        position_of[safe] = positions
+    else:
+        position_of[safe[keep]] = positions[keep]
     prev_position = position_of[torch.where(prev_in_range & (prev >= 0), prev, 0)]
     gap = (positions < 0) | (prev_in_range & (prev >= 0) & (prev_position >= 0) & (prev_position != positions - 1))
+    out_of_range = ~in_range | ~prev_in_range
 
-    failing = {
-        Reason.WALK_SLOT_OUT_OF_RANGE: (~in_range | ~prev_in_range, torch.where(in_range, prev, slots),
-                                        torch.full_like(slots, space)),
-        Reason.WALK_DUPLICATE_SLOT: (in_range & (listings > 1), listings, torch.ones_like(slots)),
-        Reason.WALK_POSITION_GAP: (gap, prev_position, positions - 1),
-    }
-    bits, stored, expected = fold_checks(failing, slots)
-    bad = (bits != 0).nonzero().squeeze(1)
-    rows = torch.zeros(bad.numel(), ROW_WIDTH, dtype=torch.int64, device=slots.device)
-    for col, value in ((COL_REASONS, bits), (COL_SLOT, slots), (COL_POSITION, positions), (COL_STORED, stored),
-                       (COL_EXPECTED, expected)):
-        rows[:, col] = value[bad]
-    rows[:, COL_ROW] = -1
+    rows = torch.zeros(0, ROW_WIDTH, dtype=torch.int64, device=slots.device)
+    if bool((out_of_range | repeated | gap).any()):
+        failing = {
+            Reason.WALK_SLOT_OUT_OF_RANGE: (out_of_range, torch.where(in_range, prev, slots),
+                                            torch.full_like(slots, space)),
+            Reason.WALK_DUPLICATE_SLOT: (repeated, listings, torch.ones_like(slots)),
+            Reason.WALK_POSITION_GAP: (gap, prev_position, positions - 1),
+        }
+        bits, stored, expected = fold_checks(failing, slots)
+        bad = (bits != 0).nonzero().squeeze(1)
+        rows = torch.zeros(bad.numel(), ROW_WIDTH, dtype=torch.int64, device=slots.device)
+        for col, value in ((COL_REASONS, bits), (COL_SLOT, slots), (COL_POSITION, positions), (COL_STORED, stored),
+                           (COL_EXPECTED, expected)):
+            rows[:, col] = value[bad]
+        rows[:, COL_ROW] = -1
     if n > space:
         too_large = torch.zeros(1, ROW_WIDTH, dtype=torch.int64, device=slots.device)
         too_large[0, [COL_REASONS, COL_SLOT, COL_POSITION, COL_ROW, COL_STORED, COL_EXPECTED]] = torch.tensor(
             [int(Reason.WALK_TOO_LARGE), -1, -1, -1, n, space], device=slots.device)
         rows = torch.cat([too_large, rows])
-    if bool(keep.all()):
+    if kept_all:
         return CheckedWalk(walk, rows)
     return CheckedWalk(CacheWalk(*(None if t is None else t[keep] for t in walk)), rows)

@@ -79,17 +79,17 @@ class BlockLog:
         return walk
 
     def _walk(self, hashed: Mapping[int, bool]) -> CacheWalk:
+        """Built with numpy (torch's thread pool made small host tensors slow on a busy GPU host)."""
         page = self.page_size
         blocks = self.intact(hashed)
-        offsets = torch.arange(page, dtype=torch.int64)
-        ids = torch.tensor(blocks, dtype=torch.int64).reshape(-1, 1)
-        index = torch.tensor([self.blocks[b].index for b in blocks], dtype=torch.int64).reshape(-1, 1)
-        parent = torch.tensor([self.blocks[b].parent for b in blocks], dtype=torch.int64).reshape(-1, 1)
-        slots = ids * page + offsets
+        entries = [self.blocks[b] for b in blocks]
+        offsets = np.arange(page, dtype=np.int64)
+        index = np.array([e.index for e in entries], dtype=np.int64).reshape(-1, 1)
+        parent = np.array([e.parent for e in entries], dtype=np.int64)
+        slots = np.array(blocks, dtype=np.int64).reshape(-1, 1) * page + offsets
         prev = slots - 1
-        prev[:, 0] = torch.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent[:, 0] * page + page - 1)
-        # numpy reads the token tuples several times faster than torch.tensor does
-        tokens = torch.from_numpy(np.array([self.blocks[b].tokens for b in blocks], dtype=np.int64)).reshape(-1, page)
-        locked = torch.tensor([hashed[b] for b in blocks], dtype=torch.bool).reshape(-1, 1).expand(-1, page)
-        return CacheWalk(slots=slots.flatten(), positions=(index * page + offsets).flatten(),
-                         prev_slots=prev.flatten(), tokens=tokens.flatten(), locked=locked.flatten())
+        prev[:, 0] = np.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent * page + page - 1)
+        tokens = np.array([e.tokens for e in entries], dtype=np.int64).reshape(-1, page)
+        locked = np.repeat(np.array([hashed[b] for b in blocks], dtype=bool), page)
+        slots, positions, prev, tokens = (torch.from_numpy(a.reshape(-1)) for a in (slots, index * page + offsets, prev, tokens))
+        return CacheWalk(slots=slots, positions=positions, prev_slots=prev, tokens=tokens, locked=torch.from_numpy(locked))

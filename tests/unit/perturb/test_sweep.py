@@ -101,9 +101,10 @@ def test_a_walk_returned_again_is_checked_once_and_still_swept(attention, monkey
     assert len(checks) == 2, "a new walk object is checked again"
 
 
-def test_the_walk_is_built_and_checked_on_one_host_thread_and_the_count_restored(monkeypatch):
+def test_a_new_walk_is_checked_on_one_host_thread_and_an_unchanged_one_switches_nothing(monkeypatch):
     """The sweep's host work is small tensors: torch's thread pool made it many times slower on a
-    busy GPU host (benchmarks/RESULTS.md), so it runs on one intra-op thread."""
+    busy GPU host (benchmarks/RESULTS.md), so a new walk is checked on one intra-op thread; the
+    switch itself costs about 0.1 ms there, so a sweep of the same walk does not make it."""
     import pytest_kvcanary.canary.plans as plans_module
 
     handle = make_handle("mha", sweep_interval=0)
@@ -111,15 +112,22 @@ def test_the_walk_is_built_and_checked_on_one_host_thread_and_the_count_restored
     send_waves(handle, seed=1)
     runtime = handle.side.runtime
     threads_seen = []
-    walk = runtime.host.cache_walk
-    monkeypatch.setattr(runtime.host, "cache_walk", lambda: threads_seen.append(torch.get_num_threads()) or walk())
     monkeypatch.setattr(plans_module, "check_walk",
                         lambda *args: threads_seen.append(torch.get_num_threads()) or check_walk(*args))
+    switches = []
+    set_num_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: switches.append(n) or set_num_threads(n))
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    set_num_threads(2)
     try:
         assert runtime.sweep()
-        assert threads_seen == [1, 1]
+        assert threads_seen == [1] and switches == [1, 2]
         assert torch.get_num_threads() == 2
+        walk = runtime.host.cache_walk()
+        monkeypatch.setattr(runtime.host, "cache_walk", lambda: walk)
+        assert runtime.sweep()
+        switches.clear()
+        assert runtime.sweep()
+        assert threads_seen == [1, 1] and switches == [], "the same walk again: no check, no switch"
     finally:
-        torch.set_num_threads(before)
+        set_num_threads(before)
