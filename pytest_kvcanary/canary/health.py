@@ -38,21 +38,26 @@ class LaunchCounter:
 
     def __init__(self, per_forward: Iterable[int]) -> None:
         self.per_forward = Counter(per_forward)
-        self.expected = [0] * NUM_TAGS
+        self.forwards = 0
+        self.swept = [0] * NUM_TAGS  # sweep launches
 
     def forward(self) -> None:
-        for tag, n in self.per_forward.items():
-            self.expected[tag] += n
+        self.forwards += 1
 
     def sweep(self, tags: Iterable[int]) -> None:
         for tag in tags:
-            self.expected[tag] += 1
+            self.swept[tag] += 1
 
     def reset(self) -> None:
-        self.expected = [0] * NUM_TAGS
+        self.forwards = 0
+        self.swept = [0] * NUM_TAGS
+
+    def expected(self) -> list[int]:
+        """Launches each tag's kernel-run counter must have counted."""
+        return [swept + self.forwards * self.per_forward[tag] for tag, swept in enumerate(self.swept)]
 
     def problems(self, ring: ViolationRing) -> list[str]:
         """Why the canary is not healthy (empty when it is); call between forwards (syncs)."""
-        ran = ring.kernel_runs.tolist()
-        return [f"{tag_name(tag)} ran {ran[tag]} of {self.expected[tag]} launches"
-                for tag in range(NUM_TAGS) if ran[tag] != self.expected[tag]]
+        ran, expected = ring.kernel_runs.tolist(), self.expected()
+        return [f"{tag_name(tag)} ran {ran[tag]} of {expected[tag]} launches"
+                for tag in range(NUM_TAGS) if ran[tag] != expected[tag]]

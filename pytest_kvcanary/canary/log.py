@@ -3,17 +3,20 @@ its rows, keep them (log mode) or raise (raise mode).
 
 The ring is a wrap-around buffer with a monotonic claim counter, so draining never resets it: a
 drain snapshots the counter and the rows, and the rows claimed since the previous drain are new.
-On CUDA a snapshot is an asynchronous copy into pinned host memory on a side stream, ordered after
-an event on the engine's stream; the host decodes it at the next drain, by which time the copy has
-long finished. Rows are lost only when more than the ring's capacity arrive between two drains;
-they are counted in ``dropped``.
+On CUDA each forward ends by copying the counter into pinned host memory (``note_forward``, device
+work the engine may capture with its forward), so a periodic poll reads it without touching the
+device; only when it moved does the poll snapshot the rows (an asynchronous copy on a side
+stream, ordered after the engine's stream), decoded at the next poll, by which time the copy has
+long finished. Rows are lost only when more than the ring's capacity arrive between two
+snapshots; they are counted in ``dropped``.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
+from contextlib import nullcontext
+from typing import Callable, ContextManager, NamedTuple
 
 import torch
 
@@ -85,32 +88,43 @@ class ViolationLog:
         self._unreported_drops = 0  # dropped rows a raise-mode drain has not raised for yet
         self._pending: _Snapshot | None = None
         self._cuda = ring.rows.device.type == "cuda"
-        if self._cuda:
+        if self._cuda:  # one snapshot in flight at a time: its buffers and events are reused
             self._stream = torch.cuda.Stream(device=ring.rows.device)
             self._host_rows = torch.empty(ring.rows.shape, dtype=torch.int64, pin_memory=True)
             self._host_count = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            self._seen = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # the counter after the last forward
+            self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
+
+    def note_forward(self) -> None:
+        """At the end of each forward (device work, capturable): the counter, to pinned host
+        memory (CUDA), where the next poll reads it."""
+        if self._cuda:
+            self._seen.copy_(self.ring.count, non_blocking=True)
 
     def _snapshot(self) -> _Snapshot:
         """Copy the ring's counter and rows to the host: asynchronously on CUDA, else now."""
         if not self._cuda:
             return _Snapshot(self.ring.count.clone(), self.ring.rows.clone(), None)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.ring.rows.device))
+        self._ready.record()
         with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
+            self._stream.wait_event(self._ready)
             self._host_count.copy_(self.ring.count, non_blocking=True)
             self._host_rows.copy_(self.ring.rows, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        return _Snapshot(self._host_count, self._host_rows, done)
+            self._done.record(self._stream)
+        return _Snapshot(self._host_count, self._host_rows, self._done)
 
-    def poll(self) -> list[Violation]:
-        """The periodic drain (between forwards, never inside a graph): decode the snapshot the
-        previous poll started, then start a new one. Returns the new violations."""
+    def poll(self, device_work: Callable[[], ContextManager[None]] = nullcontext) -> list[Violation]:
+        """The periodic drain (between forwards, never inside a graph): decode the snapshot a
+        previous poll started; start a new one (inside device_work()) when the counter the last
+        forward left moved past what is decoded (CUDA; on a CPU every poll reads the ring now).
+        Returns the new violations."""
         new = self._decode_pending()
-        self._pending = self._snapshot()
         if not self._cuda:
+            self._pending = self._snapshot()
             new += self._decode_pending()
+        elif int(self._seen[0]) > self._consumed:  # a copy in flight writes it whole: any value read is one it held
+            with device_work():
+                self._pending = self._snapshot()
         return self._report(new)
 
     def drain(self) -> list[Violation]:
@@ -166,6 +180,8 @@ class ViolationLog:
             self._pending.done.synchronize()
         self._pending = None
         self.ring.clear()
+        if self._cuda:
+            self._seen.zero_()
         self.violations.clear()
         self._keys.clear()
         self.total = self.repeats = self.dropped = self._consumed = self._unreported_drops = 0

@@ -32,10 +32,11 @@ Call order (one engine, eager or inside a CUDA graph):
         forward                                 may call hooks.kv_stored(...) at its KV-store
                                                 point (write-through fingerprints, optional)
         hooks.after_forward(view)               RECHECK the read set, TAIL-stamp the written slots
-        hooks.end_forward()                     host side, outside any graph: count the forward,
+        hooks.end_forward(device_work)          host side, outside any graph: count the forward,
                                                 sweep the prefix cache every sweep_interval
                                                 forwards, drain the violation log every
-                                                drain_interval forwards (raise mode raises here)
+                                                drain_interval forwards (raise mode raises here);
+                                                that device work inside device_work() (optional)
 
 before_forward, kv_stored and after_forward launch device work only: no host copy, no host sync,
 no grid that depends on data. An engine may capture them with its forward in one CUDA graph and
@@ -45,7 +46,8 @@ replay it with the view's tensors refilled in place; end_forward is never captur
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, Sequence, TypeVar, runtime_checkable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protocol, Sequence, TypeVar, runtime_checkable
 
 from kvcanary_kernels.records import GroupKind, Half
 
@@ -110,8 +112,10 @@ class ForwardHooks(Protocol):
     def after_forward(self, view: ForwardView) -> None:
         """After the forward wrote its KV, before its samples are used. Device work only."""
 
-    def end_forward(self) -> None:
-        """Once per forward, after after_forward (eager) or after the graph replay; host side."""
+    def end_forward(self, device_work: Callable[[], ContextManager[None]] = nullcontext) -> None:
+        """Once per forward, after after_forward (eager) or after the graph replay; host side. The
+        device work it launches now and then (a sweep, a log snapshot) runs inside device_work()
+        (an engine that computes on a stream of its own passes what orders that work with it)."""
 
 
 class EngineUnderTest(CanaryHost, Protocol):

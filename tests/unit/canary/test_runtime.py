@@ -195,6 +195,18 @@ def test_the_log_drains_every_drain_interval_and_on_read_and_loses_nothing(make_
     assert host.runtime.log.repeats == 3
 
 
+def test_periodic_polls_report_damage_without_a_drain(make_host):
+    """Each forward leaves the ring's counter where a poll reads it without touching the device
+    (CUDA); a poll that sees it moved snapshots the rows, which the next poll decodes."""
+    host = make_host(real_data="partial", drain_interval=2)
+    _prefill_and_decode(host)  # 4 forwards
+    slot = host.slot(0, 1)
+    host.k[0].view(-1, 8).view(torch.uint8)[slot, 0] ^= 1
+    for i in range(4):  # forward 5 logs; the polls at forwards 6 and 8 see it, then decode it
+        host.forward({0: [99 + i]})
+    assert {(v.phase, v.slot) for v in host.runtime.log.violations} == {("HEAD", slot)}
+
+
 def test_raise_mode_raises_at_the_drain(make_host):
     host = make_host(mode="raise", real_data="partial")
     _prefill_and_decode(host)
