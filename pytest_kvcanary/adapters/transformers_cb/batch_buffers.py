@@ -54,7 +54,7 @@ class BatchBuffers:
         self.tables = {kind: self.device_views[kind] for kind in widths}
         self._pair = 0  # the pair whose staging buffer is filled now
         self._entries = [0] * pairs  # token entries each staging buffer holds
-        self._spill: list[Sequence[int]] = [[], [], []]  # this forward's entries past max_tokens
+        self._spill: list[Sequence[int]] | None = None  # this forward's entries past max_tokens
         self._read = [torch.cuda.Event() if cuda else None for _ in range(pairs)]  # the last forward's end
 
     def select(self, pair: int) -> None:
@@ -85,20 +85,26 @@ class BatchBuffers:
     def set_entries(self, rows: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
         """This forward's new token-table entries."""
         entries = self.host["tokens"]
-        m = min(len(rows), entries.shape[1])
+        n, held = len(rows), self._entries[self._pair]
+        m = min(n, entries.shape[1])
         entries[0, :m], entries[1, :m], entries[2, :m] = rows[:m], positions[:m], tokens[:m]
-        if m < self._entries[self._pair]:
-            entries[0, m:self._entries[self._pair]] = self.scratch_row
+        if m < held:
+            entries[0, m:held] = self.scratch_row
         self._entries[self._pair] = m
-        self._spill = [rows[m:], positions[m:], tokens[m:]]
+        self._spill = [rows[m:], positions[m:], tokens[m:]] if n > m else None
 
     def spills(self) -> bool:
         """Whether this forward's entries overflow the fixed-size part."""
-        return len(self._spill[0]) > 0
+        return self._spill is not None
 
     def write_spill(self) -> None:
-        """Write the entries past the fixed-size part into the token table (device work, eager)."""
-        rows, positions, tokens = torch.from_numpy(np.array(self._spill, dtype=np.int64)).to(self._table.device)
+        """Write the entries past the fixed-size part into the token table (device work, eager).
+        The copy goes through pinned memory: a pageable one would wait for the forward the device
+        still runs (async batching) before the host could go on."""
+        spill = torch.from_numpy(np.stack(self._spill).astype(np.int64))
+        if self._table.is_cuda:
+            spill = spill.pin_memory()
+        rows, positions, tokens = spill.to(self._table.device, non_blocking=True)
         self._table.index_put_((rows, positions), tokens)
 
     def upload(self) -> None:

@@ -16,7 +16,8 @@ after transformers' carry-over of async tokens, the staged buffer is copied to t
 view's lengths are derived there from the cumulative sequence lengths transformers hands the
 forward (forward_view.py), then hooks.before_forward; after it, the view's input ids and
 positions are copied from the very buffers the forward consumed, then hooks.after_forward.
-hooks.end_forward follows the step.
+hooks.end_forward follows the step; the device work it launches now and then (a sweep, a log
+snapshot) runs on the compute stream, and a step it launches nothing in pays no stream switch.
 
 With CUDA graphs (``use_cuda_graph=True``) and ``canary_graphs=True`` transformers captures that
 work in its own graphs and every replay runs it: a decode step launches no canary kernel from
@@ -26,7 +27,9 @@ captures it). With CUDA graphs and ``canary_graphs=False`` the same work runs ea
 compute stream right before and after the replay (forward observers, the fault injector, see
 every forward). The per-forward host work is a pass over the batch's request states filling the
 staged buffer (with the canary inside transformers' graphs no copy or kernel launched from
-Python; an event says when a staged buffer may be refilled): no device sync, no read-back.
+Python; an event says when a staged buffer may be refilled): no device sync, no read-back. A
+decode step of the same batch takes one pass per field; a row that changed hands sends its
+request's whole sequence, built with numpy.
 
 Async batching schedules a decoding request before the host knows the token it decodes (the
 forward takes it from the previous forward's output on the device): its token-table entry goes up
@@ -272,8 +275,7 @@ class TransformersEngine:
     def _guarded_step(self, model: Any) -> None:
         self._step(model)
         if self._hooks is not None:
-            with self._on_compute_stream():
-                self._hooks.end_forward()
+            self._hooks.end_forward(self._on_compute_stream)
         self._steps += 1
 
     @torch.no_grad()
@@ -394,57 +396,71 @@ class TransformersEngine:
         buffers.select(pair)
         buffers.set_batch(size)
         states = [future.state for future in batch]
-        request_ids = [state.request_id for state in states]
         for group, table, held in zip(self.groups, self.layout.block_tables(), self._row_blocks):
-            blocks = [table.get(request_id, NO_BLOCKS) for request_id in request_ids]
+            blocks = [table.get(state.request_id, NO_BLOCKS) for state in states]
             if blocks != held[:size]:  # a row grew, was re-pointed (de-duplication) or changed hands
                 for row in itertools.compress(range(size), map(operator.ne, blocks, held)):
                     held[row] = list(blocks[row])
                     buffers.set_row(group.kind, row, blocks[row])
-        buffers.set_entries(*self._token_entries(states))
+        buffers.set_entries(*(self._decode_entries(states) or self._token_entries(states)))
         if buffers.spills():
             with self._on_compute_stream():
                 buffers.write_spill()
 
-    def _token_entries(self, states: list[Any]) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
-        """(rows, positions, tokens) of the token-table entries this forward adds: per row the
-        positions its request advanced past since the last forward, UNKNOWN where the host does not
-        have the token yet (sent again once it does). A decode step of the batch before (every row
-        one known token further, and under async batching one more it has not seen yet) takes one
-        pass per field instead of per row."""
+    def _decode_entries(self, states: list[Any]) -> tuple[Sequence[int], Sequence[int], Sequence[int]] | None:
+        """The token-table entries of a decode step of the batch before (every row one known token
+        further, and under async batching one more it has not seen yet), one pass per field; None
+        when this forward is not one (`_token_entries` maps it)."""
+        if not all(map(operator.is_, states, self._row_states)):
+            return None
         size = len(states)
         known = self._row_known
-        lengths = [state.position_offset for state in states]  # advanced past this forward's tokens
-        if all(map(operator.is_, states, self._row_states)):
-            totals = [len(state.initial_tokens) + len(state.generated_tokens) for state in states]
-            if totals == [k + 1 for k in known[:size]] and (lengths == totals or lengths == [t + 1 for t in totals]):
-                positions = known[:size]
-                known[:size] = totals
-                tokens = [(state.generated_tokens or state.initial_tokens)[-1] for state in states]
-                rows = self._rows[:size]
-                if lengths == totals:
-                    return rows, positions, tokens
-                return np.concatenate((rows, rows)), positions + totals, tokens + [UNKNOWN] * size
-        rows: list[int] = []
-        positions = []
-        tokens: list[int] = []
-        for row, (state, length) in enumerate(zip(states, lengths)):
+        positions = known[:size]
+        totals = [len(s.initial_tokens) + len(s.generated_tokens) for s in states]
+        if totals != [p + 1 for p in positions]:
+            return None
+        lengths = [s.position_offset for s in states]  # advanced past this forward's tokens
+        synchronous = lengths == totals
+        if not synchronous and lengths != [t + 1 for t in totals]:
+            return None
+        known[:size] = totals
+        tokens = [(s.generated_tokens or s.initial_tokens)[-1] for s in states]
+        rows = self._rows[:size]
+        if synchronous:
+            return rows, positions, tokens
+        return np.concatenate((rows, rows)), positions + totals, tokens + [UNKNOWN] * size
+
+    def _token_entries(self, states: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, positions, tokens) of the token-table entries this forward adds: per row the
+        positions its request advanced past since the last forward, UNKNOWN where the host does not
+        have the token yet (sent again once it does). A row that changed hands sends its request's
+        whole sequence (thousands of entries for a batch), so the fields are built with numpy."""
+        known = self._row_known
+        rows, starts, tokens = [], [], []
+        for row, state in enumerate(states):
             if self._row_states[row] is not state:
                 self._row_states[row], known[row] = state, 0
                 self._row_owners.note(row, self._steps, state.request_id)
-            if length > known[row]:  # positions [known, length)
-                start = known[row]
+            length, start = state.position_offset, known[row]  # advanced past this forward's tokens
+            if length > start:  # positions [start, length)
                 prompt, generated = state.initial_tokens, state.generated_tokens
                 have = min(length, len(prompt) + len(generated))
                 known[row] = have
-                rows.extend([row] * (length - start))
-                positions.extend(range(start, length))
-                if start >= len(prompt):  # decoding: generated tokens only
-                    tokens.extend(generated[start - len(prompt):have - len(prompt)])
-                else:
-                    tokens.extend((prompt + generated)[start:have])
-                tokens.extend([UNKNOWN] * (length - max(have, start)))
-        return rows, positions, tokens
+                sent = np.full(length - start, UNKNOWN, dtype=np.int64)
+                if start < len(prompt):
+                    sent[:min(have, len(prompt)) - start] = prompt[start:have]
+                past = max(start, len(prompt))  # the generated tokens from here
+                if have > past:
+                    sent[past - start:have - start] = generated[past - len(prompt):have - len(prompt)]
+                rows.append(row)
+                starts.append(start)
+                tokens.append(sent)
+        if not rows:
+            return self._rows[:0], self._rows[:0], self._rows[:0]
+        counts = np.array([len(t) for t in tokens])
+        ends = np.cumsum(counts)
+        positions = np.arange(ends[-1]) + np.repeat(np.array(starts) - (ends - counts), counts)
+        return np.repeat(np.array(rows), counts), positions, np.concatenate(tokens)
 
     def _clear_rows(self) -> None:
         """Forget what every mapping row holds: the next forward re-sends each row it uses."""

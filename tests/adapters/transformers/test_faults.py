@@ -6,6 +6,8 @@ transformers 5.17's own write into a shared block is caught after the forward th
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import pytest
 from packaging.version import Version
@@ -97,8 +99,8 @@ class DamageBlockTable:
             _, table, original, _, _ = self.damage
             table[1] = original
 
-    def end_forward(self) -> None:
-        self.runtime.end_forward()
+    def end_forward(self, device_work: Callable[[], ContextManager[None]] = nullcontext) -> None:
+        self.runtime.end_forward(device_work)
         if self.damage is None and self.runtime.forwards == self.at:
             full = self.engine.groups[0]
             states = sorted(self.engine.processor.scheduler.active_requests.values(), key=lambda s: s.request_id)

@@ -7,6 +7,8 @@ make. Block 0 (the reserved slot 0) is never any request's."""
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import pytest
 import torch
@@ -76,7 +78,7 @@ class MappingChecker:
                                                atol=ATOL, rtol=0)
             self.rows_checked += 1
 
-    def end_forward(self) -> None:
+    def end_forward(self, device_work: Callable[[], ContextManager[None]] = nullcontext) -> None:
         self.forwards += 1
         if self.forwards % 3 == 0:
             self.check_walk()
@@ -147,7 +149,7 @@ class Passive:
     def after_forward(self, view) -> None:
         pass
 
-    def end_forward(self) -> None:
+    def end_forward(self, device_work: Callable[[], ContextManager[None]] = nullcontext) -> None:
         pass
 
 
