@@ -15,7 +15,7 @@ from kvcanary_kernels.records import PREV_CHAIN_HEAD
 class LoggedBlock(NamedTuple):
     index: int  # the block holds positions [index * page_size, (index + 1) * page_size)
     parent: int  # block id at index - 1; -1 at index 0
-    tokens: tuple[int, ...]
+    tokens: bytes  # the block's tokens as native int64s (a walk joins them without reading each one)
 
 
 class BlockLog:
@@ -39,7 +39,8 @@ class BlockLog:
             parent = table[index - 1] if index else -1
             entry = self.blocks.get(block)
             if entry is None or entry.parent != parent:
-                self.blocks[block] = LoggedBlock(index, parent, tuple(tokens[index * page:(index + 1) * page]))
+                self.blocks[block] = LoggedBlock(index, parent, np.array(tokens[index * page:(index + 1) * page],
+                                                                          dtype=np.int64).tobytes())
 
     def forget(self, blocks: Iterable[int]) -> None:
         """Drop the blocks and their logged descendants: a child whose parent block was freed is
@@ -89,7 +90,7 @@ class BlockLog:
         slots = np.array(blocks, dtype=np.int64).reshape(-1, 1) * page + offsets
         prev = slots - 1
         prev[:, 0] = np.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent * page + page - 1)
-        tokens = np.array([e.tokens for e in entries], dtype=np.int64).reshape(-1, page)
+        tokens = np.frombuffer(b"".join(e.tokens for e in entries), dtype=np.int64).copy()
         locked = np.repeat(np.array([hashed[b] for b in blocks], dtype=bool), page)
         slots, positions, prev, tokens = (torch.from_numpy(a.reshape(-1)) for a in (slots, index * page + offsets, prev, tokens))
         return CacheWalk(slots=slots, positions=positions, prev_slots=prev, tokens=tokens, locked=torch.from_numpy(locked))
