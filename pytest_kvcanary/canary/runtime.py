@@ -184,9 +184,8 @@ class CanaryRuntime:
         with self._on_device():
             if self._sweep_plan is None:
                 self._sweep_plan = SweepPlan(groups, full.pool.num_slots, self.device)
-            self._sweep_plan.refresh(walk, unlocked_only)
-        plan = self._sweep_plan
-        with self._on_device():
+            plan = self._sweep_plan
+            plan.refresh(walk, unlocked_only)
             self.ring.append(plan.malformed, launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind))
             if self._sweep_graph is not None:
                 self._sweep_graph.replay()
