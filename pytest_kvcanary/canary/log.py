@@ -14,8 +14,8 @@ snapshots; they are counted in ``dropped``.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Callable, ContextManager, NamedTuple
 
 import torch
