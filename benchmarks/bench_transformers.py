@@ -20,7 +20,7 @@ RECHECK and TAIL every step over the FULL group, real_data as given, token check
 every SWEEP steps, the violation log drained as the runtime's drain_interval says; with CUDA
 graphs the canary's per-forward work is captured inside transformers' own graphs and replays with
 them, canary_graphs=True). Host us is the host wall time the canary adds to a decode step, the
-mean over steps, and where it goes (PHASES): map (the batch's bookkeeping and its one upload), head
+mean over steps, and where it goes (PHASES): map (the batch's bookkeeping into the staged buffer), head
 (the view's derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed
 forward), tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the
 sweep every SWEEP steps, the log drain) and block log (noting hashed blocks, in update_batch after
@@ -83,11 +83,11 @@ PHASES = ("map", "head", "tail", "end_forward", "block log")
 
 class StepTimer:
     """Wraps the processor's (already guarded) generation step: wall seconds of each decode step,
-    and where the host seconds the canary adds to that step go (PHASES): mapping the batch and its
-    upload (_map_batch), the view's derivation and HEAD launched from the model's forward (_head;
-    not called in a replayed forward), the forward's inputs, RECHECK and TAIL (_tail), the runtime's end_forward (counting, the sweep
-    every SWEEP steps, the log drain), and noting hashed blocks in the block log (in update_batch,
-    after the step; counted with it)."""
+    and where the host seconds the canary adds to that step go (PHASES): mapping the batch into the
+    staged buffer (_map_batch), the view's derivation and HEAD launched from the model's forward
+    (_head; not called in a replayed forward), the forward's inputs, RECHECK and TAIL (_tail), the
+    runtime's end_forward (counting, the sweep every SWEEP steps, the log drain), and noting hashed
+    blocks in the block log (in update_batch, after the step; counted with it)."""
 
     def __init__(self, engine: TransformersEngine) -> None:
         self.engine, self.processor = engine, engine.processor

@@ -38,26 +38,22 @@ class LaunchCounter:
 
     def __init__(self, per_forward: Iterable[int]) -> None:
         self.per_forward = Counter(per_forward)
-        self.forwards = 0
         self.swept = [0] * NUM_TAGS  # sweep launches
-
-    def forward(self) -> None:
-        self.forwards += 1
 
     def sweep(self, tags: Iterable[int]) -> None:
         for tag in tags:
             self.swept[tag] += 1
 
     def reset(self) -> None:
-        self.forwards = 0
         self.swept = [0] * NUM_TAGS
 
-    def expected(self) -> list[int]:
-        """Launches each tag's kernel-run counter must have counted."""
-        return [swept + self.forwards * self.per_forward[tag] for tag, swept in enumerate(self.swept)]
+    def expected(self, forwards: int) -> list[int]:
+        """Launches each tag's kernel-run counter must have counted after `forwards` forwards."""
+        return [swept + forwards * self.per_forward[tag] for tag, swept in enumerate(self.swept)]
 
-    def problems(self, ring: ViolationRing) -> list[str]:
-        """Why the canary is not healthy (empty when it is); call between forwards (syncs)."""
-        ran, expected = ring.kernel_runs.tolist(), self.expected()
+    def problems(self, ring: ViolationRing, forwards: int) -> list[str]:
+        """Why the canary is not healthy after `forwards` forwards (empty when it is); call between
+        forwards (syncs)."""
+        ran, expected = ring.kernel_runs.tolist(), self.expected(forwards)
         return [f"{tag_name(tag)} ran {ran[tag]} of {expected[tag]} launches"
                 for tag in range(NUM_TAGS) if ran[tag] != expected[tag]]

@@ -146,7 +146,6 @@ class CanaryRuntime:
 
     def end_forward(self, device_work: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
         self.forwards += 1
-        self.launches.forward()
         if self.config.sweep_interval and self.forwards % self.config.sweep_interval == 0:
             with device_work():
                 self.sweep()
@@ -232,7 +231,7 @@ class CanaryRuntime:
                 state.records[slots[keep]] = halves[half].to(group.device)[keep]
 
     def health_problems(self) -> list[str]:
-        return self.launches.problems(self.ring)
+        return self.launches.problems(self.ring, self.forwards)
 
     def check_health(self) -> None:
         problems = self.health_problems()

@@ -92,5 +92,5 @@ class BlockLog:
         prev[:, 0] = np.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent * page + page - 1)
         tokens = np.frombuffer(b"".join(e.tokens for e in entries), dtype=np.int64).copy()
         locked = np.repeat(np.array([hashed[b] for b in blocks], dtype=bool), page)
-        slots, positions, prev, tokens = (torch.from_numpy(a.reshape(-1)) for a in (slots, index * page + offsets, prev, tokens))
-        return CacheWalk(slots=slots, positions=positions, prev_slots=prev, tokens=tokens, locked=torch.from_numpy(locked))
+        columns = (slots, index * page + offsets, prev, tokens, locked)  # CacheWalk's fields, in order
+        return CacheWalk(*(torch.from_numpy(column.reshape(-1)) for column in columns))
