@@ -91,4 +91,3 @@ def python_tails(handle: EngineHandle) -> list[int]:
 
     runtime.after_forward = recording
     return steps
-
