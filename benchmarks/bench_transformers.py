@@ -10,10 +10,10 @@ The engine is pytest-kvcanary's transformers adapter (SDPA attention, synchronou
 transformers' async batching with --batching async) over a
 random bf16 model of TinyLlama-1.1B's shape (22 layers, 32 heads, 4 KV heads x 64 dims) or of
 Llama-3-8B's (32 layers, 32 heads, 8 KV heads x 128 dims), no download, or a local checkpoint.
-Per batch size B: B requests of a PROMPT-token prompt each generate NEW tokens together; every
-forward whose rows all decode one token is a decode step.
+Per batch size B: B requests of a PROMPT-token prompt each generate NEW tokens together.
 
-Per (B, use_cuda_graph, real_data): the median wall time of a decode step (transformers'
+A decode step is a forward whose
+B rows all decode one token. Per (B, use_cuda_graph, real_data): the median wall time of a decode step (transformers'
 _generation_step, which ends by synchronising with the device, so the time covers the device
 work) with the canary off (no hooks) and on (the CanaryRuntime with the Triton kernels: HEAD,
 RECHECK and TAIL every step over the FULL group, real_data as given, token checks on, the sweep
@@ -23,8 +23,10 @@ them, canary_graphs=True). Host us is the host wall time the canary adds to a de
 mean over steps, and where it goes (PHASES): map (the batch's bookkeeping into the staged buffer), head
 (the view's derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed
 forward), tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the
-sweep every SWEEP steps, the log drain) and block log (noting hashed blocks, in update_batch after
-the step). Each configuration is measured `--runs` times (off, then on, each after one warm-up
+sweep every SWEEP steps, the log drain) and block log (noting hashed blocks and forgetting freed
+ones, in update_batch after the step and in the next batch's preparation). The KV cache is sized
+for B requests to decode together (the bench stops when transformers split most of the batch's
+decode steps). Each configuration is measured `--runs` times (off, then on, each after one warm-up
 generation, over `--repeats` generations); the table shows the median run and the spread
 (min..max) of the cost over runs. The canary-on runs must report no violation. Without CUDA
 graphs the step is host-bound Python and its time moves between runs by more than the canary
@@ -78,6 +80,13 @@ def random_model(device: str, shape_name: str, smoke: bool) -> tuple[Any, Any]:
     return model.eval(), byte_tokenizer()
 
 
+def blocks(batch: int, tokens: int) -> int:
+    """KV blocks of 64 tokens for `batch` requests of `tokens` each to decode as one batch (with
+    one block a request fewer, transformers splits batch 32's decode steps in two, 29 + 3 requests
+    with 5.17)."""
+    return batch * (-(-tokens // 64) + 2) + 16
+
+
 PHASES = ("map", "head", "tail", "end_forward", "block log")
 
 
@@ -86,11 +95,12 @@ class StepTimer:
     and where the host seconds the canary adds to that step go (PHASES): mapping the batch into the
     staged buffer (_map_batch), the view's derivation and HEAD launched from the model's forward
     (_head; not called in a replayed forward), the forward's inputs, RECHECK and TAIL (_tail), the
-    runtime's end_forward (counting, the sweep every SWEEP steps, the log drain), and noting hashed
-    blocks in the block log (in update_batch, after the step; counted with it)."""
+    runtime's end_forward (counting, the sweep every SWEEP steps, the log drain), and the block log
+    noting hashed blocks and forgetting freed ones (in update_batch after the step and in the next
+    batch's preparation; counted with the step)."""
 
-    def __init__(self, engine: TransformersEngine) -> None:
-        self.engine, self.processor = engine, engine.processor
+    def __init__(self, engine: TransformersEngine, batch: int) -> None:
+        self.engine, self.processor, self.batch = engine, engine.processor, batch
         self.step = self.processor._generation_step
         self.processor._generation_step = self
         self.decode: list[float] = []
@@ -101,7 +111,7 @@ class StepTimer:
         self._previous_phases: dict[str, float] = {}
         hooks = engine._hooks
         self._wrapped = [(engine, "_map_batch", "map"), (engine, "_head", "head"), (engine, "_tail", "tail"),
-                         (engine.block_log, "note", "block log")]
+                         (engine.block_log, "note", "block log"), (engine.block_log, "forget", "block log")]
         if hooks is not None:
             self._wrapped.append((hooks, "end_forward", "end_forward"))
         for obj, name, phase in self._wrapped:
@@ -116,8 +126,9 @@ class StepTimer:
         return timed
 
     def __call__(self, model: Any) -> None:
-        decoding = all(f.query_length == 1 for f in self.engine.batch_requests())
-        self._phases = {}  # this step's, and its update_batch's (block log)
+        batch = self.engine.batch_requests()
+        decoding = len(batch) == self.batch and all(f.query_length == 1 for f in batch)
+        self._phases = {}  # this step's, its update_batch's and the next preparation's (block log)
         start = time.perf_counter()
         self.step(model)
         if self._async:  # the previous decode step lasted until this one started
@@ -141,7 +152,7 @@ class StepTimer:
 def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: int) -> tuple[float, dict[str, float]]:
     """(median decode-step ms, mean canary host us per decode step by phase) over `repeats`
     generations of `batch` fresh prompts, after one that warms up."""
-    timer = StepTimer(engine)
+    timer = StepTimer(engine, batch)
     gen = torch.Generator().manual_seed(batch)
     for repeat in range(repeats + 1):
         if repeat == 1:
@@ -150,6 +161,9 @@ def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: 
         engine.generate(torch.randint(0, 256, (batch, prompt), generator=gen).tolist(), max_new_tokens=new)
         timer.generation_done()
     timer.close()
+    if len(timer.decode) < repeats * new // 2:
+        raise RuntimeError(f"{len(timer.decode)} decode steps ran all {batch} requests in {repeats} generations of {new} "
+                           f"tokens: transformers split the batch (too few KV blocks?)")
     host = {phase: 1e6 * statistics.mean(step.get(phase, 0.0) for step in timer.host) for phase in PHASES}
     return 1e3 * statistics.median(timer.decode), host
 
@@ -201,7 +215,7 @@ def main() -> None:
     kernels = "triton" if device == "cuda" else "torch"
     for batch in args.batches:
         for use_cuda_graph in graph_modes:
-            engine = TransformersEngine(model, tokenizer, page_size=64, num_blocks=batch * (prompt + new) // 64 + 16,
+            engine = TransformersEngine(model, tokenizer, page_size=64, num_blocks=blocks(batch, prompt + new),
                                         max_batch_tokens=max(2048, batch), max_requests_per_batch=batch,
                                         max_context=prompt + new, use_cuda_graph=use_cuda_graph,
                                         use_async_batching=args.batching == "async", canary_graphs=use_cuda_graph)

@@ -1,6 +1,6 @@
 """What the host hands the device per forward, through one pinned staging buffer per IO pair: the
-batch size, the token-table entries the forward adds (row, position, token) and the block-table
-rows. The host only fills the staging buffer; the copy to the device is the first device work of
+batch size, each batch row's lane (the mapping row its request holds), the token-table entries the
+forward adds (lane, position, token) and the block-table rows (one per lane). The host only fills the staging buffer; the copy to the device is the first device work of
 the canary inside the forward (``upload``), so under CUDA graphs it is a copy node of the captured
 forward and a replay reads the buffer as the host left it: a decode step launches no copy for it.
 
@@ -24,15 +24,16 @@ from ...canary.host import Capacities
 
 
 class BatchBuffers:
-    """batch ``[1]``, tables[kind] ``[max_batch, width]``, token_table ``[max_batch, max_context]``
-    (device); per forward: ``select`` the pair, fill its staging buffer (``set_batch``,
-    ``set_row``, ``set_entries``) and, when it ``spills``, ``write_spill``; then, in the forward,
-    ``upload`` and ``apply_tokens``; after it is enqueued, ``read_by`` the stream it runs on."""
+    """batch ``[1]``, lanes ``[max_batch]``, tables[kind] ``[lanes, width]``, token_table ``[lanes,
+    max_context]`` (device); per forward: ``select`` the pair, fill its staging buffer
+    (``set_batch``, ``set_lanes``, ``set_row``, ``set_entries``) and, when it ``spills``,
+    ``write_spill``; then, in the forward, ``upload`` and ``apply_tokens``; after it is enqueued,
+    ``read_by`` the stream it runs on."""
 
-    def __init__(self, capacities: Capacities, widths: Mapping[GroupKind, int], device: torch.device,
+    def __init__(self, capacities: Capacities, lanes: int, widths: Mapping[GroupKind, int], device: torch.device,
                  pairs: int) -> None:
         b, t = capacities.max_batch, capacities.max_tokens
-        shapes = {"batch": (1, 1), "tokens": (3, t), **{kind: (b, w) for kind, w in widths.items()}}
+        shapes = {"batch": (1, 1), "lanes": (1, b), "tokens": (3, t), **{kind: (lanes, w) for kind, w in widths.items()}}
         total = sum(rows * cols for rows, cols in shapes.values())
         cuda = device.type == "cuda"
         self.device_flat = torch.zeros(total, dtype=torch.int64, device=device)
@@ -45,12 +46,13 @@ class BatchBuffers:
             for host, staging in zip(self._hosts, self.staging):
                 host[name] = staging.numpy()[start:start + rows * cols].reshape(rows, cols)
             start += rows * cols
-        self.scratch_row = b
+        self.scratch_row = lanes
         for host in self._hosts:
-            host["tokens"][0] = b  # every entry unused: the scratch row
-        self._table = torch.full((b + 1, capacities.max_context), UNKNOWN, dtype=torch.int64, device=device)
-        self.token_table = self._table[:b]
+            host["tokens"][0] = lanes  # every entry unused: the scratch row
+        self._table = torch.full((lanes + 1, capacities.max_context), UNKNOWN, dtype=torch.int64, device=device)
+        self.token_table = self._table[:lanes]
         self.batch = self.device_views["batch"][0]
+        self.lanes = self.device_views["lanes"][0]
         self.tables = {kind: self.device_views[kind] for kind in widths}
         self._pair = 0  # the pair whose staging buffer is filled now
         self._entries = [0] * pairs  # token entries each staging buffer holds
@@ -74,13 +76,18 @@ class BatchBuffers:
         """The number of requests in this forward (rows at or past it are padding)."""
         self.host["batch"][0, 0] = size
 
-    def set_row(self, kind: GroupKind, row: int, blocks: Sequence[int]) -> None:
-        """Row `row` of the group's block table now holds `blocks` (the rest of the row: 0), in
-        every pair's buffer."""
+    def set_lanes(self, lanes: Sequence[int]) -> None:
+        """Batch row r's request holds lane lanes[r]."""
+        self.host["lanes"][0, :len(lanes)] = lanes
+
+    def set_row(self, kind: GroupKind, lane: int, blocks: Sequence[int]) -> None:
+        """Lane `lane`'s row of the group's block table now holds `blocks` (the rest of the row: 0),
+        in every pair's buffer (a forward still in flight reads no lane that changed hands since:
+        the engine hands out the lanes used longest ago)."""
         for host in self._hosts:
             table = host[kind]
-            table[row, :len(blocks)] = blocks
-            table[row, len(blocks):] = 0
+            table[lane, :len(blocks)] = blocks
+            table[lane, len(blocks):] = 0
 
     def set_entries(self, rows: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
         """This forward's new token-table entries."""

@@ -43,10 +43,15 @@ TAIL checks every written slot holds exactly what the forward computed (a store 
 slot, one slot early, say, is reported in that forward). Write-through runs in eager forwards
 only: a forward replayed from a CUDA graph skips the wrapper and is stamped without it.
 
-Mapping row r is batch row r of the current forward. A row's block-table row is re-sent only when
-its block ids changed (the table grew, transformers re-pointed it when it de-duplicated a block,
-or the row changed hands); token-table entries only for the positions a row's request added since
-the last forward (its whole sequence when the row changed hands). Slot s of a group is offset
+A request holds a lane (a row of the canary's block and token tables; the view's rows say each
+batch row's lane) from its first forward until the lane is handed to another request: there are
+twice max_requests_per_batch lanes and a request without one takes the lane used longest ago, so
+a forward still in flight never reads a lane that changed hands, and a request that moves between
+batch rows (transformers reorders its batches as requests join and leave) sends nothing again. A
+lane's block-table row is re-sent only when its block ids changed (the table grew, transformers
+re-pointed it when it de-duplicated a block, or the lane changed hands); token-table entries only
+for the positions its request added since the last forward (its whole sequence when the lane
+changed hands). Slot s of a group is offset
 ``s % page_size`` of block ``s // page_size`` in that group's block geometry; slot 0 (block 0's
 first slot) is never a token's: it lies in a trash block transformers never allocates (5.18+) or
 in block 0, which the adapter takes out of the free list (5.17).
@@ -149,11 +154,10 @@ class TransformersEngine:
         device_ios = [pair.device_io for pair in self._io_pairs] or [io]
         self._buffers = self._batch_buffers(len(device_ios))
         self._tables = self._buffers.tables
-        self._view = empty_view(self.capacities, self._buffers.token_table)
+        self._view = empty_view(self.capacities, self._buffers.lanes, self._buffers.token_table)
         self._device_ios = device_ios
         self._derived = [DerivedView(d, self.capacities, self._buffers.batch, self._view) for d in device_ios]
-        self._rows = np.arange(self.capacities.max_batch)  # the row numbers, as token entries take them
-        self._clear_rows()
+        self._clear_lanes()
 
         self._hooks: ForwardHooks | None = None
         self._canary_graphs = canary_graphs
@@ -241,14 +245,14 @@ class TransformersEngine:
             self.layout.flush()
         self.block_log.clear()
         self._buffers.reset()
-        self._clear_rows()
+        self._clear_lanes()
         self._steps = 0
         self._row_owners.clear()
         self._prompts.clear()
 
     def request_at(self, row: int, step: int) -> tuple[str, str] | None:
-        """The request (id, prompt text) that held mapping row `row` at forward `step` since the
-        last reset; None when none did."""
+        """The request (id, prompt text) that held lane `row` at forward `step` since the last
+        reset; None when none did."""
         owner = self._row_owners.at(row, step)
         return None if owner is None else (owner, self._prompts.get(owner, ""))
 
@@ -384,9 +388,9 @@ class TransformersEngine:
         host.wait_stream(stream)
 
     def _map_batch(self, pair: int) -> None:
-        """Stage what only the host knows about the batch transformers just prepared (its size, the
-        token-table entries it adds and the block-table rows that changed) in the pair's buffer;
-        entries past its fixed-size part go to the device here."""
+        """Stage what only the host knows about the batch transformers just prepared (its size, its
+        rows' lanes, the token-table entries it adds and the block-table rows that changed) in the
+        pair's buffer; entries past its fixed-size part go to the device here."""
         batch = self.batch_requests()
         size = len(batch)
         if size > self.capacities.max_batch:
@@ -396,23 +400,59 @@ class TransformersEngine:
         buffers.select(pair)
         buffers.set_batch(size)
         states = [future.state for future in batch]
+        if not all(map(operator.is_, states, self._row_states)):
+            self._assign_lanes(states)
+        if self._staged_lanes[pair] != self._lanes_version:
+            buffers.set_lanes(self._row_lanes[:size])
+            self._staged_lanes[pair] = self._lanes_version
+        lanes = self._row_lanes
         for group, table, held in zip(self.groups, self.layout.block_tables(), self._row_blocks):
             blocks = [table.get(state.request_id, NO_BLOCKS) for state in states]
-            if blocks != held[:size]:  # a row grew, was re-pointed (de-duplication) or changed hands
+            if blocks != held[:size]:  # a table grew, was re-pointed (de-duplication) or its lane changed hands
                 for row in itertools.compress(range(size), map(operator.ne, blocks, held)):
                     held[row] = list(blocks[row])
-                    buffers.set_row(group.kind, row, blocks[row])
+                    buffers.set_row(group.kind, int(lanes[row]), blocks[row])
         buffers.set_entries(*(self._decode_entries(states) or self._token_entries(states)))
         if buffers.spills():
             with self._on_compute_stream():
                 buffers.write_spill()
 
+    def _assign_lanes(self, states: list[Any]) -> None:
+        """Give each request of a batch that is not the last one's its lane: the one it holds, else
+        a free lane or the one used longest ago (its request sends everything again if it comes
+        back). The rows' views of their lanes (what each holds) come from the lanes."""
+        used = self._lane_used
+        for row, lane in enumerate(self._row_lanes[:self._rows_mapped].tolist()):  # the rows' views, back
+            self._lane_known[lane] = self._row_known[row]
+            for held, row_blocks in zip(self._lane_blocks, self._row_blocks):
+                held[lane] = row_blocks[row]
+            used[lane] = self._steps - 1  # (at most) the forward before, which may still run
+        mine = {self._lane_of.get(state.request_id) for state in states}
+        for row, state in enumerate(states):
+            lane = self._lane_of.get(state.request_id)
+            if lane is None:
+                lane = min((lane for lane in range(len(used)) if lane not in mine), key=used.__getitem__)
+                mine.add(lane)
+                gone = self._lane_states[lane]
+                if gone is not None:
+                    del self._lane_of[gone.request_id]
+                self._lane_of[state.request_id] = lane
+            if self._lane_states[lane] is not state:  # a new request, or one transformers re-created
+                self._lane_states[lane], self._lane_known[lane] = state, 0
+                for held in self._lane_blocks:
+                    held[lane] = None
+                self._row_owners.note(lane, self._steps, state.request_id)
+            used[lane] = self._steps
+            self._row_states[row], self._row_lanes[row], self._row_known[row] = state, lane, self._lane_known[lane]
+            for held, row_blocks in zip(self._lane_blocks, self._row_blocks):
+                row_blocks[row] = held[lane]
+        self._rows_mapped = len(states)
+        self._lanes_version += 1
+
     def _decode_entries(self, states: list[Any]) -> tuple[Sequence[int], Sequence[int], Sequence[int]] | None:
         """The token-table entries of a decode step of the batch before (every row one known token
         further, and under async batching one more it has not seen yet), one pass per field; None
         when this forward is not one (`_token_entries` maps it)."""
-        if not all(map(operator.is_, states, self._row_states)):
-            return None
         size = len(states)
         known = self._row_known
         positions = known[:size]
@@ -425,22 +465,20 @@ class TransformersEngine:
             return None
         known[:size] = totals
         tokens = [(s.generated_tokens or s.initial_tokens)[-1] for s in states]
-        rows = self._rows[:size]
+        lanes = self._row_lanes[:size]
         if synchronous:
-            return rows, positions, tokens
-        return np.concatenate((rows, rows)), positions + totals, tokens + [UNKNOWN] * size
+            return lanes, positions, tokens
+        return np.concatenate((lanes, lanes)), positions + totals, tokens + [UNKNOWN] * size
 
     def _token_entries(self, states: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, positions, tokens) of the token-table entries this forward adds: per row the
-        positions its request advanced past since the last forward, UNKNOWN where the host does not
-        have the token yet (sent again once it does). A row that changed hands sends its request's
-        whole sequence (thousands of entries for a batch), so the fields are built with numpy."""
+        """(lanes, positions, tokens) of the token-table entries this forward adds: per row the
+        positions its request advanced past since its lane last heard of it, UNKNOWN where the host
+        does not have the token yet (sent again once it does). A lane that changed hands gets its
+        request's whole sequence (thousands of entries for a batch), so the fields are built with
+        numpy."""
         known = self._row_known
         rows, starts, tokens = [], [], []
         for row, state in enumerate(states):
-            if self._row_states[row] is not state:
-                self._row_states[row], known[row] = state, 0
-                self._row_owners.note(row, self._steps, state.request_id)
             length, start = state.position_offset, known[row]  # advanced past this forward's tokens
             if length > start:  # positions [start, length)
                 prompt, generated = state.initial_tokens, state.generated_tokens
@@ -456,23 +494,32 @@ class TransformersEngine:
                 starts.append(start)
                 tokens.append(sent)
         if not rows:
-            return self._rows[:0], self._rows[:0], self._rows[:0]
+            return self._row_lanes[:0], self._row_lanes[:0], self._row_lanes[:0]
         counts = np.array([len(t) for t in tokens])
         ends = np.cumsum(counts)
         positions = np.arange(ends[-1]) + np.repeat(np.array(starts) - (ends - counts), counts)
-        return np.repeat(np.array(rows), counts), positions, np.concatenate(tokens)
+        return np.repeat(self._row_lanes[rows], counts), positions, np.concatenate(tokens)
 
-    def _clear_rows(self) -> None:
-        """Forget what every mapping row holds: the next forward re-sends each row it uses."""
-        rows = self.capacities.max_batch
-        self._row_states: list[Any] = [None] * rows  # the RequestState each row's tokens are of
-        self._row_blocks: list[list[list[int] | None]] = [[None] * rows for _ in self.groups]  # [group][row]: block ids
-        self._row_known = [0] * rows  # positions of that state already in token_table
+    def _clear_lanes(self) -> None:
+        """Forget what every lane and batch row holds: the next forward re-sends each lane it uses."""
+        lanes, rows = self._buffers.token_table.shape[0], self.capacities.max_batch
+        self._lane_of: dict[str, int] = {}  # request id -> the lane it holds
+        self._lane_states: list[Any] = [None] * lanes  # the RequestState each lane's tokens are of
+        self._lane_known = [0] * lanes  # positions of that state in token_table (as of the last batch change)
+        self._lane_blocks: list[list[list[int] | None]] = [[None] * lanes for _ in self.groups]  # [group][lane]
+        self._lane_used = [-1] * lanes  # the forward that last used each lane
+        self._row_states: list[Any] = [None] * rows  # the last batch's requests, by batch row
+        self._row_lanes = np.zeros(rows, dtype=np.int64)  # their lanes
+        self._row_known = [0] * rows  # their lanes' known positions, kept up to date per forward
+        self._row_blocks: list[list[list[int] | None]] = [[None] * rows for _ in self.groups]  # their block ids
+        self._rows_mapped = 0  # the last batch's size
+        self._lanes_version = 0  # changes whenever a row's lane does
+        self._staged_lanes = [-1] * len(self._buffers.staging)  # the version each pair's staged lanes are of
 
     def _batch_buffers(self, pairs: int) -> BatchBuffers:
         c = self.capacities
         widths = {g.kind: -(-(g.ring if g.ring else c.max_context) // g.page_size) for g in self.groups}
-        return BatchBuffers(c, widths, self.device, pairs)
+        return BatchBuffers(c, 2 * c.max_batch, widths, self.device, pairs)
 
     # ------------------------------------------------------------------------ bookkeeping
     def _encode(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:

@@ -27,11 +27,12 @@ from ...canary.host import Capacities, ForwardView
 from .versions import FULL_ATTENTION, UnsupportedModel
 
 
-def empty_view(capacities: Capacities, token_table: torch.Tensor) -> ForwardView:
-    """The view's persistent buffers (zeros), on the token table's device."""
+def empty_view(capacities: Capacities, lanes: torch.Tensor, token_table: torch.Tensor) -> ForwardView:
+    """The view's persistent buffers (zeros), on the token table's device; its rows are `lanes`
+    (each batch row's mapping row, staged by the host)."""
     b, t, device = capacities.max_batch, capacities.max_tokens, token_table.device
     lens = torch.zeros(2, b, dtype=torch.int64, device=device)
-    return ForwardView(rows=torch.arange(b, dtype=torch.int64, device=device), prefix_lens=lens[0],
+    return ForwardView(rows=lanes, prefix_lens=lens[0],
                        extend_lens=lens[1], input_ids=torch.zeros(t, dtype=torch.int64, device=device),
                        positions=torch.zeros(t, dtype=torch.int64, device=device), token_table=token_table)
 
@@ -50,9 +51,10 @@ class DerivedView:
                                    f"{self.input_ids.shape[0]} tokens; the canary was sized for {b} and {t}")
         self.batch = batch
         self.view = view
+        self._row_numbers = torch.arange(b, dtype=torch.int64, device=batch.device)
 
     def derive_lengths(self) -> None:
-        live = self.view.rows < self.batch
+        live = self._row_numbers < self.batch
         extend = torch.diff(self.cu_q) * live
         self.view.extend_lens.copy_(extend)
         self.view.prefix_lens.copy_(torch.diff(self.cu_k) * live - extend)

@@ -56,9 +56,9 @@ class MappingChecker:
             if extend == 0:
                 assert prefix == 0, "a padded row reads nothing"
                 continue
-            assert int(view.rows[row]) == row
+            lane = int(view.rows[row])
             length = prefix + extend
-            tokens = view.token_table[row, :length]
+            tokens = view.token_table[lane, :length]
             assert (tokens != UNKNOWN).all()
             assert torch.equal(view.input_ids[start:start + extend], tokens[prefix:])
             assert torch.equal(view.positions[start:start + extend],
@@ -68,7 +68,7 @@ class MappingChecker:
             for group in engine.groups:
                 first = max(0, length - group.ring) if group.ring else 0
                 positions = torch.arange(first, length, device=view.positions.device)
-                slots = mapped_slots(tables[group.kind], row, positions, group.page_size, group.ring)
+                slots = mapped_slots(tables[group.kind], lane, positions, group.page_size, group.ring)
                 assert (slots // group.page_size != 0).all(), "block 0 holds the reserved slot 0"
                 for i, layer in enumerate(group.layers):
                     k, v = reference[layer]
@@ -173,3 +173,50 @@ def test_a_block_table_row_is_sent_only_when_its_block_ids_change():
     # The prefill (forward 0) sends the row; decode forwards send it again only when a block was added.
     assert [(step, len(blocks)) for step, blocks in sent] == [(0, 2), (13, 3), (29, 4)]
     assert [blocks[:2] for _, blocks in sent] == [sent[0][1]] * 3
+
+
+class LaneRecorder(Passive):
+    """Records, per forward, each request's batch row and lane, and every token-table entry sent."""
+
+    def __init__(self, engine) -> None:
+        self.rows, self.lanes, self.sent = {}, {}, []
+        set_entries = engine._buffers.set_entries
+
+        def recording(lanes, positions, tokens) -> None:
+            self.sent += zip(list(lanes), list(positions))
+            set_entries(lanes, positions, tokens)
+
+        engine._buffers.set_entries = recording
+        self.engine = engine
+
+    def before_forward(self, view) -> None:
+        for row, future in enumerate(self.engine.batch_requests()):
+            request = future.state.request_id
+            self.rows.setdefault(request, set()).add(row)
+            self.lanes.setdefault(request, set()).add(int(view.rows[row]))
+
+
+def test_a_request_keeps_its_lane_as_it_moves_between_batch_rows_and_sends_each_position_once():
+    # 32-token forwards: the prompts' prefills are split and the batches reorder as requests join.
+    engine = make_engine("mha", max_batch_tokens=32, max_requests_per_batch=4)
+    recorder = LaneRecorder(engine)
+    engine.set_forward_hooks(recorder)
+    prompts = [[t] * n for t, n in ((3, 40), (4, 9), (5, 27), (6, 13))]
+    engine.generate(prompts, max_new_tokens=6)
+    assert any(len(rows) > 1 for rows in recorder.rows.values()), "no request moved between batch rows"
+    assert all(len(lanes) == 1 for lanes in recorder.lanes.values())
+    assert len({lane for lanes in recorder.lanes.values() for lane in lanes}) == 4
+    assert len(recorder.sent) == len(set(recorder.sent)) == sum(len(p) + 6 - 1 for p in prompts)
+
+
+def test_lanes_handed_to_later_requests_map_what_transformers_computed():
+    # 2 requests per batch: 4 lanes for 7 requests, so later requests take the lanes used longest ago.
+    engine = make_engine("mha", max_batch_tokens=32, max_requests_per_batch=2, num_blocks=96)
+    checker = MappingChecker(engine, load(random_checkpoint("mha", 0), engine.device.type)[0])
+    engine.set_forward_hooks(checker)
+    rng = random.Random(1)
+    engine.generate(prompts_with_shared_prefixes(rng, 7, stems(rng)), max_new_tokens=5)
+    owners = [{engine.request_at(lane, step) for step in range(engine._steps)} - {None} for lane in range(4)]
+    assert sum(len(o) for o in owners) == 7 and max(len(o) for o in owners) > 1
+    assert engine.request_at(4, engine._steps - 1) is None  # 4 lanes: twice the batch
+    assert checker.rows_checked > 20
