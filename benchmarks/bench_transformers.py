@@ -20,7 +20,9 @@ RECHECK and TAIL every step over the FULL group, real_data as given, token check
 every SWEEP steps, the violation log drained as the runtime's drain_interval says; with CUDA
 graphs the canary's per-forward work is captured inside transformers' own graphs and replays with
 them, canary_graphs=True). Host us is the host wall time the canary adds to a decode step, the
-mean over steps, and where it goes (PHASES): map (the batch's bookkeeping into the staged buffer), head
+mean over steps, and where it goes (PHASES): map (the model runner's compute_batch, which the engine
+wraps, less the forward inside: the batch's bookkeeping into the staged buffer and the rest of the
+wrapper), head
 (the view's derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed
 forward), tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the
 sweep every SWEEP steps, the log drain) and block log (noting hashed blocks and forgetting freed
@@ -92,8 +94,9 @@ PHASES = ("map", "head", "tail", "end_forward", "block log")
 
 class StepTimer:
     """Wraps the processor's (already guarded) generation step: wall seconds of each decode step,
-    and where the host seconds the canary adds to that step go (PHASES): mapping the batch into the
-    staged buffer (_map_batch), the view's derivation and HEAD launched from the model's forward
+    and where the host seconds the canary adds to that step go (PHASES): map (the model runner's
+    compute_batch, which the engine wraps, less the forward it runs: mapping the batch into the
+    staged buffer and what else the wrapper does), the view's derivation and HEAD launched from the model's forward
     (_head; not called in a replayed forward), the forward's inputs, RECHECK and TAIL (_tail), the
     runtime's end_forward (counting, the sweep every SWEEP steps, the log drain), and the block log
     noting hashed blocks and forgetting freed ones (in update_batch after the step and in the next
@@ -110,18 +113,21 @@ class StepTimer:
         self._decoding_since: float | None = None  # async: when the decode step in flight started
         self._previous_phases: dict[str, float] = {}
         hooks = engine._hooks
-        self._wrapped = [(engine, "_map_batch", "map"), (engine, "_head", "head"), (engine, "_tail", "tail"),
-                         (engine.block_log, "note", "block log"), (engine.block_log, "forget", "block log")]
+        runner = self.processor.model_runner
+        self._wrapped = [(runner, "compute_batch", "map"), (engine, "_compute", "map", -1), (engine, "_head", "head"),
+                         (engine, "_tail", "tail"), (engine.block_log, "note", "block log"),
+                         (engine.block_log, "forget", "block log")]
         if hooks is not None:
             self._wrapped.append((hooks, "end_forward", "end_forward"))
-        for obj, name, phase in self._wrapped:
-            setattr(obj, name, self._timed(getattr(obj, name), phase))
+        self._saved = [(obj, name, vars(obj).get(name)) for obj, name, *_ in self._wrapped]  # instance attributes
+        for obj, name, phase, *sign in self._wrapped:
+            setattr(obj, name, self._timed(getattr(obj, name), phase, *sign))
 
-    def _timed(self, work: Any, phase: str) -> Any:
+    def _timed(self, work: Any, phase: str, sign: int = 1) -> Any:
         def timed(*args: Any) -> Any:
             start = time.perf_counter()
             result = work(*args)
-            self._phases[phase] = self._phases.get(phase, 0.0) + time.perf_counter() - start
+            self._phases[phase] = self._phases.get(phase, 0.0) + sign * (time.perf_counter() - start)
             return result
         return timed
 
@@ -145,8 +151,11 @@ class StepTimer:
 
     def close(self) -> None:
         self.processor._generation_step = self.step
-        for obj, name, _ in self._wrapped:
-            delattr(obj, name)
+        for obj, name, saved in self._saved:
+            if saved is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, saved)
 
 
 def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: int) -> tuple[float, dict[str, float]]:

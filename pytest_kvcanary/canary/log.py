@@ -93,6 +93,7 @@ class ViolationLog:
             self._host_rows = torch.empty(ring.rows.shape, dtype=torch.int64, pin_memory=True)
             self._host_count = torch.empty(1, dtype=torch.int64, pin_memory=True)
             self._seen = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # the counter after the last forward
+            self._seen_on_host = self._seen.numpy()  # read without a torch call
             self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
 
     def note_forward(self) -> None:
@@ -122,7 +123,7 @@ class ViolationLog:
         if not self._cuda:
             self._pending = self._snapshot()
             new += self._decode_pending()
-        elif int(self._seen[0]) > self._consumed:  # a copy in flight writes it whole: any value read is one it held
+        elif int(self._seen_on_host[0]) > self._consumed:  # a copy in flight writes it whole: any value read is one it held
             with device_work():
                 self._pending = self._snapshot()
         return self._report(new)

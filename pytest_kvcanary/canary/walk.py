@@ -14,12 +14,20 @@ walk itself:
   the entries, expected: ``space``).
 
 The sweep then checks the entries it can (in range, first listing of each slot).
+
+A walk on the host is first checked with numpy, which takes a well-formed one whole; any other is
+checked with torch on one intra-op thread (``one_host_thread``): on a GPU host busy with the
+engine, torch's thread pool made the check of an 18k-entry walk 25 to 70 ms instead of 2 ms
+(benchmarks/RESULTS.md), while switching the thread count costs about 0.1 ms there, so a
+well-formed walk switches nothing.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
+import numpy as np
 import torch
 
 from kvcanary_kernels.records import (COL_EXPECTED, COL_POSITION, COL_REASONS, COL_ROW, COL_SLOT, COL_STORED,
@@ -37,10 +45,55 @@ class CheckedWalk(NamedTuple):
     rows: torch.Tensor
 
 
+@contextmanager
+def one_host_thread() -> Iterator[None]:
+    """torch's CPU operations on one intra-op thread inside the block (the count restored after)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _well_formed_on_host(walk: CacheWalk, space: int) -> bool:
+    """True when a walk on the host breaks none of the module docstring's rules, checked with
+    numpy (a few microseconds an operation where torch's CPU operations cost tens on a busy GPU
+    host). False for anything else, which `check_walk` then checks and reports in full."""
+    if walk.slots.numel() > space:
+        return False
+    slots, positions, prev = (np.asarray(t.numpy(), dtype=np.int64) for t in walk[:3])
+    if slots.size == 0:
+        return True
+    if slots.min() < 0 or slots.max() >= space or positions.min() < 0 or prev.max() >= space:
+        return False
+    if prev.min() < PREV_CHAIN_HEAD:  # PREV_CHAIN_HEAD is -1: the one negative allowed
+        return False
+    position_of = np.full(space, -1, dtype=np.int64)
+    position_of[slots] = positions
+    if np.count_nonzero(position_of >= 0) != slots.size:
+        return False  # a slot listed twice
+    listed = position_of[np.maximum(prev, 0)]
+    return bool(((prev < 0) | (listed < 0) | (listed == positions - 1)).all())
+
+
 def check_walk(walk: CacheWalk, space: int) -> CheckedWalk:
     """Check `walk` against a FULL slot space of `space` slots (see the module docstring). A
     well-formed walk (every entry in range, listed once, after its predecessor) takes no boolean
-    compaction and no fold of the reasons: the checks' masks are all it costs."""
+    compaction and no fold of the reasons: the checks' masks are all it costs, with numpy when
+    the walk is on the host."""
+    if walk.slots.device.type != "cpu":
+        return _check_in_full(walk, space)
+    if _well_formed_on_host(walk, space):
+        return CheckedWalk(walk, torch.zeros(0, ROW_WIDTH, dtype=torch.int64))
+    with one_host_thread():
+        return _check_in_full(walk, space)
+
+
+def _check_in_full(walk: CacheWalk, space: int) -> CheckedWalk:
     slots = walk.slots.to(torch.int64)
     positions = walk.positions.to(torch.int64)
     prev = walk.prev_slots.to(torch.int64)

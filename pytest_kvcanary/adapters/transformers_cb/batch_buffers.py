@@ -9,7 +9,9 @@ so applying them is one fixed-shape scatter. A forward that adds more (a request
 cached prefix adds its whole sequence) has the rest written by the host before the forward
 (``write_spill``). With async batching the host fills one pair's buffer while the device may still
 run the other pair's forward; before refilling a pair's buffer the host waits for the last forward
-that read it (``select``; that forward is long done in transformers' loop, so the wait is free)."""
+that read it (``select``; that forward is long done in transformers' loop, so the wait is free).
+With one pair (synchronous batching) there is nothing to wait for: the host prepares a batch only
+after it has the tokens the forward before produced, so that forward is over."""
 
 from __future__ import annotations
 
@@ -55,22 +57,20 @@ class BatchBuffers:
         self.lanes = self.device_views["lanes"][0]
         self.tables = {kind: self.device_views[kind] for kind in widths}
         self._pair = 0  # the pair whose staging buffer is filled now
+        self.host: dict[object, np.ndarray] = self._hosts[0]  # its staging buffer, as numpy views
         self._entries = [0] * pairs  # token entries each staging buffer holds
         self._spill: list[Sequence[int]] | None = None  # this forward's entries past max_tokens
-        self._read = [torch.cuda.Event() if cuda else None for _ in range(pairs)]  # the last forward's end
+        waits = cuda and pairs > 1
+        self._read = [torch.cuda.Event() if waits else None for _ in range(pairs)]  # the last forward's end
 
     def select(self, pair: int) -> None:
-        """Fill pair `pair`'s staging buffer next; first wait (CUDA) until the last forward that
-        read it is over."""
+        """Fill pair `pair`'s staging buffer next; first wait (CUDA, two pairs) until the last
+        forward that read it is over."""
         event = self._read[pair]
         if event is not None:
             event.synchronize()
         self._pair = pair
-
-    @property
-    def host(self) -> dict[object, np.ndarray]:
-        """The selected pair's staging buffer, as numpy views."""
-        return self._hosts[self._pair]
+        self.host = self._hosts[pair]
 
     def set_batch(self, size: int) -> None:
         """The number of requests in this forward (rows at or past it are padding)."""
@@ -93,12 +93,15 @@ class BatchBuffers:
         """This forward's new token-table entries."""
         entries = self.host["tokens"]
         n, held = len(rows), self._entries[self._pair]
-        m = min(n, entries.shape[1])
-        entries[0, :m], entries[1, :m], entries[2, :m] = rows[:m], positions[:m], tokens[:m]
+        m, self._spill = n, None
+        if n > entries.shape[1]:
+            m = entries.shape[1]
+            self._spill = [rows[m:], positions[m:], tokens[m:]]
+            rows, positions, tokens = rows[:m], positions[:m], tokens[:m]
+        entries[0, :m], entries[1, :m], entries[2, :m] = rows, positions, tokens
         if m < held:
             entries[0, m:held] = self.scratch_row
         self._entries[self._pair] = m
-        self._spill = [rows[m:], positions[m:], tokens[m:]] if n > m else None
 
     def spills(self) -> bool:
         """Whether this forward's entries overflow the fixed-size part."""
@@ -125,7 +128,8 @@ class BatchBuffers:
         self._table.index_put_((rows, positions), tokens)
 
     def read_by(self, stream: torch.cuda.Stream | None) -> None:
-        """The forward that reads the selected pair's buffer is enqueued on `stream` (CUDA)."""
+        """The forward that reads the selected pair's buffer is enqueued on `stream` (CUDA, two
+        pairs)."""
         event = self._read[self._pair]
         if event is not None:
             event.record(stream)

@@ -26,7 +26,8 @@ class BlockLog:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.blocks: dict[int, LoggedBlock] = {}
-        self._walked: tuple[dict[int, LoggedBlock], dict[int, bool], CacheWalk] | None = None  # the last walk
+        self._changes = 0  # counts every change to `blocks`
+        self._walked: tuple[int, dict[int, bool], CacheWalk] | None = None  # the last walk, of which change
 
     def note(self, table: Sequence[int], tokens: Sequence[int], hashed: Container[int]) -> None:
         """Log the hashed blocks of one request's block table (`tokens`: its sequence so far). A
@@ -39,6 +40,7 @@ class BlockLog:
             parent = table[index - 1] if index else -1
             entry = self.blocks.get(block)
             if entry is None or entry.parent != parent:
+                self._changes += 1
                 self.blocks[block] = LoggedBlock(index, parent, np.array(tokens[index * page:(index + 1) * page],
                                                                           dtype=np.int64).tobytes())
 
@@ -46,6 +48,7 @@ class BlockLog:
         """Drop the blocks and their logged descendants: a child whose parent block was freed is
         no longer known to follow what its parent id holds next."""
         gone = {b for b in blocks if self.blocks.pop(b, None) is not None}
+        self._changes += bool(gone)
         while gone:
             gone = {b for b, entry in self.blocks.items() if entry.parent in gone}
             for block in gone:
@@ -53,6 +56,7 @@ class BlockLog:
 
     def clear(self) -> None:
         self.blocks.clear()
+        self._changes += 1
         self._walked = None
 
     def intact(self, hashed: Mapping[int, bool]) -> list[int]:
@@ -73,10 +77,10 @@ class BlockLog:
         parent's last slot at a block's first position), token, locked (a live request holds it).
         The same walk object again while neither the log nor `hashed` changed (a decode step mostly
         changes neither), which the sweep then neither checks nor plans again."""
-        if self._walked is not None and self._walked[0] == self.blocks and self._walked[1] == hashed:
+        if self._walked is not None and self._walked[0] == self._changes and self._walked[1] == hashed:
             return self._walked[2]
         walk = self._walk(hashed)
-        self._walked = (dict(self.blocks), dict(hashed), walk)
+        self._walked = (self._changes, dict(hashed), walk)
         return walk
 
     def _walk(self, hashed: Mapping[int, bool]) -> CacheWalk:

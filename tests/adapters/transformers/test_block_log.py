@@ -43,3 +43,19 @@ def test_a_block_following_a_new_parent_is_logged_again():
     log.note([5, 3], TOKENS, {5: True, 3: True})  # the parent's content was recomputed into block 5
     assert log.blocks[3].parent == 5
     assert log.intact({5: True, 3: True, 7: False}) == [7, 5, 3]
+
+
+def test_the_walk_is_the_same_object_until_the_log_or_the_hashed_blocks_change():
+    hashed = {7: False, 3: True}
+    log = logged([7, 3], hashed)
+    first = log.walk(dict(hashed))
+    assert log.walk(dict(hashed)) is first
+    log.note([7, 3], TOKENS, hashed)  # nothing new
+    assert log.walk(dict(hashed)) is first
+    assert log.walk({7: False, 3: False}) is not first  # the request holding block 3 released it
+    hashed[9] = True  # hashed before the log heard of it
+    assert log.walk(dict(hashed)).slots.numel() == 8
+    log.note([7, 3, 9], TOKENS, hashed)
+    assert log.walk(dict(hashed)).slots.numel() == 12
+    log.forget([9])
+    assert log.walk(dict(hashed)).slots.numel() == 8

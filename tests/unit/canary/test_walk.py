@@ -1,9 +1,13 @@
+import random
+
+import pytest
 import torch
 
 from kvcanary_kernels import ViolationRing
 from kvcanary_kernels.records import COL_EXPECTED, COL_POSITION, COL_REASONS, COL_SLOT, COL_STEP, COL_STORED, \
     COL_TAG, Reason
 from pytest_kvcanary.canary.seam import CacheWalk
+from pytest_kvcanary.canary import walk as walk_module
 from pytest_kvcanary.canary.walk import check_walk
 
 
@@ -37,6 +41,45 @@ def test_each_malformed_entry_is_a_row_with_its_reason_and_only_checkable_entrie
         (gap, 7, -1, -1, -2),
     ]
     assert checked.walk.slots.tolist() == [3, 4, 5, 7]
+
+
+def _random_walk(rng: random.Random, space: int) -> CacheWalk:
+    """Chains of consecutive positions over distinct random slots, then at most one malformation."""
+    slots = rng.sample(range(1, space), rng.randrange(1, space // 2))
+    positions, prev, at = [], [], 0
+    for i, slot in enumerate(slots):
+        if i == 0 or rng.random() < 0.2:
+            at, before = rng.randrange(3), -1 if rng.random() < 0.5 else rng.randrange(space)
+        else:
+            at, before = at + 1, slots[i - 1]
+        positions.append(at)
+        prev.append(-1 if at == 0 else before)
+    fault = rng.randrange(8)
+    i = rng.randrange(len(slots))
+    if fault == 0:
+        slots[i] = rng.choice([-1, space, space + 5])
+    elif fault == 1:
+        prev[i] = rng.choice([-2, space])
+    elif fault == 2:
+        slots[i] = slots[rng.randrange(len(slots))]
+    elif fault == 3:
+        positions[i] += rng.choice([-5, 1])
+    return _walk(slots, positions, prev)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_host_fast_path_passes_exactly_the_walks_the_full_check_passes_whole(seed, monkeypatch):
+    rng = random.Random(seed)
+    for _ in range(20):
+        walk = _random_walk(rng, space=24)
+        fast = walk_module._well_formed_on_host(walk, 24)
+        with monkeypatch.context() as patched:
+            patched.setattr(walk_module, "_well_formed_on_host", lambda walk, space: False)
+            full = check_walk(walk, 24)
+        whole = full.rows.shape[0] == 0 and torch.equal(full.walk.slots, walk.slots)
+        assert fast == whole, walk
+        if fast:
+            assert check_walk(walk, 24).rows.shape[0] == 0
 
 
 def test_a_walk_larger_than_the_space_is_one_walk_too_large_row():

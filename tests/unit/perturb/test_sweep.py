@@ -46,6 +46,13 @@ def test_sweep_entries_cover_the_walk_or_its_unlocked_part():
     assert unlocked.prev_slots[:3].tolist() == [5, 6, PREV_CHAIN_HEAD]
 
 
+def test_a_full_entry_after_the_reserved_slot_is_not_checked_against_it():
+    walk = CacheWalk(slots=torch.tensor([5, 6]), positions=torch.tensor([1, 2]), prev_slots=torch.tensor([0, 5]),
+                     tokens=torch.tensor([40, 41]), locked=torch.tensor([False, False]))
+    e = sweep_entries(walk, group(GroupKind.FULL))
+    assert e.slots[:2].tolist() == [5, 6] and e.prev_slots[:2].tolist() == [PREV_SKIP, 5]
+
+
 def test_sweep_entries_keep_to_swa_resident_slots():
     """FULL slot 5 slid out of the window and 9 is a tombstone: slot 0 (skipped by the kernels)
     stands for them, and slot 6 is checked without its predecessor."""
@@ -101,19 +108,20 @@ def test_a_walk_returned_again_is_checked_once_and_still_swept(attention, monkey
     assert len(checks) == 2, "a new walk object is checked again"
 
 
-def test_a_new_walk_is_checked_on_one_host_thread_and_an_unchanged_one_switches_nothing(monkeypatch):
-    """The sweep's host work is small tensors: torch's thread pool made it many times slower on a
-    busy GPU host (benchmarks/RESULTS.md), so a new walk is checked on one intra-op thread; the
-    switch itself costs about 0.1 ms there, so a sweep of the same walk does not make it."""
-    import pytest_kvcanary.canary.plans as plans_module
+def test_a_well_formed_walk_switches_no_thread_count_and_a_malformed_one_is_checked_on_one(monkeypatch):
+    """The full check of a host walk is small tensors: torch's thread pool made it many times
+    slower on a busy GPU host (benchmarks/RESULTS.md), so it runs on one intra-op thread; the
+    switch itself costs about 0.1 ms there, so a well-formed walk (numpy's check) makes none."""
+    import pytest_kvcanary.canary.walk as walk_module
 
     handle = make_handle("mha", sweep_interval=0)
     handle.reset(0, ())
     send_waves(handle, seed=1)
     runtime = handle.side.runtime
-    threads_seen = []
-    monkeypatch.setattr(plans_module, "check_walk",
-                        lambda *args: threads_seen.append(torch.get_num_threads()) or check_walk(*args))
+    full_checks = []
+    check_in_full = walk_module._check_in_full
+    monkeypatch.setattr(walk_module, "_check_in_full",
+                        lambda *args: full_checks.append(torch.get_num_threads()) or check_in_full(*args))
     switches = []
     set_num_threads = torch.set_num_threads
     monkeypatch.setattr(torch, "set_num_threads", lambda n: switches.append(n) or set_num_threads(n))
@@ -121,13 +129,14 @@ def test_a_new_walk_is_checked_on_one_host_thread_and_an_unchanged_one_switches_
     set_num_threads(2)
     try:
         assert runtime.sweep()
-        assert threads_seen == [1] and switches == [1, 2]
-        assert torch.get_num_threads() == 2
+        assert full_checks == [] and switches == []
         walk = runtime.host.cache_walk()
-        monkeypatch.setattr(runtime.host, "cache_walk", lambda: walk)
+        assert walk.slots.numel() > 1
+        duplicated = walk._replace(slots=torch.cat([walk.slots[:1], walk.slots[:-1]]))
+        monkeypatch.setattr(runtime.host, "cache_walk", lambda: duplicated)
         assert runtime.sweep()
-        switches.clear()
-        assert runtime.sweep()
-        assert threads_seen == [1, 1] and switches == [], "the same walk again: no check, no switch"
+        assert full_checks == [1] and switches == [1, 2]
+        assert torch.get_num_threads() == 2
+        assert any("walk_duplicate_slot" in v.reasons for v in runtime.drain())
     finally:
         set_num_threads(before)
