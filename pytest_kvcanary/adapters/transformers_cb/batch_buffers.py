@@ -1,17 +1,18 @@
 """What the host hands the device per forward, through one pinned staging buffer per IO pair: the
 batch size, each batch row's lane (the mapping row its request holds), the token-table entries the
-forward adds (lane, position, token) and the block-table rows (one per lane). The host only fills the staging buffer; the copy to the device is the first device work of
-the canary inside the forward (``upload``), so under CUDA graphs it is a copy node of the captured
-forward and a replay reads the buffer as the host left it: a decode step launches no copy for it.
+forward adds (lane, position, token) and the block-table rows (one per lane). The host only fills
+the staging buffer; the copy to the device is the first device work of the canary inside the
+forward (``upload``), so under CUDA graphs it is a copy node of the captured forward and a replay
+reads the buffer as the host left it: a decode step launches no copy for it.
 
 Token entries are fixed-size (max_tokens): unused ones go to a scratch row past the view's rows,
 so applying them is one fixed-shape scatter. A forward that adds more (a request starting on a
 cached prefix adds its whole sequence) has the rest written by the host before the forward
 (``write_spill``). With async batching the host fills one pair's buffer while the device may still
-run the other pair's forward; before refilling a pair's buffer the host waits for the last forward
-that read it (``select``; that forward is long done in transformers' loop, so the wait is free).
-With one pair (synchronous batching) there is nothing to wait for: the host prepares a batch only
-after it has the tokens the forward before produced, so that forward is over."""
+run the other pair's forward. A pair's buffer is refilled only once the forward that last read it
+is over, which the engine's loop guarantees without a wait: it refills a buffer only after
+update_batch has read that forward's tokens (synchronous batching: the forward just before; async
+batching: the forward before that, the last one of the same pair)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ class BatchBuffers:
     """batch ``[1]``, lanes ``[max_batch]``, tables[kind] ``[lanes, width]``, token_table ``[lanes,
     max_context]`` (device); per forward: ``select`` the pair, fill its staging buffer
     (``set_batch``, ``set_lanes``, ``set_row``, ``set_entries``) and, when it ``spills``,
-    ``write_spill``; then, in the forward, ``upload`` and ``apply_tokens``; after it is enqueued,
-    ``read_by`` the stream it runs on."""
+    ``write_spill``; then, in the forward, ``upload`` and ``apply_tokens``."""
 
     def __init__(self, capacities: Capacities, lanes: int, widths: Mapping[GroupKind, int], device: torch.device,
                  pairs: int) -> None:
@@ -60,15 +60,9 @@ class BatchBuffers:
         self.host: dict[object, np.ndarray] = self._hosts[0]  # its staging buffer, as numpy views
         self._entries = [0] * pairs  # token entries each staging buffer holds
         self._spill: list[Sequence[int]] | None = None  # this forward's entries past max_tokens
-        waits = cuda and pairs > 1
-        self._read = [torch.cuda.Event() if waits else None for _ in range(pairs)]  # the last forward's end
 
     def select(self, pair: int) -> None:
-        """Fill pair `pair`'s staging buffer next; first wait (CUDA, two pairs) until the last
-        forward that read it is over."""
-        event = self._read[pair]
-        if event is not None:
-            event.synchronize()
+        """Fill pair `pair`'s staging buffer next (the forward that last read it is over)."""
         self._pair = pair
         self.host = self._hosts[pair]
 
@@ -126,13 +120,6 @@ class BatchBuffers:
         """token_table[row, position] = token for this forward's entries (device work only)."""
         rows, positions, tokens = self.device_views["tokens"]
         self._table.index_put_((rows, positions), tokens)
-
-    def read_by(self, stream: torch.cuda.Stream | None) -> None:
-        """The forward that reads the selected pair's buffer is enqueued on `stream` (CUDA, two
-        pairs)."""
-        event = self._read[self._pair]
-        if event is not None:
-            event.record(stream)
 
     def reset(self) -> None:
         self._table.fill_(UNKNOWN)

@@ -27,9 +27,8 @@ captures it). With CUDA graphs and ``canary_graphs=False`` the same work runs ea
 compute stream right before and after the replay (forward observers, the fault injector, see
 every forward). The per-forward host work is a pass over the batch's request states filling the
 staged buffer (with the canary inside transformers' graphs no copy or kernel launched from
-Python; an event says when a staged buffer may be refilled): no device sync, no read-back. A
-decode step of the same batch takes one pass per field; a row that changed hands sends its
-request's whole sequence, built with numpy.
+Python, no event): no device sync, no read-back. A decode step of the same batch takes one pass
+per field; a lane that changed hands gets its request's whole sequence, built with numpy.
 
 Async batching schedules a decoding request before the host knows the token it decodes (the
 forward takes it from the previous forward's output on the device): its token-table entry goes up
@@ -298,7 +297,6 @@ class TransformersEngine:
             self._compute(model, batch_data)
         finally:
             self._forward_pair = None
-        self._buffers.read_by(self._compute_stream())
         if not self._in_forward:
             with self._on_compute_stream():
                 self._tail(hooks, pair)
