@@ -26,6 +26,7 @@ class BlockLog:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.blocks: dict[int, LoggedBlock] = {}
+        self._children: dict[int, set[int]] = {}  # block id -> the logged blocks that follow it
         self._changes = 0  # counts every change to `blocks`
         self._walked: tuple[int, dict[int, bool], CacheWalk] | None = None  # the last walk, of which change
 
@@ -41,21 +42,32 @@ class BlockLog:
             entry = self.blocks.get(block)
             if entry is None or entry.parent != parent:
                 self._changes += 1
+                if entry is not None:
+                    self._unlink(block, entry.parent)
+                self._children.setdefault(parent, set()).add(block)
                 self.blocks[block] = LoggedBlock(index, parent, np.array(tokens[index * page:(index + 1) * page],
                                                                           dtype=np.int64).tobytes())
 
     def forget(self, blocks: Iterable[int]) -> None:
         """Drop the blocks and their logged descendants: a child whose parent block was freed is
         no longer known to follow what its parent id holds next."""
-        gone = {b for b in blocks if self.blocks.pop(b, None) is not None}
-        self._changes += bool(gone)
-        while gone:
-            gone = {b for b, entry in self.blocks.items() if entry.parent in gone}
-            for block in gone:
-                del self.blocks[block]
+        dropping = [b for b in blocks if b in self.blocks]
+        self._changes += bool(dropping)
+        while dropping:
+            block = dropping.pop()
+            entry = self.blocks.pop(block, None)
+            if entry is not None:
+                self._unlink(block, entry.parent)
+                dropping.extend(self._children.pop(block, ()))
+
+    def _unlink(self, block: int, parent: int) -> None:
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.discard(block)
 
     def clear(self) -> None:
         self.blocks.clear()
+        self._children.clear()
         self._changes += 1
         self._walked = None
 

@@ -34,8 +34,20 @@ def test_only_hashed_blocks_are_logged_and_walked_while_hashed():
 
 def test_a_block_whose_parent_was_freed_is_forgotten_with_its_descendants():
     log = logged([7, 3, 9], dict.fromkeys([7, 3, 9], False))
+    log.note([7, 3, 4], TOKENS, dict.fromkeys([7, 3, 4], False))  # a second child of block 3
     log.forget([3])
     assert set(log.blocks) == {7}
+    log.forget([7])
+    assert log.blocks == {}
+
+
+def test_a_block_logged_under_a_new_parent_is_not_forgotten_with_its_old_one():
+    log = logged([7, 3, 9], dict.fromkeys([7, 3, 9], False))
+    log.note([5, 3], TOKENS, {5: True, 3: True})
+    log.forget([7])
+    assert set(log.blocks) == {5, 3, 9}
+    log.forget([5])
+    assert log.blocks == {}
 
 
 def test_a_block_following_a_new_parent_is_logged_again():
