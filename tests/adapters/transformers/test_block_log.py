@@ -71,3 +71,10 @@ def test_the_walk_is_the_same_object_until_the_log_or_the_hashed_blocks_change()
     assert log.walk(dict(hashed)).slots.numel() == 12
     log.forget([9])
     assert log.walk(dict(hashed)).slots.numel() == 8
+
+
+def test_a_chain_whose_ancestor_lost_its_hash_leaves_the_walk_below_it():
+    log = logged([7, 3, 9], dict.fromkeys([7, 3, 9], True))
+    walk = log.walk({7: True, 9: True})  # block 3 lost its hash, still logged
+    assert walk.slots.tolist() == [28, 29, 30, 31]
+    assert log.intact({3: True, 9: True}) == []  # the chain's first block is gone
