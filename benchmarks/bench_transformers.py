@@ -10,21 +10,20 @@ The engine is pytest-kvcanary's transformers adapter (SDPA attention, synchronou
 transformers' async batching with --batching async) over a
 random bf16 model of TinyLlama-1.1B's shape (22 layers, 32 heads, 4 KV heads x 64 dims) or of
 Llama-3-8B's (32 layers, 32 heads, 8 KV heads x 128 dims), no download, or a local checkpoint.
-Per batch size B: B requests of a PROMPT-token prompt each generate NEW tokens together.
+Per batch size B: B requests of a PROMPT-token prompt each generate NEW tokens together; a
+decode step is a forward whose B rows all decode one token.
 
-A decode step is a forward whose
-B rows all decode one token. Per (B, use_cuda_graph, real_data): the median wall time of a decode step (transformers'
+Per (B, use_cuda_graph, real_data): the median wall time of a decode step (transformers'
 _generation_step, which ends by synchronising with the device, so the time covers the device
 work) with the canary off (no hooks) and on (the CanaryRuntime with the Triton kernels: HEAD,
 RECHECK and TAIL every step over the FULL group, real_data as given, token checks on, the sweep
 every SWEEP steps, the violation log drained as the runtime's drain_interval says; with CUDA
 graphs the canary's per-forward work is captured inside transformers' own graphs and replays with
 them, canary_graphs=True). Host us is the host wall time the canary adds to a decode step, the
-mean over steps, and where it goes (PHASES): map (the model runner's compute_batch, which the engine
-wraps, less the forward inside: the batch's bookkeeping into the staged buffer and the rest of the
-wrapper), head
-(the view's derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed
-forward), tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the
+mean over steps, and where it goes (PHASES): map (the model runner's compute_batch, which the
+engine wraps, less the forward inside: the batch's bookkeeping into the staged buffer and the rest
+of the wrapper), head (the view's derivation and HEAD launched from the model's forward pre-hook:
+0 in a replayed forward), tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the
 sweep every SWEEP steps, the log drain) and block log (noting hashed blocks and forgetting freed
 ones, in update_batch after the step and in the next batch's preparation). The KV cache is sized
 for B requests to decode together (the bench stops when transformers split most of the batch's
@@ -96,8 +95,8 @@ class StepTimer:
     """Wraps the processor's (already guarded) generation step: wall seconds of each decode step,
     and where the host seconds the canary adds to that step go (PHASES): map (the model runner's
     compute_batch, which the engine wraps, less the forward it runs: mapping the batch into the
-    staged buffer and what else the wrapper does), the view's derivation and HEAD launched from the model's forward
-    (_head; not called in a replayed forward), the forward's inputs, RECHECK and TAIL (_tail), the
+    staged buffer and what else the wrapper does), the view's derivation and HEAD launched from
+    the model's forward (_head; not called in a replayed forward), the forward's inputs, RECHECK and TAIL (_tail), the
     runtime's end_forward (counting, the sweep every SWEEP steps, the log drain), and the block log
     noting hashed blocks and forgetting freed ones (in update_batch after the step and in the next
     batch's preparation; counted with the step)."""
@@ -171,8 +170,8 @@ def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: 
         timer.generation_done()
     timer.close()
     if len(timer.decode) < repeats * new // 2:
-        raise RuntimeError(f"{len(timer.decode)} decode steps ran all {batch} requests in {repeats} generations of {new} "
-                           f"tokens: transformers split the batch (too few KV blocks?)")
+        raise RuntimeError(f"{len(timer.decode)} decode steps ran all {batch} requests in {repeats} generations of "
+                           f"{new} tokens: transformers split the batch (too few KV blocks?)")
     host = {phase: 1e6 * statistics.mean(step.get(phase, 0.0) for step in timer.host) for phase in PHASES}
     return 1e3 * statistics.median(timer.decode), host
 

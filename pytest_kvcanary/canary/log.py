@@ -123,7 +123,7 @@ class ViolationLog:
         if not self._cuda:
             self._pending = self._snapshot()
             new += self._decode_pending()
-        elif int(self._seen_on_host[0]) > self._consumed:  # a copy in flight writes it whole: any value read is one it held
+        elif int(self._seen_on_host[0]) > self._consumed:  # a copy in flight writes all 8 bytes at once
             with device_work():
                 self._pending = self._snapshot()
         return self._report(new)

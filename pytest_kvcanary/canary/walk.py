@@ -81,10 +81,8 @@ def _well_formed_on_host(walk: CacheWalk, space: int) -> bool:
 
 
 def check_walk(walk: CacheWalk, space: int) -> CheckedWalk:
-    """Check `walk` against a FULL slot space of `space` slots (see the module docstring). A
-    well-formed walk (every entry in range, listed once, after its predecessor) takes no boolean
-    compaction and no fold of the reasons: the checks' masks are all it costs, with numpy when
-    the walk is on the host."""
+    """Check `walk` against a FULL slot space of `space` slots (see the module docstring); a
+    well-formed walk on the host takes numpy's check alone."""
     if walk.slots.device.type != "cpu":
         return _check_in_full(walk, space)
     if _well_formed_on_host(walk, space):
@@ -100,9 +98,8 @@ def _check_in_full(walk: CacheWalk, space: int) -> CheckedWalk:
     n = slots.numel()
     in_range = (slots >= 0) & (slots < space)
     prev_in_range = (prev == PREV_CHAIN_HEAD) | ((prev >= 0) & (prev < space))
-    all_in_range = bool(in_range.all())
-    safe = slots if all_in_range else torch.where(in_range, slots, 0)
-    listings = torch.bincount(safe if all_in_range else safe[in_range], minlength=space)[safe]
+    safe = torch.where(in_range, slots, 0)
+    listings = torch.bincount(safe[in_range], minlength=space)[safe]
     repeated = in_range & (listings > 1)
     first = torch.ones(n, dtype=torch.bool, device=slots.device)
     if bool(repeated.any()):  # the first listing of each slot (sorting only where one repeats)
@@ -111,36 +108,29 @@ def _check_in_full(walk: CacheWalk, space: int) -> CheckedWalk:
         sorted_keys = key[order]
         first[order[1:]] = sorted_keys[1:] != sorted_keys[:-1]
     keep = in_range & prev_in_range & first
-    kept_all = bool(keep.all())
     position_of = torch.full((space,), -1, dtype=torch.int64, device=slots.device)
-    if kept_all:
-        position_of[safe] = positions
-    else:
-        position_of[safe[keep]] = positions[keep]
+    position_of[safe[keep]] = positions[keep]
     prev_position = position_of[torch.where(prev_in_range & (prev >= 0), prev, 0)]
     gap = (positions < 0) | (prev_in_range & (prev >= 0) & (prev_position >= 0) & (prev_position != positions - 1))
-    out_of_range = ~in_range | ~prev_in_range
 
-    rows = torch.zeros(0, ROW_WIDTH, dtype=torch.int64, device=slots.device)
-    if bool((out_of_range | repeated | gap).any()):
-        failing = {
-            Reason.WALK_SLOT_OUT_OF_RANGE: (out_of_range, torch.where(in_range, prev, slots),
-                                            torch.full_like(slots, space)),
-            Reason.WALK_DUPLICATE_SLOT: (repeated, listings, torch.ones_like(slots)),
-            Reason.WALK_POSITION_GAP: (gap, prev_position, positions - 1),
-        }
-        bits, stored, expected = fold_checks(failing, slots)
-        bad = (bits != 0).nonzero().squeeze(1)
-        rows = torch.zeros(bad.numel(), ROW_WIDTH, dtype=torch.int64, device=slots.device)
-        for col, value in ((COL_REASONS, bits), (COL_SLOT, slots), (COL_POSITION, positions), (COL_STORED, stored),
-                           (COL_EXPECTED, expected)):
-            rows[:, col] = value[bad]
-        rows[:, COL_ROW] = -1
+    failing = {
+        Reason.WALK_SLOT_OUT_OF_RANGE: (~in_range | ~prev_in_range, torch.where(in_range, prev, slots),
+                                        torch.full_like(slots, space)),
+        Reason.WALK_DUPLICATE_SLOT: (repeated, listings, torch.ones_like(slots)),
+        Reason.WALK_POSITION_GAP: (gap, prev_position, positions - 1),
+    }
+    bits, stored, expected = fold_checks(failing, slots)
+    bad = (bits != 0).nonzero().squeeze(1)
+    rows = torch.zeros(bad.numel(), ROW_WIDTH, dtype=torch.int64, device=slots.device)
+    for col, value in ((COL_REASONS, bits), (COL_SLOT, slots), (COL_POSITION, positions), (COL_STORED, stored),
+                       (COL_EXPECTED, expected)):
+        rows[:, col] = value[bad]
+    rows[:, COL_ROW] = -1
     if n > space:
         too_large = torch.zeros(1, ROW_WIDTH, dtype=torch.int64, device=slots.device)
         too_large[0, [COL_REASONS, COL_SLOT, COL_POSITION, COL_ROW, COL_STORED, COL_EXPECTED]] = torch.tensor(
             [int(Reason.WALK_TOO_LARGE), -1, -1, -1, n, space], device=slots.device)
         rows = torch.cat([too_large, rows])
-    if kept_all:
+    if bool(keep.all()):
         return CheckedWalk(walk, rows)
     return CheckedWalk(CacheWalk(*(None if t is None else t[keep] for t in walk)), rows)

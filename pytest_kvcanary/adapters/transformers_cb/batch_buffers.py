@@ -35,7 +35,8 @@ class BatchBuffers:
     def __init__(self, capacities: Capacities, lanes: int, widths: Mapping[GroupKind, int], device: torch.device,
                  pairs: int) -> None:
         b, t = capacities.max_batch, capacities.max_tokens
-        shapes = {"batch": (1, 1), "lanes": (1, b), "tokens": (3, t), **{kind: (lanes, w) for kind, w in widths.items()}}
+        shapes = {"batch": (1, 1), "lanes": (1, b), "tokens": (3, t),
+                  **{kind: (lanes, w) for kind, w in widths.items()}}
         total = sum(rows * cols for rows, cols in shapes.values())
         cuda = device.type == "cuda"
         self.device_flat = torch.zeros(total, dtype=torch.int64, device=device)
@@ -57,14 +58,17 @@ class BatchBuffers:
         self.lanes = self.device_views["lanes"][0]
         self.tables = {kind: self.device_views[kind] for kind in widths}
         self._pair = 0  # the pair whose staging buffer is filled now
-        self.host: dict[object, np.ndarray] = self._hosts[0]  # its staging buffer, as numpy views
         self._entries = [0] * pairs  # token entries each staging buffer holds
         self._spill: list[Sequence[int]] | None = None  # this forward's entries past max_tokens
 
     def select(self, pair: int) -> None:
         """Fill pair `pair`'s staging buffer next (the forward that last read it is over)."""
         self._pair = pair
-        self.host = self._hosts[pair]
+
+    @property
+    def host(self) -> dict[object, np.ndarray]:
+        """The selected pair's staging buffer, as numpy views."""
+        return self._hosts[self._pair]
 
     def set_batch(self, size: int) -> None:
         """The number of requests in this forward (rows at or past it are padding)."""
