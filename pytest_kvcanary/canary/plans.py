@@ -54,13 +54,19 @@ def _plan_into(planned: torch.Tensor, walk: CacheWalk, unlocked_only: bool) -> N
     for row, column, fill in zip(rows, columns, _PADDING):
         row[n:] = fill
         row[:n] = fill if column is None else column
+    prev = rows[2][:n]  # a predecessor at the reserved slot 0 holds no record to check against
+    if isinstance(prev, torch.Tensor):
+        prev.masked_fill_(prev == 0, PREV_SKIP)
+    else:
+        prev[prev == 0] = PREV_SKIP
 
 
 def group_entries(entries: VerifyEntries, group: GroupState) -> VerifyEntries:
-    """FULL-space entries as this group's: a slot not resident here becomes slot 0 (the kernels
-    skip it) and a predecessor not resident here is not checked against (PREV_SKIP)."""
+    """FULL-space entries (as planned: a predecessor at the reserved slot 0 is PREV_SKIP) as this
+    group's: a slot not resident here becomes slot 0 (the kernels skip it) and a predecessor not
+    resident here is not checked against (PREV_SKIP)."""
     if group.mapping.full_to_group is None:  # the FULL group: a checked entry's slot is its own
-        return entries._replace(prev_slots=torch.where(entries.prev_slots == 0, PREV_SKIP, entries.prev_slots))
+        return entries
     prev = group.to_group_slots(entries.prev_slots.clamp(min=0))
     prev = torch.where(entries.prev_slots < 0, entries.prev_slots, torch.where(prev == 0, PREV_SKIP, prev))
     return entries._replace(slots=group.to_group_slots(entries.slots), prev_slots=prev)
@@ -76,7 +82,8 @@ def sweep_entries(walk: CacheWalk, group: GroupState, *, unlocked_only: bool = F
 class SweepPlan:
     """The sweep's entries for each swept group in device buffers refilled in place. A walk is
     checked and planned when the host returns a new walk object (or asks for another part of it);
-    the groups mapped through full_to_group are mapped again at every refresh, as their maps move."""
+    the groups mapped through full_to_group are mapped again at every refresh, as their maps move
+    (the FULL group's entries are the plan itself)."""
 
     def __init__(self, groups: list[GroupState], space: int, device: torch.device) -> None:
         self.groups, self.space, self.device = groups, space, device
@@ -87,13 +94,16 @@ class SweepPlan:
         cuda = device.type == "cuda"
         self._host_plan = torch.zeros((len(_PADDING), space), dtype=torch.int64, pin_memory=cuda)
         self._host_plan_read = torch.cuda.Event() if cuda else None  # the copy out of _host_plan is over
-        self._mapped = {g.pool.kind: torch.zeros((2, space), dtype=torch.int64, device=device) for g in groups}
-        full = VerifyEntries(*self._full.unbind(0))
-        self.entries = {kind: full._replace(slots=m[0], prev_slots=m[1]) for kind, m in self._mapped.items()}
+        self._mapped_groups = [g for g in groups if g.mapping.full_to_group is not None]  # mapped at every refresh
+        self._mapped = {g.pool.kind: torch.zeros((2, space), dtype=torch.int64, device=device)
+                        for g in self._mapped_groups}
+        self._full_entries = VerifyEntries(*self._full.unbind(0))  # views of _full, refilled in place
+        self.entries = {g.pool.kind: self._full_entries for g in groups if g.mapping.full_to_group is None}
+        self.entries.update({kind: self._full_entries._replace(slots=m[0], prev_slots=m[1])
+                             for kind, m in self._mapped.items()})
 
     def refresh(self, walk: CacheWalk, unlocked_only: bool) -> None:
         """Bring the buffers up to date with ``walk``; ``malformed``: its violation rows (walk.py)."""
-        stale = [g for g in self.groups if g.mapping.full_to_group is not None]
         if walk is not self.walk or unlocked_only != self.unlocked_only:
             checked = check_walk(walk, self.space)
             where = checked.walk.slots.device
@@ -105,9 +115,8 @@ class SweepPlan:
             self._full.copy_(planned, non_blocking=True)
             if kept:
                 self._host_plan_read.record()
-            self.walk, self.unlocked_only, self.malformed, stale = walk, unlocked_only, checked.rows, self.groups
-        full = VerifyEntries(*self._full.unbind(0))
-        for group in stale:
-            mapped, into = group_entries(full, group), self._mapped[group.pool.kind]
+            self.walk, self.unlocked_only, self.malformed = walk, unlocked_only, checked.rows
+        for group in self._mapped_groups:
+            mapped, into = group_entries(self._full_entries, group), self._mapped[group.pool.kind]
             into[0].copy_(mapped.slots)
             into[1].copy_(mapped.prev_slots)

@@ -59,6 +59,7 @@ class BatchBuffers:
         self.tables = {kind: self.device_views[kind] for kind in widths}
         self._pair = 0  # the pair whose staging buffer is filled now
         self._entries = [0] * pairs  # token entries each staging buffer holds
+        self._sizes = [0] * pairs  # the batch size each staging buffer holds
         self._spill: list[Sequence[int]] | None = None  # this forward's entries past max_tokens
 
     def select(self, pair: int) -> None:
@@ -72,7 +73,8 @@ class BatchBuffers:
 
     def set_batch(self, size: int) -> None:
         """The number of requests in this forward (rows at or past it are padding)."""
-        self.host["batch"][0, 0] = size
+        if self._sizes[self._pair] != size:
+            self.host["batch"][0, 0] = self._sizes[self._pair] = size
 
     def set_lanes(self, lanes: Sequence[int]) -> None:
         """Batch row r's request holds lane lanes[r]."""

@@ -79,6 +79,7 @@ from .versions import CAUSE_RESET, GroupCache, UnsupportedModel, cache_layout, c
 
 
 NO_BLOCKS: list[int] = []
+_NO_BLOCKS = itertools.repeat(NO_BLOCKS)  # the default of each row's table lookup
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
@@ -159,6 +160,7 @@ class TransformersEngine:
         self._clear_lanes()
 
         self._hooks: ForwardHooks | None = None
+        self._stream_events = (torch.cuda.Event(), torch.cuda.Event()) if self.device.type == "cuda" else ()
         self._canary_graphs = canary_graphs
         self._in_forward = canary_graphs or not use_cuda_graph  # the canary's work inside the model's forward
         self._forward_pair: int | None = None  # the IO pair of the forward the wrapper runs now
@@ -256,8 +258,10 @@ class TransformersEngine:
         return None if owner is None else (owner, self._prompts.get(owner, ""))
 
     # ------------------------------------------------------------------------------- forward
+    @torch.no_grad()
     def _run_batches(self) -> None:
-        """Every batch until no request is left, as transformers' generation loop runs them."""
+        """Every batch until no request is left, as transformers' generation loop runs them (the
+        engine's wrappers run inside it, without autograd)."""
         processor = self.processor
         if not self._io_pairs:
             while processor.prepare_next_batch():
@@ -274,14 +278,12 @@ class TransformersEngine:
         io.current_pair = 1 - io.current_pair
         processor.update_batch()
 
-    @torch.no_grad()
     def _guarded_step(self, model: Any) -> None:
         self._step(model)
         if self._hooks is not None:
             self._hooks.end_forward(self._on_compute_stream)
         self._steps += 1
 
-    @torch.no_grad()
     def _guarded_compute(self, model: Any, batch_data: dict[str, Any]) -> None:
         hooks = self._hooks
         if hooks is None:
@@ -380,10 +382,16 @@ class TransformersEngine:
             yield
             return
         host = torch.cuda.current_stream()
-        stream.wait_stream(host)
-        with torch.cuda.stream(stream):
+        host_done, canary_done = self._stream_events  # reused: a wait is on the record made just before it
+        host_done.record(host)
+        stream.wait_event(host_done)
+        torch.cuda.set_stream(stream)
+        try:
             yield
-        host.wait_stream(stream)
+        finally:
+            torch.cuda.set_stream(host)
+            canary_done.record(stream)
+            host.wait_event(canary_done)
 
     def _map_batch(self, pair: int) -> None:
         """Stage what only the host knows about the batch transformers just prepared (its size, its
@@ -405,7 +413,7 @@ class TransformersEngine:
             self._staged_lanes[pair] = self._lanes_version
         lanes = self._row_lanes
         for group, table, held in zip(self.groups, self.layout.block_tables(), self._row_blocks):
-            blocks = [table.get(state.request_id, NO_BLOCKS) for state in states]
+            blocks = list(map(table.get, self._row_ids[:size], _NO_BLOCKS))
             if blocks != held[:size]:  # a table grew, was re-pointed (de-duplication) or its lane changed hands
                 for row in itertools.compress(range(size), map(operator.ne, blocks, held)):
                     held[row] = list(blocks[row])
@@ -442,6 +450,7 @@ class TransformersEngine:
                 self._row_owners.note(lane, self._steps, state.request_id)
             used[lane] = self._steps
             self._row_states[row], self._row_lanes[row], self._row_known[row] = state, lane, self._lane_known[lane]
+            self._row_ids[row] = state.request_id
             for held, row_blocks in zip(self._lane_blocks, self._row_blocks):
                 row_blocks[row] = held[lane]
         self._rows_mapped = len(states)
@@ -507,6 +516,7 @@ class TransformersEngine:
         self._lane_blocks: list[list[list[int] | None]] = [[None] * lanes for _ in self.groups]  # [group][lane]
         self._lane_used = [-1] * lanes  # the forward that last used each lane
         self._row_states: list[Any] = [None] * rows  # the last batch's requests, by batch row
+        self._row_ids: list[str | None] = [None] * rows  # their request ids
         self._row_lanes = np.zeros(rows, dtype=np.int64)  # their lanes
         self._row_known = [0] * rows  # their lanes' known positions, kept up to date per forward
         self._row_blocks: list[list[list[int] | None]] = [[None] * rows for _ in self.groups]  # their block ids
