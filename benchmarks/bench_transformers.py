@@ -29,9 +29,10 @@ ones, in update_batch after the step and in the next batch's preparation). The K
 for B requests to decode together (the bench stops when transformers split most of the batch's
 decode steps). Each configuration is measured `--runs` times (off, then on, each after one warm-up
 generation, over `--repeats` generations); the table shows the median run and the spread
-(min..max) of the cost over runs. The canary-on runs must report no violation. Without CUDA
-graphs the step is host-bound Python and its time moves between runs by more than the canary
-costs (benchmarks/RESULTS.md): compare the graph rows. Under async batching a step returns before
+(min..max) over runs of the cost and of the host time (its phases: each phase's median). The
+canary-on runs must report no violation. Without CUDA graphs the step is host-bound Python and
+its time moves between runs by more than the canary costs (benchmarks/RESULTS.md): compare the
+graph rows. Under async batching a step returns before
 the device finishes it (the host prepares the next batch meanwhile), so a decode step's time is
 the interval from its start to the next step's start, the pace the loop settles at.
 """
@@ -217,8 +218,9 @@ def main() -> None:
           f"model: {described} {model.dtype}  prompt {prompt} + {new} new tokens  {args.batching} batching  "
           f"runs {args.runs} x {args.repeats} generations")
     print("| batch | cuda graphs | real_data | canary off ms/step | canary on ms/step | cost ms | cost % "
-          "| cost % min..max | host us/step | " + " | ".join(f"{phase} us" for phase in PHASES) + " |")
-    print("|---:|---|---|---:|---:|---:|---:|---|---:|" + "---:|" * len(PHASES))
+          "| cost % min..max | host us/step | host us min..max | "
+          + " | ".join(f"{phase} us" for phase in PHASES) + " |")
+    print("|---:|---|---|---:|---:|---:|---:|---|---:|---|" + "---:|" * len(PHASES))
     graph_modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs] if device == "cuda" else [False]
     kernels = "triton" if device == "cuda" else "torch"
     for batch in args.batches:
@@ -232,9 +234,11 @@ def main() -> None:
                 costs = sorted(100 * (on - off) / off for off, on, _ in runs)
                 off, on = (statistics.median(column) for column in list(zip(*runs))[:2])
                 phases = {phase: statistics.median(host[phase] for _, _, host in runs) for phase in PHASES}
+                hosts = sorted(sum(host.values()) for _, _, host in runs)
                 print(f"| {batch} | {'on' if use_cuda_graph else 'off'} | {real_data} | {off:.3f} | {on:.3f} | "
                       f"{on - off:.3f} | {statistics.median(costs):.1f}% | {costs[0]:.1f}..{costs[-1]:.1f}% | "
-                      f"{sum(phases.values()):.0f} | " + " | ".join(f"{phases[p]:.0f}" for p in PHASES) + " |",
+                      f"{sum(phases.values()):.0f} | {hosts[0]:.0f}..{hosts[-1]:.0f} | "
+                      + " | ".join(f"{phases[p]:.0f}" for p in PHASES) + " |",
                       flush=True)
             del engine
             if device == "cuda":
