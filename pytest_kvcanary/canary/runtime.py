@@ -149,13 +149,17 @@ class CanaryRuntime:
 
     def end_forward(self, device_work: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
         self.forwards += 1
-        if self.config.sweep_interval and self.forwards % self.config.sweep_interval == 0:
-            with device_work():
-                self.sweep()
+        sweeps = bool(self.config.sweep_interval) and self.forwards % self.config.sweep_interval == 0
         if self.config.drain_interval == 1:  # the debugging setting: every forward, synchronously
             with device_work():
+                if sweeps:
+                    self.sweep()
                 self.log.drain()
-        elif self.forwards % self.config.drain_interval == 0:
+            return
+        if sweeps:
+            with device_work():
+                self.sweep()
+        if self.forwards % self.config.drain_interval == 0:
             self.log.poll(device_work)
 
     def _verify_view(self, view: ForwardView, phase: Phase) -> None:

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -205,6 +207,22 @@ def test_periodic_polls_report_damage_without_a_drain(make_host):
     for i in range(4):  # forward 5 logs; the polls at forwards 6 and 8 see it, then decode it
         host.forward({0: [99 + i]})
     assert {(v.phase, v.slot) for v in host.runtime.log.violations} == {("HEAD", slot)}
+
+
+def test_a_forward_that_sweeps_and_drains_synchronously_enters_its_device_work_once(make_host):
+    host = make_host(sweep_interval=1, drain_interval=1)
+    host.runtime.end_forward = lambda: None  # the forward below ends here, by hand
+    host.forward({0: [1, 2, 3]})
+    del host.runtime.end_forward
+    entered = []
+
+    @contextlib.contextmanager
+    def device_work():
+        entered.append(host.runtime.sweeps)
+        yield
+
+    host.runtime.end_forward(device_work)
+    assert entered == [0] and host.runtime.sweeps == 1
 
 
 def test_raise_mode_raises_at_the_drain(make_host):
