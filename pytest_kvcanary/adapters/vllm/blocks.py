@@ -72,11 +72,18 @@ class BlockBook:
     # (every group, the null block left out)
     _contents: dict[int, BlockContent] = field(default_factory=dict)
     _released: set[int] = field(default_factory=set)  # blocks whose data listeners already heard is gone
+    _window_groups: list[int] = field(default_factory=list)  # read from the manager's config at `bind`
+    _full_group: int = 0
 
     def bind(self, manager: KVCacheManager) -> None:
         """vLLM built its scheduler: keep its KV cache manager and hear its sliding-window managers
         drop blocks that left a request's window (vLLM frees them without telling a connector)."""
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
         self.manager = manager
+        specs = [group.kv_cache_spec for group in manager.kv_cache_config.kv_cache_groups]
+        self._window_groups = [g for g, spec in enumerate(specs) if isinstance(spec, SlidingWindowSpec)]
+        self._full_group = next(g for g in range(len(specs)) if g not in self._window_groups)
         for group in self.window_groups:
             single = manager.coordinator.single_type_managers[group]
             remove = single.remove_skipped_blocks
@@ -95,19 +102,14 @@ class BlockBook:
     @property
     def full_group(self) -> int:
         """vLLM's KV cache group of the full-attention layers (the prefix cache's walk)."""
-        return next(g for g in range(len(self._specs)) if g not in self.window_groups)
+        assert self.manager is not None, "vLLM has not bound its KV cache manager to the connector yet"
+        return self._full_group
 
     @property
     def window_groups(self) -> list[int]:
         """vLLM's KV cache groups of sliding-window layers (only with its hybrid KV cache manager)."""
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-        return [g for g, spec in enumerate(self._specs) if isinstance(spec, SlidingWindowSpec)]
-
-    @property
-    def _specs(self) -> list[Any]:
         assert self.manager is not None, "vLLM has not bound its KV cache manager to the connector yet"
-        return [group.kv_cache_spec for group in self.manager.kv_cache_config.kv_cache_groups]
+        return self._window_groups
 
     @property
     def pool(self) -> BlockPool:
