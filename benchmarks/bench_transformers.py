@@ -23,8 +23,8 @@ them, canary_graphs=True). Host us is the host wall time the canary adds to a de
 mean over steps, and where it goes (PHASES): map (the model runner's compute_batch, which the
 engine wraps, less the forward inside: the batch's bookkeeping into the staged buffer and the rest
 of the wrapper), head (the view's derivation and HEAD launched from the model's forward pre-hook:
-0 in a replayed forward), tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the
-sweep every SWEEP steps, the log drain) and block log (noting hashed blocks and forgetting freed
+0 in a replayed forward), tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward
+(counting, the sweep every SWEEP steps, the log drain) and block log (noting hashed blocks and forgetting freed
 ones, in update_batch after the step and in the next batch's preparation). The KV cache is sized
 for B requests to decode together (the bench stops when transformers split most of the batch's
 decode steps). Each configuration is measured `--runs` times (off, then on, each after one warm-up
@@ -32,9 +32,9 @@ generation, over `--repeats` generations); the table shows the median run and th
 (min..max) over runs of the cost and of the host time (its phases: each phase's median). The
 canary-on runs must report no violation. Without CUDA graphs the step is host-bound Python and
 its time moves between runs by more than the canary costs (benchmarks/RESULTS.md): compare the
-graph rows. Under async batching a step returns before
-the device finishes it (the host prepares the next batch meanwhile), so a decode step's time is
-the interval from its start to the next step's start, the pace the loop settles at.
+graph rows. Under async batching a step returns before the device finishes it (the host prepares
+the next batch meanwhile), so a decode step's time is the interval from its start to the next
+step's start, the pace the loop settles at.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ class StepTimer:
     and where the host seconds the canary adds to that step go (PHASES): map (the model runner's
     compute_batch, which the engine wraps, less the forward it runs: mapping the batch into the
     staged buffer and what else the wrapper does), the view's derivation and HEAD launched from
-    the model's forward (_head; not called in a replayed forward), the forward's inputs, RECHECK and TAIL (_tail), the
-    runtime's end_forward (counting, the sweep every SWEEP steps, the log drain), and the block log
+    the model's forward (_head; not called in a replayed forward), the forward's inputs, RECHECK
+    and TAIL (_tail), the runtime's end_forward (counting, the sweep every SWEEP steps, the log drain), and the block log
     noting hashed blocks and forgetting freed ones (in update_batch after the step and in the next
     batch's preparation; counted with the step)."""
 

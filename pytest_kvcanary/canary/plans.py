@@ -98,7 +98,7 @@ class SweepPlan:
         self._mapped = {g.pool.kind: torch.zeros((2, space), dtype=torch.int64, device=device)
                         for g in self._mapped_groups}
         self._full_entries = VerifyEntries(*self._full.unbind(0))  # views of _full, refilled in place
-        self.entries = {g.pool.kind: self._full_entries for g in groups if g.mapping.full_to_group is None}
+        self.entries = {g.pool.kind: self._full_entries for g in groups}  # the FULL group's: the plan itself
         self.entries.update({kind: self._full_entries._replace(slots=m[0], prev_slots=m[1])
                              for kind, m in self._mapped.items()})
 
