@@ -1,6 +1,6 @@
 """What the host hands the device per forward, through one pinned staging buffer per IO pair: the
-batch size, each batch row's lane (the mapping row its request holds), the token-table entries the
-forward adds (lane, position, token) and the block-table rows (one per lane). The host only fills
+batch size, each batch row's lane (the mapping row its request holds) and the token-table entries
+the forward adds (lane, position, token). The host only fills
 the staging buffer; the copy to the device is the first device work of the canary inside the
 forward (``upload``), so under CUDA graphs it is a copy node of the captured forward and a replay
 reads the buffer as the host left it: a decode step launches no copy for it.
@@ -16,33 +16,31 @@ batching: the forward before that, the last one of the same pair)."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from kvcanary_kernels.records import UNKNOWN, GroupKind
+from kvcanary_kernels.records import UNKNOWN
 
 from ...canary.host import Capacities
 
 
 class BatchBuffers:
-    """batch ``[1]``, lanes ``[max_batch]``, tables[kind] ``[lanes, width]``, token_table ``[lanes,
-    max_context]`` (device); per forward: ``select`` the pair, fill its staging buffer
-    (``set_batch``, ``set_lanes``, ``set_row``, ``set_entries``) and, when it ``spills``,
-    ``write_spill``; then, in the forward, ``upload`` and ``apply_tokens``."""
+    """batch ``[1]``, lanes ``[max_batch]``, token_table ``[lanes, max_context]`` (device); per
+    forward: ``select`` the pair, fill its staging buffer (``set_batch``, ``set_lanes``,
+    ``set_entries``) and, when it ``spills``, ``write_spill``; then, in the forward, ``upload`` and
+    ``apply_tokens``."""
 
-    def __init__(self, capacities: Capacities, lanes: int, widths: Mapping[GroupKind, int], device: torch.device,
-                 pairs: int) -> None:
+    def __init__(self, capacities: Capacities, lanes: int, device: torch.device, pairs: int) -> None:
         b, t = capacities.max_batch, capacities.max_tokens
-        shapes = {"batch": (1, 1), "lanes": (1, b), "tokens": (3, t),
-                  **{kind: (lanes, w) for kind, w in widths.items()}}
+        shapes = {"batch": (1, 1), "lanes": (1, b), "tokens": (3, t)}
         total = sum(rows * cols for rows, cols in shapes.values())
         cuda = device.type == "cuda"
         self.device_flat = torch.zeros(total, dtype=torch.int64, device=device)
         self.staging = [torch.zeros(total, dtype=torch.int64, pin_memory=cuda) for _ in range(pairs)]
-        self.device_views: dict[object, torch.Tensor] = {}
-        self._hosts: list[dict[object, np.ndarray]] = [{} for _ in range(pairs)]
+        self.device_views: dict[str, torch.Tensor] = {}
+        self._hosts: list[dict[str, np.ndarray]] = [{} for _ in range(pairs)]
         start = 0
         for name, (rows, cols) in shapes.items():
             self.device_views[name] = self.device_flat[start:start + rows * cols].view(rows, cols)
@@ -56,7 +54,6 @@ class BatchBuffers:
         self.token_table = self._table[:lanes]
         self.batch = self.device_views["batch"][0]
         self.lanes = self.device_views["lanes"][0]
-        self.tables = {kind: self.device_views[kind] for kind in widths}
         self._pair = 0  # the pair whose staging buffer is filled now
         self._entries = [0] * pairs  # token entries each staging buffer holds
         self._sizes = [0] * pairs  # the batch size each staging buffer holds
@@ -67,7 +64,7 @@ class BatchBuffers:
         self._pair = pair
 
     @property
-    def host(self) -> dict[object, np.ndarray]:
+    def host(self) -> dict[str, np.ndarray]:
         """The selected pair's staging buffer, as numpy views."""
         return self._hosts[self._pair]
 
@@ -80,20 +77,14 @@ class BatchBuffers:
         """Batch row r's request holds lane lanes[r]."""
         self.host["lanes"][0, :len(lanes)] = lanes
 
-    def set_row(self, kind: GroupKind, lane: int, blocks: Sequence[int]) -> None:
-        """Lane `lane`'s row of the group's block table now holds `blocks` (the rest of the row: 0),
-        in every pair's buffer (a forward still in flight reads no lane that changed hands since:
-        the engine hands out the lanes used longest ago)."""
-        for host in self._hosts:
-            table = host[kind]
-            table[lane, :len(blocks)] = blocks
-            table[lane, len(blocks):] = 0
-
     def set_entries(self, rows: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
         """This forward's new token-table entries."""
-        entries = self.host["tokens"]
         n, held = len(rows), self._entries[self._pair]
-        m, self._spill = n, None
+        self._spill = None
+        if n == held == 0:  # none, as in the forward before
+            return
+        entries = self.host["tokens"]
+        m = n
         if n > entries.shape[1]:
             m = entries.shape[1]
             self._spill = [rows[m:], positions[m:], tokens[m:]]

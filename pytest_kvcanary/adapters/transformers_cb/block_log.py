@@ -27,6 +27,7 @@ class BlockLog:
         self.page_size = page_size
         self.blocks: dict[int, LoggedBlock] = {}
         self._children: dict[int, set[int]] = {}  # block id -> the logged blocks that follow it
+        self._levels: list[dict[int, int]] = []  # [index]: block id -> parent, in the order logged
         self._changes = 0  # counts every change to `blocks`
         self._walked: tuple[int, dict[int, bool], CacheWalk] | None = None  # the last walk, of which change
 
@@ -43,8 +44,11 @@ class BlockLog:
             if entry is None or entry.parent != parent:
                 self._changes += 1
                 if entry is not None:
-                    self._unlink(block, entry.parent)
+                    self._unlink(block, entry)
                 self._children.setdefault(parent, set()).add(block)
+                while len(self._levels) <= index:
+                    self._levels.append({})
+                self._levels[index][block] = parent
                 self.blocks[block] = LoggedBlock(index, parent, np.array(tokens[index * page:(index + 1) * page],
                                                                           dtype=np.int64).tobytes())
 
@@ -57,32 +61,39 @@ class BlockLog:
             block = dropping.pop()
             entry = self.blocks.pop(block, None)
             if entry is not None:
-                self._unlink(block, entry.parent)
+                self._unlink(block, entry)
                 dropping.extend(self._children.pop(block, ()))
 
-    def _unlink(self, block: int, parent: int) -> None:
-        siblings = self._children.get(parent)
+    def _unlink(self, block: int, entry: LoggedBlock) -> None:
+        siblings = self._children.get(entry.parent)
         if siblings is not None:
             siblings.discard(block)
+        del self._levels[entry.index][block]
 
     def clear(self) -> None:
         self.blocks.clear()
         self._children.clear()
+        self._levels.clear()
         self._changes += 1
         self._walked = None
 
     def intact(self, hashed: Mapping[int, bool]) -> list[int]:
         """Logged blocks still hashed whose whole ancestry is too, parents before children: the
         blocks whose slots and predecessors hold what the log says."""
+        return self._intact(hashed)[0]
+
+    def _intact(self, hashed: Mapping[int, bool]) -> tuple[list[int], list[int], list[int]]:
+        """`intact`'s blocks, with each one's index and parent."""
         kept: set[int] = set()
-        order = []
-        for block, entry in sorted(self.blocks.items(), key=lambda item: item[1].index):
-            if block not in hashed:
-                continue
-            if entry.index == 0 or entry.parent in kept:
-                kept.add(block)
-                order.append(block)
-        return order
+        order, indices, parents = [], [], []
+        for index, level in enumerate(self._levels):
+            for block, parent in level.items():
+                if block in hashed and (index == 0 or parent in kept):
+                    kept.add(block)
+                    order.append(block)
+                    indices.append(index)
+                    parents.append(parent)
+        return order, indices, parents
 
     def walk(self, hashed: Mapping[int, bool]) -> CacheWalk:
         """The sweep's view of every intact block, on the host: slot, position, previous slot (the
@@ -98,15 +109,15 @@ class BlockLog:
     def _walk(self, hashed: Mapping[int, bool]) -> CacheWalk:
         """Built with numpy (torch's thread pool made small host tensors slow on a busy GPU host)."""
         page = self.page_size
-        blocks = self.intact(hashed)
-        entries = [self.blocks[b] for b in blocks]
+        blocks, indices, parents = self._intact(hashed)
         offsets = np.arange(page, dtype=np.int64)
-        index = np.array([e.index for e in entries], dtype=np.int64).reshape(-1, 1)
-        parent = np.array([e.parent for e in entries], dtype=np.int64)
+        index = np.array(indices, dtype=np.int64).reshape(-1, 1)
+        parent = np.array(parents, dtype=np.int64)
         slots = np.array(blocks, dtype=np.int64).reshape(-1, 1) * page + offsets
         prev = slots - 1
         prev[:, 0] = np.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent * page + page - 1)
-        tokens = np.frombuffer(b"".join(e.tokens for e in entries), dtype=np.int64).copy()
+        logged = self.blocks
+        tokens = np.frombuffer(b"".join([logged[b].tokens for b in blocks]), dtype=np.int64).copy()
         locked = np.repeat(np.array([hashed[b] for b in blocks], dtype=bool), page)
         columns = (slots, index * page + offsets, prev, tokens, locked)  # CacheWalk's fields, in order
         return CacheWalk(*(torch.from_numpy(column.reshape(-1)) for column in columns))

@@ -8,13 +8,14 @@ The engine drives a ``ContinuousBatchProcessor`` in the calling thread (no backg
 before any update, then each update is of the batch before the one just launched). It wraps the
 model runner's ``compute_batch`` (inside ``_generation_step``, after transformers moved the
 batch's inputs to the device and before it marks the compute over): before it, the host stages
-what only it knows in a pinned buffer (batch_buffers.py: the batch size, the token-table entries
-the forward adds, and a block-table row when that row's block ids changed). The canary's device
+what only it knows in a pinned buffer (batch_buffers.py: the batch size, each row's lane and the
+token-table entries the forward adds). The canary's device
 work runs inside the model's forward, from a forward pre-hook and a forward hook on the model
 that act only in a forward the wrapper runs (never in a test's own model call): before the model,
 after transformers' carry-over of async tokens, the staged buffer is copied to the device and the
-view's lengths are derived there from the cumulative sequence lengths transformers hands the
-forward (forward_view.py), then hooks.before_forward; after it, the view's input ids and
+view's lengths and block tables are derived there from the cumulative sequence lengths and the
+read and write indices transformers hands the forward (forward_view.py), then
+hooks.before_forward; after it, the view's input ids and
 positions are copied from the very buffers the forward consumed, then hooks.after_forward.
 hooks.end_forward follows the step; the device work it launches now and then (a sweep, a log
 snapshot) runs on the compute stream, and a step it launches nothing in pays no stream switch.
@@ -25,16 +26,21 @@ Python. Graphs transformers captured before (at warmup, or under other hooks) ar
 the hooks change and captured again on first use (transformers runs that forward eagerly, then
 captures it). With CUDA graphs and ``canary_graphs=False`` the same work runs eagerly on the
 compute stream right before and after the replay (forward observers, the fault injector, see
-every forward). The per-forward host work is a pass over the batch's request states filling the
-staged buffer (with the canary inside transformers' graphs no copy or kernel launched from
-Python, no event): no device sync, no read-back. A decode step of the same batch takes one pass
-per field; a lane that changed hands gets its request's whole sequence, built with numpy.
+every forward). The per-forward host work fills the staged buffer (with the canary inside
+transformers' graphs no copy or kernel launched from Python, no event): no device sync, no
+read-back. A decode step of the same batch stages nothing but what the forward confirms.
 
-Async batching schedules a decoding request before the host knows the token it decodes (the
-forward takes it from the previous forward's output on the device): its token-table entry goes up
-UNKNOWN (stamped from what the forward consumed, not checked in that forward) and the host sends
-the token in the next forward that request is in, after transformers handed it over, so that
-forward's HEAD checks the slot's record holds the token the request really generated.
+Token-table entries: a forward whose batch changed, or that extends a prompt, sends what each row
+added since its lane last heard of it (a lane that changed hands: its request's whole sequence,
+then UNKNOWN to max_context). A decode step of the same batch sends nothing
+unless it is a confirming forward (every CONFIRM_EVERY forwards), which sends every token the
+batch generated since: until then a decoded position is UNKNOWN in the table, stamped from what
+the forward consumed and not checked against the host, and the confirming forward's HEAD checks
+each such slot's record holds the token the request really generated (a wrong token fed to a
+forward is reported within CONFIRM_EVERY forwards). Async batching schedules a decoding request
+before the host knows the token it decodes (the forward takes it from the previous forward's
+output on the device): that token is UNKNOWN until a confirming forward after transformers
+handed it over.
 
 With write_through (the default) the paged cache's ``update`` is wrapped too: each layer's K and
 V rows, as the forward computed them, go to hooks.kv_stored before transformers stores them, so
@@ -46,11 +52,10 @@ A request holds a lane (a row of the canary's block and token tables; the view's
 batch row's lane) from its first forward until the lane is handed to another request: there are
 twice max_requests_per_batch lanes and a request without one takes the lane used longest ago, so
 a forward still in flight never reads a lane that changed hands, and a request that moves between
-batch rows (transformers reorders its batches as requests join and leave) sends nothing again. A
-lane's block-table row is re-sent only when its block ids changed (the table grew, transformers
-re-pointed it when it de-duplicated a block, or the lane changed hands); token-table entries only
-for the positions its request added since the last forward (its whole sequence when the lane
-changed hands). Slot s of a group is offset
+batch rows (transformers reorders its batches as requests join and leave) sends nothing again.
+Every forward derives its rows' block tables on the device from the indices it reads and writes
+through, so a table transformers grew or re-pointed (de-duplication) costs the host nothing.
+Slot s of a group is offset
 ``s % page_size`` of block ``s // page_size`` in that group's block geometry; slot 0 (block 0's
 first slot) is never a token's: it lies in a trash block transformers never allocates (5.18+) or
 in block 0, which the adapter takes out of the free list (5.17).
@@ -59,7 +64,6 @@ in block 0, which the adapter takes out of the free list (5.17).
 from __future__ import annotations
 
 import inspect
-import itertools
 import operator
 import weakref
 from contextlib import contextmanager
@@ -74,12 +78,12 @@ from kvcanary_kernels.records import UNKNOWN, GroupKind
 from ...canary.seam import CacheWalk, Capacities, ForwardHooks, FreeListener, PoolGroup, RowOwners, SlotMapping
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
-from .forward_view import DerivedView, empty_view
+from .forward_view import DerivedView, empty_tables, empty_view
 from .versions import CAUSE_RESET, GroupCache, UnsupportedModel, cache_layout, config_options, sdpa_attention
 
 
-NO_BLOCKS: list[int] = []
-_NO_BLOCKS = itertools.repeat(NO_BLOCKS)  # the default of each row's table lookup
+_NO_ENTRIES: tuple[list[int], list[int], list[int]] = ([], [], [])
+CONFIRM_EVERY = 8  # forwards: how often a decode step of the same batch sends the tokens generated since
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
@@ -152,11 +156,13 @@ class TransformersEngine:
         io = self.processor.inputs_and_outputs
         self._io_pairs: list[Any] = list(io.io_pairs) if use_async_batching else []
         device_ios = [pair.device_io for pair in self._io_pairs] or [io]
-        self._buffers = self._batch_buffers(len(device_ios))
-        self._tables = self._buffers.tables
+        lanes = 2 * self.capacities.max_batch
+        self._buffers = BatchBuffers(self.capacities, lanes, self.device, len(device_ios))
+        self._tables = empty_tables(self.groups, self.capacities, lanes, self.device)
         self._view = empty_view(self.capacities, self._buffers.lanes, self._buffers.token_table)
         self._device_ios = device_ios
-        self._derived = [DerivedView(d, self.capacities, self._buffers.batch, self._view) for d in device_ios]
+        self._derived = [DerivedView(d, self.capacities, self._buffers.batch, self._view, self.groups, self._tables)
+                         for d in device_ios]
         self._clear_lanes()
 
         self._hooks: ForwardHooks | None = None
@@ -183,7 +189,7 @@ class TransformersEngine:
     # ----------------------------------------------------------------------------- CanaryHost
     def canary_groups(self) -> Sequence[PoolGroup]:
         return [PoolGroup(g.kind, g.k_layers, g.v_layers, g.num_slots,
-                          SlotMapping(self._tables[g.kind], page_size=g.page_size, ring=g.ring),
+                          SlotMapping(self._tables[g.kind][:-1], page_size=g.page_size, ring=g.ring),
                           page_size=g.page_size, window=g.window, fingerprintable=g.fingerprintable)
                 for g in self.groups]
 
@@ -246,6 +252,8 @@ class TransformersEngine:
             self.layout.flush()
         self.block_log.clear()
         self._buffers.reset()
+        for table in self._tables.values():
+            table.zero_()
         self._clear_lanes()
         self._steps = 0
         self._row_owners.clear()
@@ -293,7 +301,7 @@ class TransformersEngine:
         self._map_batch(pair)
         if not self._in_forward:
             with self._on_compute_stream():
-                self._head(hooks, pair)
+                self._head(hooks, pair, batch_data)
         self._forward_pair = pair
         try:
             self._compute(model, batch_data)
@@ -314,7 +322,7 @@ class TransformersEngine:
         if consumed is None or consumed.data_ptr() != self._derived[pair].input_ids.data_ptr():
             raise UnsupportedModel("the model's forward does not embed the input ids transformers staged for "
                                    "it; the canary's view would not be what the forward consumed")
-        self._head(hooks, pair)
+        self._head(hooks, pair, kwargs)
 
     @torch.compiler.disable
     def _tail_in_forward(self, model: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
@@ -333,12 +341,18 @@ class TransformersEngine:
         io = self.processor.inputs_and_outputs
         return (self._io_pairs[io.current_pair].host_io if self._io_pairs else io).requests_in_batch
 
-    def _head(self, hooks: ForwardHooks, pair: int) -> None:
-        """What the host staged for this forward onto the device, the view's lengths from the
-        buffers the forward consumes, then HEAD (device work)."""
+    def _head(self, hooks: ForwardHooks, pair: int, inputs: dict[str, Any]) -> None:
+        """What the host staged for this forward onto the device, the view's lengths and block
+        tables from the buffers and indices the forward consumes (`inputs`: its keyword
+        arguments), then HEAD (device work)."""
+        if inputs.get("block_table") is not None:
+            raise UnsupportedModel("transformers runs this batch on its block-table decode path (flash attention "
+                                   "with a KV cache); the canary reads the read and write indices of the SDPA path")
         self._buffers.upload()
         self._buffers.apply_tokens()
-        self._derived[pair].derive_lengths()
+        derived = self._derived[pair]
+        derived.derive_lengths()
+        derived.derive_tables(inputs["read_index"], inputs["write_index"])
         hooks.before_forward(self._view)
 
     def _tail(self, hooks: ForwardHooks, pair: int) -> None:
@@ -395,8 +409,8 @@ class TransformersEngine:
 
     def _map_batch(self, pair: int) -> None:
         """Stage what only the host knows about the batch transformers just prepared (its size, its
-        rows' lanes, the token-table entries it adds and the block-table rows that changed) in the
-        pair's buffer; entries past its fixed-size part go to the device here."""
+        rows' lanes and the token-table entries it adds) in the pair's buffer; entries past its
+        fixed-size part go to the device here."""
         batch = self.batch_requests()
         size = len(batch)
         if size > self.capacities.max_batch:
@@ -406,19 +420,16 @@ class TransformersEngine:
         buffers.select(pair)
         buffers.set_batch(size)
         states = [future.state for future in batch]
-        if not all(map(operator.is_, states, self._row_states)):
+        reassigned = not all(map(operator.is_, states, self._row_states))
+        if reassigned:
             self._assign_lanes(states)
         if self._staged_lanes[pair] != self._lanes_version:
             buffers.set_lanes(self._row_lanes[:size])
             self._staged_lanes[pair] = self._lanes_version
-        lanes = self._row_lanes
-        for group, table, held in zip(self.groups, self.layout.block_tables(), self._row_blocks):
-            blocks = list(map(table.get, self._row_ids[:size], _NO_BLOCKS))
-            if blocks != held[:size]:  # a table grew, was re-pointed (de-duplication) or its lane changed hands
-                for row in itertools.compress(range(size), map(operator.ne, blocks, held)):
-                    held[row] = list(blocks[row])
-                    buffers.set_row(group.kind, int(lanes[row]), blocks[row])
-        buffers.set_entries(*(self._decode_entries(states) or self._token_entries(states)))
+        if reassigned or self._steps % CONFIRM_EVERY == 0 or not all(f.query_length == 1 for f in batch):
+            buffers.set_entries(*self._token_entries(states))
+        else:  # a decode step of the same batch: its tokens wait for the next forward that confirms
+            buffers.set_entries(*_NO_ENTRIES)
         if buffers.spills():
             with self._on_compute_stream():
                 buffers.write_spill()
@@ -430,8 +441,6 @@ class TransformersEngine:
         used = self._lane_used
         for row, lane in enumerate(self._row_lanes[:self._rows_mapped].tolist()):  # the rows' views, back
             self._lane_known[lane] = self._row_known[row]
-            for held, row_blocks in zip(self._lane_blocks, self._row_blocks):
-                held[lane] = row_blocks[row]
             used[lane] = self._steps - 1  # (at most) the forward before, which may still run
         mine = {self._lane_of.get(state.request_id) for state in states}
         for row, state in enumerate(states):
@@ -445,67 +454,38 @@ class TransformersEngine:
                 self._lane_of[state.request_id] = lane
             if self._lane_states[lane] is not state:  # a new request, or one transformers re-created
                 self._lane_states[lane], self._lane_known[lane] = state, 0
-                for held in self._lane_blocks:
-                    held[lane] = None
                 self._row_owners.note(lane, self._steps, state.request_id)
             used[lane] = self._steps
             self._row_states[row], self._row_lanes[row], self._row_known[row] = state, lane, self._lane_known[lane]
-            self._row_ids[row] = state.request_id
-            for held, row_blocks in zip(self._lane_blocks, self._row_blocks):
-                row_blocks[row] = held[lane]
         self._rows_mapped = len(states)
         self._lanes_version += 1
 
-    def _decode_entries(self, states: list[Any]) -> tuple[Sequence[int], Sequence[int], Sequence[int]] | None:
-        """The token-table entries of a decode step of the batch before (every row one known token
-        further, and under async batching one more it has not seen yet), one pass per field; None
-        when this forward is not one (`_token_entries` maps it)."""
-        size = len(states)
-        known = self._row_known
-        positions = known[:size]
-        totals = [len(s.initial_tokens) + len(s.generated_tokens) for s in states]
-        if totals != [p + 1 for p in positions]:
-            return None
-        lengths = [s.position_offset for s in states]  # advanced past this forward's tokens
-        synchronous = lengths == totals
-        if not synchronous and lengths != [t + 1 for t in totals]:
-            return None
-        known[:size] = totals
-        tokens = [(s.generated_tokens or s.initial_tokens)[-1] for s in states]
-        lanes = self._row_lanes[:size]
-        if synchronous:
-            return lanes, positions, tokens
-        return np.concatenate((lanes, lanes)), positions + totals, tokens + [UNKNOWN] * size
-
-    def _token_entries(self, states: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _token_entries(self, states: list[Any]) -> tuple[list[int], list[int], list[int]]:
         """(lanes, positions, tokens) of the token-table entries this forward adds: per row the
         positions its request advanced past since its lane last heard of it, UNKNOWN where the host
         does not have the token yet (sent again once it does). A lane that changed hands gets its
-        request's whole sequence (thousands of entries for a batch), so the fields are built with
-        numpy."""
-        known = self._row_known
-        rows, starts, tokens = [], [], []
+        whole row: its request's sequence, then UNKNOWN to max_context (the positions its request
+        writes before the next confirming forward must not be checked against the tokens of the
+        lane's previous request). Plain lists: a confirming decode step sends a few entries a row,
+        for which numpy's per-call cost right after a forward is most of the work."""
+        known, context, row_lanes = self._row_known, self.capacities.max_context, self._row_lanes
+        lanes: list[int] = []
+        positions: list[int] = []
+        tokens: list[int] = []
         for row, state in enumerate(states):
             length, start = state.position_offset, known[row]  # advanced past this forward's tokens
-            if length > start:  # positions [start, length)
+            if length > start:  # positions [start, length), or [0, max_context) in a lane just handed over
                 prompt, generated = state.initial_tokens, state.generated_tokens
-                have = min(length, len(prompt) + len(generated))
+                n = len(prompt)
+                have = min(length, n + len(generated))
                 known[row] = have
-                sent = np.full(length - start, UNKNOWN, dtype=np.int64)
-                if start < len(prompt):
-                    sent[:min(have, len(prompt)) - start] = prompt[start:have]
-                past = max(start, len(prompt))  # the generated tokens from here
-                if have > past:
-                    sent[past - start:have - start] = generated[past - len(prompt):have - len(prompt)]
-                rows.append(row)
-                starts.append(start)
-                tokens.append(sent)
-        if not rows:
-            return self._row_lanes[:0], self._row_lanes[:0], self._row_lanes[:0]
-        counts = np.array([len(t) for t in tokens])
-        ends = np.cumsum(counts)
-        positions = np.arange(ends[-1]) + np.repeat(np.array(starts) - (ends - counts), counts)
-        return np.repeat(self._row_lanes[rows], counts), positions, np.concatenate(tokens)
+                end = length if start else context
+                lanes += [int(row_lanes[row])] * (end - start)
+                positions += range(start, end)
+                tokens += prompt[start:have]
+                tokens += generated[max(start - n, 0):max(have - n, 0)]
+                tokens += [UNKNOWN] * (end - have)
+        return lanes, positions, tokens
 
     def _clear_lanes(self) -> None:
         """Forget what every lane and batch row holds: the next forward re-sends each lane it uses."""
@@ -513,21 +493,13 @@ class TransformersEngine:
         self._lane_of: dict[str, int] = {}  # request id -> the lane it holds
         self._lane_states: list[Any] = [None] * lanes  # the RequestState each lane's tokens are of
         self._lane_known = [0] * lanes  # positions of that state in token_table (as of the last batch change)
-        self._lane_blocks: list[list[list[int] | None]] = [[None] * lanes for _ in self.groups]  # [group][lane]
         self._lane_used = [-1] * lanes  # the forward that last used each lane
         self._row_states: list[Any] = [None] * rows  # the last batch's requests, by batch row
-        self._row_ids: list[str | None] = [None] * rows  # their request ids
         self._row_lanes = np.zeros(rows, dtype=np.int64)  # their lanes
         self._row_known = [0] * rows  # their lanes' known positions, kept up to date per forward
-        self._row_blocks: list[list[list[int] | None]] = [[None] * rows for _ in self.groups]  # their block ids
         self._rows_mapped = 0  # the last batch's size
         self._lanes_version = 0  # changes whenever a row's lane does
         self._staged_lanes = [-1] * len(self._buffers.staging)  # the version each pair's staged lanes are of
-
-    def _batch_buffers(self, pairs: int) -> BatchBuffers:
-        c = self.capacities
-        widths = {g.kind: -(-(g.ring if g.ring else c.max_context) // g.page_size) for g in self.groups}
-        return BatchBuffers(c, 2 * c.max_batch, widths, self.device, pairs)
 
     # ------------------------------------------------------------------------ bookkeeping
     def _encode(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:

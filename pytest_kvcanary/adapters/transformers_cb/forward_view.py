@@ -6,9 +6,20 @@ buffers transformers fills for that forward and hands to it (``ContinuousBatchin
     input_ids       the input ids the forward embedded
     positions       the position ids its rotary embedding used
 
-With async batching transformers keeps two sets of these buffers (one per IO pair) and
-alternates; the engine derives the view from the set the forward at hand consumes (one
-DerivedView per set, all filling the same view).
+and each group's block table, for the lanes of the batch's rows, from the read and write indices
+the forward hands each layer's cache update (physical cache rows, ``block * index_stride + offset``):
+
+    FULL      every block the row reads: read_index[cu_k[r] + j * page_size] (the write index
+              from cu_q[r] when the batch reads no cache: every row a fresh prefill)
+    sliding   the ring page of each token the forward stores (a query's last ``ring`` tokens)
+              gets the block it is written to, then the ring page of each cached position it
+              reads the block it is read from (the read wins); a lane's ring persists across
+              forwards
+
+So a block table transformers re-points (de-duplication, or a bug) is seen by the forward that
+reads through it, exactly as that forward does. With async batching transformers keeps two sets of
+these buffers (one per IO pair) and alternates; the engine derives the view from the set the
+forward at hand consumes (one DerivedView per set, all filling the same view).
 
 Rows at or past the batch size (uploaded by the host) are padding: prefix 0, extend 0 (transformers
 leaves stale cumulative lengths there). Positions are never derived from the lengths nor the
@@ -19,12 +30,14 @@ on persistent buffers (capturable in a CUDA graph); the buffers are refilled in 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
+from kvcanary_kernels.records import GroupKind
+
 from ...canary.host import Capacities, ForwardView
-from .versions import FULL_ATTENTION, UnsupportedModel
+from .versions import FULL_ATTENTION, SLIDING_ATTENTION, GroupCache, UnsupportedModel
 
 
 def empty_view(capacities: Capacities, lanes: torch.Tensor, token_table: torch.Tensor) -> ForwardView:
@@ -37,11 +50,22 @@ def empty_view(capacities: Capacities, lanes: torch.Tensor, token_table: torch.T
                        positions=torch.zeros(t, dtype=torch.int64, device=device), token_table=token_table)
 
 
-class DerivedView:
-    """Refills `view` by ``derive_lengths`` (before HEAD) and ``copy_inputs`` (after the forward,
-    before TAIL: the inputs as the forward left them) from one set of transformers' IO buffers."""
+def empty_tables(groups: Sequence[GroupCache], capacities: Capacities, lanes: int,
+                 device: torch.device) -> dict[GroupKind, torch.Tensor]:
+    """Each group's block table, zeros ``[lanes + 1, width]`` (the last row: scratch): a row holds
+    the blocks of ``max_context`` positions, or of a sliding group's ring."""
+    return {g.kind: torch.zeros(lanes + 1, -(-(g.ring or capacities.max_context) // g.page_size), dtype=torch.int64,
+                                device=device) for g in groups}
 
-    def __init__(self, io: Any, capacities: Capacities, batch: torch.Tensor, view: ForwardView) -> None:
+
+class DerivedView:
+    """Refills `view` by ``derive_lengths`` and ``derive_tables`` (before HEAD) and ``copy_inputs``
+    (after the forward, before TAIL: the inputs as the forward left them) from one set of
+    transformers' IO buffers. `tables`: per group kind, ``[lanes + 1, width]``, the last row a
+    scratch row padded batch rows write to."""
+
+    def __init__(self, io: Any, capacities: Capacities, batch: torch.Tensor, view: ForwardView,
+                 groups: Sequence[GroupCache], tables: Mapping[GroupKind, torch.Tensor]) -> None:
         b, t = capacities.max_batch, capacities.max_tokens
         self.cu_q = io.cumulative_seqlens_q[:b + 1]
         self.cu_k = io.cumulative_seqlens_k[FULL_ATTENTION][:b + 1]
@@ -51,13 +75,61 @@ class DerivedView:
                                    f"{self.input_ids.shape[0]} tokens; the canary was sized for {b} and {t}")
         self.batch = batch
         self.view = view
-        self._row_numbers = torch.arange(b, dtype=torch.int64, device=batch.device)
+        self.groups, self.tables = groups, tables
+        self._scratch = tables[groups[0].kind].shape[0] - 1
+        device = batch.device
+        self._row_numbers = torch.arange(b, dtype=torch.int64, device=device)
+        self._tokens = torch.arange(t, dtype=torch.int64, device=device)
+        self._block_starts = {g.kind: torch.arange(tables[g.kind].shape[1], dtype=torch.int64, device=device) *
+                              g.page_size for g in groups}
+        sliding = io.cumulative_seqlens_k.get(SLIDING_ATTENTION)
+        self.cu_k_sliding = None if sliding is None else sliding[:b + 1]
+        self._ring = {g.kind: torch.arange(g.ring, dtype=torch.int64, device=device) for g in groups if g.ring}
 
     def derive_lengths(self) -> None:
         live = self._row_numbers < self.batch
         extend = torch.diff(self.cu_q) * live
         self.view.extend_lens.copy_(extend)
         self.view.prefix_lens.copy_(torch.diff(self.cu_k) * live - extend)
+
+    def derive_tables(self, read_index: Sequence[torch.Tensor], write_index: Sequence[torch.Tensor]) -> None:
+        """Each group's table rows of this forward's lanes from the indices its cache updates get
+        (per group, in transformers' order; after ``derive_lengths``)."""
+        live = self._row_numbers < self.batch
+        lanes = torch.where(live, self.view.rows, self._scratch)
+        for group in self.groups:
+            reads, writes = read_index[group.io_index], write_index[group.io_index]
+            if group.ring:
+                self._sliding_table(group, live, lanes, reads, writes)
+            else:
+                self._full_table(group, lanes, reads, writes)
+
+    def _full_table(self, group: GroupCache, lanes: torch.Tensor, reads: torch.Tensor, writes: torch.Tensor) -> None:
+        view, block_starts = self.view, self._block_starts[group.kind]
+        index, starts = (reads, self.cu_k[:-1]) if reads.numel() else (writes, self.cu_q[:-1])
+        at = (starts[:, None] + block_starts).clamp(max=index.shape[0] - 1)
+        reached = block_starts < (view.prefix_lens + view.extend_lens)[:, None]
+        self.tables[group.kind][lanes] = torch.where(reached, index[at].long() // group.index_stride, 0)
+
+    def _sliding_table(self, group: GroupCache, live: torch.Tensor, lanes: torch.Tensor, reads: torch.Tensor,
+                       writes: torch.Tensor) -> None:
+        view, table, scratch = self.view, self.tables[group.kind], self._scratch
+        ends = torch.cumsum(view.extend_lens, 0)  # cu_q past the batch is stale
+        row = torch.searchsorted(ends, self._tokens, right=True).clamp(max=live.shape[0] - 1)
+        extend = view.extend_lens[row]
+        j = self._tokens - (ends[row] - extend)  # the token's place in its row's query
+        stored = (j < extend) & (j >= extend - group.ring)
+        page = (view.prefix_lens[row] + j) % group.ring // group.page_size
+        blocks = writes[self._tokens.clamp(max=writes.shape[0] - 1)].long() // group.index_stride
+        table.index_put_((torch.where(stored, lanes[row], scratch), torch.where(stored, page, 0)), blocks)
+        if reads.numel():  # per row: its cached positions, then a sentinel per query token
+            cached = torch.diff(self.cu_k_sliding) * live - view.extend_lens
+            i = self._ring[group.kind]
+            at = (self.cu_k_sliding[:-1, None] + i).clamp(max=reads.shape[0] - 1)
+            read = i < cached[:, None]
+            page = (view.prefix_lens[:, None] - cached[:, None] + i) % group.ring // group.page_size
+            table.index_put_((torch.where(read, lanes[:, None], scratch), torch.where(read, page, 0)),
+                             reads[at].long() // group.index_stride)
 
     def copy_inputs(self) -> None:
         self.view.input_ids.copy_(self.input_ids)

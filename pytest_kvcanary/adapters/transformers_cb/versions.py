@@ -13,8 +13,7 @@ about one of them:
   tracks complete blocks as ``Block`` objects. The two trash blocks are the last two, so block 0
   is taken out of the free deque here to serve as the canary's reserved slot 0.
 
-Both report a block id per (request, block index) through ``block_ids`` (every request's through
-``block_tables``), the hashed FULL blocks through ``hashed_blocks`` (``hashed_ids``: membership
+Both report a block id per (request, block index) through ``block_ids``, the hashed FULL blocks through ``hashed_blocks`` (``hashed_ids``: membership
 only), every block returning to the free pool through the ``on_free`` callback (before it is
 released, with a cause; ``causes.cause(...)`` names the cause of what an outer call releases) and
 every request whose completed blocks were just hashed through ``on_marked`` (not called for a
@@ -27,7 +26,7 @@ import inspect
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Container, Iterable, Iterator, Mapping
+from typing import Any, Callable, Container, Iterable, Iterator
 
 import torch
 
@@ -56,7 +55,9 @@ class GroupCache:
     """One attention type's KV as the canary sees it: per-layer ``[num_blocks, page_size, H, D]``
     views (block b's slots are ``b * page_size + offset``) of the model layers ``layers``, the
     read window and the ring of a sliding-window group (tokens sit at ``position % ring``), and
-    the allocator's key."""
+    the allocator's key, the group's place in the per-group read and write index lists transformers
+    hands the forward, and the physical cache rows per block in those indices (an index is
+    ``block * index_stride + offset``)."""
 
     kind: GroupKind
     layers: tuple[int, ...]
@@ -67,6 +68,8 @@ class GroupCache:
     window: int | None
     ring: int
     key: Any
+    io_index: int
+    index_stride: int
 
     @property
     def num_slots(self) -> int:
@@ -160,14 +163,11 @@ class SectorLayout:
         layers = range(len(allocator.layer_indices))
         window, ring = _group_window(kind, self.cache.config)
         return GroupCache(kind, tuple(allocator.layer_indices), tuple(layer(i, 0) for i in layers),
-                          tuple(layer(i, 1) for i in layers), num_blocks, page, window, ring, key=name)
+                          tuple(layer(i, 1) for i in layers), num_blocks, page, window, ring, key=name,
+                          io_index=allocator.index, index_stride=stride)
 
     def block_ids(self, group: GroupCache, request_id: str) -> list[int]:
         return self.cache.cache_allocators[group.key].block_table.get(request_id, [])
-
-    def block_tables(self) -> list[Mapping[str, list[int]]]:
-        """Per group (in `groups` order): request id -> its block ids."""
-        return [self.cache.cache_allocators[g.key].block_table for g in self.groups]
 
     def store_target(self, layer_idx: int) -> tuple[GroupKind, int]:
         """The group model layer `layer_idx` stores into and its index in that group's k_layers."""
@@ -250,7 +250,7 @@ class BlockManagerLayout:
             window, ring = _group_window(kind, cache.config)
             in_group = tuple(layer for layer, (group, _) in layers if group == index)
             self.groups.append(GroupCache(kind, in_group, k_layers, v_layers, num_blocks, page, window, ring,
-                                          key=index))
+                                          key=index, io_index=index, index_stride=page))
         self._kind_of_index = {g.key: g.kind for g in self.groups}
         self._owner: dict[int, GroupKind] = {}  # block id -> the group it was last handed to
         self.causes = Causes()
@@ -258,10 +258,6 @@ class BlockManagerLayout:
 
     def block_ids(self, group: GroupCache, request_id: str) -> list[int]:
         return self.cache.group_cache_managers[group.key].block_table.get(request_id, [])
-
-    def block_tables(self) -> list[Mapping[str, list[int]]]:
-        """Per group (in `groups` order): request id -> its block ids."""
-        return [self.cache.group_cache_managers[g.key].block_table for g in self.groups]
 
     def store_target(self, layer_idx: int) -> tuple[GroupKind, int]:
         """The group model layer `layer_idx` stores into and its index in that group's k_layers

@@ -18,6 +18,7 @@ from .support import INSTALL, make_engine, prompts_with_shared_prefixes, referen
 pytest.importorskip("transformers", reason=INSTALL)
 
 from pytest_kvcanary.adapters.transformers_cb import load, random_checkpoint  # noqa: E402
+from pytest_kvcanary.adapters.transformers_cb.engine import CONFIRM_EVERY  # noqa: E402
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, UNKNOWN, GroupKind  # noqa: E402
 
 ATOL = 1e-4
@@ -50,6 +51,7 @@ class MappingChecker:
         lengths = [(f.state.position_offset - f.query_length, f.query_length) for f in batch]
         padding = [(0, 0)] * (view.rows.numel() - len(batch))
         assert list(zip(view.prefix_lens.tolist(), view.extend_lens.tolist())) == lengths + padding
+        confirming = engine._steps % CONFIRM_EVERY == 0 or any(f.query_length > 1 for f in batch)
         start = 0
         for row in range(view.rows.numel()):
             prefix, extend = int(view.prefix_lens[row]), int(view.extend_lens[row])
@@ -58,8 +60,13 @@ class MappingChecker:
                 continue
             lane = int(view.rows[row])
             length = prefix + extend
-            tokens = view.token_table[lane, :length]
-            assert (tokens != UNKNOWN).all()
+            state = batch[row].state
+            tokens = torch.tensor((state.initial_tokens + state.generated_tokens)[:length], device=view.token_table.device)
+            table = view.token_table[lane]
+            known = table[:length] != UNKNOWN
+            assert torch.equal(table[:length][known], tokens[known]), "the table holds the request's tokens"
+            assert known.all() or not confirming, "a confirming forward sends every token the host has"
+            assert (table[length:] == UNKNOWN).all(), "nothing past the request's tokens (a lane's old request's)"
             assert torch.equal(view.input_ids[start:start + extend], tokens[prefix:])
             assert torch.equal(view.positions[start:start + extend],
                                torch.arange(prefix, length, device=view.positions.device))
@@ -162,17 +169,37 @@ def test_request_at_names_the_request_of_each_row_and_forward():
     assert engine.request_at(2, 0) is None
 
 
-def test_a_block_table_row_is_sent_only_when_its_block_ids_change():
-    engine = make_engine("mha")  # page 16
-    engine.set_forward_hooks(Passive())
-    sent = []
-    set_row = engine._buffers.set_row
-    engine._buffers.set_row = lambda kind, row, blocks: (sent.append((engine._steps, list(blocks))),
-                                                        set_row(kind, row, blocks))
-    engine.generate([[9] * 20], max_new_tokens=30)  # positions 0..48: blocks 2, 3 and 4 start at 0, 32, 48
-    # The prefill (forward 0) sends the row; decode forwards send it again only when a block was added.
-    assert [(step, len(blocks)) for step, blocks in sent] == [(0, 2), (13, 3), (29, 4)]
-    assert [blocks[:2] for _, blocks in sent] == [sent[0][1]] * 3
+class TableChecker(Passive):
+    """Compares, at each HEAD, every batch row's block-table rows (derived on the device from the
+    forward's read and write indices) with the block ids transformers holds for its request."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.rows = engine, 0
+
+    def before_forward(self, view) -> None:
+        engine = self.engine
+        for row, future in enumerate(engine.batch_requests()):
+            lane, length = int(view.rows[row]), future.state.position_offset
+            for group in engine.groups:
+                held = engine.layout.block_ids(group, future.state.request_id)
+                derived = engine._tables[group.kind][lane].tolist()
+                if group.ring:  # the ring pages its request has written so far
+                    pages = -(-min(length, group.ring) // group.page_size)
+                    assert derived[:pages] == held[:pages], (engine._steps, group.kind, derived, held)
+                else:  # the blocks of every position it reads, then zeros
+                    blocks = -(-length // group.page_size)
+                    assert derived == held[:blocks] + [0] * (len(derived) - blocks), (engine._steps, derived, held)
+            self.rows += 1
+
+
+@pytest.mark.parametrize("attention", ["mha", "swa"])
+def test_the_block_tables_are_those_the_forward_reads_through(attention):
+    engine = make_engine(attention, max_batch_tokens=32, max_requests_per_batch=2, num_blocks=96)
+    checker = TableChecker(engine)
+    engine.set_forward_hooks(checker)
+    rng = random.Random(2)  # shared prefixes: blocks shared and de-duplicated (mha), prefills split
+    engine.generate(prompts_with_shared_prefixes(rng, 5, stems(rng)), max_new_tokens=20)
+    assert checker.rows > 40
 
 
 class LaneRecorder(Passive):
@@ -183,7 +210,7 @@ class LaneRecorder(Passive):
         set_entries = engine._buffers.set_entries
 
         def recording(lanes, positions, tokens) -> None:
-            self.sent += zip(list(lanes), list(positions))
+            self.sent += zip(list(lanes), list(positions), list(tokens))
             set_entries(lanes, positions, tokens)
 
         engine._buffers.set_entries = recording
@@ -196,7 +223,7 @@ class LaneRecorder(Passive):
             self.lanes.setdefault(request, set()).add(int(view.rows[row]))
 
 
-def test_a_request_keeps_its_lane_as_it_moves_between_batch_rows_and_sends_each_position_once():
+def test_a_request_keeps_its_lane_as_it_moves_between_batch_rows_and_sends_each_token_once():
     # 32-token forwards: the prompts' prefills are split and the batches reorder as requests join.
     engine = make_engine("mha", max_batch_tokens=32, max_requests_per_batch=4)
     recorder = LaneRecorder(engine)
@@ -206,7 +233,14 @@ def test_a_request_keeps_its_lane_as_it_moves_between_batch_rows_and_sends_each_
     assert any(len(rows) > 1 for rows in recorder.rows.values()), "no request moved between batch rows"
     assert all(len(lanes) == 1 for lanes in recorder.lanes.values())
     assert len({lane for lanes in recorder.lanes.values() for lane in lanes}) == 4
-    assert len(recorder.sent) == len(set(recorder.sent)) == sum(len(p) + 6 - 1 for p in prompts)
+    tokens = [(lane, position) for lane, position, token in recorder.sent if token != UNKNOWN]
+    assert len(tokens) == len(set(tokens))
+    # Every prompt token; the decode steps' tokens at the forwards that confirm them (a request
+    # finishing between two leaves at most CONFIRM_EVERY - 1 of them unsent).
+    written = sum(len(p) + 6 - 1 for p in prompts)
+    assert written - len(prompts) * (CONFIRM_EVERY - 1) <= len(tokens) < written
+    # A lane's first forward sends its whole row (UNKNOWN past the request's tokens), once.
+    assert len({(lane, position) for lane, position, _ in recorder.sent}) == 4 * engine.capacities.max_context
 
 
 def test_lanes_handed_to_later_requests_map_what_transformers_computed():
