@@ -81,14 +81,14 @@ def sweep_entries(walk: CacheWalk, group: GroupState, *, unlocked_only: bool = F
 
 class SweepPlan:
     """The sweep's entries for each swept group in device buffers refilled in place. A walk is
-    checked and planned when the host returns a new walk object (or asks for another part of it);
+    checked and planned when the columns the plan reads are other tensors than last time (``locked``
+    only for an unlocked-only sweep), or the sweep asks for another part of it;
     the groups mapped through full_to_group are mapped again at every refresh, as their maps move
     (the FULL group's entries are the plan itself)."""
 
     def __init__(self, groups: list[GroupState], space: int, device: torch.device) -> None:
         self.groups, self.space, self.device = groups, space, device
-        self.walk: CacheWalk | None = None
-        self.unlocked_only = False
+        self._planned: tuple = ()  # (unlocked_only, the walk's columns the buffers were planned from)
         self.malformed = torch.zeros(0, 0, dtype=torch.int64)
         self._full = torch.zeros((len(_PADDING), space), dtype=torch.int64, device=device)
         cuda = device.type == "cuda"
@@ -104,7 +104,9 @@ class SweepPlan:
 
     def refresh(self, walk: CacheWalk, unlocked_only: bool) -> None:
         """Bring the buffers up to date with ``walk``; ``malformed``: its violation rows (walk.py)."""
-        if walk is not self.walk or unlocked_only != self.unlocked_only:
+        source = (unlocked_only, *(column for name, column in zip(walk._fields, walk)
+                                   if name != "locked" or unlocked_only))
+        if len(source) != len(self._planned) or any(a is not b for a, b in zip(source, self._planned)):
             checked = check_walk(walk, self.space)
             where = checked.walk.slots.device
             kept = where.type == "cpu" and self._host_plan_read is not None  # planned into the kept pinned buffer
@@ -115,7 +117,7 @@ class SweepPlan:
             self._full.copy_(planned, non_blocking=True)
             if kept:
                 self._host_plan_read.record()
-            self.walk, self.unlocked_only, self.malformed = walk, unlocked_only, checked.rows
+            self.malformed, self._planned = checked.rows, source
         for group in self._mapped_groups:
             mapped, into = group_entries(self._full_entries, group), self._mapped[group.pool.kind]
             into[0].copy_(mapped.slots)

@@ -86,7 +86,9 @@ class CanaryHost(Protocol):
         by the runtime between forwards (end_forward); slots stay valid until the next forward.
         Build it on the host (CPU tensors): the sweep checks and plans a host walk without
         synchronising with the device. Return the same object again while the cache is
-        unchanged (never change its tensors in place): the sweep then skips checking and planning."""
+        unchanged, or a walk whose columns but ``locked`` are the very tensors of the last one
+        while only the locks changed (never change a tensor in place): the sweep then skips
+        checking and planning (an unlocked-only sweep plans again when ``locked`` changed)."""
         ...
 
     # Optional. add_free_listener(listener): listener(group, slots, cause) hears every free, so

@@ -29,7 +29,8 @@ class BlockLog:
         self._children: dict[int, set[int]] = {}  # block id -> the logged blocks that follow it
         self._levels: list[dict[int, int]] = []  # [index]: block id -> parent, in the order logged
         self._changes = 0  # counts every change to `blocks`
-        self._walked: tuple[int, dict[int, bool], CacheWalk] | None = None  # the last walk, of which change
+        self._walked: tuple[int, dict[int, bool], list[int], CacheWalk] | None = None  # the last walk: of
+        # which change, of which hashed blocks, its blocks
 
     def note(self, table: Sequence[int], tokens: Sequence[int], hashed: Container[int]) -> None:
         """Log the hashed blocks of one request's block table (`tokens`: its sequence so far). A
@@ -99,15 +100,25 @@ class BlockLog:
         """The sweep's view of every intact block, on the host: slot, position, previous slot (the
         parent's last slot at a block's first position), token, locked (a live request holds it).
         The same walk object again while neither the log nor `hashed` changed (a decode step mostly
-        changes neither), which the sweep then neither checks nor plans again."""
-        if self._walked is not None and self._walked[0] == self._changes and self._walked[1] == hashed:
-            return self._walked[2]
-        walk = self._walk(hashed)
-        self._walked = (self._changes, dict(hashed), walk)
+        changes neither), and the same columns but a new ``locked`` while only which blocks live
+        requests hold changed (requests finished): the sweep then neither checks nor plans again."""
+        last = self._walked
+        if last is not None and last[0] == self._changes and last[1].keys() == hashed.keys():
+            if last[1] == hashed:
+                return last[3]
+            blocks = last[2]
+            walk = last[3]._replace(locked=self._locked(blocks, hashed))
+        else:
+            blocks, walk = self._walk(hashed)
+        self._walked = (self._changes, dict(hashed), blocks, walk)
         return walk
 
-    def _walk(self, hashed: Mapping[int, bool]) -> CacheWalk:
-        """Built with numpy (torch's thread pool made small host tensors slow on a busy GPU host)."""
+    def _locked(self, blocks: list[int], hashed: Mapping[int, bool]) -> torch.Tensor:
+        return torch.from_numpy(np.repeat(np.array([hashed[b] for b in blocks], dtype=bool), self.page_size))
+
+    def _walk(self, hashed: Mapping[int, bool]) -> tuple[list[int], CacheWalk]:
+        """(its blocks, the walk), built with numpy (torch's thread pool made small host tensors
+        slow on a busy GPU host)."""
         page = self.page_size
         blocks, indices, parents = self._intact(hashed)
         offsets = np.arange(page, dtype=np.int64)
@@ -118,6 +129,6 @@ class BlockLog:
         prev[:, 0] = np.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent * page + page - 1)
         logged = self.blocks
         tokens = np.frombuffer(b"".join([logged[b].tokens for b in blocks]), dtype=np.int64).copy()
-        locked = np.repeat(np.array([hashed[b] for b in blocks], dtype=bool), page)
-        columns = (slots, index * page + offsets, prev, tokens, locked)  # CacheWalk's fields, in order
-        return CacheWalk(*(torch.from_numpy(column.reshape(-1)) for column in columns))
+        columns = (slots, index * page + offsets, prev, tokens)  # CacheWalk's fields, in order
+        return blocks, CacheWalk(*(torch.from_numpy(column.reshape(-1)) for column in columns),
+                                 locked=self._locked(blocks, hashed))

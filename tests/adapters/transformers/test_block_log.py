@@ -64,7 +64,10 @@ def test_the_walk_is_the_same_object_until_the_log_or_the_hashed_blocks_change()
     assert log.walk(dict(hashed)) is first
     log.note([7, 3], TOKENS, hashed)  # nothing new
     assert log.walk(dict(hashed)) is first
-    assert log.walk({7: False, 3: False}) is not first  # the request holding block 3 released it
+    released = log.walk({7: False, 3: False})  # the request holding block 3 released it
+    assert released is not first and released.locked.tolist() == [False] * 8
+    # Only the locks changed: the columns the sweep plans from are the very same tensors.
+    assert all(a is b for a, b in zip(released[:4], first[:4]))
     hashed[9] = True  # hashed before the log heard of it
     assert log.walk(dict(hashed)).slots.numel() == 8
     log.note([7, 3, 9], TOKENS, hashed)

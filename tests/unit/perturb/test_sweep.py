@@ -85,8 +85,9 @@ def test_damage_only_the_cache_holds_is_found_by_the_sweep_alone(attention):
 
 @pytest.mark.parametrize("attention", ["mha", "swa"])
 def test_a_walk_returned_again_is_checked_once_and_still_swept(attention, monkeypatch):
-    """An engine returns the same walk object while its cache is unchanged: the sweep checks and
-    plans it once, and every sweep still verifies what the slots hold now."""
+    """An engine returns the same walk object while its cache is unchanged (or the same columns but
+    the locks): the sweep checks and plans it once, and every sweep still verifies what the slots
+    hold now."""
     import pytest_kvcanary.canary.plans as plans_module
 
     handle = make_handle(attention, sweep_interval=0)
@@ -105,7 +106,10 @@ def test_a_walk_returned_again_is_checked_once_and_still_swept(attention, monkey
     assert runtime.log.repeats == len(handle.violations()), "the second sweep found each again"
     monkeypatch.setattr(runtime.host, "cache_walk", lambda: walk._replace(locked=walk.locked.clone()))
     assert runtime.sweep()
-    assert len(checks) == 2, "a new walk object is checked again"
+    assert len(checks) == 1, "a walk whose locks alone changed is not checked again"
+    monkeypatch.setattr(runtime.host, "cache_walk", lambda: walk._replace(slots=walk.slots.clone()))
+    assert runtime.sweep()
+    assert len(checks) == 2, "a walk of other slot tensors is checked again"
 
 
 def test_a_well_formed_walk_switches_no_thread_count_and_a_malformed_one_is_checked_on_one(monkeypatch):
