@@ -18,6 +18,15 @@ class LoggedBlock(NamedTuple):
     tokens: bytes  # the block's tokens as native int64s (a walk joins them without reading each one)
 
 
+class _Walked(NamedTuple):
+    """The last walk, and what it was built from."""
+
+    changes: int  # BlockLog._changes then
+    hashed: dict[int, bool]
+    blocks: list[int]  # its blocks, in walk order
+    walk: CacheWalk
+
+
 class BlockLog:
     """Logged FULL blocks by id. A block's entry lives from the forward that completed it (the
     engine calls `note` once transformers hashed it) until the block goes back to the free pool
@@ -29,8 +38,7 @@ class BlockLog:
         self._children: dict[int, set[int]] = {}  # block id -> the logged blocks that follow it
         self._levels: list[dict[int, int]] = []  # [index]: block id -> parent, in the order logged
         self._changes = 0  # counts every change to `blocks`
-        self._walked: tuple[int, dict[int, bool], list[int], CacheWalk] | None = None  # the last walk: of
-        # which change, of which hashed blocks, its blocks
+        self._walked: _Walked | None = None
 
     def note(self, table: Sequence[int], tokens: Sequence[int], hashed: Container[int]) -> None:
         """Log the hashed blocks of one request's block table (`tokens`: its sequence so far). A
@@ -103,14 +111,13 @@ class BlockLog:
         changes neither), and the same columns but a new ``locked`` while only which blocks live
         requests hold changed (requests finished): the sweep then neither checks nor plans again."""
         last = self._walked
-        if last is not None and last[0] == self._changes and last[1].keys() == hashed.keys():
-            if last[1] == hashed:
-                return last[3]
-            blocks = last[2]
-            walk = last[3]._replace(locked=self._locked(blocks, hashed))
+        if last is not None and last.changes == self._changes and last.hashed.keys() == hashed.keys():
+            if last.hashed == hashed:
+                return last.walk
+            blocks, walk = last.blocks, last.walk._replace(locked=self._locked(last.blocks, hashed))
         else:
             blocks, walk = self._walk(hashed)
-        self._walked = (self._changes, dict(hashed), blocks, walk)
+        self._walked = _Walked(self._changes, dict(hashed), blocks, walk)
         return walk
 
     def _locked(self, blocks: list[int], hashed: Mapping[int, bool]) -> torch.Tensor:
