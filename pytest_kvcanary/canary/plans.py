@@ -81,10 +81,10 @@ def sweep_entries(walk: CacheWalk, group: GroupState, *, unlocked_only: bool = F
 
 class SweepPlan:
     """The sweep's entries for each swept group in device buffers refilled in place. A walk is
-    checked and planned when the columns the plan reads are other tensors than last time (``locked``
-    only for an unlocked-only sweep), or the sweep asks for another part of it;
-    the groups mapped through full_to_group are mapped again at every refresh, as their maps move
-    (the FULL group's entries are the plan itself)."""
+    checked and planned when the columns the plan reads are other tensors than last time
+    (``locked`` only for an unlocked-only sweep), or the sweep asks for another part of it; the
+    groups mapped through full_to_group are mapped again at every refresh, as their maps move (the
+    FULL group's entries are the plan itself)."""
 
     def __init__(self, groups: list[GroupState], space: int, device: torch.device) -> None:
         self.groups, self.space, self.device = groups, space, device

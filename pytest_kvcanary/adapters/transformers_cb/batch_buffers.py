@@ -1,9 +1,9 @@
 """What the host hands the device per forward, through one pinned staging buffer per IO pair: the
 batch size, each batch row's lane (the mapping row its request holds) and the token-table entries
-the forward adds (lane, position, token). The host only fills
-the staging buffer; the copy to the device is the first device work of the canary inside the
-forward (``upload``), so under CUDA graphs it is a copy node of the captured forward and a replay
-reads the buffer as the host left it: a decode step launches no copy for it.
+the forward adds (lane, position, token). The host only fills the staging buffer; the copy to the
+device is the first device work of the canary inside the forward (``upload``), so under CUDA graphs
+it is a copy node of the captured forward and a replay reads the buffer as the host left it: a
+decode step launches no copy for it.
 
 Token entries are fixed-size (max_tokens): unused ones go to a scratch row past the view's rows,
 so applying them is one fixed-shape scatter. A forward that adds more (a request starting on a

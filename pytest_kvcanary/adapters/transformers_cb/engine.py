@@ -4,21 +4,20 @@ The engine drives a ``ContinuousBatchProcessor`` in the calling thread (no backg
 
     prepare_next_batch -> _generation_step -> update_batch
 
-(with ``use_async_batching=True`` as transformers' own loop does: the first batch is launched
-before any update, then each update is of the batch before the one just launched). It wraps the
-model runner's ``compute_batch`` (inside ``_generation_step``, after transformers moved the
-batch's inputs to the device and before it marks the compute over): before it, the host stages
-what only it knows in a pinned buffer (batch_buffers.py: the batch size, each row's lane and the
-token-table entries the forward adds). The canary's device
-work runs inside the model's forward, from a forward pre-hook and a forward hook on the model
-that act only in a forward the wrapper runs (never in a test's own model call): before the model,
-after transformers' carry-over of async tokens, the staged buffer is copied to the device and the
-view's lengths and block tables are derived there from the cumulative sequence lengths and the
-read and write indices transformers hands the forward (forward_view.py), then
-hooks.before_forward; after it, the view's input ids and
-positions are copied from the very buffers the forward consumed, then hooks.after_forward.
-hooks.end_forward follows the step; the device work it launches now and then (a sweep, a log
-snapshot) runs on the compute stream, and a step it launches nothing in pays no stream switch.
+(with ``use_async_batching=True`` as transformers' own loop does: the first batch is launched before
+any update, then each update is of the batch before the one just launched). It wraps the model
+runner's ``compute_batch`` (inside ``_generation_step``, after transformers moved the batch's inputs
+to the device and before it marks the compute over): before it, the host stages what only it knows
+in a pinned buffer (batch_buffers.py: the batch size, each row's lane and the token-table entries
+the forward adds). The canary's device work runs inside the model's forward, from a forward pre-hook
+and a forward hook on the model that act only in a forward the wrapper runs (never in a test's own
+model call): before the model, after transformers' carry-over of async tokens, the staged buffer is
+copied to the device and the view's lengths and block tables are derived there from the cumulative
+sequence lengths and the read and write indices transformers hands the forward (forward_view.py),
+then hooks.before_forward; after it, the view's input ids and positions are copied from the very
+buffers the forward consumed, then hooks.after_forward. hooks.end_forward follows the step; the
+device work it launches now and then (a sweep, a log snapshot) runs on the compute stream, and a
+step it launches nothing in pays no stream switch.
 
 With CUDA graphs (``use_cuda_graph=True``) and ``canary_graphs=True`` transformers captures that
 work in its own graphs and every replay runs it: a decode step launches no canary kernel from
@@ -31,16 +30,15 @@ transformers' graphs no copy or kernel launched from Python, no event): no devic
 read-back. A decode step of the same batch stages nothing but what the forward confirms.
 
 Token-table entries: a forward whose batch changed, or that extends a prompt, sends what each row
-added since its lane last heard of it (a lane that changed hands: its request's whole sequence,
-then UNKNOWN to max_context). A decode step of the same batch sends nothing
-unless it is a confirming forward (every CONFIRM_EVERY forwards), which sends every token the
-batch generated since: until then a decoded position is UNKNOWN in the table, stamped from what
-the forward consumed and not checked against the host, and the confirming forward's HEAD checks
-each such slot's record holds the token the request really generated (a wrong token fed to a
-forward is reported within CONFIRM_EVERY forwards). Async batching schedules a decoding request
-before the host knows the token it decodes (the forward takes it from the previous forward's
-output on the device): that token is UNKNOWN until a confirming forward after transformers
-handed it over.
+added since its lane last heard of it (a lane that changed hands: its request's whole sequence, then
+UNKNOWN to max_context). A decode step of the same batch sends nothing unless it is a confirming
+forward (every CONFIRM_EVERY forwards), which sends every token the batch generated since: until
+then a decoded position is UNKNOWN in the table, stamped from what the forward consumed and not
+checked against the host, and the confirming forward's HEAD checks each such slot's record holds the
+token the request really generated (a wrong token fed to a forward is reported within CONFIRM_EVERY
+forwards). Async batching schedules a decoding request before the host knows the token it decodes
+(the forward takes it from the previous forward's output on the device): that token is UNKNOWN until
+a confirming forward after transformers handed it over.
 
 With write_through (the default) the paged cache's ``update`` is wrapped too: each layer's K and
 V rows, as the forward computed them, go to hooks.kv_stored before transformers stores them, so
@@ -48,16 +46,15 @@ TAIL checks every written slot holds exactly what the forward computed (a store 
 slot, one slot early, say, is reported in that forward). Write-through runs in eager forwards
 only: a forward replayed from a CUDA graph skips the wrapper and is stamped without it.
 
-A request holds a lane (a row of the canary's block and token tables; the view's rows say each
-batch row's lane) from its first forward until the lane is handed to another request: there are
-twice max_requests_per_batch lanes and a request without one takes the lane used longest ago, so
-a forward still in flight never reads a lane that changed hands, and a request that moves between
-batch rows (transformers reorders its batches as requests join and leave) sends nothing again.
-Every forward derives its rows' block tables on the device from the indices it reads and writes
-through, so a table transformers grew or re-pointed (de-duplication) costs the host nothing.
-Slot s of a group is offset
-``s % page_size`` of block ``s // page_size`` in that group's block geometry; slot 0 (block 0's
-first slot) is never a token's: it lies in a trash block transformers never allocates (5.18+) or
+A request holds a lane (a row of the canary's block and token tables; the view's rows say each batch
+row's lane) from its first forward until the lane is handed to another request: there are twice
+max_requests_per_batch lanes and a request without one takes the lane used longest ago, so a forward
+still in flight never reads a lane that changed hands, and a request that moves between batch rows
+(transformers reorders its batches as requests join and leave) sends nothing again. Every forward
+derives its rows' block tables on the device from the indices it reads and writes through, so a
+table transformers grew or re-pointed (de-duplication) costs the host nothing. Slot s of a group is
+offset ``s % page_size`` of block ``s // page_size`` in that group's block geometry; slot 0 (block
+0's first slot) is never a token's: it lies in a trash block transformers never allocates (5.18+) or
 in block 0, which the adapter takes out of the free list (5.17).
 """
 
@@ -350,9 +347,7 @@ class TransformersEngine:
                                    "with a KV cache); the canary reads the read and write indices of the SDPA path")
         self._buffers.upload()
         self._buffers.apply_tokens()
-        derived = self._derived[pair]
-        derived.derive_lengths()
-        derived.derive_tables(inputs["read_index"], inputs["write_index"])
+        self._derived[pair].derive(inputs["read_index"], inputs["write_index"])
         hooks.before_forward(self._view)
 
     def _tail(self, hooks: ForwardHooks, pair: int) -> None:

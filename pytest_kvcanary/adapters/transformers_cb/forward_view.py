@@ -59,7 +59,7 @@ def empty_tables(groups: Sequence[GroupCache], capacities: Capacities, lanes: in
 
 
 class DerivedView:
-    """Refills `view` by ``derive_lengths`` and ``derive_tables`` (before HEAD) and ``copy_inputs``
+    """Refills `view` by ``derive`` (before HEAD: lengths and block tables) and ``copy_inputs``
     (after the forward, before TAIL: the inputs as the forward left them) from one set of
     transformers' IO buffers. `tables`: per group kind, ``[lanes + 1, width]``, the last row a
     scratch row padded batch rows write to."""
@@ -86,16 +86,14 @@ class DerivedView:
         self.cu_k_sliding = None if sliding is None else sliding[:b + 1]
         self._ring = {g.kind: torch.arange(g.ring, dtype=torch.int64, device=device) for g in groups if g.ring}
 
-    def derive_lengths(self) -> None:
+    def derive(self, read_index: Sequence[torch.Tensor], write_index: Sequence[torch.Tensor]) -> None:
+        """The view's lengths, then each group's table rows of this forward's lanes from the
+        indices its cache updates get (`read_index`, `write_index`: per group, in transformers'
+        order)."""
         live = self._row_numbers < self.batch
         extend = torch.diff(self.cu_q) * live
         self.view.extend_lens.copy_(extend)
         self.view.prefix_lens.copy_(torch.diff(self.cu_k) * live - extend)
-
-    def derive_tables(self, read_index: Sequence[torch.Tensor], write_index: Sequence[torch.Tensor]) -> None:
-        """Each group's table rows of this forward's lanes from the indices its cache updates get
-        (per group, in transformers' order; after ``derive_lengths``)."""
-        live = self._row_numbers < self.batch
         lanes = torch.where(live, self.view.rows, self._scratch)
         for group in self.groups:
             reads, writes = read_index[group.io_index], write_index[group.io_index]

@@ -13,11 +13,11 @@ about one of them:
   tracks complete blocks as ``Block`` objects. The two trash blocks are the last two, so block 0
   is taken out of the free deque here to serve as the canary's reserved slot 0.
 
-Both report a block id per (request, block index) through ``block_ids``, the hashed FULL blocks through ``hashed_blocks`` (``hashed_ids``: membership
-only), every block returning to the free pool through the ``on_free`` callback (before it is
-released, with a cause; ``causes.cause(...)`` names the cause of what an outer call releases) and
-every request whose completed blocks were just hashed through ``on_marked`` (not called for a
-request that completed none).
+Both report a block id per (request, block index) through ``block_ids``, the hashed FULL blocks
+through ``hashed_blocks`` (``hashed_ids``: membership only), every block returning to the free pool
+through the ``on_free`` callback (before it is released, with a cause; ``causes.cause(...)`` names
+the cause of what an outer call releases) and every request whose completed blocks were just hashed
+through ``on_marked`` (not called for a request that completed none).
 """
 
 from __future__ import annotations

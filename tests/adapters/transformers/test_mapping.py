@@ -61,7 +61,8 @@ class MappingChecker:
             lane = int(view.rows[row])
             length = prefix + extend
             state = batch[row].state
-            tokens = torch.tensor((state.initial_tokens + state.generated_tokens)[:length], device=view.token_table.device)
+            tokens = torch.tensor((state.initial_tokens + state.generated_tokens)[:length],
+                                  device=view.token_table.device)
             table = view.token_table[lane]
             known = table[:length] != UNKNOWN
             assert torch.equal(table[:length][known], tokens[known]), "the table holds the request's tokens"

@@ -6,7 +6,7 @@ import torch
 from pytest_kvcanary.canary import plans
 
 
-def _planned_walks(host, monkeypatch) -> list:
+def _planned_walks(monkeypatch) -> list:
     checked = []
     check_walk = plans.check_walk
 
@@ -24,7 +24,7 @@ def test_a_walk_whose_locks_alone_changed_is_planned_again_only_for_an_unlocked_
     host = make_host(window=window, sweep_interval=0)
     host.forward({0: [5, 6, 7, 8], 1: [9, 10]})
     host.cached = [(0, 4), (1, 2)]
-    checked = _planned_walks(host, monkeypatch)
+    checked = _planned_walks(monkeypatch)
     walk = host.cache_walk()
     plan = plans.SweepPlan(host.runtime.groups, host.groups[0].num_slots, host.runtime.device)
     plan.refresh(walk, unlocked_only=False)
