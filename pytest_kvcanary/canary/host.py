@@ -18,7 +18,7 @@ from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping
 from kvcanary_kernels.records import GroupKind, Half
 
-__all__ = ["CacheWalk", "Capacities", "ForwardView", "GroupInputs", "PoolGroup", "SlotMapping"]
+__all__ = ["CacheWalk", "Capacities", "ForwardView", "GroupInputs", "PagedWalk", "PoolGroup", "SlotMapping"]
 
 if TYPE_CHECKING:
     import torch
@@ -99,3 +99,27 @@ class CacheWalk(NamedTuple):
     tokens: torch.Tensor
     locked: torch.Tensor
     context_keys: torch.Tensor | None = None
+
+
+class PagedWalk(NamedTuple):
+    """A prefix cache kept in whole pages of the FULL pool, as a table indexed by page that the host
+    updates in place: the cheap walk of a paged engine, whose cached blocks each hold page_size
+    consecutive positions. Page p is slots ``[p * page_size, (p + 1) * page_size)`` (P * page_size
+    is the FULL group's slot count); slot s of a listed page holds the position after slot s - 1's,
+    its first slot the position after ``prev_slots[p]``'s. On the host (CPU tensors).
+
+    first_positions: int64 [P], the position of the page's first slot, or -1 where the cache holds
+    nothing in the page; prev_slots: int64 [P], the slot holding the position before its first
+    slot (PREV_CHAIN_HEAD at position 0); tokens: int64 [P * page_size], each slot's token (UNKNOWN
+    when the cache does not keep it); locked: bool [P], True where a live request holds the page;
+    version: changes whenever any of them but ``locked`` does (an unlocked-only sweep reads
+    ``locked`` afresh every time). The sweep checks it page by page (the rules of canary/walk.py)
+    and plans it on the device, so its host work does not grow with the slots cached.
+    """
+
+    page_size: int
+    first_positions: torch.Tensor
+    prev_slots: torch.Tensor
+    tokens: torch.Tensor
+    locked: torch.Tensor
+    version: int

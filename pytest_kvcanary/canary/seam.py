@@ -13,7 +13,7 @@ An adapter is an `EngineUnderTest`:
    with the `SlotMapping` that says how (row, position) finds a slot.
 2. How big a forward gets (`CanaryHost.canary_capacities`): `Capacities`.
 3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView`.
-4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk`, swept between forwards.
+4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk` (or a `PagedWalk`), swept between forwards.
 5. What the fixtures drive: `generate`, `reset`, and the optional members (declared below with
    the defaults an engine that leaves them out gets: `optional(engine, name)` reads them).
 6. For kv_pd, a `PrefillDecodePair` of two of them; an attention kind an engine lacks raises
@@ -51,15 +51,16 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protoc
 
 from kvcanary_kernels.records import GroupKind, Half
 
-from .host import CacheWalk, Capacities, ForwardView, GroupInputs, PoolGroup, SlotMapping
+from .host import CacheWalk, Capacities, ForwardView, GroupInputs, PagedWalk, PoolGroup, SlotMapping
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "GroupKind", "Half", "SlotMapping", "PoolGroup", "Capacities", "GroupInputs", "ForwardView", "CacheWalk",
-    "FreeListener", "TransferListener", "ForwardHooks", "CanaryHost", "EngineUnderTest", "PrefillDecodePair",
-    "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS", "REQUIRED_METHODS", "missing_methods", "optional",
+    "PagedWalk", "FreeListener", "TransferListener", "ForwardHooks", "CanaryHost", "EngineUnderTest",
+    "PrefillDecodePair", "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS", "REQUIRED_METHODS",
+    "missing_methods", "optional",
 ]
 
 Owner = TypeVar("Owner")
@@ -81,14 +82,17 @@ class CanaryHost(Protocol):
         """The largest forward; called once, when the runtime attaches."""
         ...
 
-    def cache_walk(self) -> CacheWalk | None:
+    def cache_walk(self) -> CacheWalk | PagedWalk | None:
         """A snapshot of the prefix cache for the sweep, or None when the engine has none. Called
         by the runtime between forwards (end_forward); slots stay valid until the next forward.
         Build it on the host (CPU tensors): the sweep checks and plans a host walk without
         synchronising with the device. Return the same object again while the cache is
         unchanged, or a walk whose columns but ``locked`` are the very tensors of the last one
         while only the locks changed (never change a tensor in place): the sweep then skips
-        checking and planning (an unlocked-only sweep plans again when ``locked`` changed)."""
+        checking and planning (an unlocked-only sweep plans again when ``locked`` changed). A
+        paged engine may return a `PagedWalk` it updates in place instead: the sweep checks and
+        plans it again when its version changed, page by page on the host and slot by slot on the
+        device."""
         ...
 
     # Optional. add_free_listener(listener): listener(group, slots, cause) hears every free, so

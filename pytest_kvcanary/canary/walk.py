@@ -13,7 +13,9 @@ walk itself:
 - ``walk_too_large``: one row when the walk holds more entries than ``space`` (slot -1; stored:
   the entries, expected: ``space``).
 
-The sweep then checks the entries it can (in range, first listing of each slot).
+The sweep then checks the entries it can (in range, first listing of each slot). A ``PagedWalk``
+lists each slot once by its shape and is checked page by page (a page's slots follow each other by
+construction); one that breaks a rule is checked as the list of its entries, with the same rows.
 
 A walk on the host is first checked with numpy, which takes a well-formed one whole; any other is
 checked with torch on one intra-op thread (``one_host_thread``): on a GPU host busy with the
@@ -34,14 +36,15 @@ from kvcanary_kernels.records import (COL_EXPECTED, COL_POSITION, COL_REASONS, C
                                       PREV_CHAIN_HEAD, ROW_WIDTH, Reason)
 from kvcanary_kernels.reference import fold_checks
 
-from .host import CacheWalk
+from .host import CacheWalk, PagedWalk
 
 
 class CheckedWalk(NamedTuple):
-    """The entries the sweep can check, and the violation rows ([n, ROW_WIDTH] int64, tag and step
-    columns left to ``ViolationRing.append``) of the malformed ones."""
+    """The entries the sweep can check (a well-formed paged walk as it is), and the violation rows
+    ([n, ROW_WIDTH] int64, tag and step columns left to ``ViolationRing.append``) of the malformed
+    ones."""
 
-    walk: CacheWalk
+    walk: CacheWalk | PagedWalk
     rows: torch.Tensor
 
 
@@ -80,9 +83,47 @@ def _well_formed_on_host(walk: CacheWalk, space: int) -> bool:
     return bool(((prev < 0) | (listed < 0) | (listed == positions - 1)).all())
 
 
-def check_walk(walk: CacheWalk, space: int) -> CheckedWalk:
+def paged_entries(walk: PagedWalk) -> CacheWalk:
+    """The slots of a paged walk's listed pages as a list of entries, in slot order."""
+    page = walk.page_size
+    first = walk.first_positions.numpy()
+    pages = np.flatnonzero(first != -1)
+    offsets = np.arange(page, dtype=np.int64)
+    slots = pages.reshape(-1, 1) * page + offsets
+    prev = slots - 1
+    prev[:, 0] = walk.prev_slots.numpy()[pages]
+    columns = (slots, first[pages].reshape(-1, 1) + offsets, prev, walk.tokens.numpy().reshape(-1, page)[pages])
+    return CacheWalk(*(torch.from_numpy(np.ascontiguousarray(c, dtype=np.int64).reshape(-1)) for c in columns),
+                     torch.from_numpy(np.repeat(walk.locked.numpy()[pages], page)))
+
+
+def _well_formed_pages(walk: PagedWalk, space: int) -> bool:
+    """True when no slot of a paged walk breaks a rule, checked page by page: a listed page's
+    position and predecessor (its other slots follow each other)."""
+    page = walk.page_size
+    first, prev = walk.first_positions.numpy(), walk.prev_slots.numpy()
+    for name, size in (("first_positions", first.size * page), ("prev_slots", prev.size * page),
+                       ("tokens", walk.tokens.numel()), ("locked", walk.locked.numel() * page)):
+        if size != space:
+            raise ValueError(f"PagedWalk.{name} covers {size} slots in pages of {page}; the FULL group has {space}")
+    if first.min() < PREV_CHAIN_HEAD or prev.min() < PREV_CHAIN_HEAD or prev.max() >= space:
+        listed = first != -1  # an unlisted page's predecessor is never read
+        if (listed & ((first < 0) | (prev < PREV_CHAIN_HEAD) | (prev >= space))).any():
+            return False
+        prev = np.where(listed, prev, PREV_CHAIN_HEAD)
+    # The first position of the page holding each page's predecessor (-1: not listed; PREV_CHAIN_HEAD
+    # reads the -1 appended after the last page).
+    before_first = np.append(first, -1)[prev // page]
+    return bool(((first == -1) | (before_first == -1) | (before_first + prev % page == first - 1)).all())
+
+
+def check_walk(walk: CacheWalk | PagedWalk, space: int) -> CheckedWalk:
     """Check `walk` against a FULL slot space of `space` slots (see the module docstring); a
     well-formed walk on the host takes numpy's check alone."""
+    if isinstance(walk, PagedWalk):
+        if _well_formed_pages(walk, space):
+            return CheckedWalk(walk, torch.zeros(0, ROW_WIDTH, dtype=torch.int64))
+        walk = paged_entries(walk)
     if walk.slots.device.type != "cpu":
         return _check_in_full(walk, space)
     if _well_formed_on_host(walk, space):

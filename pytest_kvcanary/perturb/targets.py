@@ -12,7 +12,8 @@ import torch
 
 from ..canary.groups import GroupState
 from ..canary.plans import sweep_entries
-from ..canary.seam import CanaryHost, ForwardView
+from ..canary.seam import CanaryHost, ForwardView, PagedWalk
+from ..canary.walk import paged_entries
 
 
 class Target(NamedTuple):
@@ -54,6 +55,8 @@ def cached_only_targets(host: CanaryHost, group: GroupState) -> list[Target]:
     walk = host.cache_walk()
     if walk is None or not group.swept_by_walk():
         return []
+    if isinstance(walk, PagedWalk):
+        walk = paged_entries(walk)
     e = sweep_entries(walk, group, unlocked_only=True)
     space = walk.slots[~walk.locked.bool()].cpu()
     n = space.numel()

@@ -27,8 +27,9 @@ def test_plugin_modules_import_without_torch() -> None:
 def test_seam_types_an_engine_author_needs_import_without_torch() -> None:
     """Everything an adapter uses comes from the one seam module, without torch or triton."""
     code = ("import sys; from pytest_kvcanary.canary.seam import (CanaryHost, EngineUnderTest, PrefillDecodePair, "
-            "PoolGroup, ForwardView, SlotMapping, Capacities, CacheWalk, ForwardHooks, FreeListener, TransferListener, "
-            "GroupKind, Half, UnsupportedAttention); from kvcanary_kernels.records import Reason, Phase; "
+            "PoolGroup, ForwardView, SlotMapping, Capacities, CacheWalk, PagedWalk, ForwardHooks, FreeListener, "
+            "TransferListener, GroupKind, Half, UnsupportedAttention); from kvcanary_kernels.records import Reason, "
+            "Phase; "
             + HEAVY_CHECK)
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -1,71 +1,76 @@
 """What transformers' prefix cache does not keep about its hashed blocks: where each sits in its
-sequence, its tokens and its parent block. The sweep's cache walk is built from it."""
+sequence, its tokens and its parent block. It is kept as the sweep's walk itself, a table indexed by
+FULL block (the seam's PagedWalk): a block's row is written when it is logged and cleared when it
+is forgotten, so a sweep after a prefill builds no walk of every cached block."""
 
 from __future__ import annotations
 
-from typing import Container, Iterable, Mapping, NamedTuple, Sequence
+from typing import AbstractSet, Container, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from ...canary.host import CacheWalk
+from ...canary.seam import CacheWalk, PagedWalk
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
 
 
 class LoggedBlock(NamedTuple):
     index: int  # the block holds positions [index * page_size, (index + 1) * page_size)
     parent: int  # block id at index - 1; -1 at index 0
-    tokens: bytes  # the block's tokens as native int64s (a walk joins them without reading each one)
-
-
-class _Walked(NamedTuple):
-    """The last walk, and what it was built from."""
-
-    changes: int  # BlockLog._changes then
-    hashed: dict[int, bool]
-    blocks: list[int]  # its blocks, in walk order
-    walk: CacheWalk
 
 
 class BlockLog:
-    """Logged FULL blocks by id. A block's entry lives from the forward that completed it (the
-    engine calls `note` once transformers hashed it) until the block goes back to the free pool
-    (`forget`)."""
+    """Logged FULL blocks by id, and the walk of them: ``num_slots`` slots in blocks of
+    ``page_size``. A block's entry lives from the forward that completed it (the engine calls `note`
+    once transformers hashed it) until the block goes back to the free pool (`forget`) or loses its
+    hash. A block id outside the pool (a corrupted block table) is logged apart, and the walk is then
+    handed over as a list of entries, where the sweep reports it."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, num_slots: int) -> None:
         self.page_size = page_size
+        self.num_blocks = num_slots // page_size
         self.blocks: dict[int, LoggedBlock] = {}
         self._children: dict[int, set[int]] = {}  # block id -> the logged blocks that follow it
-        self._levels: list[dict[int, int]] = []  # [index]: block id -> parent, in the order logged
-        self._changes = 0  # counts every change to `blocks`
-        self._walked: _Walked | None = None
+        self._outside: dict[int, tuple[int, np.ndarray]] = {}  # logged ids past the pool -> (prev slot, tokens)
+        self._first = np.full(self.num_blocks, -1, dtype=np.int64)  # a block's first position; -1: not logged
+        self._prev = np.full(self.num_blocks, PREV_CHAIN_HEAD, dtype=np.int64)
+        self._tokens = np.zeros(self.num_blocks * page_size, dtype=np.int64)
+        self._locked = np.zeros(self.num_blocks, dtype=bool)
+        self._locked_blocks: AbstractSet[int] = frozenset()
+        self._tensors = tuple(torch.from_numpy(a) for a in (self._first, self._prev, self._tokens, self._locked))
+        self._version = 0  # counts every change to the walk but its locks
 
     def note(self, table: Sequence[int], tokens: Sequence[int], hashed: Container[int]) -> None:
-        """Log the hashed blocks of one request's block table (`tokens`: its sequence so far). A
-        block already logged is logged again when it now follows another parent (transformers
-        re-created an evicted parent)."""
+        """Log the hashed blocks of one request's block table (`tokens`: its sequence so far) whose
+        parent is logged. A block already logged is logged again when it now follows another
+        parent (transformers re-created an evicted parent)."""
         page = self.page_size
         for index, block in enumerate(table):
             if block not in hashed:
                 continue
             parent = table[index - 1] if index else -1
             entry = self.blocks.get(block)
-            if entry is None or entry.parent != parent:
-                self._changes += 1
-                if entry is not None:
-                    self._unlink(block, entry)
-                self._children.setdefault(parent, set()).add(block)
-                while len(self._levels) <= index:
-                    self._levels.append({})
-                self._levels[index][block] = parent
-                self.blocks[block] = LoggedBlock(index, parent, np.array(tokens[index * page:(index + 1) * page],
-                                                                          dtype=np.int64).tobytes())
+            if entry is not None and entry.parent == parent:
+                continue
+            if index and parent not in self.blocks:
+                continue
+            if entry is not None:
+                self._unlink(block, entry)
+            self._children.setdefault(parent, set()).add(block)
+            self.blocks[block] = LoggedBlock(index, parent)
+            prev = parent * page + page - 1 if index else PREV_CHAIN_HEAD
+            written = tokens[index * page:(index + 1) * page]
+            if 0 <= block < self.num_blocks:
+                self._first[block], self._prev[block] = index * page, prev
+                self._tokens[block * page:(block + 1) * page] = written
+                self._version += 1
+            else:
+                self._outside[block] = (prev, np.array(written, dtype=np.int64))
 
     def forget(self, blocks: Iterable[int]) -> None:
         """Drop the blocks and their logged descendants: a child whose parent block was freed is
         no longer known to follow what its parent id holds next."""
         dropping = [b for b in blocks if b in self.blocks]
-        self._changes += bool(dropping)
         while dropping:
             block = dropping.pop()
             entry = self.blocks.pop(block, None)
@@ -77,65 +82,49 @@ class BlockLog:
         siblings = self._children.get(entry.parent)
         if siblings is not None:
             siblings.discard(block)
-        del self._levels[entry.index][block]
+        if 0 <= block < self.num_blocks:
+            self._first[block] = -1
+            self._version += 1
+        else:
+            del self._outside[block]
 
     def clear(self) -> None:
         self.blocks.clear()
         self._children.clear()
-        self._levels.clear()
-        self._changes += 1
-        self._walked = None
+        self._outside.clear()
+        self._first[:] = -1
+        self._version += 1
 
-    def intact(self, hashed: Mapping[int, bool]) -> list[int]:
-        """Logged blocks still hashed whose whole ancestry is too, parents before children: the
-        blocks whose slots and predecessors hold what the log says."""
-        return self._intact(hashed)[0]
+    def walk(self, hashed: AbstractSet[int], locked: AbstractSet[int]) -> PagedWalk | CacheWalk:
+        """The sweep's view of every logged block (`hashed`: the blocks transformers keeps a hash
+        of; `locked`: those a live request holds): its first position, the slot before it (the
+        parent's last), its tokens, locked. A logged block no longer hashed is forgotten first. The
+        table indexed by block (the same tensors, updated in place; its version changes with any
+        of them but the locks), or a list of entries while a logged block lies outside the pool."""
+        if not self.blocks.keys() <= hashed:
+            self.forget(self.blocks.keys() - hashed)
+        if locked != self._locked_blocks:
+            self._locked_blocks = frozenset(locked)
+            held = np.fromiter(locked, dtype=np.int64, count=len(locked))
+            self._locked[:] = False
+            self._locked[held[(held >= 0) & (held < self.num_blocks)]] = True
+        if self._outside:
+            return self._listed()
+        return PagedWalk(self.page_size, *self._tensors, version=self._version)
 
-    def _intact(self, hashed: Mapping[int, bool]) -> tuple[list[int], list[int], list[int]]:
-        """`intact`'s blocks, with each one's index and parent."""
-        kept: set[int] = set()
-        order, indices, parents = [], [], []
-        for index, level in enumerate(self._levels):
-            for block, parent in level.items():
-                if block in hashed and (index == 0 or parent in kept):
-                    kept.add(block)
-                    order.append(block)
-                    indices.append(index)
-                    parents.append(parent)
-        return order, indices, parents
-
-    def walk(self, hashed: Mapping[int, bool]) -> CacheWalk:
-        """The sweep's view of every intact block, on the host: slot, position, previous slot (the
-        parent's last slot at a block's first position), token, locked (a live request holds it).
-        The same walk object again while neither the log nor `hashed` changed (a decode step mostly
-        changes neither), and the same columns but a new ``locked`` while only which blocks live
-        requests hold changed (requests finished): the sweep then neither checks nor plans again."""
-        last = self._walked
-        if last is not None and last.changes == self._changes and last.hashed.keys() == hashed.keys():
-            if last.hashed == hashed:
-                return last.walk
-            blocks, walk = last.blocks, last.walk._replace(locked=self._locked(last.blocks, hashed))
-        else:
-            blocks, walk = self._walk(hashed)
-        self._walked = _Walked(self._changes, dict(hashed), blocks, walk)
-        return walk
-
-    def _locked(self, blocks: list[int], hashed: Mapping[int, bool]) -> torch.Tensor:
-        return torch.from_numpy(np.repeat(np.array([hashed[b] for b in blocks], dtype=bool), self.page_size))
-
-    def _walk(self, hashed: Mapping[int, bool]) -> tuple[list[int], CacheWalk]:
-        """(its blocks, the walk), built with numpy (torch's thread pool made small host tensors
-        slow on a busy GPU host)."""
+    def _listed(self) -> CacheWalk:
+        """The walk as entries: the logged blocks' slots, those outside the pool last."""
         page = self.page_size
-        blocks, indices, parents = self._intact(hashed)
+        inside = np.flatnonzero(self._first != -1)
+        blocks = np.concatenate([inside, np.fromiter(self._outside, dtype=np.int64)])
         offsets = np.arange(page, dtype=np.int64)
-        index = np.array(indices, dtype=np.int64).reshape(-1, 1)
-        parent = np.array(parents, dtype=np.int64)
-        slots = np.array(blocks, dtype=np.int64).reshape(-1, 1) * page + offsets
+        slots = blocks.reshape(-1, 1) * page + offsets
         prev = slots - 1
-        prev[:, 0] = np.where(index[:, 0] == 0, PREV_CHAIN_HEAD, parent * page + page - 1)
-        logged = self.blocks
-        tokens = np.frombuffer(b"".join([logged[b].tokens for b in blocks]), dtype=np.int64).copy()
-        columns = (slots, index * page + offsets, prev, tokens)  # CacheWalk's fields, in order
-        return blocks, CacheWalk(*(torch.from_numpy(column.reshape(-1)) for column in columns),
-                                 locked=self._locked(blocks, hashed))
+        prev[:, 0] = np.concatenate([self._prev[inside], [p for p, _ in self._outside.values()]])
+        first = np.concatenate([self._first[inside], [self.blocks[b].index * page for b in self._outside]])
+        tokens = np.concatenate([self._tokens.reshape(-1, page)[inside], *(t.reshape(1, -1) for _, t in
+                                                                            self._outside.values())])
+        held = np.concatenate([self._locked[inside], [b in self._locked_blocks for b in self._outside]])
+        columns = (slots, first.reshape(-1, 1) + offsets, prev, tokens)
+        return CacheWalk(*(torch.from_numpy(np.ascontiguousarray(c).reshape(-1)) for c in columns),
+                         torch.from_numpy(np.repeat(held, page)))

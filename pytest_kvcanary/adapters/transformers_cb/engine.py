@@ -66,13 +66,13 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import UNKNOWN, GroupKind
 
-from ...canary.seam import CacheWalk, Capacities, ForwardHooks, FreeListener, PoolGroup, RowOwners, SlotMapping
+from ...canary.seam import (CacheWalk, Capacities, ForwardHooks, FreeListener, PagedWalk, PoolGroup, RowOwners,
+                            SlotMapping)
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .forward_view import DerivedView, empty_tables, empty_view
@@ -142,7 +142,7 @@ class TransformersEngine:
         self.layout = cache_layout(self.processor)
         self.groups: list[GroupCache] = self.layout.groups
         self.page_size = page_size
-        self.block_log = BlockLog(page_size)
+        self.block_log = BlockLog(page_size, self.groups[0].num_slots)
         self._free_listeners: list[FreeListener] = []
         self.layout.install(self._on_free, self._on_marked)
 
@@ -193,12 +193,12 @@ class TransformersEngine:
     def canary_capacities(self) -> Capacities:
         return self.capacities
 
-    def cache_walk(self) -> CacheWalk | None:
+    def cache_walk(self) -> PagedWalk | CacheWalk | None:
         """The hashed FULL blocks transformers keeps for prefix sharing (None when the model has
         no prefix sharing: hybrid models, or allow_block_sharing=False)."""
         if not self.processor.cache.use_prefix_sharing:
             return None
-        return self.block_log.walk(self.layout.hashed_blocks())
+        return self.block_log.walk(*self.layout.hashed_blocks())
 
     def add_free_listener(self, listener: FreeListener) -> None:
         """listener(group, slots of that group, cause) before any block goes back to the free
@@ -434,7 +434,7 @@ class TransformersEngine:
         a free lane or the one used longest ago (its request sends everything again if it comes
         back). The rows' views of their lanes (what each holds) come from the lanes."""
         used = self._lane_used
-        for row, lane in enumerate(self._row_lanes[:self._rows_mapped].tolist()):  # the rows' views, back
+        for row, lane in enumerate(self._row_lanes[:self._rows_mapped]):  # the rows' views, back
             self._lane_known[lane] = self._row_known[row]
             used[lane] = self._steps - 1  # (at most) the forward before, which may still run
         mine = {self._lane_of.get(state.request_id) for state in states}
@@ -469,16 +469,19 @@ class TransformersEngine:
         tokens: list[int] = []
         for row, state in enumerate(states):
             length, start = state.position_offset, known[row]  # advanced past this forward's tokens
-            if length > start:  # positions [start, length), or [0, max_context) in a lane just handed over
-                prompt, generated = state.initial_tokens, state.generated_tokens
-                n = len(prompt)
-                have = min(length, n + len(generated))
-                known[row] = have
-                end = length if start else context
-                lanes += [int(row_lanes[row])] * (end - start)
-                positions += range(start, end)
-                tokens += prompt[start:have]
-                tokens += generated[max(start - n, 0):max(have - n, 0)]
+            if length <= start:
+                continue
+            # positions [start, length), or [0, max_context) in a lane just handed over
+            generated, n = state.generated_tokens, len(state.initial_tokens)
+            have = min(length, n + len(generated))
+            known[row] = have
+            end = length if start else context
+            lanes += [row_lanes[row]] * (end - start)
+            positions += range(start, end)
+            if start < n:
+                tokens += state.initial_tokens[start:have]
+            tokens += generated[max(start - n, 0):max(have - n, 0)]
+            if end > have:
                 tokens += [UNKNOWN] * (end - have)
         return lanes, positions, tokens
 
@@ -490,7 +493,7 @@ class TransformersEngine:
         self._lane_known = [0] * lanes  # positions of that state in token_table (as of the last batch change)
         self._lane_used = [-1] * lanes  # the forward that last used each lane
         self._row_states: list[Any] = [None] * rows  # the last batch's requests, by batch row
-        self._row_lanes = np.zeros(rows, dtype=np.int64)  # their lanes
+        self._row_lanes = [0] * rows  # their lanes
         self._row_known = [0] * rows  # their lanes' known positions, kept up to date per forward
         self._rows_mapped = 0  # the last batch's size
         self._lanes_version = 0  # changes whenever a row's lane does

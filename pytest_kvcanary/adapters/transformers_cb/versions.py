@@ -14,10 +14,11 @@ about one of them:
   is taken out of the free deque here to serve as the canary's reserved slot 0.
 
 Both report a block id per (request, block index) through ``block_ids``, the hashed FULL blocks
-through ``hashed_blocks`` (``hashed_ids``: membership only), every block returning to the free pool
-through the ``on_free`` callback (before it is released, with a cause; ``causes.cause(...)`` names
-the cause of what an outer call releases) and every request whose completed blocks were just hashed
-through ``on_marked`` (not called for a request that completed none).
+and those a live request holds through ``hashed_blocks`` (``hashed_ids``: membership only), every
+block returning to the free pool through the ``on_free`` callback (before it is released, with a
+cause; ``causes.cause(...)`` names the cause of what an outer call releases) and every request whose
+completed blocks were just hashed through ``on_marked`` (not called for a request that completed
+none).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import inspect
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Container, Iterable, Iterator
+from typing import AbstractSet, Any, Callable, Container, Iterable, Iterator
 
 import torch
 
@@ -174,10 +175,12 @@ class SectorLayout:
         group = next(g for g in self.groups if layer_idx in g.layers)
         return group.kind, group.layers.index(layer_idx)
 
-    def hashed_blocks(self) -> dict[int, bool]:
-        """FULL blocks with a content hash -> True when a live request holds them."""
+    def hashed_blocks(self) -> tuple[AbstractSet[int], AbstractSet[int]]:
+        """The FULL blocks with a content hash, and those of them a live request holds (set
+        operations only: no Python loop over the blocks)."""
         ledger = self.cache.cache_allocators[FULL_ATTENTION].ledger
-        return {block: block not in ledger.cached_blocks for block in ledger.block_to_hash}
+        hashed = ledger.block_to_hash.keys()
+        return hashed, hashed - ledger.cached_blocks.keys()
 
     def hashed_ids(self) -> Container[int]:
         """The FULL blocks with a content hash (membership only; no copy)."""
@@ -265,9 +268,12 @@ class BlockManagerLayout:
         index, within = self.cache.layer_index_to_group_indices[layer_idx]
         return self._kind_of_index[index], within
 
-    def hashed_blocks(self) -> dict[int, bool]:
+    def hashed_blocks(self) -> tuple[AbstractSet[int], AbstractSet[int]]:
+        """The blocks with a content hash, and those of them a live request holds (an unheld one
+        is an initialised block)."""
         manager = self.cache._block_manager
-        return {block: manager._id_to_block[block].ref_count > 0 for block in manager._hash_to_id.values()}
+        hashed = set(manager._hash_to_id.values())
+        return hashed, hashed - manager._init_block_ids.keys()
 
     def hashed_ids(self) -> Container[int]:
         """The blocks with a content hash."""

@@ -1,83 +1,99 @@
-"""BlockLog: what the adapter remembers of transformers' hashed blocks, and the walk it gives the
-sweep (no transformers needed)."""
+"""BlockLog: what the adapter remembers of transformers' hashed blocks, kept as the sweep's paged
+walk (no transformers needed)."""
 
 from __future__ import annotations
 
-from pytest_kvcanary.adapters.transformers_cb.block_log import BlockLog
-from kvcanary_kernels.records import PREV_CHAIN_HEAD
+import torch
 
-PAGE = 4
+from kvcanary_kernels.records import COL_REASONS, COL_SLOT, PREV_CHAIN_HEAD, Reason
+from pytest_kvcanary.adapters.transformers_cb.block_log import BlockLog
+from pytest_kvcanary.canary.seam import PagedWalk
+from pytest_kvcanary.canary.walk import check_walk, paged_entries
+
+PAGE, BLOCKS = 4, 12
 TOKENS = list(range(100, 112))  # three pages
 
 
 def logged(table, hashed) -> BlockLog:
-    log = BlockLog(PAGE)
+    log = BlockLog(PAGE, PAGE * BLOCKS)
     log.note(table, TOKENS, hashed)
     return log
 
 
-def test_walk_chains_each_block_to_its_parents_last_slot():
-    log = logged([7, 3, 9], {7: False, 3: True, 9: True})
-    walk = log.walk({7: False, 3: True, 9: True})
-    assert walk.slots.tolist() == [28, 29, 30, 31, 12, 13, 14, 15, 36, 37, 38, 39]
-    assert walk.positions.tolist() == list(range(12))
-    assert walk.prev_slots.tolist() == [PREV_CHAIN_HEAD, 28, 29, 30, 31, 12, 13, 14, 15, 36, 37, 38]
-    assert walk.tokens.tolist() == TOKENS
-    assert walk.locked.tolist() == [False] * 4 + [True] * 8
+def listed(walk) -> dict[int, tuple[int, int, int, bool]]:
+    """slot -> (position, previous slot, token, locked) of every slot the walk lists."""
+    entries = paged_entries(walk) if isinstance(walk, PagedWalk) else walk
+    return {s: tuple(rest) for s, *rest in zip(*(c.tolist() for c in entries[:5]))}
 
 
-def test_only_hashed_blocks_are_logged_and_walked_while_hashed():
-    log = logged([7, 3, 9], {7: False, 3: False})  # block 9 not complete yet
-    assert set(log.blocks) == {7, 3}
-    assert log.intact({7: False}) == [7]  # 3 lost its hash: gone from the walk
+def test_the_walk_is_paged_and_chains_each_block_to_its_parents_last_slot():
+    log = logged([7, 3, 9], {7, 3, 9})
+    walk = log.walk({7, 3, 9}, {3, 9})
+    assert isinstance(walk, PagedWalk) and walk.first_positions.numel() == BLOCKS
+    slots = [28, 29, 30, 31, 12, 13, 14, 15, 36, 37, 38, 39]
+    assert listed(walk) == {slot: (i, [PREV_CHAIN_HEAD, *slots][i], TOKENS[i], i >= PAGE) for i, slot in enumerate(slots)}
+    assert check_walk(walk, PAGE * BLOCKS).walk is walk  # well formed: planned as it is
+
+
+def test_only_hashed_blocks_whose_parent_is_logged_are_logged():
+    log = logged([7, 3, 9], {7, 9})  # block 3 not hashed: 9 follows nothing logged
+    assert set(log.blocks) == {7}
+    log.note([7, 3, 9], TOKENS, {7, 3, 9})
+    assert set(log.blocks) == {7, 3, 9}
+
+
+def test_a_block_that_lost_its_hash_leaves_the_walk_with_its_descendants():
+    log = logged([7, 3, 9], {7, 3, 9})
+    walk = log.walk({7, 9}, set())  # block 3 lost its hash
+    assert sorted(listed(walk)) == [28, 29, 30, 31] and set(log.blocks) == {7}
 
 
 def test_a_block_whose_parent_was_freed_is_forgotten_with_its_descendants():
-    log = logged([7, 3, 9], dict.fromkeys([7, 3, 9], False))
-    log.note([7, 3, 4], TOKENS, dict.fromkeys([7, 3, 4], False))  # a second child of block 3
+    log = logged([7, 3, 9], {7, 3, 9})
+    log.note([7, 3, 4], TOKENS, {7, 3, 4})  # a second child of block 3
     log.forget([3])
-    assert set(log.blocks) == {7}
+    assert set(log.blocks) == {7} and sorted(listed(log.walk({7}, set()))) == [28, 29, 30, 31]
     log.forget([7])
-    assert log.blocks == {}
+    assert log.blocks == {} and not listed(log.walk(set(), set()))
 
 
 def test_a_block_logged_under_a_new_parent_is_not_forgotten_with_its_old_one():
-    log = logged([7, 3, 9], dict.fromkeys([7, 3, 9], False))
-    log.note([5, 3], TOKENS, {5: True, 3: True})
+    log = logged([7, 3, 9], {7, 3, 9})
+    log.note([5, 3], TOKENS, {5, 3})
+    assert log.blocks[3].parent == 5 and listed(log.walk({7, 5, 3, 9}, set()))[12][1] == 5 * PAGE + PAGE - 1
     log.forget([7])
     assert set(log.blocks) == {5, 3, 9}
     log.forget([5])
     assert log.blocks == {}
 
 
-def test_a_block_following_a_new_parent_is_logged_again():
-    log = logged([7, 3], {7: False, 3: False})
-    log.note([5, 3], TOKENS, {5: True, 3: True})  # the parent's content was recomputed into block 5
-    assert log.blocks[3].parent == 5
-    assert log.intact({5: True, 3: True, 7: False}) == [7, 5, 3]
-
-
-def test_the_walk_is_the_same_object_until_the_log_or_the_hashed_blocks_change():
-    hashed = {7: False, 3: True}
-    log = logged([7, 3], hashed)
-    first = log.walk(dict(hashed))
-    assert log.walk(dict(hashed)) is first
-    log.note([7, 3], TOKENS, hashed)  # nothing new
-    assert log.walk(dict(hashed)) is first
-    released = log.walk({7: False, 3: False})  # the request holding block 3 released it
-    assert released is not first and released.locked.tolist() == [False] * 8
-    # Only the locks changed: the columns the sweep plans from are the very same tensors.
-    assert all(a is b for a, b in zip(released[:4], first[:4]))
-    hashed[9] = True  # hashed before the log heard of it
-    assert log.walk(dict(hashed)).slots.numel() == 8
-    log.note([7, 3, 9], TOKENS, hashed)
-    assert log.walk(dict(hashed)).slots.numel() == 12
+def test_the_version_changes_with_the_blocks_and_not_with_the_locks():
+    log = logged([7, 3], {7, 3})
+    first = log.walk({7, 3}, {3})
+    again = log.walk({7, 3}, {3})
+    assert again.version == first.version and all(a is b for a, b in zip(again, first))
+    log.note([7, 3], TOKENS, {7, 3})  # nothing new
+    released = log.walk({7, 3}, set())  # the request holding block 3 released it
+    assert released.version == first.version and not released.locked.any()
+    assert all(a is b for a, b in zip(released, first))  # the same tensors, updated in place
+    log.note([7, 3, 9], TOKENS, {7, 3, 9})
+    grown = log.walk({7, 3, 9}, set())
+    assert grown.version != first.version and len(listed(grown)) == 12
     log.forget([9])
-    assert log.walk(dict(hashed)).slots.numel() == 8
+    assert log.walk({7, 3, 9}, set()).version != grown.version and len(listed(log.walk({7, 3}, set()))) == 8
 
 
-def test_a_chain_whose_ancestor_lost_its_hash_leaves_the_walk_below_it():
-    log = logged([7, 3, 9], dict.fromkeys([7, 3, 9], True))
-    walk = log.walk({7: True, 9: True})  # block 3 lost its hash, still logged
-    assert walk.slots.tolist() == [28, 29, 30, 31]
-    assert log.intact({3: True, 9: True}) == []  # the chain's first block is gone
+def test_a_block_outside_the_pool_is_handed_over_as_entries_the_sweep_reports():
+    log = logged([7, BLOCKS + 2, 9], {7, BLOCKS + 2, 9})  # a block id past the pool
+    walk = log.walk({7, BLOCKS + 2, 9}, set())
+    assert not isinstance(walk, PagedWalk) and walk.slots.numel() == 3 * PAGE
+    assert listed(walk) == {**listed(logged([7], {7}).walk({7}, set())), **{
+        (BLOCKS + 2) * PAGE + i: (PAGE + i, [31, *range((BLOCKS + 2) * PAGE, (BLOCKS + 3) * PAGE)][i], TOKENS[PAGE + i],
+                                  False) for i in range(PAGE)}, **{
+        36 + i: (2 * PAGE + i, (BLOCKS + 3) * PAGE - 1 if i == 0 else 35 + i, TOKENS[2 * PAGE + i], False)
+        for i in range(PAGE)}}
+    rows = check_walk(walk, PAGE * BLOCKS).rows[:, [COL_REASONS, COL_SLOT]].tolist()
+    outside = [(BLOCKS + 2) * PAGE + i for i in range(PAGE)]
+    assert sorted(rows) == [[int(Reason.WALK_SLOT_OUT_OF_RANGE), slot] for slot in [36, *outside]]  # 36: its child's head
+    log.forget([BLOCKS + 2])
+    assert isinstance(log.walk({7}, set()), PagedWalk)

@@ -19,6 +19,7 @@ pytest.importorskip("transformers", reason=INSTALL)
 
 from pytest_kvcanary.adapters.transformers_cb import load, random_checkpoint  # noqa: E402
 from pytest_kvcanary.adapters.transformers_cb.engine import CONFIRM_EVERY  # noqa: E402
+from pytest_kvcanary.canary.walk import paged_entries  # noqa: E402
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, UNKNOWN, GroupKind  # noqa: E402
 
 ATOL = 1e-4
@@ -96,6 +97,7 @@ class MappingChecker:
         walk = self.engine.cache_walk()
         if walk is None:
             return
+        walk = paged_entries(walk)
         group = self.engine.groups[0]
         page = group.page_size
         entry = {s: (t, p, prev) for s, t, p, prev in zip(walk.slots.tolist(), walk.tokens.tolist(),
@@ -141,12 +143,12 @@ def test_reset_frees_every_block_and_says_so():
     freed = []
     engine.add_free_listener(lambda kind, slots, cause: freed.append((kind, cause, slots.numel())))
     engine.generate([[5] * 40, [6] * 40], max_new_tokens=4)
-    held = engine.layout.hashed_blocks()
-    assert held and not any(held.values())  # cached, no request holds them
+    hashed, locked = (set(blocks) for blocks in engine.layout.hashed_blocks())
+    assert hashed and not locked  # cached, no request holds them
     freed.clear()
     engine.reset()
-    assert engine.layout.hashed_blocks() == {} and engine.cache_walk().slots.numel() == 0
-    assert sum(n for _, cause, n in freed if cause == "engine reset") == len(held) * engine.page_size
+    assert not any(engine.layout.hashed_blocks()) and not paged_entries(engine.cache_walk()).slots.numel()
+    assert sum(n for _, cause, n in freed if cause == "engine reset") == len(hashed) * engine.page_size
     assert engine.request_at(0, 0) is None
 
 

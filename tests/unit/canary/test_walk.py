@@ -5,10 +5,10 @@ import torch
 
 from kvcanary_kernels import ViolationRing
 from kvcanary_kernels.records import COL_EXPECTED, COL_POSITION, COL_REASONS, COL_SLOT, COL_STEP, COL_STORED, \
-    COL_TAG, Reason
-from pytest_kvcanary.canary.seam import CacheWalk
+    COL_TAG, PREV_CHAIN_HEAD, Reason
+from pytest_kvcanary.canary.seam import CacheWalk, PagedWalk
 from pytest_kvcanary.canary import walk as walk_module
-from pytest_kvcanary.canary.walk import check_walk
+from pytest_kvcanary.canary.walk import check_walk, paged_entries
 
 
 def _walk(slots: list[int], positions: list[int], prev: list[int]) -> CacheWalk:
@@ -102,3 +102,58 @@ def test_ring_append_claims_rows_like_the_kernels_and_keeps_the_last_capacity():
     ring.append(rows, tag=1)  # more than capacity: the last 4 land, all 6 are counted
     assert int(ring.count) == 12
     assert sorted(ring.rows[:, COL_SLOT].tolist()) == [2, 3, 4, 5]
+
+
+def _random_paged(rng: random.Random, pages: int, page: int) -> PagedWalk:
+    """Chains of random pages (each page after the last slot of the one before, or a chain head),
+    then at most one malformation."""
+    first, prev = [-1] * pages, [PREV_CHAIN_HEAD] * pages
+    order = rng.sample(range(pages), rng.randrange(1, pages))
+    for i, p in enumerate(order):
+        if i and rng.random() < 0.7:
+            first[p], prev[p] = first[order[i - 1]] + page, order[i - 1] * page + page - 1
+        else:
+            first[p] = 0
+    p = rng.choice(order)
+    fault = rng.randrange(6)
+    if fault == 0:
+        prev[p] = rng.choice([-2, pages * page, pages * page + 3])
+    elif fault == 1:
+        first[p] += rng.choice([-1, 1, 2])
+    elif fault == 2:
+        first[p] = rng.choice([-3, -page])
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    return PagedWalk(page, t(first), t(prev), torch.arange(pages * page), torch.tensor([rng.random() < 0.5
+                                                                                         for _ in range(pages)]), 1)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_paged_walk_is_checked_page_by_page_with_the_rows_of_its_entries(seed):
+    rng = random.Random(seed)
+    pages, page = 12, 4
+    for _ in range(20):
+        paged = _random_paged(rng, pages, page)
+        entries = paged_entries(paged)
+        as_entries, as_pages = check_walk(entries, pages * page), check_walk(paged, pages * page)
+        assert _rows(as_pages.rows) == _rows(as_entries.rows), paged
+        if as_entries.rows.shape[0] == 0:
+            assert as_pages.walk is paged
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(as_pages.walk[:5], as_entries.walk[:5]))
+
+
+def test_paged_entries_lists_each_listed_pages_slots_in_order():
+    paged = PagedWalk(2, torch.tensor([-1, 4, 0]), torch.tensor([-1, 5, -1]), torch.arange(6) + 10,
+                      torch.tensor([False, True, False]), 3)
+    entries = paged_entries(paged)
+    assert entries.slots.tolist() == [2, 3, 4, 5]
+    assert entries.positions.tolist() == [4, 5, 0, 1]
+    assert entries.prev_slots.tolist() == [5, 2, -1, 4]
+    assert entries.tokens.tolist() == [12, 13, 14, 15] and entries.locked.tolist() == [True, True, False, False]
+
+
+def test_a_paged_walk_of_another_size_than_the_pool_names_the_field():
+    paged = PagedWalk(2, torch.full((3,), -1), torch.full((3,), -1), torch.zeros(5, dtype=torch.int64),
+                      torch.zeros(3, dtype=torch.bool), 0)
+    with pytest.raises(ValueError, match=r"PagedWalk.tokens covers 5 slots in pages of 2; the FULL group has 6"):
+        check_walk(paged, 6)
