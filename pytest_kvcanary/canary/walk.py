@@ -100,6 +100,8 @@ def paged_entries(walk: PagedWalk) -> CacheWalk:
 def _well_formed_pages(walk: PagedWalk, space: int) -> bool:
     """True when no slot of a paged walk breaks a rule, checked page by page: a listed page's
     position and predecessor (its other slots follow each other)."""
+    if walk.first_positions.device.type != "cpu":
+        raise ValueError(f"a PagedWalk is kept on the host (CPU tensors); got {walk.first_positions.device}")
     page = walk.page_size
     first, prev = walk.first_positions.numpy(), walk.prev_slots.numpy()
     for name, size in (("first_positions", first.size * page), ("prev_slots", prev.size * page),

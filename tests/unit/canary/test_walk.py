@@ -157,3 +157,11 @@ def test_a_paged_walk_of_another_size_than_the_pool_names_the_field():
                       torch.zeros(3, dtype=torch.bool), 0)
     with pytest.raises(ValueError, match=r"PagedWalk.tokens covers 5 slots in pages of 2; the FULL group has 6"):
         check_walk(paged, 6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_paged_walk_on_the_device_names_the_host():
+    paged = PagedWalk(2, *(torch.full((3,), -1, device="cuda") for _ in range(2)), torch.zeros(6, dtype=torch.int64),
+                      torch.zeros(3, dtype=torch.bool), 0)
+    with pytest.raises(ValueError, match=r"a PagedWalk is kept on the host \(CPU tensors\); got cuda:0"):
+        check_walk(paged, 6)
