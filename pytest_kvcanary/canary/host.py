@@ -18,7 +18,8 @@ from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping
 from kvcanary_kernels.records import GroupKind, Half
 
-__all__ = ["CacheWalk", "Capacities", "ForwardView", "GroupInputs", "PagedWalk", "PoolGroup", "SlotMapping"]
+__all__ = ["CacheWalk", "Capacities", "ForwardView", "GroupInputs", "PagedWalk", "PoolGroup", "SlotMapping",
+           "page_entries"]
 
 if TYPE_CHECKING:
     import torch
@@ -123,3 +124,21 @@ class PagedWalk(NamedTuple):
     tokens: torch.Tensor
     locked: torch.Tensor
     version: int
+
+
+def page_entries(page_size: int, pages: Sequence[int], first_positions: Sequence[int], prev_slots: Sequence[int],
+                 tokens: Sequence[Sequence[int]], locked: Sequence[bool]) -> CacheWalk:
+    """Whole pages as a list of entries: for each page (its id, its first slot's position, the slot
+    before its first slot, its page_size tokens, its lock) its slots in order, each after the one
+    before it. Built with numpy (imported here, not at the seam's load)."""
+    import numpy as np
+    import torch
+
+    offsets = np.arange(page_size, dtype=np.int64)
+    slots = np.asarray(pages, dtype=np.int64).reshape(-1, 1) * page_size + offsets
+    prev = slots - 1
+    prev[:, 0] = prev_slots
+    positions = np.asarray(first_positions, dtype=np.int64).reshape(-1, 1) + offsets
+    columns = (slots, positions, prev, np.asarray(tokens, dtype=np.int64))
+    return CacheWalk(*(torch.from_numpy(np.ascontiguousarray(c).reshape(-1)) for c in columns),
+                     torch.from_numpy(np.repeat(np.asarray(locked, dtype=bool), page_size)))

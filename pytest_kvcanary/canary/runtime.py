@@ -179,9 +179,9 @@ class CanaryRuntime:
         """Verify every slot the host's prefix cache holds, in each group the walk reaches (FULL
         and groups mapped through full_to_group). A malformed walk is reported (walk.py) and its
         checkable entries swept; a walk the host returned before (its columns, or a paged walk's
-        version, seam.py) is not checked or planned again (plans.SweepPlan). With the Triton kernels on a CUDA device the
-        first sweep's launches run eagerly and are captured in a CUDA graph that later sweeps
-        replay. False when the host has no prefix cache."""
+        version, seam.py) is not checked or planned again (plans.SweepPlan). With the Triton
+        kernels on a CUDA device the first sweep's launches run eagerly and are captured in a CUDA
+        graph that later sweeps replay. False when the host has no prefix cache."""
         walk = self.host.cache_walk()
         if walk is None:
             return False

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protoc
 
 from kvcanary_kernels.records import GroupKind, Half
 
-from .host import CacheWalk, Capacities, ForwardView, GroupInputs, PagedWalk, PoolGroup, SlotMapping
+from .host import CacheWalk, Capacities, ForwardView, GroupInputs, PagedWalk, PoolGroup, SlotMapping, page_entries
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +60,7 @@ __all__ = [
     "GroupKind", "Half", "SlotMapping", "PoolGroup", "Capacities", "GroupInputs", "ForwardView", "CacheWalk",
     "PagedWalk", "FreeListener", "TransferListener", "ForwardHooks", "CanaryHost", "EngineUnderTest",
     "PrefillDecodePair", "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS", "REQUIRED_METHODS",
-    "missing_methods", "optional",
+    "missing_methods", "optional", "page_entries",
 ]
 
 Owner = TypeVar("Owner")

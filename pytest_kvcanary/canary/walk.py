@@ -36,7 +36,7 @@ from kvcanary_kernels.records import (COL_EXPECTED, COL_POSITION, COL_REASONS, C
                                       PREV_CHAIN_HEAD, ROW_WIDTH, Reason)
 from kvcanary_kernels.reference import fold_checks
 
-from .host import CacheWalk, PagedWalk
+from .host import CacheWalk, PagedWalk, page_entries
 
 
 class CheckedWalk(NamedTuple):
@@ -85,16 +85,10 @@ def _well_formed_on_host(walk: CacheWalk, space: int) -> bool:
 
 def paged_entries(walk: PagedWalk) -> CacheWalk:
     """The slots of a paged walk's listed pages as a list of entries, in slot order."""
-    page = walk.page_size
     first = walk.first_positions.numpy()
     pages = np.flatnonzero(first != -1)
-    offsets = np.arange(page, dtype=np.int64)
-    slots = pages.reshape(-1, 1) * page + offsets
-    prev = slots - 1
-    prev[:, 0] = walk.prev_slots.numpy()[pages]
-    columns = (slots, first[pages].reshape(-1, 1) + offsets, prev, walk.tokens.numpy().reshape(-1, page)[pages])
-    return CacheWalk(*(torch.from_numpy(np.ascontiguousarray(c, dtype=np.int64).reshape(-1)) for c in columns),
-                     torch.from_numpy(np.repeat(walk.locked.numpy()[pages], page)))
+    return page_entries(walk.page_size, pages, first[pages], walk.prev_slots.numpy()[pages],
+                        walk.tokens.numpy().reshape(-1, walk.page_size)[pages], walk.locked.numpy()[pages])
 
 
 def _well_formed_pages(walk: PagedWalk, space: int) -> bool:

@@ -10,7 +10,7 @@ from typing import AbstractSet, Container, Iterable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from ...canary.seam import CacheWalk, PagedWalk
+from ...canary.seam import CacheWalk, PagedWalk, page_entries
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
 
 
@@ -116,15 +116,11 @@ class BlockLog:
         """The walk as entries: the logged blocks' slots, those outside the pool last."""
         page = self.page_size
         inside = np.flatnonzero(self._first != -1)
-        blocks = np.concatenate([inside, np.fromiter(self._outside, dtype=np.int64)])
-        offsets = np.arange(page, dtype=np.int64)
-        slots = blocks.reshape(-1, 1) * page + offsets
-        prev = slots - 1
-        prev[:, 0] = np.concatenate([self._prev[inside], [p for p, _ in self._outside.values()]])
-        first = np.concatenate([self._first[inside], [self.blocks[b].index * page for b in self._outside]])
-        tokens = np.concatenate([self._tokens.reshape(-1, page)[inside], *(t.reshape(1, -1) for _, t in
-                                                                            self._outside.values())])
-        held = np.concatenate([self._locked[inside], [b in self._locked_blocks for b in self._outside]])
-        columns = (slots, first.reshape(-1, 1) + offsets, prev, tokens)
-        return CacheWalk(*(torch.from_numpy(np.ascontiguousarray(c).reshape(-1)) for c in columns),
-                         torch.from_numpy(np.repeat(held, page)))
+        outside = np.fromiter(self._outside, dtype=np.int64, count=len(self._outside))
+        return page_entries(
+            page, np.concatenate([inside, outside]),
+            np.concatenate([self._first[inside], [self.blocks[b].index * page for b in outside.tolist()]]),
+            np.concatenate([self._prev[inside], [prev for prev, _ in self._outside.values()]]),
+            np.concatenate([self._tokens.reshape(-1, page)[inside], *(t.reshape(1, -1) for _, t in
+                                                                       self._outside.values())]),
+            np.concatenate([self._locked[inside], [b in self._locked_blocks for b in outside.tolist()]]))

@@ -31,7 +31,8 @@ def test_the_walk_is_paged_and_chains_each_block_to_its_parents_last_slot():
     walk = log.walk({7, 3, 9}, {3, 9})
     assert isinstance(walk, PagedWalk) and walk.first_positions.numel() == BLOCKS
     slots = [28, 29, 30, 31, 12, 13, 14, 15, 36, 37, 38, 39]
-    assert listed(walk) == {slot: (i, [PREV_CHAIN_HEAD, *slots][i], TOKENS[i], i >= PAGE) for i, slot in enumerate(slots)}
+    assert listed(walk) == {slot: (i, [PREV_CHAIN_HEAD, *slots][i], TOKENS[i], i >= PAGE)
+                            for i, slot in enumerate(slots)}
     assert check_walk(walk, PAGE * BLOCKS).walk is walk  # well formed: planned as it is
 
 
@@ -94,6 +95,7 @@ def test_a_block_outside_the_pool_is_handed_over_as_entries_the_sweep_reports():
         for i in range(PAGE)}}
     rows = check_walk(walk, PAGE * BLOCKS).rows[:, [COL_REASONS, COL_SLOT]].tolist()
     outside = [(BLOCKS + 2) * PAGE + i for i in range(PAGE)]
-    assert sorted(rows) == [[int(Reason.WALK_SLOT_OUT_OF_RANGE), slot] for slot in [36, *outside]]  # 36: its child's head
+    # 36: the head of its child, whose predecessor lies outside too
+    assert sorted(rows) == [[int(Reason.WALK_SLOT_OUT_OF_RANGE), slot] for slot in [36, *outside]]
     log.forget([BLOCKS + 2])
     assert isinstance(log.walk({7}, set()), PagedWalk)
