@@ -21,11 +21,13 @@ every SWEEP steps, the violation log drained as the runtime's drain_interval say
 graphs the canary's per-forward work is captured inside transformers' own graphs and replays with
 them, canary_graphs=True). Host us is the host wall time the canary adds to a decode step, the
 mean over steps, and where it goes (PHASES): map (the model runner's compute_batch, which the
-engine wraps, less the forward inside: the batch's bookkeeping into the staged buffer and the rest
-of the wrapper), head (the view's derivation and HEAD launched from the model's forward pre-hook:
-0 in a replayed forward), tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward
-(counting, the sweep every SWEEP steps, the log drain) and block log (noting hashed blocks and forgetting freed
-ones, in update_batch after the step and in the next batch's preparation). The KV cache is sized
+engine wraps, less the forward and the end_forward inside: the batch's bookkeeping into the staged
+buffer and the rest of the wrapper), head (the view's derivation and HEAD launched from the model's
+forward pre-hook: 0 in a replayed forward), tail (the forward's inputs, RECHECK and TAIL,
+likewise), end_forward (counting, the sweep every SWEEP steps, the log drain; the engine calls it
+right after launching the forward, so with CUDA graphs it overlaps the device's work, but it is
+counted in full) and block log (noting hashed blocks and forgetting freed ones, in update_batch
+after the step and in the next batch's preparation). The KV cache is sized
 for B requests to decode together (the bench stops when transformers split most of the batch's
 decode steps). Each configuration is measured `--runs` times (off, then on, each after one warm-up
 generation, over `--repeats` generations); the table shows the median run and the spread
@@ -93,14 +95,14 @@ PHASES = ("map", "head", "tail", "end_forward", "block log")
 
 
 class StepTimer:
-    """Wraps the processor's (already guarded) generation step: wall seconds of each decode step,
-    and where the host seconds the canary adds to that step go (PHASES): map (the model runner's
-    compute_batch, which the engine wraps, less the forward it runs: mapping the batch into the
+    """Wraps the processor's generation step: wall seconds of each decode step, and where the host
+    seconds the canary adds to that step go (PHASES): map (the model runner's compute_batch, which
+    the engine wraps, less the forward and the end_forward it runs: mapping the batch into the
     staged buffer and what else the wrapper does), the view's derivation and HEAD launched from
     the model's forward (_head; not called in a replayed forward), the forward's inputs, RECHECK
-    and TAIL (_tail), the runtime's end_forward (counting, the sweep every SWEEP steps, the log drain), and the block log
-    noting hashed blocks and forgetting freed ones (in update_batch after the step and in the next
-    batch's preparation; counted with the step)."""
+    and TAIL (_tail), the runtime's end_forward (counting, the sweep every SWEEP steps, the log
+    drain), and the block log noting hashed blocks and forgetting freed ones (in update_batch after
+    the step and in the next batch's preparation; counted with the step)."""
 
     def __init__(self, engine: TransformersEngine, batch: int) -> None:
         self.engine, self.processor, self.batch = engine, engine.processor, batch
@@ -117,9 +119,10 @@ class StepTimer:
         self._wrapped = [(runner, "compute_batch", "map"), (engine, "_compute", "map", -1), (engine, "_head", "head"),
                          (engine, "_tail", "tail"), (engine.block_log, "note", "block log"),
                          (engine.block_log, "forget", "block log")]
-        if hooks is not None:
-            self._wrapped.append((hooks, "end_forward", "end_forward"))
-        self._saved = [(obj, name, vars(obj).get(name)) for obj, name, *_ in self._wrapped]  # instance attributes
+        if hooks is not None:  # called inside compute_batch: out of map, into its own phase
+            self._wrapped += [(hooks, "end_forward", "map", -1), (hooks, "end_forward", "end_forward")]
+        self._saved = {(id(obj), name): (obj, name, vars(obj).get(name))  # instance attributes
+                       for obj, name, *_ in self._wrapped}.values()
         for obj, name, phase, *sign in self._wrapped:
             setattr(obj, name, self._timed(getattr(obj, name), phase, *sign))
 

@@ -84,6 +84,11 @@ class CanaryRuntime:
         self.sweeps = 0
         self._sweep_plan: SweepPlan | None = None
         self._sweep_graph: torch.cuda.CUDAGraph | None = None
+        self._swept = [g for g in self.groups if g.swept_by_walk()]  # the groups a cache walk reaches
+        self._sweep_tags = self._tags([Phase.SWEEP], self._swept)
+        full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
+        self._walk_tag = launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind)  # a malformed walk's rows
+        self._one_device = self.device.type != "cuda" or torch.cuda.device_count() == 1
         self.observers: list[ForwardObserver] = []
 
     def _tags(self, phases: list[Phase], groups: list[GroupState] | None = None) -> list[int]:
@@ -92,8 +97,9 @@ class CanaryRuntime:
 
     def _on_device(self) -> ContextManager:
         """Kernels launch on the current CUDA device: make it the engine's for the launches (no
-        device switch when it already is: a switch costs microseconds of host time a call)."""
-        if self.device.type != "cuda" or self.device.index in (None, torch.cuda.current_device()):
+        device switch when it already is or there is one device: even asking which device is
+        current costs microseconds of host time a call)."""
+        if self._one_device or self.device.index in (None, torch.cuda.current_device()):
             return contextlib.nullcontext()
         return torch.cuda.device(self.device)
 
@@ -185,14 +191,12 @@ class CanaryRuntime:
         walk = self.host.cache_walk()
         if walk is None:
             return False
-        full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
-        groups = [g for g in self.groups if g.swept_by_walk()]
         with self._on_device():
             if self._sweep_plan is None:
-                self._sweep_plan = SweepPlan(groups, full.pool.num_slots, self.device)
+                self._sweep_plan = SweepPlan(self._swept, self.groups[0].pool.num_slots, self.device)
             plan = self._sweep_plan
             plan.refresh(walk, unlocked_only)
-            self.ring.append(plan.malformed, launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind))
+            self.ring.append(plan.malformed, self._walk_tag)
             if self._sweep_graph is not None:
                 self._sweep_graph.replay()
             else:
@@ -201,7 +205,7 @@ class CanaryRuntime:
                     self._sweep_graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(self._sweep_graph):  # captures; runs nothing
                         self._launch_sweep(plan)
-        self.launches.sweep(self._tags([Phase.SWEEP], groups))
+        self.launches.sweep(self._sweep_tags)
         self.sweeps += 1
         return True
 

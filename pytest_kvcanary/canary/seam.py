@@ -121,7 +121,9 @@ class ForwardHooks(Protocol):
     def end_forward(self, device_work: Callable[[], ContextManager[None]] = nullcontext) -> None:
         """Once per forward, after after_forward (eager) or after the graph replay; host side. The
         device work it launches now and then (a sweep, a log snapshot) runs inside device_work()
-        (an engine that computes on a stream of its own passes what orders that work with it)."""
+        (an engine that computes on a stream of its own passes what orders that work with it). It
+        may be called as soon as the forward is launched, before the engine waits for its outputs:
+        its host work (the walk, a sweep's plan, a log poll) then overlaps the device's forward."""
 
 
 class EngineUnderTest(CanaryHost, Protocol):

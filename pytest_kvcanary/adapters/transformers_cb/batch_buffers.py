@@ -89,7 +89,7 @@ class BatchBuffers:
             m = entries.shape[1]
             self._spill = [rows[m:], positions[m:], tokens[m:]]
             rows, positions, tokens = rows[:m], positions[:m], tokens[:m]
-        entries[0, :m], entries[1, :m], entries[2, :m] = rows, positions, tokens
+        entries[:, :m] = rows, positions, tokens  # one conversion of the three lists
         if m < held:
             entries[0, m:held] = self.scratch_row
         self._entries[self._pair] = m

@@ -15,9 +15,11 @@ model call): before the model, after transformers' carry-over of async tokens, t
 copied to the device and the view's lengths and block tables are derived there from the cumulative
 sequence lengths and the read and write indices transformers hands the forward (forward_view.py),
 then hooks.before_forward; after it, the view's input ids and positions are copied from the very
-buffers the forward consumed, then hooks.after_forward. hooks.end_forward follows the step; the
-device work it launches now and then (a sweep, a log snapshot) runs on the compute stream, and a
-step it launches nothing in pays no stream switch.
+buffers the forward consumed, then hooks.after_forward. hooks.end_forward follows as soon as the
+forward is launched, before transformers waits for its outputs: its host work now and then (a
+sweep's walk and plan, a log poll) runs while the device computes the forward, the device work it
+launches runs on the compute stream after the forward, and a step it launches nothing in pays no
+stream switch.
 
 With CUDA graphs (``use_cuda_graph=True``) and ``canary_graphs=True`` transformers captures that
 work in its own graphs and every replay runs it: a decode step launches no canary kernel from
@@ -80,6 +82,7 @@ from .versions import CAUSE_RESET, GroupCache, UnsupportedModel, cache_layout, c
 
 
 _NO_ENTRIES: tuple[list[int], list[int], list[int]] = ([], [], [])
+_STATE = operator.attrgetter("state")  # a FutureRequestState's RequestState
 CONFIRM_EVERY = 8  # forwards: how often a decode step of the same batch sends the tokens generated since
 
 
@@ -176,8 +179,6 @@ class TransformersEngine:
         runner = self.processor.model_runner
         self._compute = runner.compute_batch
         runner.compute_batch = self._guarded_compute
-        self._step = self.processor._generation_step
-        self.processor._generation_step = self._guarded_step
         self._next_request = 0
         self._steps = 0  # forwards since the last reset: the step a canary's violations name
         self._row_owners: RowOwners[str] = RowOwners()  # request ids
@@ -283,16 +284,13 @@ class TransformersEngine:
         io.current_pair = 1 - io.current_pair
         processor.update_batch()
 
-    def _guarded_step(self, model: Any) -> None:
-        self._step(model)
-        if self._hooks is not None:
-            self._hooks.end_forward(self._on_compute_stream)
-        self._steps += 1
-
     def _guarded_compute(self, model: Any, batch_data: dict[str, Any]) -> None:
+        """The forward with the canary's work around it (see the module docstring), then
+        hooks.end_forward as soon as the forward is launched."""
         hooks = self._hooks
         if hooks is None:
             self._compute(model, batch_data)
+            self._steps += 1
             return
         pair = self._pair()
         self._map_batch(pair)
@@ -307,6 +305,8 @@ class TransformersEngine:
         if not self._in_forward:
             with self._on_compute_stream():
                 self._tail(hooks, pair)
+        hooks.end_forward(self._on_compute_stream)
+        self._steps += 1
 
     @torch.compiler.disable
     def _head_in_forward(self, model: Any, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -332,11 +332,15 @@ class TransformersEngine:
         """The IO pair this forward's inputs are in (always 0 without async batching)."""
         return self.processor.inputs_and_outputs.current_pair if self._io_pairs else 0
 
-    def batch_requests(self) -> list[Any]:
-        """The FutureRequestStates of the batch transformers prepared last (under async batching,
-        those of the current IO pair)."""
+    def _batch_io(self) -> Any:
+        """The host-side inputs of the batch transformers prepared last (under async batching, the
+        current IO pair's)."""
         io = self.processor.inputs_and_outputs
-        return (self._io_pairs[io.current_pair].host_io if self._io_pairs else io).requests_in_batch
+        return self._io_pairs[io.current_pair].host_io if self._io_pairs else io
+
+    def batch_requests(self) -> list[Any]:
+        """The FutureRequestStates of the batch transformers prepared last."""
+        return self._batch_io().requests_in_batch
 
     def _head(self, hooks: ForwardHooks, pair: int, inputs: dict[str, Any]) -> None:
         """What the host staged for this forward onto the device, the view's lengths and block
@@ -406,7 +410,8 @@ class TransformersEngine:
         """Stage what only the host knows about the batch transformers just prepared (its size, its
         rows' lanes and the token-table entries it adds) in the pair's buffer; entries past its
         fixed-size part go to the device here."""
-        batch = self.batch_requests()
+        io = self._batch_io()
+        batch = io.requests_in_batch
         size = len(batch)
         if size > self.capacities.max_batch:
             raise RuntimeError(f"transformers batched {size} requests; the canary was sized for "
@@ -414,14 +419,14 @@ class TransformersEngine:
         buffers = self._buffers
         buffers.select(pair)
         buffers.set_batch(size)
-        states = [future.state for future in batch]
+        states = list(map(_STATE, batch))
         reassigned = not all(map(operator.is_, states, self._row_states))
         if reassigned:
             self._assign_lanes(states)
         if self._staged_lanes[pair] != self._lanes_version:
             buffers.set_lanes(self._row_lanes[:size])
             self._staged_lanes[pair] = self._lanes_version
-        if reassigned or self._steps % CONFIRM_EVERY == 0 or not all(f.query_length == 1 for f in batch):
+        if reassigned or self._steps % CONFIRM_EVERY == 0 or io.total_seqlen_q != size:  # not one token a row
             buffers.set_entries(*self._token_entries(states))
         else:  # a decode step of the same batch: its tokens wait for the next forward that confirms
             buffers.set_entries(*_NO_ENTRIES)
