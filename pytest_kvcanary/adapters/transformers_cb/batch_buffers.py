@@ -1,5 +1,5 @@
 """What the host hands the device per forward, through one pinned staging buffer per IO pair: the
-batch size, each batch row's lane (the mapping row its request holds) and the token-table entries
+batch size and how many tokens the forward samples, each batch row's lane (the mapping row its request holds) and the token-table entries
 the forward adds (lane, position, token). The host only fills the staging buffer; the copy to the
 device is the first device work of the canary inside the forward (``upload``), so under CUDA graphs
 it is a copy node of the captured forward and a replay reads the buffer as the host left it: a
@@ -27,14 +27,15 @@ from ...canary.host import Capacities
 
 
 class BatchBuffers:
-    """batch ``[1]``, lanes ``[max_batch]``, token_table ``[lanes, max_context]`` (device); per
+    """batch ``[1]``, sampled ``[1]``, lanes ``[max_batch]``, token_table ``[lanes, max_context]``
+    (device); per
     forward: ``select`` the pair, fill its staging buffer (``set_batch``, ``set_lanes``,
     ``set_entries``) and, when it ``spills``, ``write_spill``; then, in the forward, ``upload`` and
     ``apply_tokens``."""
 
     def __init__(self, capacities: Capacities, lanes: int, device: torch.device, pairs: int) -> None:
         b, t = capacities.max_batch, capacities.max_tokens
-        shapes = {"batch": (1, 1), "lanes": (1, b), "tokens": (3, t)}
+        shapes = {"batch": (1, 2), "lanes": (1, b), "tokens": (3, t)}
         total = sum(rows * cols for rows, cols in shapes.values())
         cuda = device.type == "cuda"
         self.device_flat = torch.zeros(total, dtype=torch.int64, device=device)
@@ -52,11 +53,12 @@ class BatchBuffers:
             host["tokens"][0] = lanes  # every entry unused: the scratch row
         self._table = torch.full((lanes + 1, capacities.max_context), UNKNOWN, dtype=torch.int64, device=device)
         self.token_table = self._table[:lanes]
-        self.batch = self.device_views["batch"][0]
+        self.batch, self.sampled = self.device_views["batch"][0, :1], self.device_views["batch"][0, 1:]
+        self._sample_numbers = torch.arange(b, device=device)
         self.lanes = self.device_views["lanes"][0]
         self._pair = 0  # the pair whose staging buffer is filled now
         self._entries = [0] * pairs  # token entries each staging buffer holds
-        self._sizes = [0] * pairs  # the batch size each staging buffer holds
+        self._sizes = [(0, 0)] * pairs  # the batch size and sampled count each staging buffer holds
         self._spill: list[Sequence[int]] | None = None  # this forward's entries past max_tokens
 
     def select(self, pair: int) -> None:
@@ -68,10 +70,12 @@ class BatchBuffers:
         """The selected pair's staging buffer, as numpy views."""
         return self._hosts[self._pair]
 
-    def set_batch(self, size: int) -> None:
-        """The number of requests in this forward (rows at or past it are padding)."""
-        if self._sizes[self._pair] != size:
-            self.host["batch"][0, 0] = self._sizes[self._pair] = size
+    def set_batch(self, size: int, sampled: int) -> None:
+        """The number of requests in this forward (rows at or past it are padding) and of the
+        tokens it samples (its leading logits indices)."""
+        counts = (size, sampled)
+        if self._sizes[self._pair] != counts:
+            self.host["batch"][0] = self._sizes[self._pair] = counts
 
     def set_lanes(self, lanes: Sequence[int]) -> None:
         """Batch row r's request holds lane lanes[r]."""
@@ -117,6 +121,14 @@ class BatchBuffers:
         """token_table[row, position] = token for this forward's entries (device work only)."""
         rows, positions, tokens = self.device_views["tokens"]
         self._table.index_put_((rows, positions), tokens)
+
+    def put_tokens(self, lanes: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """token_table[lanes[i], positions[i]] = tokens[i] for the forward's sampled tokens (device
+        work only; the entries past them, or past the table, go to the scratch row)."""
+        n = lanes.shape[0]
+        valid = (self._sample_numbers[:n] < self.sampled) & (positions < self._table.shape[1])
+        self._table.index_put_((torch.where(valid, lanes, self.scratch_row), torch.where(valid, positions, 0)),
+                               tokens[:n].long())
 
     def reset(self) -> None:
         self._table.fill_(UNKNOWN)

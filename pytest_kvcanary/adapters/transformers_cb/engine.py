@@ -29,18 +29,17 @@ captures it). With CUDA graphs and ``canary_graphs=False`` the same work runs ea
 compute stream right before and after the replay (forward observers, the fault injector, see
 every forward). The per-forward host work fills the staged buffer (with the canary inside
 transformers' graphs no copy or kernel launched from Python, no event): no device sync, no
-read-back. A decode step of the same batch stages nothing but what the forward confirms.
+read-back. A decode step of the same batch stages nothing.
 
-Token-table entries: a forward whose batch changed, or that extends a prompt, sends what each row
-added since its lane last heard of it (a lane that changed hands: its request's whole sequence, then
-UNKNOWN to max_context). A decode step of the same batch sends nothing unless it is a confirming
-forward (every CONFIRM_EVERY forwards), which sends every token the batch generated since: until
-then a decoded position is UNKNOWN in the table, stamped from what the forward consumed and not
-checked against the host, and the confirming forward's HEAD checks each such slot's record holds the
-token the request really generated (a wrong token fed to a forward is reported within CONFIRM_EVERY
-forwards). Async batching schedules a decoding request before the host knows the token it decodes
-(the forward takes it from the previous forward's output on the device): that token is UNKNOWN until
-a confirming forward after transformers handed it over.
+Token-table entries: the tokens a forward samples are written into the token table on the device
+right after transformers samples them (inside its captured graph), each at the position its request
+decodes next, so the forward that consumes a token is checked against the token sampled for it: one
+fed another token (a host or carry-over hand-over gone wrong) is reported by its TAIL's write_token
+at the slot it wrote. The host sends what the device cannot know: a forward whose batch changed, or
+that extends a prompt, sends what each row added since its lane last heard of it (a lane that
+changed hands: its request's whole sequence, then UNKNOWN to max_context); a decode step of the same
+batch sends nothing. A token the host does not have yet (async batching schedules a decoding request
+before transformers hands its token over) is left to the device, and sent once the host has it.
 
 With write_through (the default) the paged cache's ``update`` is wrapped too: each layer's K and
 V rows, as the forward computed them, go to hooks.kv_stored before transformers stores them, so
@@ -83,7 +82,6 @@ from .versions import CAUSE_RESET, GroupCache, UnsupportedModel, cache_layout, c
 
 _NO_ENTRIES: tuple[list[int], list[int], list[int]] = ([], [], [])
 _STATE = operator.attrgetter("state")  # a FutureRequestState's RequestState
-CONFIRM_EVERY = 8  # forwards: how often a decode step of the same batch sends the tokens generated since
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
@@ -179,6 +177,13 @@ class TransformersEngine:
         runner = self.processor.model_runner
         self._compute = runner.compute_batch
         runner.compute_batch = self._guarded_compute
+        sample, record = runner._forward_process_and_sample, _weakly(self._record_sampled)
+
+        def sample_and_record(model: Any, batch_data: dict[str, Any], *ids: torch.Tensor) -> None:
+            sample(model, batch_data, *ids)
+            record(batch_data, ids[-1])  # (carry_over_ids, prev_output_ids, output_ids)
+
+        runner._forward_process_and_sample = sample_and_record  # what compute_batch runs or captures
         self._next_request = 0
         self._steps = 0  # forwards since the last reset: the step a canary's violations name
         self._row_owners: RowOwners[str] = RowOwners()  # request ids
@@ -328,6 +333,15 @@ class TransformersEngine:
         if pair is not None and hooks is not None:
             self._tail(hooks, pair)
 
+    @torch.compiler.disable
+    def _record_sampled(self, batch_data: dict[str, Any], output_ids: torch.Tensor) -> None:
+        """After transformers sampled a forward's tokens (its output_ids row 0, in the order of its
+        logits_indices): each into the token table at the position its request decodes next
+        (device work, captured with the forward)."""
+        pair, hooks = self._forward_pair, self._hooks
+        if pair is not None and hooks is not None:
+            self._buffers.put_tokens(*self._derived[pair].sampled_at(batch_data["logits_indices"]), output_ids[0])
+
     def _pair(self) -> int:
         """The IO pair this forward's inputs are in (always 0 without async batching)."""
         return self.processor.inputs_and_outputs.current_pair if self._io_pairs else 0
@@ -418,7 +432,7 @@ class TransformersEngine:
                                f"{self.capacities.max_batch}")
         buffers = self._buffers
         buffers.select(pair)
-        buffers.set_batch(size)
+        buffers.set_batch(size, len(io.req_id_to_new_token_position))
         states = list(map(_STATE, batch))
         reassigned = not all(map(operator.is_, states, self._row_states))
         if reassigned:
@@ -426,9 +440,9 @@ class TransformersEngine:
         if self._staged_lanes[pair] != self._lanes_version:
             buffers.set_lanes(self._row_lanes[:size])
             self._staged_lanes[pair] = self._lanes_version
-        if reassigned or self._steps % CONFIRM_EVERY == 0 or io.total_seqlen_q != size:  # not one token a row
+        if reassigned or io.total_seqlen_q != size:  # another batch, or not one token a row
             buffers.set_entries(*self._token_entries(states))
-        else:  # a decode step of the same batch: its tokens wait for the next forward that confirms
+        else:  # a decode step of the same batch: its tokens are the ones the device sampled
             buffers.set_entries(*_NO_ENTRIES)
         if buffers.spills():
             with self._on_compute_stream():
@@ -462,12 +476,12 @@ class TransformersEngine:
 
     def _token_entries(self, states: list[Any]) -> tuple[list[int], list[int], list[int]]:
         """(lanes, positions, tokens) of the token-table entries this forward adds: per row the
-        positions its request advanced past since its lane last heard of it, UNKNOWN where the host
-        does not have the token yet (sent again once it does). A lane that changed hands gets its
-        whole row: its request's sequence, then UNKNOWN to max_context (the positions its request
-        writes before the next confirming forward must not be checked against the tokens of the
-        lane's previous request). Plain lists: a confirming decode step sends a few entries a row,
-        for which numpy's per-call cost right after a forward is most of the work."""
+        positions its request advanced past since its lane last heard of it whose token the host
+        has (the others are left to the tokens the device sampled, and sent once the host has
+        them). A lane that changed hands gets its whole row: its request's sequence, then UNKNOWN
+        to max_context (no position of its request may be checked against the tokens of the lane's
+        previous request). Plain lists: numpy's per-call cost on a few entries a row is most of the
+        work."""
         known, context, row_lanes = self._row_known, self.capacities.max_context, self._row_lanes
         lanes: list[int] = []
         positions: list[int] = []
@@ -476,11 +490,11 @@ class TransformersEngine:
             length, start = state.position_offset, known[row]  # advanced past this forward's tokens
             if length <= start:
                 continue
-            # positions [start, length), or [0, max_context) in a lane just handed over
+            # positions [start, have), or [0, max_context) in a lane just handed over
             generated, n = state.generated_tokens, len(state.initial_tokens)
             have = min(length, n + len(generated))
             known[row] = have
-            end = length if start else context
+            end = have if start else context
             lanes += [row_lanes[row]] * (end - start)
             positions += range(start, end)
             if start < n:

@@ -129,6 +129,15 @@ class DerivedView:
             table.index_put_((torch.where(read, lanes[:, None], scratch), torch.where(read, page, 0)),
                              reads[at].long() // group.index_stride)
 
+    def sampled_at(self, logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lanes, positions) of the tokens sampled from the logits at `logits_indices` (device
+        work): each follows the token its logits are of, in that token's row's lane."""
+        b = self._row_numbers.shape[0]
+        at = logits_indices[:b].long()
+        live = self._row_numbers < self.batch  # cu_q past the batch is stale
+        row = ((self.cu_q[1:] <= at[:, None]) & live).sum(1).clamp(max=b - 1)
+        return self.view.rows[row], self.position_ids[at].long() + 1
+
     def copy_inputs(self) -> None:
         self.view.input_ids.copy_(self.input_ids)
         self.view.positions.copy_(self.position_ids)

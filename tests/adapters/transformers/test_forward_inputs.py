@@ -2,7 +2,9 @@
 the cumulative sequence lengths, its positions and input ids from the very buffers the model read.
 A forward fed a wrong position for one decode token (its rotary embedding at p + 1 while its KV is
 stored in p's slot, the SGLang #25015 class) is reported by TAIL's write_position in that forward
-at that slot; nothing is reported without the fault."""
+at that slot; one fed a wrong token (the input id of one decode row raised by one, as a host
+hand-over gone wrong would) is reported by TAIL's write_token in that forward at that slot, against
+the token the forward before sampled for it; nothing is reported without the fault."""
 
 from __future__ import annotations
 
@@ -25,25 +27,24 @@ def stored_k(engine, request_id: str, position: int) -> tuple[int, torch.Tensor]
     return block * full.page_size + offset, full.k_layers[0][block, offset]
 
 
-def feed_a_wrong_position(engine) -> list[tuple[int, int, torch.Tensor]]:
-    """At forward FAULTY_STEP, raise the position id of the batch's first token by one in
-    transformers' own input buffer, after the canary's HEAD and before the model reads it. Returns
+def feed_a_wrong_input(engine, name: str) -> list[tuple[int, int, torch.Tensor]]:
+    """At forward FAULTY_STEP, raise the batch's first token's `name` ("position_ids" or
+    "input_ids") by one in transformers' own input buffer, before the forward reads it. Returns
     where the fault lands: (the position the token really holds, its slot, a view of its K)."""
     faults: list[tuple[int, int, torch.Tensor]] = []
     runner = engine.processor.model_runner
     compute_batch = runner.compute_batch
 
-    def feeding_a_wrong_position(model, batch_data):
+    def feeding_a_wrong_input(model, batch_data):
         if engine._steps != FAULTY_STEP:
             return compute_batch(model, batch_data)
-        position_ids = batch_data["position_ids"]  # a view of the forward's static input buffer
-        position = int(position_ids[0, 0])
-        position_ids[0, 0] += 1
+        position = int(batch_data["position_ids"][0, 0])
+        batch_data[name][0, 0] += 1  # a view of the forward's static input buffer
         compute_batch(model, batch_data)
         request_id = engine.processor.inputs_and_outputs.requests_in_batch[0].state.request_id
         faults.append((position, *stored_k(engine, request_id, position)))
 
-    runner.compute_batch = feeding_a_wrong_position
+    runner.compute_batch = feeding_a_wrong_input
     return faults
 
 
@@ -52,7 +53,7 @@ def test_a_forward_fed_a_wrong_position_is_reported_by_write_position(graphs):
     # With graphs, forward FAULTY_STEP replays transformers' graph and the canary's (view included).
     handle = make_handle("mha", use_cuda_graph=graphs, canary_graphs=graphs)
     engine = handle.engine
-    faults = feed_a_wrong_position(engine)
+    faults = feed_a_wrong_input(engine, "position_ids")
     output = handle.generate([PROMPT], max_new_tokens=6)[0]
     [(position, slot, k)] = faults
     assert position == len(PROMPT) + FAULTY_STEP - 1
@@ -62,6 +63,25 @@ def test_a_forward_fed_a_wrong_position_is_reported_by_write_position(graphs):
     handle.side.runtime.drain()
     violations = handle.violations()
     found = [v for v in violations if v.phase == "TAIL" and "write_position" in v.reasons]
+    assert sorted((v.half, v.step, v.slot, v.position) for v in found) == [
+        (half, FAULTY_STEP, slot, position) for half in ("K", "V")], violations[:3]
+    assert {v.slot for v in violations} == {slot}  # later HEADs see the same slot's record, nothing else
+
+
+@pytest.mark.parametrize("graphs", GRAPH_MODES, ids=lambda on: "graphs" if on else "eager")
+def test_a_forward_fed_a_wrong_token_is_reported_by_write_token_against_the_sampled_one(graphs):
+    handle = make_handle("mha", use_cuda_graph=graphs, canary_graphs=graphs)
+    engine = handle.engine
+    faults = feed_a_wrong_input(engine, "input_ids")
+    output = handle.generate([PROMPT], max_new_tokens=6)[0]
+    [(position, slot, k)] = faults
+    assert position == len(PROMPT) + FAULTY_STEP - 1
+    # The damage itself, by recomputation: the slot holds K of another token than the one sampled.
+    reference = reference_kv(engine.model, (PROMPT + output)[:position + 1])[0][0][position]
+    assert not torch.allclose(k, reference, atol=1e-3)
+    handle.side.runtime.drain()
+    violations = handle.violations()
+    found = [v for v in violations if v.phase == "TAIL" and "write_token" in v.reasons]
     assert sorted((v.half, v.step, v.slot, v.position) for v in found) == [
         (half, FAULTY_STEP, slot, position) for half in ("K", "V")], violations[:3]
     assert {v.slot for v in violations} == {slot}  # later HEADs see the same slot's record, nothing else
