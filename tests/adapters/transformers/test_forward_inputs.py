@@ -48,40 +48,24 @@ def feed_a_wrong_input(engine, name: str) -> list[tuple[int, int, torch.Tensor]]
     return faults
 
 
+# A position raised by one: K computed at another position than the slot's own (write_position).
+# A token raised by one: K of another token than the one the forward before sampled (write_token).
+@pytest.mark.parametrize("wrong, reason", [("position_ids", "write_position"), ("input_ids", "write_token")])
 @pytest.mark.parametrize("graphs", GRAPH_MODES, ids=lambda on: "graphs" if on else "eager")
-def test_a_forward_fed_a_wrong_position_is_reported_by_write_position(graphs):
+def test_a_forward_fed_a_wrong_input_is_reported_by_its_tail_at_that_slot(graphs, wrong, reason):
     # With graphs, forward FAULTY_STEP replays transformers' graph and the canary's (view included).
     handle = make_handle("mha", use_cuda_graph=graphs, canary_graphs=graphs)
     engine = handle.engine
-    faults = feed_a_wrong_input(engine, "position_ids")
+    faults = feed_a_wrong_input(engine, wrong)
     output = handle.generate([PROMPT], max_new_tokens=6)[0]
     [(position, slot, k)] = faults
     assert position == len(PROMPT) + FAULTY_STEP - 1
-    # The damage itself, by recomputation: the slot holds K computed at another position than its own.
+    # The damage itself, by recomputation: the slot does not hold the K of the request's own token there.
     reference = reference_kv(engine.model, (PROMPT + output)[:position + 1])[0][0][position]
     assert not torch.allclose(k, reference, atol=1e-3)
     handle.side.runtime.drain()
     violations = handle.violations()
-    found = [v for v in violations if v.phase == "TAIL" and "write_position" in v.reasons]
-    assert sorted((v.half, v.step, v.slot, v.position) for v in found) == [
-        (half, FAULTY_STEP, slot, position) for half in ("K", "V")], violations[:3]
-    assert {v.slot for v in violations} == {slot}  # later HEADs see the same slot's record, nothing else
-
-
-@pytest.mark.parametrize("graphs", GRAPH_MODES, ids=lambda on: "graphs" if on else "eager")
-def test_a_forward_fed_a_wrong_token_is_reported_by_write_token_against_the_sampled_one(graphs):
-    handle = make_handle("mha", use_cuda_graph=graphs, canary_graphs=graphs)
-    engine = handle.engine
-    faults = feed_a_wrong_input(engine, "input_ids")
-    output = handle.generate([PROMPT], max_new_tokens=6)[0]
-    [(position, slot, k)] = faults
-    assert position == len(PROMPT) + FAULTY_STEP - 1
-    # The damage itself, by recomputation: the slot holds K of another token than the one sampled.
-    reference = reference_kv(engine.model, (PROMPT + output)[:position + 1])[0][0][position]
-    assert not torch.allclose(k, reference, atol=1e-3)
-    handle.side.runtime.drain()
-    violations = handle.violations()
-    found = [v for v in violations if v.phase == "TAIL" and "write_token" in v.reasons]
+    found = [v for v in violations if v.phase == "TAIL" and reason in v.reasons]
     assert sorted((v.half, v.step, v.slot, v.position) for v in found) == [
         (half, FAULTY_STEP, slot, position) for half in ("K", "V")], violations[:3]
     assert {v.slot for v in violations} == {slot}  # later HEADs see the same slot's record, nothing else
