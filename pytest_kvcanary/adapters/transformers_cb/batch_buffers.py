@@ -1,9 +1,11 @@
 """What the host hands the device per forward, through one pinned staging buffer per IO pair: the
-batch size and how many tokens the forward samples, each batch row's lane (the mapping row its request holds) and the token-table entries
-the forward adds (lane, position, token). The host only fills the staging buffer; the copy to the
-device is the first device work of the canary inside the forward (``upload``), so under CUDA graphs
-it is a copy node of the captured forward and a replay reads the buffer as the host left it: a
-decode step launches no copy for it.
+batch size and how many tokens the forward samples, each batch row's lane (the mapping row its
+request holds) and the token-table entries the forward adds (lane, position, token). The host only
+fills the staging buffer; the copy to the device is the first device work of the canary inside the
+forward (``upload``), so under CUDA graphs it is a copy node of the captured forward and a replay
+reads the buffer as the host left it: a decode step launches no copy for it. The tokens the forward
+samples go into the token table on the device (``put_tokens``), at the position each request decodes
+next.
 
 Token entries are fixed-size (max_tokens): unused ones go to a scratch row past the view's rows,
 so applying them is one fixed-shape scatter. A forward that adds more (a request starting on a
@@ -28,10 +30,9 @@ from ...canary.host import Capacities
 
 class BatchBuffers:
     """batch ``[1]``, sampled ``[1]``, lanes ``[max_batch]``, token_table ``[lanes, max_context]``
-    (device); per
-    forward: ``select`` the pair, fill its staging buffer (``set_batch``, ``set_lanes``,
-    ``set_entries``) and, when it ``spills``, ``write_spill``; then, in the forward, ``upload`` and
-    ``apply_tokens``."""
+    (device); per forward: ``select`` the pair, fill its staging buffer (``set_batch``,
+    ``set_lanes``, ``set_entries``) and, when it ``spills``, ``write_spill``; then, in the forward,
+    ``upload`` and ``apply_tokens``, and once it sampled, ``put_tokens``."""
 
     def __init__(self, capacities: Capacities, lanes: int, device: torch.device, pairs: int) -> None:
         b, t = capacities.max_batch, capacities.max_tokens

@@ -307,9 +307,10 @@ class TransformersEngine:
             self._compute(model, batch_data)
         finally:
             self._forward_pair = None
-        if not self._in_forward:
+        if not self._in_forward:  # after the replay, which sampled too
             with self._on_compute_stream():
                 self._tail(hooks, pair)
+                self._put_sampled(pair, batch_data, self._device_ios[pair].output_ids)
         hooks.end_forward(self._on_compute_stream)
         self._steps += 1
 
@@ -335,12 +336,16 @@ class TransformersEngine:
 
     @torch.compiler.disable
     def _record_sampled(self, batch_data: dict[str, Any], output_ids: torch.Tensor) -> None:
-        """After transformers sampled a forward's tokens (its output_ids row 0, in the order of its
-        logits_indices): each into the token table at the position its request decodes next
-        (device work, captured with the forward)."""
+        """Right after transformers sampled a forward's tokens, inside the forward (captured with it)
+        when the canary's work is."""
         pair, hooks = self._forward_pair, self._hooks
-        if pair is not None and hooks is not None:
-            self._buffers.put_tokens(*self._derived[pair].sampled_at(batch_data["logits_indices"]), output_ids[0])
+        if pair is not None and hooks is not None and self._in_forward:
+            self._put_sampled(pair, batch_data, output_ids)
+
+    def _put_sampled(self, pair: int, batch_data: dict[str, Any], output_ids: torch.Tensor) -> None:
+        """The forward's sampled tokens (output_ids row 0, in the order of its logits_indices) into
+        the token table, each at the position its request decodes next (device work)."""
+        self._buffers.put_tokens(*self._derived[pair].sampled_at(batch_data["logits_indices"]), output_ids[0])
 
     def _pair(self) -> int:
         """The IO pair this forward's inputs are in (always 0 without async batching)."""
