@@ -32,8 +32,8 @@ transformers' graphs no copy or kernel launched from Python, no event): no devic
 read-back. A decode step of the same batch stages nothing.
 
 Token-table entries: the tokens a forward samples are written into the token table on the device
-right after transformers samples them (inside its captured graph), each at the position its request
-decodes next, so the forward that consumes a token is checked against the token sampled for it: one
+right after transformers samples them (inside its captured graph; with the canary around the graphs,
+right after the replay), each at the position its request decodes next, so the forward that consumes a token is checked against the token sampled for it: one
 fed another token (a host or carry-over hand-over gone wrong) is reported by its TAIL's write_token
 at the slot it wrote. The host sends what the device cannot know: a forward whose batch changed, or
 that extends a prompt, sends what each row added since its lane last heard of it (a lane that
