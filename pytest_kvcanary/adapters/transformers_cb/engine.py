@@ -33,13 +33,14 @@ read-back. A decode step of the same batch stages nothing.
 
 Token-table entries: the tokens a forward samples are written into the token table on the device
 right after transformers samples them (inside its captured graph; with the canary around the graphs,
-right after the replay), each at the position its request decodes next, so the forward that consumes a token is checked against the token sampled for it: one
-fed another token (a host or carry-over hand-over gone wrong) is reported by its TAIL's write_token
-at the slot it wrote. The host sends what the device cannot know: a forward whose batch changed, or
-that extends a prompt, sends what each row added since its lane last heard of it (a lane that
-changed hands: its request's whole sequence, then UNKNOWN to max_context); a decode step of the same
-batch sends nothing. A token the host does not have yet (async batching schedules a decoding request
-before transformers hands its token over) is left to the device, and sent once the host has it.
+right after the replay), each at the position its request decodes next, so the forward that consumes
+a token is checked against the token sampled for it: one fed another token (a host or carry-over
+hand-over gone wrong) is reported by its TAIL's write_token at the slot it wrote. The host sends
+what the device cannot know: a forward whose batch changed, or that extends a prompt, sends what
+each row added since its lane last heard of it (a lane that changed hands: its request's whole
+sequence, then UNKNOWN to max_context); a decode step of the same batch sends nothing. A token the
+host does not have yet (async batching schedules a decoding request before transformers hands its
+token over) is left to the device, and sent once the host has it.
 
 With write_through (the default) the paged cache's ``update`` is wrapped too: each layer's K and
 V rows, as the forward computed them, go to hooks.kv_stored before transformers stores them, so
