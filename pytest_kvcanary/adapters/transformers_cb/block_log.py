@@ -42,10 +42,15 @@ class BlockLog:
 
     def note(self, table: Sequence[int], tokens: Sequence[int], hashed: Container[int]) -> None:
         """Log the hashed blocks of one request's block table (`tokens`: its sequence so far) whose
-        parent is logged. A block already logged is logged again when it now follows another
-        parent (transformers re-created an evicted parent)."""
+        parent is logged and whose tokens the host all has. A block already logged is logged again
+        when it now follows another parent (transformers re-created an evicted parent). A block
+        past the tokens waits for a later note: under async batching transformers 5.17 hashes the
+        block after a prompt it found whole in its prefix cache as soon as the first token is
+        sampled (the block is already allocated for the next forward), though that forward and
+        the 63 after it are still to write it."""
         page = self.page_size
-        for index, block in enumerate(table):
+        known = len(tokens) // page  # blocks whose tokens the host has
+        for index, block in enumerate(table[:known]):
             if block not in hashed:
                 continue
             parent = table[index - 1] if index else -1

@@ -99,3 +99,13 @@ def test_a_block_outside_the_pool_is_handed_over_as_entries_the_sweep_reports():
     assert sorted(rows) == [[int(Reason.WALK_SLOT_OUT_OF_RANGE), slot] for slot in [36, *outside]]
     log.forget([BLOCKS + 2])
     assert isinstance(log.walk({7}, set()), PagedWalk)
+
+
+def test_a_hashed_block_past_the_known_tokens_is_logged_once_they_are_known():
+    log = BlockLog(PAGE, PAGE * BLOCKS)
+    log.note([7, 3, 9], TOKENS[:PAGE + 1], {7, 3, 9})  # block 3 hashed with one of its tokens known
+    assert set(log.blocks) == {7}
+    log.note([7, 3, 9], TOKENS[:2 * PAGE], {7, 3, 9})
+    assert set(log.blocks) == {7, 3}
+    assert {s: rest[2] for s, rest in listed(log.walk({7, 3, 9}, set())).items()} == dict(
+        zip([28, 29, 30, 31, 12, 13, 14, 15], TOKENS[:2 * PAGE]))
