@@ -62,6 +62,7 @@ in block 0, which the adapter takes out of the free list (5.17).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import operator
 import weakref
@@ -167,6 +168,7 @@ class TransformersEngine:
         self._hooks: ForwardHooks | None = None
         self._stream_events = (torch.cuda.Event(), torch.cuda.Event()) if self.device.type == "cuda" else ()
         self._canary_graphs = canary_graphs
+        self._use_cuda_graph = use_cuda_graph
         self._in_forward = canary_graphs or not use_cuda_graph  # the canary's work inside the model's forward
         self._forward_pair: int | None = None  # the IO pair of the forward the wrapper runs now
         if self._in_forward:  # the model outlives the engine: its hooks hold the engine weakly
@@ -234,6 +236,11 @@ class TransformersEngine:
             self.manager.add_request(ids, request_id=request_id, max_new_tokens=max_new_tokens,
                                      eos_token_id=self.eos_token_id)
             request_ids.append(request_id)
+        if self._use_cuda_graph:
+            # Another engine dropped earlier is cyclic garbage holding CUDA graphs and their memory
+            # pools: freed by a collection that happens to run while transformers computes a
+            # forward in its graph pool (before capturing it), they abort the process. Freed here.
+            gc.collect()
         try:
             self._run_batches()
         except BaseException:

@@ -3,9 +3,14 @@ run inside the model's forward, so transformers captures them in its own graphs 
 with the forward; a run is clean, generates what eager batching does, and every forward ran TAIL
 on the device once while Python called it only for the forwards transformers ran eagerly or
 captured; K bytes damaged between two decode steps are reported by the next forward's replayed
-HEAD at that slot."""
+HEAD at that slot. An engine dropped with the canary attached does not abort the next engine's
+capture."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +90,34 @@ def test_changing_the_hooks_drops_the_graphs_captured_under_the_old_ones():
     before = int(handle.side.runtime.ring.step)
     engine.generate(PROMPTS, max_new_tokens=4)
     assert int(handle.side.runtime.ring.step) == before  # no canary work replayed with the canary off
+
+
+# The canary's CUDA graphs (its sweep's) freed by a garbage collection that runs while transformers
+# computes a forward in its graph pool (the eager pass before a capture) abort the process: PyTorch
+# asserts that no capture is underway when a graph's pool is released. A collection there is forced.
+DROPPED_ENGINE_THEN_A_COLLECTION_IN_THE_WARMUP = """
+import gc
+from tests.adapters.transformers.support import make_engine, make_handle
+prompts = [[11 + i for i in range(37)]]
+dropped = make_handle("mha", use_cuda_graph=True)
+dropped.generate(prompts * 3, max_new_tokens=8)
+assert dropped.side.runtime._sweep_graph is not None
+del dropped  # cyclic garbage: left to the collector
+engine = make_engine("mha", use_cuda_graph=True)
+runner = engine.processor.model_runner
+forward = runner._forward_process_and_sample
+
+def collecting(*args):
+    gc.collect()
+    return forward(*args)
+
+runner._forward_process_and_sample = collecting
+assert len(engine.generate(prompts, max_new_tokens=4)[0]) == 4
+"""
+
+
+def test_an_engine_dropped_with_the_canary_does_not_abort_the_next_engines_capture():
+    root = Path(__file__).resolve().parents[3]
+    run = subprocess.run([sys.executable, "-c", DROPPED_ENGINE_THEN_A_COLLECTION_IN_THE_WARMUP], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
