@@ -237,9 +237,10 @@ class TransformersEngine:
                                      eos_token_id=self.eos_token_id)
             request_ids.append(request_id)
         if self._use_cuda_graph:
-            # Another engine dropped earlier is cyclic garbage holding CUDA graphs and their memory
-            # pools: freed by a collection that happens to run while transformers computes a
-            # forward in its graph pool (before capturing it), they abort the process. Freed here.
+            # A canary dropped earlier (a finished test's, with its engine) is cyclic garbage holding
+            # CUDA graphs (its sweep's): released by a collection that happens to run while
+            # transformers computes a forward in its graph pool (before capturing it), their pools
+            # abort the process. Freed here, as PyTorch collects before a capture.
             gc.collect()
         try:
             self._run_batches()
