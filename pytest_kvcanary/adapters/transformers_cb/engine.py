@@ -74,12 +74,13 @@ import torch
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import UNKNOWN, GroupKind
 
-from ...canary.seam import (CacheWalk, Capacities, ForwardHooks, FreeListener, PagedWalk, PoolGroup, RowOwners,
-                            SlotMapping)
+from ...canary.seam import (Arrival, CacheWalk, Capacities, EngineDefect, ForwardHooks, FreeListener, PagedWalk,
+                            PoolGroup, RowOwners, SlotMapping, TokenScores)
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .forward_view import DerivedView, empty_tables, empty_view
-from .versions import CAUSE_RESET, GroupCache, UnsupportedModel, cache_layout, config_options, sdpa_attention
+from .versions import (CAUSE_RESET, DEFECT_CACHED_BLOCK_REWRITE, GroupCache, UnsupportedModel, cache_layout,
+                       config_options, sdpa_attention)
 
 
 _NO_ENTRIES: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -171,6 +172,7 @@ class TransformersEngine:
         self._use_cuda_graph = use_cuda_graph
         self._in_forward = canary_graphs or not use_cuda_graph  # the canary's work inside the model's forward
         self._forward_pair: int | None = None  # the IO pair of the forward the wrapper runs now
+        self._in_flight = False  # async batching: a launched batch is not updated yet
         if self._in_forward:  # the model outlives the engine: its hooks hold the engine weakly
             for handle in (model.register_forward_pre_hook(_weakly(self._head_in_forward), with_kwargs=True),
                            model.register_forward_hook(_weakly(self._tail_in_forward), with_kwargs=True)):
@@ -191,6 +193,7 @@ class TransformersEngine:
         self._steps = 0  # forwards since the last reset: the step a canary's violations name
         self._row_owners: RowOwners[str] = RowOwners()  # request ids
         self._prompts: dict[str, str] = {}
+        self._defects: list[EngineDefect] = []  # the engine's own defects seen since the last reset
 
     # ----------------------------------------------------------------------------- CanaryHost
     def canary_groups(self) -> Sequence[PoolGroup]:
@@ -228,14 +231,95 @@ class TransformersEngine:
             raise TypeError("prompts must be a sequence of prompts (str or token ids), not one bare string")
         check_int("max_new_tokens", max_new_tokens, 1)
         encoded = [self._encode(p, max_new_tokens) for p in prompts]
-        request_ids = []
-        for prompt, ids in zip(prompts, encoded):
-            request_id = f"kvcanary-{self._next_request}"
-            self._next_request += 1
-            self._prompts[request_id] = prompt if isinstance(prompt, str) else repr(list(prompt))
-            self.manager.add_request(ids, request_id=request_id, max_new_tokens=max_new_tokens,
-                                     eos_token_id=self.eos_token_id)
-            request_ids.append(request_id)
+        request_ids = [self._submit(prompt, ids, max_new_tokens) for prompt, ids in zip(prompts, encoded)]
+        outputs = self._run(request_ids)
+        return [outputs[r] for r in request_ids]
+
+    def serve(self, arrivals: Sequence[Arrival]) -> list[list[int]]:
+        """Greedy output ids per arrival: each added once this call ran `at_forward` forwards (at
+        once when nothing is left to run), cancelled `abort_after` forwards after that (keeping the
+        tokens transformers had handed over); runs until every request is done or cancelled."""
+        encoded = [self._encode(list(a.prompt), a.max_new_tokens) for a in arrivals]
+        order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].at_forward)
+        request_ids: list[str] = [""] * len(arrivals)
+        aborts: list[tuple[int, str]] = []  # (the forward to cancel at, the request)
+        cancelled: dict[str, list[int]] = {}
+        idle = 0  # forwards skipped while nothing ran
+
+        def feed(forwards: int, nothing_to_run: bool) -> bool:
+            nonlocal idle
+            now = forwards + idle
+            if nothing_to_run and order and arrivals[order[0]].at_forward > now:
+                idle, now = idle + arrivals[order[0]].at_forward - now, arrivals[order[0]].at_forward
+            while order and arrivals[order[0]].at_forward <= now:
+                i = order.pop(0)
+                request_ids[i] = self._submit(arrivals[i].prompt, encoded[i], arrivals[i].max_new_tokens)
+                if arrivals[i].abort_after is not None:
+                    aborts.append((now + arrivals[i].abort_after, request_ids[i]))
+            scheduler = self.processor.scheduler
+            due = [x for x in aborts if x[0] <= now]
+            if due:
+                # transformers frees a cancelled request's blocks at once, also while a forward that
+                # writes them is in flight (async batching), whose update then fails: cancel
+                # between batches only.
+                self._drain_async()
+            for at, request_id in due:
+                aborts.remove((at, request_id))
+                state = scheduler.active_requests.get(request_id) or scheduler.waiting_requests.get(request_id)
+                if state is not None:  # not finished yet
+                    cancelled[request_id] = list(state.generated_tokens)
+                    self.manager.cancel_request(request_id)
+            return bool(order)
+
+        outputs = self._run([], feed)
+        outputs.update(cancelled)
+        if missing := [r for r in request_ids if r not in outputs]:
+            raise RuntimeError(f"transformers stopped scheduling with {len(missing)} request(s) unfinished: {missing[:4]}")
+        return [outputs[r] for r in request_ids]
+
+    @torch.no_grad()
+    def score_uncached(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[TokenScores]:
+        """What greedy decoding picks after each prefix of each (prompt, output): one forward of the
+        model over prompt + output without any cache per request (its SDPA path outside continuous
+        batching; the paged cache is not touched)."""
+        scores = []
+        with self._plain_attention():
+            for prompt, output in requests:
+                if not output:
+                    scores.append(TokenScores([], [], []))
+                    continue
+                ids = torch.tensor([[*prompt, *output[:-1]]], dtype=torch.int64, device=self.device)
+                logits = self.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:]
+                top = logits.float().topk(2, dim=-1)
+                best, runner_up = top.indices.T.tolist()
+                scores.append(TokenScores(best, runner_up, (top.values[:, 0] - top.values[:, 1]).tolist()))
+        return scores
+
+    @contextmanager
+    def _plain_attention(self) -> Iterator[None]:
+        """The model on plain SDPA for a forward outside continuous batching (5.17 names its
+        continuous-batching attention apart)."""
+        implementation = sdpa_attention()
+        if implementation == "sdpa":
+            yield
+            return
+        self.model.set_attn_implementation("sdpa")
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(implementation)
+
+    def _submit(self, prompt: str | Sequence[int], ids: list[int], max_new_tokens: int) -> str:
+        request_id = f"kvcanary-{self._next_request}"
+        self._next_request += 1
+        self._prompts[request_id] = prompt if isinstance(prompt, str) else repr(list(prompt))
+        self.manager.add_request(ids, request_id=request_id, max_new_tokens=max_new_tokens,
+                                 eos_token_id=self.eos_token_id)
+        return request_id
+
+    def _run(self, request_ids: list[str], feed: Callable[[int, bool], bool] | None = None) -> dict[str, list[int]]:
+        """Run every batch until no request is left (feed: see _run_batches); the outputs by
+        request id. Raises RuntimeError when one of request_ids got none."""
         if self._use_cuda_graph:
             # A canary dropped earlier (a finished test's, with its engine) is cyclic garbage holding
             # CUDA graphs (its sweep's): released by a collection that happens to run while
@@ -243,7 +327,7 @@ class TransformersEngine:
             # abort the process. Freed here, as PyTorch collects before a capture.
             gc.collect()
         try:
-            self._run_batches()
+            self._run_batches(feed)
         except BaseException:
             self._drop_requests()
             raise
@@ -253,7 +337,7 @@ class TransformersEngine:
             self._drop_requests()
             raise RuntimeError(f"transformers stopped scheduling with {len(missing)} request(s) unfinished "
                                f"(num_blocks too small for one request?): {missing[:4]}")
-        return [outputs[r] for r in request_ids]
+        return outputs
 
     def reset(self) -> None:
         """Drop every request and flush the prefix cache: blocks are handed out in a new cache's
@@ -270,6 +354,7 @@ class TransformersEngine:
         self._steps = 0
         self._row_owners.clear()
         self._prompts.clear()
+        self._defects.clear()
 
     def request_at(self, row: int, step: int) -> tuple[str, str] | None:
         """The request (id, prompt text) that held lane `row` at forward `step` since the last
@@ -279,24 +364,43 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------------------- forward
     @torch.no_grad()
-    def _run_batches(self) -> None:
+    def _run_batches(self, feed: Callable[[int, bool], bool] | None = None) -> None:
         """Every batch until no request is left, as transformers' generation loop runs them (the
-        engine's wrappers run inside it, without autograd)."""
-        processor = self.processor
-        if not self._io_pairs:
-            while processor.prepare_next_batch():
+        engine's wrappers run inside it, without autograd); under async batching each update is of
+        the batch before the one just launched. feed(forwards launched, nothing to run), when
+        given, is called before each batch is prepared to add and cancel requests; it returns
+        whether requests are still to come (the loop then waits for none: with nothing to run it
+        calls feed again, which adds the next ones)."""
+        processor, launched = self.processor, 0
+        self._in_flight = False
+        coming = feed(0, False) if feed is not None else False
+        while True:
+            if processor.prepare_next_batch():
                 processor._generation_step(self.model)
-                processor.update_batch()
+                launched += 1
+                if self._in_flight or not self._io_pairs:
+                    processor.update_batch()  # async: the batch before the one just launched
+                self._in_flight = bool(self._io_pairs)
+            elif self._in_flight:
+                self._drain_async()
+            elif coming:
+                coming = feed(launched, True)
+                continue
+            else:
+                return
+            if feed is not None:
+                coming = feed(launched, False)
+
+    def _drain_async(self) -> None:
+        """Async batching: update the batch still in flight (the last one launched, on the other IO
+        pair), so no batch is in flight; the next one launched has nothing to update before it."""
+        if not self._in_flight:
             return
-        if not processor.prepare_next_batch():
-            return
-        processor._generation_step(self.model)  # the first batch: nothing to update yet
-        while processor.prepare_next_batch():
-            processor._generation_step(self.model)
-            processor.update_batch()  # the batch before the one just launched
-        io = processor.inputs_and_outputs  # the last batch launched: back to its IO pair, update it
+        io = self.processor.inputs_and_outputs
         io.current_pair = 1 - io.current_pair
-        processor.update_batch()
+        self.processor.update_batch()
+        io.current_pair = 1 - io.current_pair  # where transformers prepares the next batch
+        self._in_flight = False
 
     def _guarded_compute(self, model: Any, batch_data: dict[str, Any]) -> None:
         """The forward with the canary's work around it (see the module docstring), then
@@ -452,15 +556,38 @@ class TransformersEngine:
         if reassigned:
             self._assign_lanes(states)
         if self._staged_lanes[pair] != self._lanes_version:
-            buffers.set_lanes(self._row_lanes[:size])
+            # every mapped row's lane: a later batch of this pair may have rows this one lacks
+            buffers.set_lanes(self._row_lanes[:self._rows_mapped])
             self._staged_lanes[pair] = self._lanes_version
         if reassigned or io.total_seqlen_q != size:  # another batch, or not one token a row
             buffers.set_entries(*self._token_entries(states))
+            self._note_cached_block_writes(batch)
         else:  # a decode step of the same batch: its tokens are the ones the device sampled
             buffers.set_entries(*_NO_ENTRIES)
         if buffers.spills():
             with self._on_compute_stream():
                 buffers.write_spill()
+
+    def _note_cached_block_writes(self, batch: list[Any]) -> None:
+        """The slots this forward writes in blocks transformers has hashed (cached content other
+        requests may read): an engine defect (versions.DEFECT_CACHED_BLOCK_REWRITE), noted for
+        `engine_defects`."""
+        full, page, hashed = self.groups[0], self.page_size, self.layout.hashed_ids()
+        slots: list[int] = []
+        for future in batch:
+            end = future.state.position_offset
+            start = end - future.query_length
+            blocks = self.layout.block_ids(full, future.state.request_id)
+            for index in range(start // page, min(-(-end // page), len(blocks))):
+                if blocks[index] in hashed:
+                    positions = range(max(start, index * page), min(end, (index + 1) * page))
+                    slots += [blocks[index] * page + p % page for p in positions]
+        if slots:
+            self._defects.append(EngineDefect(self._steps, GroupKind.FULL, tuple(slots), DEFECT_CACHED_BLOCK_REWRITE))
+
+    def engine_defects(self) -> list[EngineDefect]:
+        """The forwards since the last reset that rewrote a cached block (the engine's defect)."""
+        return list(self._defects)
 
     def _assign_lanes(self, states: list[Any]) -> None:
         """Give each request of a batch that is not the last one's its lane: the one it holds, else
@@ -485,6 +612,9 @@ class TransformersEngine:
                 self._row_owners.note(lane, self._steps, state.request_id)
             used[lane] = self._steps
             self._row_states[row], self._row_lanes[row], self._row_known[row] = state, lane, self._lane_known[lane]
+        # Rows past the batch held no one now: a later batch with more rows is mapped afresh (their
+        # lanes may have gone to the requests of this one).
+        self._row_states[len(states):] = [None] * (len(self._row_states) - len(states))
         self._rows_mapped = len(states)
         self._lanes_version += 1
 
