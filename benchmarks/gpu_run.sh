@@ -11,8 +11,10 @@
 # workers), transformers (the example suite on the transformers engine, eager and with CUDA graphs,
 # and bench_transformers.py with CUDA graphs over the TinyLlama and Llama-3-8B shapes), async (the
 # example suite under transformers' async batching, eager and with CUDA graphs, and the TinyLlama
-# bench; the async tests run in "tests"). Wheels the machine lacks (pytest-xdist, execnet) may be placed in .whl/
-# beforehand.
+# bench; the async tests run in "tests"), soak (benchmarks/soak.py over every transformers configuration,
+# on the machine's transformers and on the release whose wheel is in .whl/tf523/, all at once: SOAK_SECONDS
+# each, SOAK_SEED the first seed, SOAK_EXTRA more configurations such as reference-mha-graph). Wheels the
+# machine lacks (pytest-xdist, execnet) may be placed in .whl/ beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvcanary-gpu}
@@ -48,6 +50,7 @@ if wants tests; then  # kernel compiles dominate: spread them over workers when 
     tests/unit/scenarios tests/adapters/transformers/test_cuda_graphs.py \
     tests/adapters/transformers/test_forward_inputs.py tests/adapters/transformers/test_faults.py \
     tests/adapters/transformers/test_async_batching.py tests/adapters/transformers/test_model_hooks.py \
+    tests/adapters/transformers/test_engine_defects.py tests/unit/soak \
     tests/unit/perturb/test_modes.py::test_triton_kernels_detect_every_fault \
     tests/e2e/test_soak.py::test_30_requests_under_pressure_raise_no_violation_with_triton_kernels
 fi
@@ -82,6 +85,34 @@ if wants async; then
     --real-data partial --runs 3 --repeats 1 --batching async
 fi
 
+if wants soak; then  # the workload soak, every configuration at once: it is host-bound, one process each
+  if compgen -G ".whl/tf523/*.whl" >/dev/null; then  # a second transformers release, beside the machine's
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tf523 .whl/tf523/*.whl
+  fi
+  configs=${SOAK_CONFIGS:-"transformers-mha-sync-eager transformers-mha-sync-graphs transformers-mha-async-eager \
+transformers-mha-async-graphs transformers-swa-sync-eager transformers-swa-sync-graphs transformers-swa-async-eager \
+transformers-swa-async-graphs"}
+  releases=${SOAK_RELEASES:-"installed 5.23"}
+  start=$SECONDS
+  for release in $releases; do
+    for config in $configs ${SOAK_EXTRA:-}; do
+      [ "$release" != installed ] && [[ $config != transformers-* ]] && continue
+      path=$([ "$release" = installed ] || echo /tmp/tf523)
+      PYTHONPATH=$path${PYTHONPATH:+:$PYTHONPATH} timeout $((${SOAK_SECONDS:-480} + 120)) python3 benchmarks/soak.py \
+        --configs "$config" --seconds "${SOAK_SECONDS:-480}" --forwards "${SOAK_FORWARDS:-50000}" \
+        --seed "${SOAK_SEED:-0}" --json "$OUT/soak-$release-$config.jsonl" >"$OUT/soak-$release-$config.log" 2>&1 &
+    done
+  done
+  wait
+  for f in "$OUT"/soak-*.jsonl; do  # the release each row ran on
+    release=${f#"$OUT"/soak-}; release=${release%%-*}
+    sed "s/\"config\": \"/\"config\": \"$release: /" "$f"
+  done >"$OUT/soak.jsonl"
+  grep -h -E "replay|round [0-9]+:|Error" "$OUT"/soak-*.log >"$OUT/soak-failures.txt"
+  rm -f "$OUT"/soak-installed-* "$OUT"/soak-5.*
+  printf '| soak | - | %ss | %s |\n' "$((SECONDS - start))" "$(wc -l <"$OUT/soak.jsonl") configurations" >>"$summary"
+fi
+
 echo
 echo "| step | exit | time | result |"
 echo "|---|---|---|---|"
@@ -89,3 +120,4 @@ cat "$summary"
 for f in kernels overhead tf-bench-tinyllama tf-bench-llama3-8b async-bench; do
   [ -f "$OUT/$f.log" ] && { echo; echo "== $f"; grep -E '^(\||device)' "$OUT/$f.log"; }
 done
+[ -f "$OUT/soak.jsonl" ] && { echo; echo "== soak"; python3 benchmarks/soak.py --table "$OUT/soak.jsonl"; }

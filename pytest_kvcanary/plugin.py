@@ -62,6 +62,11 @@ def _fail(message: str) -> NoReturn:
     raise pytest.fail.Exception(message, pytrace=False) from None
 
 
+def run_settings(config: pytest.Config) -> Settings:
+    """The run's kv-canary settings (settings.py), resolved at start-up."""
+    return config.stash[_SETTINGS]
+
+
 def _worker(config: pytest.Config) -> str:
     return getattr(config, "workerinput", {}).get("workerid", "main")
 
@@ -197,6 +202,7 @@ class _TestRecord:
     requests: list[str | None] = field(default_factory=list)
     injections: list[Any] = field(default_factory=list)
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    soaks: list[dict[str, Any]] = field(default_factory=list)
     read_error: str | None = None
 
     def read(self) -> None:
@@ -205,13 +211,14 @@ class _TestRecord:
             self.requests = [self.handle.request_label(v) for v in self.violations]
             self.injections = list(self.handle.injections())
             self.stats = self.handle.stats()
+            self.soaks = [soak.to_json() for soak in self.handle.soak_results]
         except Exception as e:  # the handle is marked as raised, and replaced after the test
             self.read_error = repr(e)
 
     @property
     def expected(self) -> bool:
-        """The test caused its violations or read them itself."""
-        return bool(self.perturbs) or (self.canary is not None and self.canary.consulted)
+        """The test caused its violations, read them itself, or ran a soak (which judges them)."""
+        return bool(self.perturbs) or (self.canary is not None and self.canary.consulted) or bool(self.soaks)
 
 
 _RECORD = pytest.StashKey[_TestRecord]()
@@ -353,7 +360,8 @@ def _test_payload(item: pytest.Item, record: _TestRecord, report: pytest.TestRep
     entry = ReportEntry.guarded(
         item.nodeid, report.outcome, item.config.stash[_POOL].describe(key, record.serial), seed=record.seed,
         perturbs=record.perturbs, violations=record.violations, requests=record.requests,
-        injections=record.injections, stats=record.stats, expected=record.expected, read_error=record.read_error)
+        injections=record.injections, stats=record.stats, expected=record.expected, read_error=record.read_error,
+        soaks=record.soaks)
     if report.failed:
         shown = record.canary is not None and call.excinfo is not None and call.excinfo.value is record.canary.raised
         report.sections.append(("kv-canary", failure_section(

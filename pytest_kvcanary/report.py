@@ -85,7 +85,8 @@ class ReportEntry:
     (`guarded`), or one whose worker died while running it (`crashed`: nothing measured).
     stats: per side, the canary's counters for this test; expected: the test injected faults or
     asserted on violations, so its violations are its business (not shown as unexpected);
-    violations and injections: their JSON rows (a violation with the request its row held)."""
+    violations and injections: their JSON rows (a violation with the request its row held); soaks:
+    the workload soaks it ran (rounds, forwards, verdicts, each failure's replay)."""
 
     nodeid: str
     outcome: str
@@ -103,17 +104,20 @@ class ReportEntry:
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     expected: bool = False
     read_error: str | None = None
+    soaks: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def guarded(cls, nodeid: str, outcome: str, served_by: EngineRef, *, seed: int, perturbs: Sequence[Any],
                 violations: Sequence[Violation], requests: Sequence[str | None], injections: Sequence[Any],
-                stats: dict[str, dict[str, Any]], expected: bool, read_error: str | None) -> ReportEntry:
-        """perturbs: the test's PerturbSpecs; requests: per violation, the request its row held."""
+                stats: dict[str, dict[str, Any]], expected: bool, read_error: str | None,
+                soaks: Sequence[dict[str, Any]] = ()) -> ReportEntry:
+        """perturbs: the test's PerturbSpecs; requests: per violation, the request its row held;
+        soaks: the workload soaks the test ran (SoakResult.to_json)."""
         return cls(
             nodeid=nodeid, outcome=outcome, seed=seed, **asdict(served_by), perturbs=[asdict(p) for p in perturbs],
             violations=[{**v.to_json(), "request": r} for v, r in zip(violations, requests, strict=True)],
             injections=[injection_to_json(i) for i in injections], stats=stats, expected=expected,
-            read_error=read_error)
+            read_error=read_error, soaks=list(soaks))
 
     @classmethod
     def crashed(cls, nodeid: str, worker: str | None) -> ReportEntry:
@@ -251,6 +255,7 @@ class RunResults:
             for t in unexpected:
                 lines += [f"{t.nodeid} (seed {t.seed}, {t.kind}/{t.attention} on {t.device}):",
                           violations_table(*t.violation_rows())]
+        lines += self.soak_lines()
         if self.interrupted:
             lines.append(f"run interrupted ({self.interrupted}): results of the {_count(len(self.tests), 'test')} "
                          "that finished")
@@ -258,6 +263,34 @@ class RunResults:
             lines.append(f"worker {crash['worker']} died ({crash['error']}); the tests it finished are included")
         lines += [f"crashed: {t.nodeid} (its worker died while running it)"
                   for t in self.tests if t.outcome == "crashed"]
+        return lines
+
+    def soak_totals(self) -> dict[str, Any] | None:
+        """The workload soaks of the run summed (rounds, forwards, verdicts) with each failure's
+        replay, or None when no test ran one."""
+        soaks = [(t.nodeid, s) for t in self.tests for s in t.soaks]
+        if not soaks:
+            return None
+        verdicts: dict[str, int] = {}
+        for _, s in soaks:
+            for verdict, n in s["verdicts"].items():
+                verdicts[verdict] = verdicts.get(verdict, 0) + n
+        return {"soaks": len(soaks), "rounds": sum(s["rounds"] for _, s in soaks),
+                "forwards": sum(s["forwards"] for _, s in soaks), "verdicts": verdicts,
+                "failures": [{"nodeid": nodeid, **f} for nodeid, s in soaks for f in s["failures"]]}
+
+    def soak_lines(self) -> list[str]:
+        """The soak totals as the terminal summary shows them, a line per failure."""
+        totals = self.soak_totals()
+        if totals is None:
+            return []
+        counts = ", ".join(f"{n} {verdict}" for verdict, n in totals["verdicts"].items() if n)
+        lines = [f"workload soak: {_count(totals['soaks'], 'soak')}, {totals['rounds']} rounds, "
+                 f"{totals['forwards']} forwards: {counts or 'no rounds'}"]
+        for f in totals["failures"]:
+            again = "" if f["reproduced"] else ", did not reproduce after a reset"
+            lines.append(f"  {f['nodeid']} round {f['round']}: {f['verdict']} ({f['requests']} requests{again}); "
+                         f"replay: {f['replay']}")
         return lines
 
     def write_json(self, path: Path, config: dict[str, Any]) -> None:
@@ -269,6 +302,7 @@ class RunResults:
             "run": {"interrupted": self.interrupted, "crashed_workers": self.crashed_workers},
             "tests": [t.to_json() for t in self.tests],
             "engines": self.engines,
+            "soak": self.soak_totals(),
         }
         partial = path.with_name(f".{path.name}.partial")
         partial.write_text(json.dumps(document, indent=2) + "\n")

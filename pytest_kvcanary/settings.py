@@ -19,6 +19,7 @@ from .adapters.vllm.isa import CHOICES as VLLM_ATTENTION_ISAS, ENV as VLLM_ATTEN
 from .config import CANARY_MODES, REAL_DATA_MODES, CanaryConfig
 from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem
 from .gpu import AUTO, DEVICE_SETTINGS, count_gpus
+from .soak.workload import Workload
 
 
 def _one_of(*allowed: str) -> Callable[[str], str]:
@@ -56,6 +57,14 @@ def _auto_or_int(value: str) -> int | None:
 def _unset_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """None for "" (unset)."""
     return lambda value: parse(value) if value else None
+
+
+def _workload(value: str) -> str:
+    try:
+        Workload.from_text(value)
+    except ValueError as e:
+        raise ValueError(f"a workload as a soak failure prints it ({e})") from None
+    return value
 
 
 def _text(value: str) -> str:
@@ -99,6 +108,11 @@ OPTIONS = (
     _Option("kv_canary_lock_dir", "--kv-canary-lock-dir", "PATH", "", str,
             "directory of the GPU lease locks; share it to share GPUs between runs (default: one per "
             "run, removed when it ends)"),
+    _Option("kv_canary_soak_rounds", "--kv-canary-soak-rounds", "N", "16", _int_at_least(1),
+            "rounds of the stock workload soak (pytest_kvcanary.soak.suite) per test"),
+    _Option("kv_canary_soak_replay", "--kv-canary-soak-replay", "WORKLOAD", "", _unset_or(_workload),
+            "run the stock workload soak on this workload (the replay a soak failure printed) instead of "
+            "a seeded one"),
     _Option("kv_canary_vllm_attention_isa", "--kv-canary-vllm-attention-isa", "ISA", "",
             _unset_or(_one_of(*VLLM_ATTENTION_ISAS)),
             "vllm engine: the instruction-set path of vLLM's CPU attention, which decides its KV layout: "
@@ -116,7 +130,8 @@ class Settings:
     pinned: CanaryConfig fields (other than mode) given on the command line, which kv_canary
     markers cannot change. model / report / lock_dir: absolute, or None when unset.
     workers_per_gpu: None for auto. vllm_attention_isa: None when unset (the vLLM adapter's
-    default applies: its environment variable, else readable).
+    default applies: its environment variable, else readable). soak_rounds / soak_replay: what the
+    stock workload soak runs (a seeded workload of that many rounds, or the replay given).
     """
 
     canary: CanaryConfig
@@ -129,6 +144,8 @@ class Settings:
     lock_dir: Path | None
     pinned: frozenset[str]
     vllm_attention_isa: str | None = None
+    soak_rounds: int = 16
+    soak_replay: str | None = None
 
     def header(self) -> str:
         if not self.canary.enabled:
@@ -187,6 +204,8 @@ def resolve(config: pytest.Config) -> Settings:
         lock_dir=path("kv_canary_lock_dir"),
         pinned=frozenset(f for name, f in _CANARY_FIELDS.items() if name in from_cli and f != "mode"),
         vllm_attention_isa=values["kv_canary_vllm_attention_isa"],
+        soak_rounds=values["kv_canary_soak_rounds"],
+        soak_replay=values["kv_canary_soak_replay"] or None,
     )
     raw = {name: values[name] for name in sources}
     check_paths(settings, sources, raw)

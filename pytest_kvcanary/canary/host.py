@@ -18,8 +18,8 @@ from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping
 from kvcanary_kernels.records import GroupKind, Half
 
-__all__ = ["CacheWalk", "Capacities", "ForwardView", "GroupInputs", "PagedWalk", "PoolGroup", "SlotMapping",
-           "page_entries"]
+__all__ = ["Arrival", "CacheWalk", "Capacities", "EngineDefect", "ForwardView", "GroupInputs", "PagedWalk", "PoolGroup",
+           "SlotMapping", "TokenScores", "page_entries"]
 
 if TYPE_CHECKING:
     import torch
@@ -142,3 +142,39 @@ def page_entries(page_size: int, pages: Sequence[int], first_positions: Sequence
     columns = (slots, positions, prev, np.asarray(tokens, dtype=np.int64))
     return CacheWalk(*(torch.from_numpy(np.ascontiguousarray(c).reshape(-1)) for c in columns),
                      torch.from_numpy(np.repeat(np.asarray(locked, dtype=bool), page_size)))
+
+
+class Arrival(NamedTuple):
+    """One request of `EngineUnderTest.serve`: its prompt token ids and max_new_tokens; at_forward:
+    it is submitted once the serve call has run that many forwards (at once when the engine has
+    nothing left to run before); context_key: its context (0 = none); abort_after: forwards after
+    its submission at which it is aborted, keeping the tokens it generated so far (None: it runs
+    to the end)."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    at_forward: int = 0
+    context_key: int = 0
+    abort_after: int | None = None
+
+
+class TokenScores(NamedTuple):
+    """What greedy decoding picks for one request's output without any cached KV: for output token
+    j, the best and the runner-up next token after prompt + output[:j], and how far the best's
+    logit is ahead of the runner-up's (a difference of log-probabilities is the same number)."""
+
+    best: Sequence[int]
+    runner_up: Sequence[int]
+    margin: Sequence[float]
+
+
+class EngineDefect(NamedTuple):
+    """A documented defect of the engine itself, seen happening: at forward `step` (counted from
+    the last reset, as violations count them) the engine wrote `slots` of `group`, which it must
+    not have; `name` is what the docs call it. A violation at one of those slots in that forward
+    is the defect's, not the canary's or the adapter's."""
+
+    step: int
+    group: GroupKind
+    slots: tuple[int, ...]
+    name: str

@@ -187,11 +187,13 @@ class CanaryRuntime:
         checkable entries swept; a walk the host returned before (its columns, or a paged walk's
         version, seam.py) is not checked or planned again (plans.SweepPlan). With the Triton
         kernels on a CUDA device the first sweep's launches run eagerly and are captured in a CUDA
-        graph that later sweeps replay. False when the host has no prefix cache."""
+        graph that later sweeps replay. False when the host has no prefix cache. It runs in
+        inference mode wherever it is called from (an engine's forward loop may run in it, and the
+        plan's buffers are made on the first sweep)."""
         walk = self.host.cache_walk()
         if walk is None:
             return False
-        with self._on_device():
+        with self._on_device(), torch.inference_mode():
             if self._sweep_plan is None:
                 self._sweep_plan = SweepPlan(self._swept, self.groups[0].pool.num_slots, self.device)
             plan = self._sweep_plan

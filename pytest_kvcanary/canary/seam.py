@@ -15,7 +15,9 @@ An adapter is an `EngineUnderTest`:
 3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView`.
 4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk` (or a `PagedWalk`), swept between forwards.
 5. What the fixtures drive: `generate`, `reset`, and the optional members (declared below with
-   the defaults an engine that leaves them out gets: `optional(engine, name)` reads them).
+   the defaults an engine that leaves them out gets: `optional(engine, name)` reads them), among
+   them what the workload soak uses when an engine offers it: `serve` (requests arriving while
+   others run) and `score_uncached` (the soak's oracle).
 6. For kv_pd, a `PrefillDecodePair` of two of them; an attention kind an engine lacks raises
    `UnsupportedAttention` from its factory.
 
@@ -51,7 +53,8 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protoc
 
 from kvcanary_kernels.records import GroupKind, Half
 
-from .host import CacheWalk, Capacities, ForwardView, GroupInputs, PagedWalk, PoolGroup, SlotMapping, page_entries
+from .host import (Arrival, CacheWalk, Capacities, EngineDefect, ForwardView, GroupInputs, PagedWalk, PoolGroup,
+                   SlotMapping, TokenScores, page_entries)
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +63,7 @@ __all__ = [
     "GroupKind", "Half", "SlotMapping", "PoolGroup", "Capacities", "GroupInputs", "ForwardView", "CacheWalk",
     "PagedWalk", "FreeListener", "TransferListener", "ForwardHooks", "CanaryHost", "EngineUnderTest",
     "PrefillDecodePair", "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS", "REQUIRED_METHODS",
-    "missing_methods", "optional", "page_entries",
+    "missing_methods", "optional", "page_entries", "Arrival", "EngineDefect", "TokenScores",
 ]
 
 Owner = TypeVar("Owner")
@@ -156,6 +159,24 @@ class EngineUnderTest(CanaryHost, Protocol):
         The default knows no request; `RowOwners` keeps what an engine needs to answer it."""
         return None
 
+    # Optional. serve(arrivals) -> output ids per arrival: requests submitted while others run
+    # (`Arrival.at_forward`) and aborted mid-run (`Arrival.abort_after`), greedy, running until
+    # every one is done or aborted. None: the workload soak submits each wave with `generate`.
+    serve: Callable[[Sequence[Arrival]], list[list[int]]] | None = None
+
+    # Optional. score_uncached(requests, context_keys=None) -> one TokenScores per (prompt ids,
+    # output ids) request: what greedy decoding picks after each prefix of its output without
+    # reading any cached KV (no prefix reuse: a recomputation from the tokens), one forward per
+    # request or fewer; context_keys only on an engine with contexts. The workload soak's oracle,
+    # called between its rounds: it may run forwards of the engine, which the canary checks too.
+    # None: the soak generates each request alone after a reset instead, comparing outputs exactly.
+    score_uncached: Callable[..., list[TokenScores]] | None = None
+
+    # Optional. engine_defects() -> the documented defects of the engine itself the adapter saw
+    # since the last reset (EngineDefect): the workload soak tells the violations they explain
+    # apart from suspected false alarms. None: the adapter knows of none.
+    engine_defects: Callable[[], list[EngineDefect]] | None = None
+
 
 class RowOwners(Generic[Owner]):
     """Which request held each mapping row from which forward on, since the last `clear`: what
@@ -214,7 +235,7 @@ class UnsupportedAttention(LookupError):
     latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
-OPTIONAL_MEMBERS = ("add_free_listener", "prefix_caching", "request_at")
+OPTIONAL_MEMBERS = ("add_free_listener", "prefix_caching", "request_at", "serve", "score_uncached", "engine_defects")
 
 
 def _required_methods() -> tuple[str, ...]:

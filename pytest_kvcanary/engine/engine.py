@@ -18,7 +18,8 @@ import torch
 from kvcanary_kernels.checks import check_int, is_int
 from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.seam import (
-    CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, RowOwners, SlotMapping,
+    Arrival, CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, RowOwners,
+    SlotMapping, TokenScores,
 )
 
 from .attention import PagedKV
@@ -129,6 +130,49 @@ class Engine:
         while self.scheduler.has_work:
             self.step()
         return [r.output_ids for r in reqs]
+
+    def serve(self, arrivals: Sequence[Arrival]) -> list[list[int]]:
+        """Greedy output ids per arrival: each submitted once this call ran `at_forward` forwards
+        (at once when nothing is left to run before it), aborted `abort_after` forwards after
+        that (keeping its tokens so far); runs until every request is done or aborted."""
+        order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].at_forward)
+        reqs: list[Request | None] = [None] * len(arrivals)
+        aborts: list[tuple[int, Request]] = []  # (the forward to abort at, the request)
+        start, idle = self.forward_count, 0  # idle: forwards skipped while nothing ran
+        while order or self.scheduler.has_work:
+            now = self.forward_count - start + idle
+            if order and not self.scheduler.has_work and arrivals[order[0]].at_forward > now:
+                idle, now = idle + arrivals[order[0]].at_forward - now, arrivals[order[0]].at_forward
+            while order and arrivals[order[0]].at_forward <= now:
+                i = order.pop(0)
+                a = arrivals[i]
+                reqs[i] = self.submit(list(a.prompt), a.max_new_tokens, a.context_key)
+                if a.abort_after is not None:
+                    aborts.append((now + a.abort_after, reqs[i]))
+            for at, req in [x for x in aborts if x[0] <= now]:
+                aborts.remove((at, req))
+                if not req.finished:
+                    self.scheduler.abort_request(req)
+            if self.scheduler.has_work:
+                self.step()
+        return [r.output_ids for r in reqs]
+
+    @torch.no_grad()
+    def score_uncached(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+                       context_keys: Sequence[int] | None = None) -> list[TokenScores]:
+        """What greedy decoding picks after each prefix of each (prompt, output): one forward over
+        prompt + output without any KV cache per request (the cache is not touched)."""
+        keys = [0] * len(requests) if context_keys is None else list(context_keys)
+        scores = []
+        for (prompt, output), key in zip(requests, keys, strict=True):
+            if not output:
+                scores.append(TokenScores([], [], []))
+                continue
+            ids = torch.tensor([*prompt, *output[:-1]], dtype=torch.int64, device=self.device)
+            top = self.model.logits_without_cache(ids, key)[len(prompt) - 1:].float().topk(2, dim=-1)
+            best, runner_up = top.indices.T.tolist()
+            scores.append(TokenScores(best, runner_up, (top.values[:, 0] - top.values[:, 1]).tolist()))
+        return scores
 
     def reset(self) -> None:
         """Drop all requests and flush the radix cache: every slot and row is free again, handed

@@ -107,6 +107,14 @@ class Scheduler:
         for req in reversed(batch.reqs):
             self._retract(req)
 
+    def abort_request(self, req: Request) -> None:
+        """Drop one request, waiting or running (what it holds is released; its cached prefix
+        stays cached); its output so far is kept."""
+        if req in self.running:
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
     def reset(self) -> None:
         """Drop every request, releasing what the running ones hold."""
         for req in list(self.running):

@@ -87,9 +87,11 @@ def check_context_keys(context_keys: Any, prompts: Sequence[Any], generate: Any,
         raise TypeError(f"context_keys must be one int per prompt ({len(prompts)}); got {context_keys!r:.60}")
 
 
-def check_request_count(n: Any) -> None:
-    """TypeError / ValueError unless `n` is an integer >= 1."""
+def check_request_count(n: Any, name: str = "n") -> None:
+    """TypeError / ValueError unless `n` is an integer >= 1 (`name`: the argument, counting
+    requests or rounds)."""
+    what = "rounds" if name == "rounds" else "requests"
     if not is_int(n):
-        raise TypeError(f"n must be an integer >= 1 (the number of requests); got {n!r:.60}")
+        raise TypeError(f"{name} must be an integer >= 1 (the number of {what}); got {n!r:.60}")
     if n < 1:
-        raise ValueError(f"n must be an integer >= 1 (the number of requests); got {n}")
+        raise ValueError(f"{name} must be an integer >= 1 (the number of {what}); got {n}")

@@ -7,17 +7,22 @@ module imports the other.
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..canary.runtime import CanaryRuntime
-from ..canary.seam import EngineUnderTest, optional
+from ..canary.seam import EngineDefect, EngineUnderTest, optional
 from ..canary.violation import Violation
 from ..config import CanaryConfig, PerturbSpec
 from ..perturb.injector import FaultInjector
 from ..perturb.ledger import Injection, Ledger
 from .protocol import check_context_keys, check_prompts, check_request_count
+
+if TYPE_CHECKING:
+    from ..canary.seam import Arrival
+    from ..soak.verdicts import SoakResult
 
 BASE_PROMPT = "Once upon a time, in a cache far away, "
 PROMPT_SHOWN = 30  # characters of a prompt a failure report shows beside its request id
@@ -62,6 +67,9 @@ class SidedHandle:
         self.ledger = Ledger()
         self._prompts: list[str] = []
         self._rng = random.Random(0)
+        self.armed: tuple[int, tuple[PerturbSpec, ...]] = (0, ())  # the last reset's seed and faults
+        self.soak_results: list[SoakResult] = []  # the soaks run since the last reset
+        self.progress: Callable[[str], None] | None = None  # hears progress lines of long work
 
     @property
     def side_names(self) -> tuple[str, ...]:
@@ -75,6 +83,8 @@ class SidedHandle:
         self.ledger.clear()
         self._prompts.clear()
         self._rng = random.Random(seed)
+        self.armed = (seed, perturbs)
+        self.soak_results = []
         for side in self.sides:
             side.reset(seed, perturbs)
 
@@ -106,6 +116,59 @@ class SidedHandle:
         """The engine's (or pair's) generate(prompts, max_new_tokens[, context_keys=])."""
         raise NotImplementedError
 
+    def _engine_serve(self) -> Callable[[Sequence[Arrival]], list[list[int]]] | None:
+        """The engine's serve (EngineUnderTest.serve), or None when it has none."""
+        return None
+
+    def serves(self) -> bool:
+        """Whether requests can join a running batch and be aborted (`serve`)."""
+        return self._engine_serve() is not None
+
+    def takes_context_keys(self) -> bool:
+        return "context_keys" in inspect.signature(self._engine_generate()).parameters
+
+    def serve(self, arrivals: Sequence[Arrival]) -> list[list[int]]:
+        """Requests arriving while others run (EngineUnderTest.serve): output ids per arrival."""
+        serve = self._engine_serve()
+        if serve is None:
+            raise TypeError("this engine cannot serve requests that arrive while others run (no serve method)")
+        check_prompts([a.prompt for a in arrivals])
+        self._prompts.extend(repr(list(a.prompt)) for a in arrivals)
+        outputs = serve(arrivals)
+        self.drain()
+        return outputs
+
+    def run_workload(self, seed: int | None = None, rounds: int = 12, *, replay: str | None = None,
+                     tie_tolerance: float = 1e-3, shrink_trials: int = 48, arrivals: bool = True) -> SoakResult:
+        """Drive the engine with a seeded random workload (or the workload a failure's `replay`
+        printed) and judge each round against the oracle (soak/runner.py). seed: the workload's
+        (default: the test's seed); rounds: how many; tie_tolerance: a logit margin within which a
+        token that is not the oracle's best is a near tie, not damage; shrink_trials: runs of
+        smaller workloads tried to shrink each round that cannot be trusted (0: none); arrivals:
+        requests join running batches and are aborted where the engine can serve them (False:
+        each round's requests go in `generate` batches). Returns the verdicts
+        (`SoakResult.assert_trustworthy()`)."""
+        from ..soak.runner import Soak
+        from ..soak.workload import Workload, make_workload
+
+        if replay is not None and not isinstance(replay, str):
+            raise TypeError(f"replay must be the text a soak failure printed (a str); got {replay!r:.60}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ValueError(f"seed must be an integer >= 0; got {seed!r}")
+        check_request_count(rounds, "rounds")
+        if isinstance(tie_tolerance, bool) or not isinstance(tie_tolerance, (int, float)) or not tie_tolerance >= 0:
+            raise ValueError(f"tie_tolerance must be a number >= 0; got {tie_tolerance!r}")
+        if isinstance(shrink_trials, bool) or not isinstance(shrink_trials, int) or shrink_trials < 0:
+            raise ValueError(f"shrink_trials must be an integer >= 0; got {shrink_trials!r}")
+        if not isinstance(arrivals, bool):
+            raise TypeError(f"arrivals must be True or False; got {arrivals!r}")
+        soak = Soak(self, tie_tolerance=float(tie_tolerance), arrivals=arrivals, progress=self.progress)
+        workload = (Workload.from_text(replay) if replay is not None
+                    else make_workload(self.armed[0] if seed is None else seed, rounds, soak.geometry))
+        result = soak.run(workload, shrink_trials)
+        self.soak_results.append(result)
+        return result
+
     def prompts_since_reset(self) -> list[str]:
         return list(self._prompts)
 
@@ -113,6 +176,14 @@ class SidedHandle:
         """Move every violation the devices logged into the sides' logs (raise mode raises)."""
         for side in self.sides:
             side.runtime.drain()
+
+    def engine_defects(self) -> list[tuple[str, EngineDefect]]:
+        """(side, defect) for the documented engine defects each side's adapter saw since the reset."""
+        found = []
+        for side in self.sides:
+            defects = optional(side.engine, "engine_defects")
+            found += [(side.name, d) for d in (defects() if defects is not None else [])]
+        return found
 
     def violations(self) -> list[Violation]:
         self.drain()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
-from ..canary.seam import EngineUnderTest
+from ..canary.seam import Arrival, EngineUnderTest, optional
 from ..config import CanaryConfig
 from .sided import Side, SidedHandle
 
@@ -23,3 +23,6 @@ class EngineHandle(SidedHandle):
 
     def _engine_generate(self) -> Callable[..., list[list[int]]]:
         return self.engine.generate
+
+    def _engine_serve(self) -> Callable[[Sequence[Arrival]], list[list[int]]] | None:
+        return optional(self.engine, "serve")

@@ -1,7 +1,7 @@
 """Import facts a reviewer can check: the package root holds only the plugin's entry and what it
 reads (settings, config, assertions, report, gpu, hookspecs); the engine and adapter layers never
 import the plugin level (those modules, the engine handles in handles/, the plugin's support in
-plugin_support/); the reference engine imports no adapter; the seam module imports only the
+plugin_support/, the workload soak in soak/); the reference engine imports no adapter; the seam module imports only the
 types it hands over; and no modules of the project import each other, directly or around a loop
 (imports under TYPE_CHECKING and inside functions count too). Read from the source with `ast`;
 nothing is imported."""
@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"pytest_kvcanary": ROOT / "pytest_kvcanary", "kvcanary_kernels": ROOT / "kernels"}
 LOWER_LAYERS = ("pytest_kvcanary.engine", "pytest_kvcanary.adapters")
-PLUGIN_PACKAGES = ("pytest_kvcanary.handles", "pytest_kvcanary.plugin_support")
+PLUGIN_PACKAGES = ("pytest_kvcanary.handles", "pytest_kvcanary.plugin_support", "pytest_kvcanary.soak")
 ROOT_MODULES = {"__init__", "plugin", "settings", "config", "assertions", "report", "gpu", "hookspecs"}
 SEAM = "pytest_kvcanary.canary.seam"
 
@@ -87,7 +87,7 @@ def test_the_package_root_holds_only_the_plugin_and_what_it_reads():
     root = ROOT / "pytest_kvcanary"
     assert {p.stem for p in root.glob("*.py")} == ROOT_MODULES
     assert {p.name for p in root.iterdir() if (p / "__init__.py").exists()} == {
-        "adapters", "canary", "engine", "handles", "perturb", "plugin_support"}
+        "adapters", "canary", "engine", "handles", "perturb", "plugin_support", "soak"}
 
 
 def test_engine_and_adapters_import_nothing_from_the_plugin_level():

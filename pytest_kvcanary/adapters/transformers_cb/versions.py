@@ -46,6 +46,12 @@ CAUSE_EVICTED = "evicted from the prefix cache"
 CAUSE_DEDUPLICATED = "deduplicated: the request adopted an identical hashed block"
 CAUSE_RESET = "engine reset"
 
+# transformers 5.17 matches a prompt of a whole number of pages in full, recomputes its last token
+# (it needs that token's logits) and writes its K/V into the last matched block: a cached block other
+# requests read. The K/V written equals the cached one only up to rounding, so a request reading that
+# block in the same forward sees its bytes change (5.18 leaves the last page out of the match).
+DEFECT_CACHED_BLOCK_REWRITE = "a forward rewrote a cached (hashed) block"
+
 
 class UnsupportedModel(ValueError):
     """A model whose cache layout the adapter cannot describe to the canary."""

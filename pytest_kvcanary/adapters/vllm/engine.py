@@ -49,7 +49,7 @@ import torch
 
 from kvcanary_kernels.records import GroupKind, Half
 from pytest_kvcanary.canary.seam import (
-    CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping,
+    Arrival, CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping, TokenScores,
 )
 
 from . import forward_inputs
@@ -234,6 +234,64 @@ class VllmEngine:
             raise RuntimeError(f"vLLM ran {self.book.planned - planned} forwards but the canary's connector saw "
                                f"{self.forwards - seen}: its worker side is not this process's KV connector")
         return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def serve(self, arrivals: Sequence[Arrival]) -> list[list[int]]:
+        """Greedy output ids per arrival (EOS ignored): each added once this call ran `at_forward`
+        forwards (at once when nothing is left to run), aborted `abort_after` forwards after that
+        (keeping the tokens vLLM had produced); runs vLLM's engine step by step until every request
+        is done or aborted."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].at_forward)
+        request_ids: list[str] = [""] * len(arrivals)
+        outputs: dict[str, list[int]] = {}
+        aborts: list[tuple[int, str]] = []  # (the forward to abort at, the request)
+        start, idle = self.forwards, 0
+        while order or engine.has_unfinished_requests():
+            now = self.forwards - start + idle
+            if order and not engine.has_unfinished_requests() and arrivals[order[0]].at_forward > now:
+                idle, now = idle + arrivals[order[0]].at_forward - now, arrivals[order[0]].at_forward
+            while order and arrivals[order[0]].at_forward <= now:
+                i = order.pop(0)
+                a = arrivals[i]
+                params = SamplingParams(max_tokens=a.max_new_tokens, temperature=0.0, ignore_eos=True)
+                request_ids[i] = f"kvcanary-serve-{uuid.uuid4().hex}"
+                outputs[request_ids[i]] = []
+                engine.add_request(request_ids[i], TokensPrompt(prompt_token_ids=[int(t) for t in a.prompt]), params)
+                if a.abort_after is not None:
+                    aborts.append((now + a.abort_after, request_ids[i]))
+            due = [x for x in aborts if x[0] <= now]
+            for x in due:
+                aborts.remove(x)
+            if due:
+                engine.abort_request([request_id for _, request_id in due])
+            for output in engine.step():  # cumulative outputs: each request's tokens so far
+                outputs[output.request_id] = list(output.outputs[0].token_ids)
+        return [outputs[r] for r in request_ids]
+
+    def score_uncached(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[TokenScores]:
+        """What greedy decoding picks after each prefix of each (prompt, output): one vLLM request per
+        (prompt, output) over prompt + output[:-1] with prompt log-probabilities, which vLLM
+        computes without reading its prefix cache (it caches the blocks it computes, as any
+        request's). Log-probability differences are logit differences."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        scored = [i for i, (_, output) in enumerate(requests) if output]
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2, logprobs=2, ignore_eos=True)
+        inputs = [TokensPrompt(prompt_token_ids=[*map(int, requests[i][0]), *map(int, requests[i][1][:-1])])
+                  for i in scored]
+        results = self.llm.generate(inputs, params, use_tqdm=False) if inputs else []
+        scores = [TokenScores([], [], []) for _ in requests]
+        for i, result in zip(scored, results):
+            prompt_len = len(requests[i][0])
+            dists = [*result.prompt_logprobs[prompt_len:], result.outputs[0].logprobs[0]]
+            ranked = [sorted(d.items(), key=lambda item: item[1].rank)[:2] for d in dists]
+            scores[i] = TokenScores([r[0][0] for r in ranked], [r[1][0] for r in ranked],
+                                    [r[0][1].logprob - r[1][1].logprob for r in ranked])
+        return scores
 
     def reset(self) -> None:
         """Abort what is left of any request and flush vLLM's prefix cache (listeners hear every

@@ -1,0 +1,180 @@
+"""The workload soak over the engine configurations we ship: seeded workloads run until a forward
+count (or a time limit) is reached, one row per configuration with its verdict counts.
+
+    python benchmarks/soak.py --configs reference-mha-eager transformers-mha-sync-eager --forwards 20000
+    python benchmarks/soak.py --list
+
+Engines are built small so that the workloads press them (the radix cache evicts, the scheduler
+retracts or offloads). On a CPU the canary runs the kernels' torch references (bit-identical to the
+Triton kernels), on a GPU the Triton kernels. A configuration the machine cannot run (CUDA graphs
+on a CPU, an engine whose package is missing) is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from pytest_kvcanary.config import CanaryConfig  # noqa: E402
+from pytest_kvcanary.handles.pd import PDHandle  # noqa: E402
+from pytest_kvcanary.handles.single import EngineHandle  # noqa: E402
+from pytest_kvcanary.soak.verdicts import VERDICTS  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda:0" if CUDA else "cpu"
+
+
+def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 0) -> Any:
+    from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+
+    model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0)
+    return Engine(EngineConfig(model=model, num_slots=512, swa_num_slots=256, max_running=8, max_batch_tokens=512,
+                               device=DEVICE, decode_mode=decode_mode, speculative_k=speculative_k))
+
+
+def _transformers(attention: str, batching: str, graphs: str) -> Any:
+    from pytest_kvcanary.adapters.transformers_cb import TransformersEngine, load, random_checkpoint
+
+    model, tokenizer = load(random_checkpoint(attention, 0), DEVICE)
+    return TransformersEngine(model, tokenizer, page_size=16, num_blocks=48, max_batch_tokens=256,
+                              max_requests_per_batch=8, max_context=512, use_cuda_graph=graphs == "graphs",
+                              use_async_batching=batching == "async")
+
+
+def _vllm(attention: str) -> Any:
+    from pytest_kvcanary.adapters.vllm.checkpoint import random_checkpoint
+    from pytest_kvcanary.adapters.vllm.engine import VllmEngine, VllmSettings
+
+    return VllmEngine(random_checkpoint(attention, 0), 0, VllmSettings(num_blocks=24 if attention == "mha" else 34))
+
+
+def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
+    """name -> (a function building the handle's engine or PD pair, why this machine cannot run it)."""
+    configs: dict[str, tuple[Callable[[], Any], str | None]] = {}
+    for attention in ("mha", "swa", "mla"):
+        for mode in ("eager", "padded", "graph"):
+            configs[f"reference-{attention}-{mode}"] = (
+                lambda a=attention, m=mode: _reference(a, m), None if mode != "graph" or CUDA else "needs CUDA")
+    for attention in ("mha", "mla"):
+        configs[f"reference-{attention}-speculative"] = (lambda a=attention: _reference(a, speculative_k=3), None)
+    for attention in ("mha", "swa"):
+        configs[f"reference-pd-{attention}"] = (lambda a=attention: ("pd", _reference(a), _reference(a)), None)
+    for attention in ("mha", "swa"):
+        for batching in ("sync", "async"):
+            for graphs in ("eager", "graphs"):
+                why = None if CUDA or (batching, graphs) == ("sync", "eager") else "needs CUDA"
+                configs[f"transformers-{attention}-{batching}-{graphs}"] = (
+                    lambda a=attention, b=batching, g=graphs: _transformers(a, b, g), why)
+    for attention in ("mha", "swa", "mla"):
+        configs[f"vllm-{attention}"] = (lambda a=attention: _vllm(a), None)
+    return configs
+
+
+def _handle(engine: Any, canary: CanaryConfig) -> Any:
+    if isinstance(engine, tuple):
+        from pytest_kvcanary.engine.pd import PDPair
+
+        return PDHandle(PDPair(engine[1], engine[2]), canary)
+    return EngineHandle(engine, canary)
+
+
+def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rounds: int, seed: int,
+         real_data: str, arrivals: bool) -> dict[str, Any]:
+    """Seeds from `seed` on, `rounds` rounds each, until `forwards` forwards or `seconds` passed;
+    arrivals: requests join running batches where the engine serves them (else generate batches)."""
+    canary = CanaryConfig(real_data=real_data, sweep_interval=4, kernels="triton" if CUDA else "torch")
+    handle = _handle(build(), canary)
+    row: dict[str, Any] = {"config": name + ("" if arrivals else " (batches)"),
+                           "device": torch.cuda.get_device_name() if CUDA else "cpu", "real_data": real_data, "seeds": [], "rounds": 0, "forwards": 0, "near_ties": 0,
+                           "verdicts": dict.fromkeys(VERDICTS, 0), "failures": []}
+    start = time.monotonic()
+    while row["forwards"] < forwards and time.monotonic() - start < seconds:
+        handle.reset(seed, ())
+        result = handle.run_workload(seed=seed, rounds=rounds, arrivals=arrivals)
+        data = result.to_json()
+        row["seeds"].append(seed)
+        row["rounds"] += data["rounds"]
+        row["forwards"] += data["forwards"]
+        row["near_ties"] += data["near_ties"]
+        for verdict, n in data["verdicts"].items():
+            row["verdicts"][verdict] += n
+        row["failures"] += [{"seed": seed, **f} for f in data["failures"]]
+        row.setdefault("untrusted_rounds", []).extend({"seed": seed, **r} for r in data["untrusted_rounds"][:4])
+        print(f"  {name} seed {seed}: {result.summary()}", flush=True)
+        for line in result.describe_failures():
+            print(f"    {line}", flush=True)
+        seed += 1
+    row["seconds"] = round(time.monotonic() - start, 1)
+    handle.close()
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| configuration | device | real_data | seeds | rounds | forwards | clean | engine defect | "
+             "damage detected | damage missed | suspected false alarms | near ties | time |", "|" + "---|" * 13]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['config']} | skipped: {r['skipped']} |" + " |" * 11)
+            continue
+        v = r["verdicts"]
+        seeds = f"{r['seeds'][0]}..{r['seeds'][-1]}" if r["seeds"] else "-"
+        lines.append(f"| {r['config']} | {r['device']} | {r['real_data']} | {seeds} | {r['rounds']} | {r['forwards']} | "
+                     f"{v['clean']} | {v['engine defect']} | {v['damage detected']} | {v['damage missed']} | "
+                     f"{v['suspected false alarm']} | "
+                     f"{r['near_ties']} | {r['seconds']} s |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    configs = configurations()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=[], metavar="NAME", help="configurations to soak")
+    parser.add_argument("--list", action="store_true", help="list the configurations and exit")
+    parser.add_argument("--forwards", type=int, default=20000, help="forwards per configuration (default 20000)")
+    parser.add_argument("--seconds", type=float, default=1e9, help="time limit per configuration")
+    parser.add_argument("--rounds", type=int, default=30, help="rounds per seed (default 30)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--real-data", default="partial", choices=("none", "partial", "all"))
+    parser.add_argument("--batches", action="store_true",
+                        help="submit each round's requests in generate batches (no request joins a running batch)")
+    parser.add_argument("--json", help="write the rows to this file (JSON lines)")
+    parser.add_argument("--table", nargs="+", metavar="FILE", help="print the table of rows these JSON lines files hold")
+    args = parser.parse_args()
+    if args.table:
+        print(table([json.loads(line) for name in args.table for line in open(name) if line.strip()]))
+        return 0
+    if args.list:
+        for name, (_, why) in configs.items():
+            print(name + (f"  ({why})" if why else ""))
+        return 0
+    if unknown := [c for c in args.configs if c not in configs]:
+        parser.error(f"unknown configuration {unknown[0]!r}; --list shows them")
+    rows = []
+    for name in args.configs:
+        build, why = configs[name]
+        if why is not None:
+            rows.append({"config": name, "skipped": why})
+            continue
+        try:
+            rows.append(soak(name, build, args.forwards, args.seconds, args.rounds, args.seed, args.real_data,
+                             not args.batches))
+        except ImportError as e:
+            rows.append({"config": name, "skipped": f"{type(e).__name__}: {e}"})
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+    print(table(rows))
+    bad = sum(r["verdicts"]["damage missed"] + r["verdicts"]["suspected false alarm"] for r in rows if "verdicts" in r)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The differential workload soak: drive an engine handle with a workload, check every output
+against an oracle (the same engine without prefix reuse), give each round a verdict, and shrink
+each untrustworthy round to a small workload that still fails.
+
+The oracle is the engine's `score_uncached` where it has one (each output token judged after the
+engine's own earlier tokens; a near tie is an oracle limit, not damage), else each request
+generated alone after a reset (outputs compared exactly). Rounds run back to back on one cache; at
+the end of each the canary sweeps the cache and its log is drained, so a round owns the violations
+logged while it ran.
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import accumulate
+from typing import Any, Callable, Protocol, Sequence
+
+from ..canary.seam import Arrival, EngineDefect, GroupKind, optional
+from .verdicts import (UNTRUSTWORTHY, Damage, Failure, RoundResult, SoakResult, exact_damage, scored_damage,
+                       verdict_of)
+from .workload import Geometry, Round, Workload, subsets
+
+
+class SoakedHandle(Protocol):
+    """What the soak drives: an engine handle (handles/sided.py) with its sides (each an engine, its
+    canary runtime and name), the seed and faults of its last reset (`armed`), and its log."""
+
+    sides: Sequence[Any]
+    armed: tuple[int, tuple[Any, ...]]
+
+    def reset(self, seed: int, perturbs: tuple[Any, ...]) -> None: ...
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **contexts: Any) -> list[list[int]]: ...
+    def serve(self, arrivals: Sequence[Arrival]) -> list[list[int]]: ...
+    def serves(self) -> bool: ...
+    def takes_context_keys(self) -> bool: ...
+    def violations(self) -> list[Any]: ...
+    def injections(self) -> list[Any]: ...
+    def engine_defects(self) -> list[tuple[str, EngineDefect]]: ...
+
+SHRUNK_FAILURES = 2  # failures shrunk per soak (the others keep the whole workload as their replay)
+KEPT_VIOLATIONS = 50  # violations described per round
+
+
+def geometry(handle: SoakedHandle, arrivals: bool = True) -> Geometry:
+    """The workload shape the handle's (first) engine takes (arrivals False: no request joins a
+    running batch, even where the engine could serve it)."""
+    runtime = handle.sides[0].runtime
+    full = runtime.groups[0].pool
+    window = next((g.pool.window for g in runtime.groups if g.pool.kind is GroupKind.SWA), None)
+    caps = runtime.capacities
+    return Geometry(page_size=full.mapping.page_size, window=window, capacity=full.num_slots - 1,
+                    max_context=caps.max_context, max_batch=caps.max_batch, contexts=handle.takes_context_keys(),
+                    serves=arrivals and handle.serves())
+
+
+class Soak:
+    """Runs workloads on one handle. progress(text), when given, hears a line per round."""
+
+    def __init__(self, handle: SoakedHandle, *, tie_tolerance: float, arrivals: bool = True,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.handle = handle
+        self.geometry = geometry(handle, arrivals)
+        self.tie_tolerance = tie_tolerance
+        self.progress = progress
+        self.engine = handle.sides[0].engine  # the oracle's engine (a PD pair's prefill side)
+        self.score = optional(self.engine, "score_uncached")
+
+    @property
+    def oracle(self) -> str:
+        return ("score_uncached (greedy without cached KV, near ties within "
+                f"{self.tie_tolerance:g} not damage)" if self.score is not None
+                else "each request generated alone after a reset, compared exactly")
+
+    # ------------------------------------------------------------------------------- running
+    def run(self, workload: Workload, shrink_trials: int) -> SoakResult:
+        """Every round of the workload from the handle's current state, then each untrustworthy
+        round shrunk with up to shrink_trials runs (up to SHRUNK_FAILURES of them; the handle is
+        reset for that)."""
+        result = SoakResult(workload.seed, workload.to_text(), oracle=self.oracle)
+        result.rounds = self._rounds(workload, report=True)
+        for rnd in [r for r in result.rounds if r.verdict in UNTRUSTWORTHY]:
+            prefix = Workload(workload.seed, workload.rounds[:rnd.index + 1])
+            if shrink_trials and len(result.failures) < SHRUNK_FAILURES:
+                result.failures.append(self._shrink(prefix, rnd.verdict, rnd.index, shrink_trials))
+            else:
+                result.failures.append(Failure(rnd.index, rnd.verdict, prefix.to_text(), prefix.size, reproduced=True))
+        return result
+
+    def _rounds(self, workload: Workload, report: bool = False) -> list[RoundResult]:
+        results: list[RoundResult] = []
+        pending: list[tuple[RoundResult, list[list[int]], list[list[int]], Round]] = []
+        started = time.monotonic()
+        for index, rnd in enumerate(workload.rounds):
+            seen = len(self.handle.violations())
+            forwards = self._forwards()
+            prompts = [workload.prompt(q, self.geometry.vocab) for q in rnd.requests]
+            outputs = self._serve(rnd, prompts)
+            for side in self.handle.sides:  # what the round left cached, checked now
+                side.runtime.sweep()
+            result = RoundResult(index, len(prompts), self._forwards() - forwards, verdict="")
+            self._judge_violations(result, self.handle.violations()[seen:])
+            if self.score is not None:
+                self._judge_scored(result, rnd, prompts, outputs)
+            else:
+                pending.append((result, prompts, outputs, rnd))
+            results.append(result)
+            if report and self.progress is not None:
+                done = sum(r.forwards for r in results)
+                self.progress(f"soak: round {index + 1}/{len(workload.rounds)}, {done} forwards, "
+                              f"{time.monotonic() - started:.0f} s")
+        for result, prompts, outputs, rnd in pending:  # the oracle that needs the cache flushed
+            self._judge_alone(result, rnd, prompts, outputs)
+        if pending:
+            self.handle.reset(*self.handle.armed)
+        return results
+
+    def _forwards(self) -> int:
+        return sum(side.runtime.forwards for side in self.handle.sides)
+
+    def _serve(self, rnd: Round, prompts: list[list[int]]) -> list[list[int]]:
+        contexts = [q.context for q in rnd.requests]
+        if self.geometry.serves:
+            starts = [0, *accumulate(rnd.gaps)]
+            return self.handle.serve([Arrival(p, q.max_new_tokens, starts[q.wave], q.context, q.abort_after)
+                                      for p, q in zip(prompts, rnd.requests)])
+        outputs: list[list[int]] = [[] for _ in prompts]
+        groups: dict[int, list[int]] = {}
+        for i, q in enumerate(rnd.requests):
+            groups.setdefault(q.max_new_tokens, []).append(i)
+        for new, members in groups.items():
+            keys = {"context_keys": [contexts[i] for i in members]} if self.geometry.contexts else {}
+            for i, out in zip(members, self.handle.generate([prompts[i] for i in members], new, **keys)):
+                outputs[i] = out
+        return outputs
+
+    # ------------------------------------------------------------------------------ judging
+    def _judge_violations(self, result: RoundResult, violations: Sequence[Any]) -> None:
+        """Sort the round's violations: a fault the test injected, a documented engine defect
+        (at a slot the engine wrote wrongly in that forward), or unexplained."""
+        injections = self.handle.injections() if violations else []
+        own = [v for v in violations if not any(i.matches(v) for i in injections)]
+        result.injected = len(violations) - len(own)
+        defects = {(side, d.step, d.group.name, slot): d.name
+                   for side, d in (self.handle.engine_defects() if own else []) for slot in d.slots}
+        unexplained = []
+        for v in own:
+            name = defects.get((v.side, v.step, v.group, v.slot))
+            if name is None:
+                unexplained.append(v)
+            else:
+                result.engine_defects[name] = result.engine_defects.get(name, 0) + 1
+        result.unexplained = len(unexplained)
+        result.violations = [v.describe() for v in unexplained[:KEPT_VIOLATIONS]]
+
+    def _verdict(self, result: RoundResult) -> str:
+        return verdict_of(bool(result.damage), result.unexplained, sum(result.engine_defects.values()))
+
+    def _judge_scored(self, result: RoundResult, rnd: Round, prompts: list[list[int]],
+                      outputs: list[list[int]]) -> None:
+        keys = {"context_keys": [q.context for q in rnd.requests]} if self.geometry.contexts else {}
+        scores = self.score(list(zip(prompts, outputs)), **keys)
+        for i, (out, s) in enumerate(zip(outputs, scores, strict=True)):
+            wrong, ties = scored_damage(out, s.best, s.runner_up, s.margin, self.tie_tolerance)
+            result.near_ties += ties
+            if wrong is not None:
+                result.damage.append(Damage(i, wrong, out[wrong], s.best[wrong]))
+        result.verdict = self._verdict(result)
+
+    def _judge_alone(self, result: RoundResult, rnd: Round, prompts: list[list[int]],
+                     outputs: list[list[int]]) -> None:
+        """Each request generated alone on a flushed engine, without the canary."""
+        engine, hooks = self.engine, self.handle.sides[0].runtime
+        engine.set_forward_hooks(None)
+        try:
+            for i, (prompt, out, q) in enumerate(zip(prompts, outputs, rnd.requests)):
+                if not out:
+                    continue
+                engine.reset()
+                keys = {"context_keys": [q.context]} if self.geometry.contexts else {}
+                expected = engine.generate([prompt], len(out), **keys)[0]
+                wrong = exact_damage(out, expected)
+                if wrong is not None:
+                    result.damage.append(Damage(i, wrong, out[wrong], expected[wrong] if wrong < len(expected) else -1))
+        finally:
+            engine.set_forward_hooks(hooks)
+        result.verdict = self._verdict(result)
+
+    # ---------------------------------------------------------------------------- shrinking
+    def _fails(self, workload: Workload, verdict: str) -> bool:
+        """Whether the workload, run from a reset, ends in a round of this verdict."""
+        self.handle.reset(*self.handle.armed)
+        return self._rounds(workload)[-1].verdict == verdict
+
+    def _shrink(self, workload: Workload, verdict: str, index: int, trials_left: int) -> Failure:
+        """The smallest workload found (greedily, in at most trials_left runs) that still ends in
+        `verdict`; the handle is reset after."""
+        if self.progress is not None:
+            self.progress(f"soak: shrinking round {index} ({verdict})")
+        try:
+            if not self._fails(workload, verdict):
+                return Failure(index, verdict, workload.to_text(), workload.size, reproduced=False)
+            trials = 1
+            smaller = True
+            while smaller and trials < trials_left:
+                smaller = False
+                for candidate in subsets(workload):
+                    trials += 1
+                    if self._fails(candidate, verdict):
+                        workload, smaller = candidate, True
+                        break
+                    if trials >= trials_left:
+                        break
+            return Failure(index, verdict, workload.to_text(), workload.size, reproduced=True)
+        finally:
+            self.handle.reset(*self.handle.armed)

@@ -1,0 +1,42 @@
+"""The stock workload soak, for any engine by name, with no test code of the user's:
+
+    pytest --kv-canary --kv-canary-engine=NAME --pyargs pytest_kvcanary.soak.suite
+
+One soak per attention kind the engine has, and one over its prefill/decode pair where it has one
+(the others skip, naming the engine). `--kv-canary-soak-rounds` sets the rounds of each, and
+`--kv-canary-soak-replay` runs the workload a failure printed instead. On a CPU the canary runs the
+kernels' torch references, which compute bit-identical records (Triton's interpreter would take
+hours over a soak's forwards).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_kvcanary.plugin import run_settings
+
+
+@pytest.fixture(autouse=True)
+def _kernels_for_the_device(request: pytest.FixtureRequest, kv_device: str) -> None:
+    if kv_device == "cpu":
+        request.applymarker(pytest.mark.kv_canary(kernels="torch"))
+
+
+def _soak(handle: object, config: pytest.Config) -> None:
+    __tracebackhide__ = True
+    settings = run_settings(config)
+    result = handle.run_workload(rounds=settings.soak_rounds, replay=settings.soak_replay)
+    if not result.trustworthy:  # each untrustworthy round has a failure with its replay
+        replay = result.failures[0].replay
+        raise AssertionError(f"{result.failure_message()}\nto rerun the smallest failing workload, add "
+                             f"--kv-canary-soak-replay='{replay}' to the replay command below")
+
+
+@pytest.mark.kv_attention("mha", "swa", "mla")
+def test_workload_soak(kv_engine: object, pytestconfig: pytest.Config) -> None:
+    _soak(kv_engine, pytestconfig)
+
+
+@pytest.mark.kv_attention("mha", "swa")
+def test_workload_soak_prefill_decode(kv_pd: object, pytestconfig: pytest.Config) -> None:
+    _soak(kv_pd, pytestconfig)

@@ -1,0 +1,89 @@
+"""Each verdict, from a cause planted in the reference engine's real code paths (and none without
+it): a wrong token table (the bookkeeping an adapter keeps; the KV is right) is a suspected false
+alarm, shrunk to a replay that still ends in one; K/V damaged after the store is damage the canary
+detects, and damage it misses when it fingerprints no real bytes (real_data none)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_kvcanary.adapters.reference import make_reference_engine
+from pytest_kvcanary.config import CanaryConfig
+from pytest_kvcanary.engine.attention import PagedKV
+from pytest_kvcanary.engine.engine import Engine
+from pytest_kvcanary.handles.single import EngineHandle
+from pytest_kvcanary.soak.verdicts import CLEAN, DETECTED, FALSE_ALARM, MISSED
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS = "triton" if DEVICE == "cuda" else "torch"
+DAMAGED_POSITION = 3
+
+
+def start(real_data: str = "partial") -> EngineHandle:
+    handle = EngineHandle(make_reference_engine("mha", DEVICE, 0), CanaryConfig(real_data=real_data, kernels=KERNELS))
+    handle.reset(0, ())
+    return handle
+
+
+def wrong_token_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table of tokens the canary checks against says another token at position 0 of every
+    prompt that starts with an odd token; what the model reads and writes is untouched."""
+    note_rows = Engine._note_rows
+
+    def noting(engine, batch):
+        note_rows(engine, batch)
+        for req in batch.reqs:
+            if req.prompt_ids[0] % 2:
+                engine.token_table[req.row, 0] = req.prompt_ids[0] ^ 2
+
+    monkeypatch.setattr(Engine, "_note_rows", noting)
+
+
+def damaged_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer 0 stores the K of position 3 off by one, after the forward read what it computed."""
+    attend = PagedKV.__call__
+
+    def storing(kv, layer, q, k, v, window):
+        out = attend(kv, layer, q, k, v, window)
+        if layer == 0:
+            kv.pools.layer(0).k[kv.out_cache_loc[(kv.positions == DAMAGED_POSITION).cpu()]] += 1.0
+        return out
+
+    monkeypatch.setattr(PagedKV, "__call__", storing)
+
+
+def test_a_clean_engine_gets_clean_rounds_under_pressure():
+    handle = start()
+    result = handle.run_workload(seed=4, rounds=3)
+    engine = handle.engine
+    assert result.counts()[CLEAN] == 3 and result.forwards > 50 and result.failures == []
+    assert engine.radix_cache.num_evicted > 0 and engine.scheduler.num_retracted > 0, "the workload pressed the engine"
+    assert handle.soak_results == [result]
+
+
+def test_a_wrong_token_table_is_a_suspected_false_alarm_shrunk_to_a_replay(monkeypatch):
+    wrong_token_table(monkeypatch)
+    handle = start()
+    result = handle.run_workload(seed=1, rounds=2, shrink_trials=16)
+    assert result.counts()[FALSE_ALARM] >= 1 and not result.trustworthy
+    bad = next(r for r in result.rounds if r.verdict == FALSE_ALARM)
+    assert bad.damage == [] and bad.unexplained and all("verify_token" in v or "write_token" in v for v in bad.violations)
+    failure = result.failures[0]
+    assert failure.reproduced and failure.requests < sum(r.requests for r in result.rounds[:failure.round + 1])
+    handle.reset(0, ())
+    again = handle.run_workload(replay=failure.replay, shrink_trials=0)
+    assert again.rounds[-1].verdict == FALSE_ALARM
+    with pytest.raises(AssertionError, match="suspected false alarm") as raised:
+        result.assert_trustworthy()
+    assert f"run_workload(replay={failure.replay!r})" in str(raised.value)
+
+
+@pytest.mark.parametrize(("real_data", "verdict"), [("partial", DETECTED), ("none", MISSED)])
+def test_kv_damaged_after_the_store_is_damage_the_canary_detects_unless_it_reads_no_bytes(monkeypatch, real_data,
+                                                                                         verdict):
+    damaged_store(monkeypatch)
+    result = start(real_data).run_workload(seed=1, rounds=1, shrink_trials=0)
+    rnd = result.rounds[0]
+    assert rnd.verdict == verdict and rnd.damage, rnd
+    assert (rnd.unexplained > 0) == (verdict == DETECTED)

@@ -1,0 +1,77 @@
+"""The soak's workloads: seeded, shaped like traffic (every kind of reuse a KV cache meets), and
+readable back from the one line a failure prints."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pytest_kvcanary.soak.workload import Geometry, Recipe, Round, Workload, make_workload, subsets
+
+GEOMETRY = Geometry(page_size=16, window=24, capacity=767, max_context=512, max_batch=8, contexts=True, serves=True)
+
+
+def test_a_seed_makes_the_same_workload_and_another_seed_another():
+    assert make_workload(3, 6, GEOMETRY) == make_workload(3, 6, GEOMETRY)
+    assert make_workload(3, 6, GEOMETRY) != make_workload(4, 6, GEOMETRY)
+
+
+def test_a_workload_holds_every_kind_of_reuse_and_pressure():
+    workload = make_workload(0, 12, GEOMETRY)
+    requests = [(i, q) for i, r in enumerate(workload.rounds) for q in r.requests]
+    prompts = [tuple(workload.prompt(q)) for _, q in requests]
+    lengths = Counter(len(p) % GEOMETRY.page_size for p in prompts)
+    per_round = [Counter(tuple(workload.prompt(q)) for q in r.requests) for r in workload.rounds]
+    first_round = {}
+    for i, q in requests:
+        first_round.setdefault(tuple(workload.prompt(q)), i)
+    assert any(n > 1 for counts in per_round for n in counts.values()), "an exact duplicate inside a round"
+    assert any(first_round[tuple(workload.prompt(q))] < i for i, q in requests), "a prompt of an earlier round again"
+    assert lengths[0] and lengths[1] and lengths[GEOMETRY.page_size - 1], "whole pages, and one token either side"
+    stems = Counter(p[:16] for p in prompts)
+    assert max(stems.values()) > 5, "shared system prompts"
+    assert any(q.max_new_tokens == 1 for _, q in requests)
+    assert any(len(workload.prompt(q)) + q.max_new_tokens > GEOMETRY.window * 2 for _, q in requests), "past the window"
+    assert any(r.gaps and any(q.wave for q in r.requests) for r in workload.rounds), "requests joining a running batch"
+    assert any(q.abort_after is not None for _, q in requests) and any(q.context for _, q in requests)
+    pressed = [sum(len(workload.prompt(q)) + q.max_new_tokens for q in r.requests) for r in workload.rounds[2::3]]
+    assert min(pressed) > GEOMETRY.capacity, "every third round asks for more than the pool holds"
+    assert all(len(workload.prompt(q)) + q.max_new_tokens <= GEOMETRY.max_context for _, q in requests)
+
+
+def test_an_engine_that_neither_serves_nor_takes_contexts_gets_neither():
+    plain = Geometry(page_size=1, window=None, capacity=1023, max_context=256, max_batch=8, contexts=False,
+                     serves=False)
+    workload = make_workload(1, 9, plain)
+    requests = [q for r in workload.rounds for q in r.requests]
+    assert all(q.wave == 0 and q.abort_after is None and q.context == 0 for q in requests)
+    assert all(r.gaps == () for r in workload.rounds)
+    assert all(len(workload.prompt(q)) + q.max_new_tokens <= plain.max_context for q in requests)
+
+
+def test_the_text_of_a_workload_reads_back_as_it():
+    workload = make_workload(7, 5, GEOMETRY)
+    assert Workload.from_text(workload.to_text()) == workload
+    small = Workload(2, (Round((Recipe(-1, 0, 9, 3, 1), Recipe(4, 17, 5, 2, 6, wave=1, context=2, abort_after=3)),
+                               (4,)),))
+    assert small.to_text() == "2/4:-1.0+9.3*1@0;4.17+5.2*6@1~2!3"
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ("x/:1.2+3.4*5@0", "its seed"),
+    ("1/2,3", "gaps:request"),
+    ("1/:1.2+3.4*5", "stem.stem_len+tail.tail_len*max_new@wave"),
+])
+def test_a_text_that_is_not_a_workload_is_an_error_naming_the_part(text, names):
+    with pytest.raises(ValueError, match=names.replace("+", r"\+").replace("*", r"\*").replace(".", r"\.")):
+        Workload.from_text(text)
+
+
+def test_shrinking_tries_fewer_rounds_then_fewer_requests_then_shorter_ones():
+    workload = make_workload(5, 4, GEOMETRY)
+    candidates = list(subsets(workload))
+    assert candidates[0].rounds == workload.rounds[-1:]
+    assert all(c.size <= workload.size for c in candidates)
+    assert any(c.size < workload.size and len(c.rounds) == len(workload.rounds) for c in candidates)
+    assert any(c.size == workload.size and c != workload for c in candidates), "same requests, smaller ones"
