@@ -34,7 +34,7 @@ from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, 
 from .handles.factories import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
 from .handles.pool import EngineKey, EnginePool, WatchedHandle
 from .plugin_support import markers
-from .plugin_support.interrupts import Interrupts
+from .plugin_support.interrupts import Interrupts, mend_traceback
 from .report import ReportEntry, RunResults, failure_section, violations_table
 from .settings import OPTIONS, Settings, resolve, split_bare_flag
 
@@ -149,6 +149,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         config.stash[_INTERRUPTS].restore()
     if _ENVIRONMENT in config.stash:
         config.stash[_ENVIRONMENT].undo()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    """Before pytest formats the interrupt's traceback, whatever frame it was raised in."""
+    mend_traceback(excinfo.value)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
