@@ -174,6 +174,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             config.stash[_LEASES].try_primary()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for message in markers.ignored(item):
+            item.warn(markers.KvMarkerWarning(message))
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "kv_attention_kind" not in metafunc.fixturenames:
         return
