@@ -272,7 +272,7 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     key = EngineKey(kind, canary, attention, _devices(request.config, kind), settings.engine, model)
     pool: EnginePool = request.getfixturevalue("_kv_engines")
     serial, handle = _checkout(pool, key, settings.seed)
-    _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), real_data=canary.real_data,
+    _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), canary=canary,
                   engine=f"{settings.engine}/{attention}")
     pool.reset(key, settings.seed, perturbs)
     node.stash[_RECORD] = _TestRecord(key, serial, handle, SINGLE_SIDES if kind == "single" else PD_SIDES,
@@ -336,7 +336,7 @@ def kv_canary(request: pytest.FixtureRequest, kv_attention_kind: str) -> KvCanar
 
     handle = request.getfixturevalue("kv_pd" if "kv_pd" in request.fixturenames else "kv_engine")
     record = request.node.stash[_RECORD]
-    record.canary = KvCanary(handle, record.sides)
+    record.canary = KvCanary(handle, record.sides, record.perturbs)
     return record.canary
 
 

@@ -78,14 +78,18 @@ def perturbs(node: pytest.Item, *, pd: bool) -> tuple[PerturbSpec, ...]:
     return tuple(_perturb(mark, pd) for mark in node.iter_markers("kv_perturb"))
 
 
-def check_perturbs_fit(node: pytest.Item, *, groups: tuple[str, ...], real_data: str, engine: str) -> None:
-    """MarkerError unless every kv_perturb marker fits the engine the test got (`perturb.fit`):
-    `groups`: its pool groups by label; engine: how the error names the engine (e.g.
-    "reference/swa")."""
+def check_perturbs_fit(node: pytest.Item, *, groups: tuple[str, ...], canary: CanaryConfig, engine: str) -> None:
+    """MarkerError unless every kv_perturb marker fits the engine the test got (`perturb.fit`)
+    and the canary settings it runs with: real_kv_unused_cache damages slots only the prefix cache
+    holds, which only the sweep reads, so it needs sweep_interval >= 1. `groups`: the engine's
+    pool groups by label; engine: how the error names the engine (e.g. "reference/swa")."""
     kinds = tuple(GroupKind.from_label(label) for label in groups)
     for mark in node.iter_markers("kv_perturb"):
-        why = misfit(_perturb(mark, pd=True), kinds, fingerprints_real_kv=real_data != "none",
-                     engine=f"engine {engine!r}")
+        spec = _perturb(mark, pd=True)
+        why = misfit(spec, kinds, fingerprints_real_kv=canary.real_data != "none", engine=f"engine {engine!r}")
+        if why is None and spec.mode == "real_kv_unused_cache" and canary.sweep_interval == 0:
+            why = ("it damages slots only the prefix cache holds, which only the sweep reads, and sweep_interval=0 "
+                   "turns the sweep off: set sweep_interval >= 1")
         if why is not None:
             raise MarkerError(f"{_show(mark)}: {why}")
 

@@ -220,3 +220,26 @@ def test_kv_markers_on_a_test_without_kv_fixtures_warn_naming_it(kvtester: pytes
     ])
     assert "test_kind_only does nothing" not in result.stdout.str()
     assert "test_guarded does nothing" not in result.stdout.str()
+
+
+def test_an_unused_cache_fault_with_the_sweep_off_is_a_marker_error(kvtester: pytest.Pytester) -> None:
+    """Only the sweep reads what real_kv_unused_cache damages: with the sweep off every fault
+    would stay latent, so the test errors naming both, whether a marker or the option turned it off."""
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_canary(sweep_interval=0)
+        @pytest.mark.kv_perturb("real_kv_unused_cache")
+        def test_marker_turns_it_off(kv_engine): pass
+
+        @pytest.mark.kv_perturb("real_kv_unused_cache")
+        def test_sweeps(kv_engine): pass
+    """)
+    message = ("kv_perturb('real_kv_unused_cache'): it damages slots only the prefix cache holds, which only the "
+               "sweep reads, and sweep_interval=0 turns the sweep off: set sweep_interval >= 1")
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_marker_turns_it_off*", message])
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-sweep-interval=0")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_sweeps*", message])

@@ -205,6 +205,26 @@ def test_unexpected_violations_are_one_summary_block(realtester: pytest.Pytester
     assert result.stdout.str().count("test_damaged_by_the_engine (seed 0") == 1
 
 
+def test_a_fault_no_slot_qualified_for_says_so(realtester: pytest.Pytester) -> None:
+    """One request: its prompt's slots are cached only after its last forward, so no forward
+    finds a slot that only the prefix cache holds; the failure says that, not that the marker is
+    missing."""
+    realtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_perturb("real_kv_unused_cache")
+        def test_unused_cache(kv_engine, kv_canary):
+            kv_engine.generate(["one request"], max_new_tokens=2)
+            kv_canary.assert_perturbations_detected()
+    """)
+    result = realtester.runpytest("--kv-canary")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "E*AssertionError: no fault was injected since the reset: kv_perturb('real_kv_unused_cache'): no slot "
+        "qualified in any of the 2 forwards after its warm-up; it needs a slot the prefix cache holds and no running "
+        "request reads (*)"])
+
+
 @pytest.mark.parametrize("attention, marker, message", [
     ("mha", 'kv_perturb("real_kv_used", target_group="swa")',
      "kv_perturb('real_kv_used', target_group='swa'): target_group='swa' is not a pool group of engine "
