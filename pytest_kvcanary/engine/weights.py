@@ -79,7 +79,8 @@ def misfit(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], *, strict
     if strict and (unexpected := sorted(shapes.keys() - expected.keys())):
         problems.append(f"unexpected {_count(unexpected)}")
     if wrong := sorted(name for name in expected.keys() & shapes.keys() if expected[name] != shapes[name]):
-        problems.append(f"{_count(wrong)} shaped {list(shapes[wrong[0]])} where the model has {list(expected[wrong[0]])}")
+        first = wrong[0]
+        problems.append(f"{_count(wrong)} shaped {list(shapes[first])} where the model has {list(expected[first])}")
     return "; ".join(problems) or None
 
 

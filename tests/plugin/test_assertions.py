@@ -30,6 +30,8 @@ class _Injection:
     slot: int = 17
     position: int = 3
     row: int = 0
+    half: str | None = "K"
+    layer: int = 0
     byte: int = 0
     step: int = 0
 

@@ -152,11 +152,12 @@ def test_summary_lines_agree_with_the_per_test_numbers(realtester: pytest.Pytest
         assert total[counter] == sum(t["stats"]["single"][counter] for t in tests), counter
     assert total["violations"] == sum(len(t["violations"]) for t in tests) > 0
     assert all(t["stats"]["single"]["forwards"] > 0 for t in tests)
-    line = (f"reference/single/mha on cpu [[]main, 4 tests[]] single: forwards={total['forwards']} "
+    line = (f"reference/single/mha on cpu [[]worker main, 4 tests[]] single: forwards={total['forwards']} "
             f"protected_tokens={total['protected_tokens']} sweeps={total['sweeps']} "
             f"violations={total['violations']} health=ok")
-    result.stdout.fnmatch_lines([line, f"4 guarded tests, {total['violations']} violations ({total['violations']} expected, 0 unexpected), "
-                                 "1 engine handle"])
+    result.stdout.fnmatch_lines([line, f"4 guarded tests, {total['violations']} violations ({total['violations']} "
+                                       "owned by tests that injected or checked them, "
+                                       "0 unexpected), 1 engine handle"])
 
 
 def test_a_green_fault_injection_run_prints_no_warning(realtester: pytest.Pytester) -> None:
@@ -180,7 +181,8 @@ def test_a_green_fault_injection_run_prints_no_warning(realtester: pytest.Pytest
     result.assert_outcomes(passed=3)
     out = result.stdout.str()
     assert "warnings summary" not in out and "Warning" not in out and "unexpected violations" not in out
-    result.stdout.fnmatch_lines(["3 guarded tests, * violations (* expected, 0 unexpected), 3 engine handles"])
+    result.stdout.fnmatch_lines(["3 guarded tests, * violations (* owned by tests that injected or checked them, "
+                                 "0 unexpected), 3 engine handles (4 lines: a prefill/decode handle has two sides)"])
 
 
 def test_unexpected_violations_are_one_summary_block(realtester: pytest.Pytester) -> None:
@@ -197,7 +199,7 @@ def test_unexpected_violations_are_one_summary_block(realtester: pytest.Pytester
     result = realtester.runpytest("--kv-canary")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([
-        "unexpected violations: * in 1 test that neither injected faults nor asserted on violations",
+        "unexpected violations: * in 1 test that neither injected faults nor checked them with kv_canary",
         "*::test_damaged_by_the_engine (seed 0, single/mha on cpu):",
         "violations (*):",
         "*side*step*phase*half*group*reasons*slot*pos*row*",
