@@ -25,7 +25,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NoReturn
 
 import pytest
 
@@ -35,6 +35,7 @@ from .handles.factories import NoPrefillDecodePair, NotAnEngineUnderTest, Unknow
 from .handles.pool import EngineKey, EnginePool, WatchedHandle
 from .plugin_support import markers
 from .plugin_support.interrupts import Interrupts, mend_traceback
+from .plugin_support.progress import ProgressFactory, ProgressLine
 from .report import ReportEntry, RunResults, failure_section, violations_table
 from .settings import OPTIONS, Settings, resolve, split_bare_flag
 
@@ -66,12 +67,35 @@ def _worker(config: pytest.Config) -> str:
     return getattr(config, "workerinput", {}).get("workerid", "main")
 
 
+def _uncaptured(config: pytest.Config) -> ContextManager[None]:
+    capture = config.pluginmanager.getplugin("capturemanager")
+    return capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext()
+
+
 def _tell(config: pytest.Config, message: str) -> None:
     """Show a message on the terminal now, also from inside a test's setup (past the output
     capture) and from an xdist worker (whose stderr is the terminal's)."""
-    capture = config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+    with _uncaptured(config):
         print(message, file=sys.stderr, flush=True)
+
+
+def _progress(request: pytest.FixtureRequest) -> ProgressFactory | None:
+    """How the test's long generations show progress: on stderr past the capture, in place on an
+    interactive terminal, as lines where output is not captured (-s); not at all otherwise, nor
+    from an xdist worker (the controller's terminal shows the tests' outcomes)."""
+    config = request.config
+    with _uncaptured(config):
+        interactive = sys.stderr.isatty()
+    if hasattr(config, "workerinput") or not (interactive or config.getoption("capture") == "no"):
+        return None
+
+    def write(text: str) -> None:
+        with _uncaptured(config):
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    nodeid = request.node.nodeid
+    return lambda describe: ProgressLine(write, lambda: f"kv-canary {nodeid}: {describe()}", interactive=interactive)
 
 
 # ----------------------------------------------------------------------------- start-up, end
@@ -275,6 +299,8 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), canary=canary,
                   engine=f"{settings.engine}/{attention}")
     pool.reset(key, settings.seed, perturbs)
+    if hasattr(handle.target, "progress"):  # a handle that can show it (SidedHandle)
+        handle.target.progress = _progress(request)
     node.stash[_RECORD] = _TestRecord(key, serial, handle, SINGLE_SIDES if kind == "single" else PD_SIDES,
                                       perturbs, settings.seed)
     yield handle

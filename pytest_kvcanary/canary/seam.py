@@ -156,6 +156,11 @@ class EngineUnderTest(CanaryHost, Protocol):
         The default knows no request; `RowOwners` keeps what an engine needs to answer it."""
         return None
 
+    def finished_requests(self) -> int | None:
+        """Optional: how many requests finished since the last reset, or None where the engine
+        cannot tell (the default); the progress line of a long generation shows it."""
+        return None
+
 
 class RowOwners(Generic[Owner]):
     """Which request held each mapping row from which forward on, since the last `clear`: what
@@ -214,7 +219,7 @@ class UnsupportedAttention(LookupError):
     latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
-OPTIONAL_MEMBERS = ("add_free_listener", "prefix_caching", "request_at")
+OPTIONAL_MEMBERS = ("add_free_listener", "prefix_caching", "request_at", "finished_requests")
 
 
 def _required_methods() -> tuple[str, ...]:

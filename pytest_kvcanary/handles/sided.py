@@ -7,9 +7,10 @@ module imports the other.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..canary.runtime import CanaryRuntime
 from ..canary.seam import EngineUnderTest, optional
@@ -18,6 +19,9 @@ from ..config import CanaryConfig, PerturbSpec
 from ..perturb.injector import FaultInjector
 from ..perturb.ledger import Injection, Ledger
 from .protocol import check_context_keys, check_prompts, check_request_count
+
+if TYPE_CHECKING:
+    from ..plugin_support.progress import ProgressFactory
 
 BASE_PROMPT = "Once upon a time, in a cache far away, "
 PROMPT_SHOWN = 30  # characters of a prompt a failure report shows beside its request id
@@ -54,9 +58,11 @@ class Side:
 
 class SidedHandle:
     """What single and PD handles share (see protocol.Handle for the contract): the workload record,
-    the ledger, results read from the sides."""
+    the ledger, results read from the sides. progress: what makes the line a long generation shows
+    (requests finished of those sent, where the engines tell, and forwards); None shows none."""
 
     sides: list[Side]
+    progress: ProgressFactory | None = None
 
     def __init__(self) -> None:
         self.ledger = Ledger()
@@ -98,9 +104,41 @@ class SidedHandle:
         if context_keys is not None:
             check_context_keys(context_keys, prompts, generate, type(getattr(generate, "__self__", generate)).__name__)
             contexts = {"context_keys": list(context_keys)}
-        outputs = generate(prompts, max_new_tokens, **contexts)
+        with self._showing_progress(len(prompts)):
+            outputs = generate(prompts, max_new_tokens, **contexts)
         self.drain()  # raise mode: a violation of the last forwards raises here, in the test's call
         return outputs
+
+    def _finished(self) -> int | None:
+        """Requests the sides' engines finished since the reset, or None when one cannot tell."""
+        counts = [optional(side.engine, "finished_requests")() for side in self.sides]
+        return None if None in counts else sum(counts)
+
+    @contextlib.contextmanager
+    def _showing_progress(self, sent: int) -> Iterator[None]:
+        """The progress line of one generate call, ticked at every forward of either side."""
+        if self.progress is None:
+            yield
+            return
+        forwards, finished = sum(s.runtime.forwards for s in self.sides), self._finished()
+
+        def describe() -> str:
+            now = self._finished()
+            done = (f"{sent} requests sent" if now is None or finished is None
+                    else f"{now - finished}/{sent} requests finished")
+            n = sum(s.runtime.forwards for s in self.sides) - forwards
+            return f"{done}, {n} forward{'' if n == 1 else 's'}"
+
+        line = self.progress(describe)
+        tick = line.tick
+        for side in self.sides:
+            side.runtime.on_end_forward.append(tick)
+        try:
+            yield
+        finally:
+            for side in self.sides:
+                side.runtime.on_end_forward.remove(tick)
+            line.close()
 
     def _engine_generate(self) -> Callable[..., list[list[int]]]:
         """The engine's (or pair's) generate(prompts, max_new_tokens[, context_keys=])."""
