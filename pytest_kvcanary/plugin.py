@@ -2,18 +2,11 @@
 handles: handles/pool.py, results: report.py).
 
 Loaded by every pytest run of the environment, so it imports nothing heavy: torch, triton and the
-engines load inside the fixtures that start engines.
-
-Precedence: an option given on the command line wins over a kv_canary marker, which wins over the
-ini file. The mode is the one exception: --kv-canary (or the kv_canary ini key) turns the run on
-and sets its default mode, and a kv_canary(mode=...) marker sets one test's mode ("off" to opt out).
-A test that injects faults (kv_perturb) runs in log mode unless its marker says otherwise: it
-asserts on the violations it causes, which raise mode would stop at the first. A marker cannot
-turn on a run that is off.
-
-Violations are recorded, never warned about. A test's violations are its own business when it
-injected faults (kv_perturb) or read them through kv_canary; any others, in log mode, are listed
-once in the terminal summary (and in the test's report sections and the JSON report).
+engines load inside the fixtures that start engines. Precedence: command line > kv_canary marker >
+ini file, except the mode (a marker sets one test's mode, never turns on a run that is off); a
+test that injects faults runs in log mode unless its marker says otherwise. A test owns its
+violations when it injected faults or read them through kv_canary; others, in log mode, are
+listed once in the summary. docs/running.md and docs/reports.md say more.
 """
 
 from __future__ import annotations

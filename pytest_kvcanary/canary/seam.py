@@ -1,11 +1,9 @@
 """The seam between an inference engine and pytest-kvcanary: everything an engine author
 implements or hands over, in the order an adapter is written. Read this module top to bottom.
 
-It loads without triton and without importing torch (tensor types are annotations only), so a
-conftest can import it at module level. The protocols, the forward hooks and the listener types
-are defined here; the data types come from `canary/host.py` (their fields and invariants are
-documented there) and `GroupKind` / `Half` from the kernels' record layout; import them all from
-here.
+It loads without triton or torch, so a conftest can import it at module level; import the data
+types (documented field by field in `canary/host.py`) and `GroupKind` / `Half` from here too.
+docs/adapters.md walks through it.
 
 An adapter is an `EngineUnderTest`:
 

@@ -302,7 +302,7 @@ def test_kv_pd_skips_on_an_engine_without_a_pair(realtester: pytest.Pytester) ->
 
 def test_seam_types_in_a_conftest_and_the_triton_kernels_on_cpu(pytester: pytest.Pytester,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the README's "Other engines" section asks an engine author to write: a conftest that
+    """What docs/adapters.md asks an engine author to write: a conftest that
     imports the seam types (and triton) at module level. The kv tests still run on the CPU with
     the Triton kernels, under the interpreter the plugin chose before the conftest loaded."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
