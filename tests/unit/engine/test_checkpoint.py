@@ -74,7 +74,8 @@ def test_a_checkpoint_is_judged_from_its_headers(tmp_path, flavour):
         f"shaped [8, {tensors[name].shape[1]}] where the model has {list(tensors[name].shape)}")
     save_file({k: v for k, v in tensors.items() if "norm" not in k}, str(tmp_path / "model.safetensors"))
     norms = sum("norm" in k for k in tensors)
-    assert checkpoint_problem(tmp_path).endswith(f": missing model.layers.0.input_layernorm.weight and {norms - 1} more")
+    missing = f": missing model.layers.0.input_layernorm.weight and {norms - 1} more"
+    assert checkpoint_problem(tmp_path).endswith(missing)
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
     assert checkpoint_problem(tmp_path) == ("has a model.safetensors that is not a readable safetensors file "
                                             "(Error while deserializing header: header too large)")
