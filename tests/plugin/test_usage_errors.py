@@ -78,6 +78,24 @@ def test_a_checkpoint_whose_tensors_do_not_fit_its_config(kvtester: pytest.Pytes
                              "[32, 48]; got 'ckpt'")
 
 
+def test_a_checkpoint_transformers_cannot_build_a_causal_model_from(kvtester: pytest.Pytester) -> None:
+    pytest.importorskip("transformers")
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
+    ckpt = kvtester.mkdir("ckpt")
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    save_file({"shared.weight": np.zeros((4, 2), np.float32)}, str(ckpt / "model.safetensors"))
+    result = kvtester.runpytest_subprocess("-s", "--kv-canary", "--kv-canary-engine=transformers",
+                                           "--kv-canary-model=ckpt")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --kv-canary-model must be a checkpoint the transformers engine can load: the "
+                                 "directory describes no causal language model transformers can build (ValueError: "
+                                 "Unrecognized configuration class *T5Config* AutoModelForCausalLM.); got 'ckpt'"])
+    _one_usage_error(result, result.errlines[0])
+
+
 def test_an_unknown_engine(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     pytester.makepyfile("def test_a(kv_engine): print('RAN')")
