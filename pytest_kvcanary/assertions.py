@@ -13,14 +13,16 @@ that an assertion here raised (`raised`).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import fields
 from typing import Any, Sequence
 
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import Half, Phase, Reason
 
 from .canary.violation import Violation
-from .config import TARGET_GROUPS
+from .config import TARGET_GROUPS, PerturbSpec
 from .handles.protocol import Handle
+from .perturb.fit import TARGETS
 from .report import ledger_table, violations_table
 
 REASONS = tuple(r.label for r in Reason)
@@ -53,6 +55,31 @@ def _fault(injection: Any) -> str:
     return f"{i.mode} on {i.side} {i.group} slot {i.slot} at step {i.step}" + (f": {i.cause}" if i.cause else "")
 
 
+def _marker(spec: PerturbSpec) -> str:
+    """The kv_perturb marker that asks for `spec`, its defaults left out."""
+    given = [f"{f.name}={getattr(spec, f.name)!r}" for f in fields(spec)[1:] if getattr(spec, f.name) != f.default]
+    return f"kv_perturb({', '.join([repr(spec.mode), *given])})"
+
+
+def _none_injected(perturbs: Sequence[PerturbSpec], forwards: dict[str, int]) -> str:
+    """Why no fault was injected: per marker, what kept it off. forwards: per side since the reset."""
+    if not perturbs:
+        return "the test has no kv_perturb marker"
+    reasons = []
+    for spec in perturbs:
+        ran = {side: n for side, n in forwards.items() if spec.side in (None, side)}
+        after_warmup = sum(max(0, n - spec.warmup_steps) for n in ran.values())
+        if not after_warmup:
+            shown = ", ".join(f"{n} on {side}" for side, n in ran.items()) if len(ran) > 1 or spec.side else None
+            reasons.append(f"{_marker(spec)}: its warm-up of {spec.warmup_steps} forwards outlasted the test's "
+                           + (f"forwards ({shown})" if shown else f"{sum(ran.values())} forwards"))
+        else:
+            drawn = "" if spec.prob == 1 else f"its probability ({spec.prob}) kept it off, or "
+            reasons.append(f"{_marker(spec)}: {drawn}no slot qualified in any of the {after_warmup} forwards after "
+                           f"its warm-up; it needs {TARGETS[spec.mode]}")
+    return "; ".join(reasons)
+
+
 def _describe_filters(**filters: Any) -> str:
     given = [f"{k}={v}" for k, v in filters.items() if v is not None]
     return f" ({', '.join(given)})" if given else ""
@@ -60,11 +87,13 @@ def _describe_filters(**filters: Any) -> str:
 
 class KvCanary:
     """Assertions over one engine handle for the current test. `sides`: the sides the handle
-    has, ("single",) or ("prefill", "decode")."""
+    has, ("single",) or ("prefill", "decode"); perturbs: the faults the test's kv_perturb markers
+    ask for."""
 
-    def __init__(self, handle: Handle, sides: tuple[str, ...]) -> None:
+    def __init__(self, handle: Handle, sides: tuple[str, ...], perturbs: Sequence[PerturbSpec] = ()) -> None:
         self._handle = handle
         self._sides = sides
+        self._perturbs = tuple(perturbs)
         self.consulted = False
         self.raised: AssertionError | None = None
 
@@ -145,8 +174,9 @@ class KvCanary:
         __tracebackhide__ = True
         injections = self.perturbations()
         if not injections:
-            raise self._fail("no fault was injected since the reset (no kv_perturb marker, or its "
-                             "warm-up or probability kept it off)\n" + self._context())
+            forwards = {side: stats["forwards"] for side, stats in self._handle.stats().items()}
+            raise self._fail(f"no fault was injected since the reset: {_none_injected(self._perturbs, forwards)}\n"
+                             + self._context())
         missed = [i for i in injections if i.status != "detected"]
         if missed:
             lines = [f"{len(missed)} of {len(injections)} injected faults were not detected"]

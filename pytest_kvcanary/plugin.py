@@ -2,18 +2,11 @@
 handles: handles/pool.py, results: report.py).
 
 Loaded by every pytest run of the environment, so it imports nothing heavy: torch, triton and the
-engines load inside the fixtures that start engines.
-
-Precedence: an option given on the command line wins over a kv_canary marker, which wins over the
-ini file. The mode is the one exception: --kv-canary (or the kv_canary ini key) turns the run on
-and sets its default mode, and a kv_canary(mode=...) marker sets one test's mode ("off" to opt out).
-A test that injects faults (kv_perturb) runs in log mode unless its marker says otherwise: it
-asserts on the violations it causes, which raise mode would stop at the first. A marker cannot
-turn on a run that is off.
-
-Violations are recorded, never warned about. A test's violations are its own business when it
-injected faults (kv_perturb) or read them through kv_canary; any others, in log mode, are listed
-once in the terminal summary (and in the test's report sections and the JSON report).
+engines load inside the fixtures that start engines. Precedence: command line > kv_canary marker >
+ini file, except the mode (a marker sets one test's mode, never turns on a run that is off); a
+test that injects faults runs in log mode unless its marker says otherwise. A test owns its
+violations when it injected faults or read them through kv_canary; others, in log mode, are
+listed once in the summary. docs/running.md and docs/reports.md say more.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NoReturn
 
 import pytest
 
@@ -34,7 +27,8 @@ from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, 
 from .handles.factories import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
 from .handles.pool import EngineKey, EnginePool, WatchedHandle
 from .plugin_support import markers
-from .plugin_support.interrupts import Interrupts
+from .plugin_support.interrupts import Interrupts, mend_traceback
+from .plugin_support.progress import ProgressFactory, ProgressLine
 from .report import ReportEntry, RunResults, failure_section, violations_table
 from .settings import OPTIONS, Settings, resolve, split_bare_flag
 
@@ -71,12 +65,35 @@ def _worker(config: pytest.Config) -> str:
     return getattr(config, "workerinput", {}).get("workerid", "main")
 
 
+def _uncaptured(config: pytest.Config) -> ContextManager[None]:
+    capture = config.pluginmanager.getplugin("capturemanager")
+    return capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext()
+
+
 def _tell(config: pytest.Config, message: str) -> None:
     """Show a message on the terminal now, also from inside a test's setup (past the output
     capture) and from an xdist worker (whose stderr is the terminal's)."""
-    capture = config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+    with _uncaptured(config):
         print(message, file=sys.stderr, flush=True)
+
+
+def _progress(request: pytest.FixtureRequest) -> ProgressFactory | None:
+    """How the test's long generations show progress: on stderr past the capture, in place on an
+    interactive terminal, as lines where output is not captured (-s); not at all otherwise, nor
+    from an xdist worker (the controller's terminal shows the tests' outcomes)."""
+    config = request.config
+    with _uncaptured(config):
+        interactive = sys.stderr.isatty()
+    if hasattr(config, "workerinput") or not (interactive or config.getoption("capture") == "no"):
+        return None
+
+    def write(text: str) -> None:
+        with _uncaptured(config):
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    nodeid = request.node.nodeid
+    return lambda describe: ProgressLine(write, lambda: f"kv-canary {nodeid}: {describe()}", interactive=interactive)
 
 
 # ----------------------------------------------------------------------------- start-up, end
@@ -156,6 +173,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         config.stash[_ENVIRONMENT].undo()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    """Before pytest formats the interrupt's traceback, whatever frame it was raised in."""
+    mend_traceback(excinfo.value)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return config.stash[_SETTINGS].header()
 
@@ -171,6 +194,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     ):
         with contextlib.suppress(DeviceLeaseError):  # kv_device and the handles report it
             config.stash[_LEASES].try_primary()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for message in markers.ignored(item):
+            item.warn(markers.KvMarkerWarning(message))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -267,9 +296,11 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     key = EngineKey(kind, canary, attention, _devices(request.config, kind), settings.engine, model)
     pool: EnginePool = request.getfixturevalue("_kv_engines")
     serial, handle = _checkout(pool, key, settings.seed)
-    _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), real_data=canary.real_data,
+    _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), canary=canary,
                   engine=f"{settings.engine}/{attention}")
     pool.reset(key, settings.seed, perturbs)
+    if hasattr(handle.target, "progress"):  # a handle that can show it (SidedHandle)
+        handle.target.progress = _progress(request)
     node.stash[_RECORD] = _TestRecord(key, serial, handle, SINGLE_SIDES if kind == "single" else PD_SIDES,
                                       perturbs, settings.seed)
     yield handle
@@ -331,7 +362,7 @@ def kv_canary(request: pytest.FixtureRequest, kv_attention_kind: str) -> KvCanar
 
     handle = request.getfixturevalue("kv_pd" if "kv_pd" in request.fixturenames else "kv_engine")
     record = request.node.stash[_RECORD]
-    record.canary = KvCanary(handle, record.sides)
+    record.canary = KvCanary(handle, record.sides, record.perturbs)
     return record.canary
 
 

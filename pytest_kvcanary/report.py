@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 if TYPE_CHECKING:
     from .canary.violation import Violation
 
-# The attributes every ledger entry (an injected fault) has.
-INJECTION_FIELDS = ("mode", "side", "group", "slot", "position", "row", "byte", "step", "status", "cause")
+# The attributes every ledger entry (an injected fault) has (perturb/ledger.py's Injection says
+# what half, layer and byte mean).
+INJECTION_FIELDS = ("mode", "side", "group", "slot", "position", "row", "half", "layer", "byte", "step", "status",
+                    "cause")
 # Per-side counters of an engine: summed over its tests (each test's counters start at its reset).
 COUNTERS = ("forwards", "protected_tokens", "sweeps", "violations", "rows", "dropped")
 SHOWN_COUNTERS = COUNTERS[:4]
@@ -61,7 +63,8 @@ def ledger_table(injections: Sequence[Any]) -> str:
     """A heading and one row per injected fault, or `ledger: no injections`."""
     if not injections:
         return "ledger: no injections"
-    rows = ([*(getattr(i, name) for name in INJECTION_FIELDS[:-1]), i.cause or "-"] for i in injections)
+    rows = ([*("-" if getattr(i, name) is None else getattr(i, name) for name in INJECTION_FIELDS[:-1]),
+             i.cause or "-"] for i in injections)
     return f"ledger ({_count(len(injections), 'injection')}):\n{_table(INJECTION_FIELDS, rows)}"
 
 
@@ -156,7 +159,7 @@ def failure_section(seed: int, replay: str, violations: Sequence[Violation], req
 
 
 def _where(engine: dict[str, Any]) -> str:
-    return f"{engine['engine']}/{engine['kind']}/{engine['attention']} on {engine['device']} [{engine['worker']}"
+    return f"{engine['engine']}/{engine['kind']}/{engine['attention']} on {engine['device']} [worker {engine['worker']}"
 
 
 def _distinctions(engines: Sequence[dict[str, Any]]) -> list[str]:
@@ -234,24 +237,27 @@ class RunResults:
         return [t for t in self.tests if t.violations and not t.expected and t.outcome != "failed"]
 
     def summary_lines(self) -> list[str]:
-        """One line per engine (per side of a PD pair; the canary settings that tell engines
-        otherwise alike apart are named), the totals (violations expected: owned by tests that
-        injected faults or asserted on violations), then what needs attention:
-        unexpected violations as one block, an interrupt, workers that died."""
+        """One line per engine handle and side (a PD handle has two; the worker holding it, and
+        the canary settings that tell handles otherwise alike apart, are named), the totals
+        (violations owned by tests that injected faults or checked them with kv_canary, and the
+        unexpected rest), then what needs attention: unexpected violations as one block, an
+        interrupt, workers that died."""
         lines = [_engine_line(engine, distinction, side, stats)
                  for engine, distinction in zip(self.engines, _distinctions(self.engines))
                  for side, stats in engine["sides"].items()]
         guarded = [t for t in self.tests if t.outcome != "crashed"]
         violations = sum(len(t.violations) for t in self.tests)
-        expected = sum(len(t.violations) for t in self.tests if t.expected)
+        owned = sum(len(t.violations) for t in self.tests if t.expected)
+        two_sided = len(lines) > len(self.engines)
+        sides = f" ({len(lines)} lines: a prefill/decode handle has two sides)" if two_sided else ""
         lines.append(f"{_count(len(guarded), 'guarded test')}, {_count(violations, 'violation')} "
-                     f"({expected} expected, {violations - expected} unexpected), "
-                     f"{_count(len(self.engines), 'engine handle')}")
+                     f"({owned} owned by tests that injected or checked them, "
+                     f"{violations - owned} unexpected), {_count(len(self.engines), 'engine handle')}{sides}")
         unexpected = self.unexpected()
         if unexpected:
             n = sum(len(t.violations) for t in unexpected)
             lines.append(f"unexpected violations: {_count(n, 'violation')} in {_count(len(unexpected), 'test')} "
-                         "that neither injected faults nor asserted on violations")
+                         "that neither injected faults nor checked them with kv_canary")
             for t in unexpected:
                 lines += [f"{t.nodeid} (seed {t.seed}, {t.kind}/{t.attention} on {t.device}):",
                           violations_table(*t.violation_rows())]

@@ -31,14 +31,14 @@ def _one_of(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
-def _int_at_least(lo: int) -> Callable[[str], int]:
+def _integer(lo: int, hi: int | None = None) -> Callable[[str], int]:
     def parse(value: str) -> int:
         try:
             number = int(value)
         except ValueError:
             number = lo - 1
-        if number < lo:
-            raise ValueError(f"an integer >= {lo}")
+        if number < lo or (hi is not None and number > hi):
+            raise ValueError(f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}")
         return number
 
     return parse
@@ -49,7 +49,7 @@ def _auto_or_int(value: str) -> int | None:
     if value == AUTO:
         return None
     try:
-        return _int_at_least(1)(value)
+        return _integer(1)(value)
     except ValueError:
         raise ValueError(f"{AUTO} or an integer >= 1") from None
 
@@ -83,6 +83,9 @@ class _Option(NamedTuple):
 
 
 _DEFAULT = CanaryConfig()
+# The largest seed: numpy's seed takes 32 bits, and vLLM seeds numpy with the run's seed (torch and
+# Python's random take more).
+MAX_SEED = 2**32 - 1
 OPTIONS = (
     _Option("kv_canary", "--kv-canary", "MODE", "off", _one_of(*CANARY_MODES),
             "turn the KV canary on: log (default when given without a value: record violations) or "
@@ -90,9 +93,10 @@ OPTIONS = (
     _Option("kv_canary_real_data", "--kv-canary-real-data", "MODE", _DEFAULT.real_data, _one_of(*REAL_DATA_MODES),
             "how much of each slot's real KV bytes the canary fingerprints: none, partial, all"),
     _Option("kv_canary_sweep_interval", "--kv-canary-sweep-interval", "N", str(_DEFAULT.sweep_interval),
-            _int_at_least(0), "forwards between radix-cache sweeps (0 = never)"),
-    _Option("kv_canary_seed", "--kv-canary-seed", "N", "0", _int_at_least(0),
-            "seed of engines and fault injection; a failed test prints it in its replay command"),
+            _integer(0), "forwards between radix-cache sweeps (0 = never)"),
+    _Option("kv_canary_seed", "--kv-canary-seed", "N", "0", _integer(0, MAX_SEED),
+            f"seed of engines and fault injection, 0 to {MAX_SEED}; a failed test prints it in its replay "
+            "command"),
     _Option("kv_canary_device", "--kv-canary-device", "DEVICE", "auto", _one_of(*DEVICE_SETTINGS),
             "device of the engines: auto (a leased GPU if any, else cpu), cpu, cuda"),
     _Option("kv_canary_engine", "--kv-canary-engine", "NAME", "reference", _text,
@@ -108,7 +112,7 @@ OPTIONS = (
     _Option("kv_canary_lock_dir", "--kv-canary-lock-dir", "PATH", "", str,
             "directory of the GPU lease locks; share it to share GPUs between runs (default: one per "
             "run, removed when it ends)"),
-    _Option("kv_canary_soak_rounds", "--kv-canary-soak-rounds", "N", "16", _int_at_least(1),
+    _Option("kv_canary_soak_rounds", "--kv-canary-soak-rounds", "N", "16", _integer(1),
             "rounds of the stock workload soak (pytest_kvcanary.soak.suite) per test"),
     _Option("kv_canary_soak_replay", "--kv-canary-soak-replay", "WORKLOAD", "", _unset_or(_workload),
             "run the stock workload soak on this workload (the replay a soak failure printed) instead of "
@@ -186,6 +190,9 @@ def resolve(config: pytest.Config) -> Settings:
             values[opt.name] = opt.parse(raw)
         except ValueError as e:
             raise pytest.UsageError(f"{sources[opt.name]} must be {e}; got {raw!r}") from None
+        if opt.name in from_cli and not raw.strip():  # empty means unset in the ini file, a slip here
+            raise pytest.UsageError(f"{opt.flag} must not be empty (leave the option out to keep its default); "
+                                    f"got {raw!r}")
 
     def path(name: str) -> Path | None:
         if not values[name]:

@@ -1,4 +1,4 @@
-"""The smallest engine behind the canary seam (README "Writing an adapter"): one layer, one FULL pool
+"""The smallest engine behind the canary seam (docs/adapters.md): one layer, one FULL pool
 of one-token slots, one request at a time, no prefix cache; K/V derive from each token's id and
 position. Run `pytest --kv-canary --kv-canary-engine=toy -p toy_engine` with this file importable."""
 

@@ -51,9 +51,10 @@ def _capturing() -> bool:
 
 
 class CanaryRuntime:
-    """Guards one engine's KV pools. Observers run before HEAD and after TAIL, in the order added.
-    In raise mode, end_forward (every drain_interval forwards) and drain() raise
-    KvCanaryViolationError when new violations appeared."""
+    """Guards one engine's KV pools. Observers run before HEAD and after TAIL, in the order added;
+    the callables in `on_end_forward` at every end_forward (replayed forwards too). In raise mode,
+    end_forward (every drain_interval forwards) and drain() raise KvCanaryViolationError when new
+    violations appeared."""
 
     def __init__(
         self,
@@ -90,6 +91,7 @@ class CanaryRuntime:
         self._walk_tag = launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind)  # a malformed walk's rows
         self._one_device = self.device.type != "cuda" or torch.cuda.device_count() == 1
         self.observers: list[ForwardObserver] = []
+        self.on_end_forward: list[Callable[[], None]] = []
 
     def _tags(self, phases: list[Phase], groups: list[GroupState] | None = None) -> list[int]:
         return [launch_tag(phase, half, g.pool.kind)
@@ -155,6 +157,8 @@ class CanaryRuntime:
 
     def end_forward(self, device_work: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
         self.forwards += 1
+        for listener in self.on_end_forward:
+            listener()
         sweeps = bool(self.config.sweep_interval) and self.forwards % self.config.sweep_interval == 0
         if self.config.drain_interval == 1:  # the debugging setting: every forward, synchronously
             with device_work():

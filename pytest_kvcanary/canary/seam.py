@@ -1,11 +1,9 @@
 """The seam between an inference engine and pytest-kvcanary: everything an engine author
 implements or hands over, in the order an adapter is written. Read this module top to bottom.
 
-It loads without triton and without importing torch (tensor types are annotations only), so a
-conftest can import it at module level. The protocols, the forward hooks and the listener types
-are defined here; the data types come from `canary/host.py` (their fields and invariants are
-documented there) and `GroupKind` / `Half` from the kernels' record layout; import them all from
-here.
+It loads without triton or torch, so a conftest can import it at module level; import the data
+types (documented field by field in `canary/host.py`) and `GroupKind` / `Half` from here too.
+docs/adapters.md walks through it.
 
 An adapter is an `EngineUnderTest`:
 
@@ -159,6 +157,11 @@ class EngineUnderTest(CanaryHost, Protocol):
         The default knows no request; `RowOwners` keeps what an engine needs to answer it."""
         return None
 
+    def finished_requests(self) -> int | None:
+        """Optional: how many requests finished since the last reset, or None where the engine
+        cannot tell (the default); the progress line of a long generation shows it."""
+        return None
+
     # Optional. serve(arrivals) -> output ids per arrival: requests submitted while others run
     # (`Arrival.at_forward`) and aborted mid-run (`Arrival.abort_after`), greedy, running until
     # every one is done or aborted. None: the workload soak submits each wave with `generate`.
@@ -235,7 +238,8 @@ class UnsupportedAttention(LookupError):
     latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
-OPTIONAL_MEMBERS = ("add_free_listener", "prefix_caching", "request_at", "serve", "score_uncached", "engine_defects")
+OPTIONAL_MEMBERS = ("add_free_listener", "prefix_caching", "request_at", "finished_requests", "serve",
+                    "score_uncached", "engine_defects")
 
 
 def _required_methods() -> tuple[str, ...]:

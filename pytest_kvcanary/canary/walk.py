@@ -18,10 +18,7 @@ lists each slot once by its shape and is checked page by page (a page's slots fo
 construction); one that breaks a rule is checked as the list of its entries, with the same rows.
 
 A walk on the host is first checked with numpy, which takes a well-formed one whole; any other is
-checked with torch on one intra-op thread (``one_host_thread``): on a GPU host busy with the
-engine, torch's thread pool made the check of an 18k-entry walk 25 to 70 ms instead of 2 ms
-(benchmarks/RESULTS.md), while switching the thread count costs about 0.1 ms there, so a
-well-formed walk switches nothing.
+checked with torch on one intra-op thread (``one_host_thread``; benchmarks/RESULTS.md says why).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ class Engine:
         self.forward_count = 0
         self._hooks: ForwardHooks | None = None
         self._next_rid = 0
+        self._finished = 0  # requests finished since the last reset
         self._steps = 0  # forwards since the last reset: the step a canary's violations name
         self._row_owners: RowOwners[Request] = RowOwners()
         self._decode = None if config.decode_mode == "eager" else DecodeGraphs(
@@ -183,6 +184,7 @@ class Engine:
         self.req_to_token_pool.restart()
         self.token_table.fill_(-1)
         self._steps = 0
+        self._finished = 0
         self._row_owners.clear()
 
     def request_at(self, row: int, step: int) -> tuple[int, str] | None:
@@ -190,6 +192,11 @@ class Engine:
         last reset; None when none did."""
         owner = self._row_owners.at(row, step)
         return None if owner is None else (owner.rid, self.tokenizer.decode(owner.prompt_ids))
+
+    def finished_requests(self) -> int:
+        """Requests that finished here since the last reset (in a prefill/decode pair, those the
+        prefill side finished itself: the others finish on the decode side)."""
+        return self._finished
 
     # CanaryHost
     def canary_groups(self) -> Sequence[PoolGroup]:
@@ -228,7 +235,9 @@ class Engine:
         except BaseException:
             self.scheduler.abort(batch)
             raise
-        return self.scheduler.process(batch, new_tokens)
+        finished = self.scheduler.process(batch, new_tokens)
+        self._finished += len(finished)
+        return finished
 
     @torch.no_grad()
     def _forward(self, batch: Batch) -> list[list[int]]:

@@ -1,6 +1,8 @@
 """Local Hugging Face checkpoints of Llama / Qwen2-style models: a directory with config.json and
 *.safetensors holding the standard tensor names (``model.layers.0.self_attn.q_proj.weight``, ...).
-The attention kind (mha / swa) is not read from config.json; pass it as an override."""
+The attention kind (mha / swa) is not read from config.json; pass it as an override.
+`checkpoint_problem` judges a checkpoint from config.json and the safetensors headers alone.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
@@ -45,21 +48,80 @@ def read_config(path: str | Path, **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
-def load_weights(model: CausalLM, path: str | Path) -> None:
-    """Copy the checkpoint's tensors into model (cast to its dtype). Missing, unexpected or
-    mis-shaped tensors raise ValueError."""
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the *.safetensors files of the checkpoint directory, read
+    from their headers (no tensor is read). ValueError naming the file that is not a safetensors
+    file, or saying there is none."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors file in checkpoint directory {str(path)!r}")
-    state: dict[str, torch.Tensor] = {}
+        raise ValueError("has no *.safetensors file")
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        state.update(load_file(f))
-    if model.cfg.tie_embeddings and "model.embed_tokens.weight" in state:
-        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+        try:
+            with safe_open(str(f), framework="numpy") as st:
+                shapes.update((name, tuple(st.get_slice(name).get_shape())) for name in st.keys())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"has a {f.name} that is not a readable safetensors file ({e})") from None
+    return shapes
+
+
+def _count(names: list[str]) -> str:
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
+def misfit(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], *, strict: bool = True) -> str | None:
+    """Why tensors of these shapes cannot fill the model's state dict, or None. strict: every
+    tensor of the model must be there and nothing else (else only the tensors both have count)."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    problems = []
+    if strict and (missing := sorted(expected.keys() - shapes.keys())):
+        problems.append(f"missing {_count(missing)}")
+    if strict and (unexpected := sorted(shapes.keys() - expected.keys())):
+        problems.append(f"unexpected {_count(unexpected)}")
+    if wrong := sorted(name for name in expected.keys() & shapes.keys() if expected[name] != shapes[name]):
+        first = wrong[0]
+        problems.append(f"{_count(wrong)} shaped {list(shapes[first])} where the model has {list(expected[first])}")
+    return "; ".join(problems) or None
+
+
+def _tied(model: CausalLM, shapes: dict[str, Any]) -> dict[str, Any]:
+    """A tied model's checkpoint may leave lm_head out: it is the embedding."""
+    if model.cfg.tie_embeddings and "model.embed_tokens.weight" in shapes:
+        return {"lm_head.weight": shapes["model.embed_tokens.weight"], **shapes}
+    return shapes
+
+
+def checkpoint_problem(path: str | Path, **overrides: Any) -> str | None:
+    """Why the checkpoint directory cannot fill the model its config.json describes (overrides:
+    ModelConfig fields), or None. Reads config.json and the safetensors headers; the model is
+    built on the meta device, so no weight is read or allocated."""
     try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"checkpoint {str(path)!r} does not fit the model: {e}") from None
+        cfg = read_config(path, **overrides)
+    except (KeyError, TypeError, ValueError) as e:
+        return f"has a config.json the engine cannot read ({e if not isinstance(e, KeyError) else f'no {e}'})"
+    try:
+        shapes = tensor_shapes(path)
+    except ValueError as e:
+        return str(e)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    why = misfit(model, _tied(model, shapes))
+    return None if why is None else f"has tensors that do not fit the model its config.json describes: {why}"
+
+
+def load_weights(model: CausalLM, path: str | Path) -> None:
+    """Copy the checkpoint's tensors into model (cast to its dtype). ValueError naming the
+    checkpoint when a file is not safetensors, or for missing, unexpected or mis-shaped tensors."""
+    try:
+        shapes = tensor_shapes(path)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {str(path)!r} {e}") from None
+    if why := misfit(model, _tied(model, shapes)):
+        raise ValueError(f"checkpoint {str(path)!r} does not fit the model: {why}")
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(f))
+    model.load_state_dict(_tied(model, state), strict=True)
 
 
 def save_checkpoint(model: CausalLM, path: str | Path) -> None:

@@ -1,6 +1,7 @@
 """What a `--kv-canary-model` directory must hold for each built-in engine, checked at start-up
-(before any test runs) from the files alone: nothing is loaded, and only the engine's own
-package is imported to learn the model types it knows."""
+(before any test runs) from config.json and the safetensors headers: no weight is read. The
+reference and transformers checks build the model on torch's meta device (no memory) to compare
+the tensors' shapes with the model's."""
 
 from __future__ import annotations
 
@@ -51,15 +52,52 @@ def _transformers_types() -> tuple[str, ...]:
     return tuple(CONFIG_MAPPING_NAMES)
 
 
+def _safetensors_problem(path: Path) -> str | None:
+    """Why the directory's *.safetensors files cannot be read (None also without any)."""
+    from ..engine.weights import tensor_shapes
+
+    if next(path.glob("*.safetensors"), None) is None:
+        return None
+    try:
+        tensor_shapes(path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _transformers_fit(path: Path) -> str | None:
+    """Why transformers would refuse the checkpoint's tensors: a tensor whose shape is not the one
+    the model its config.json describes has under that name (transformers raises for those;
+    names it converts or leaves out it handles itself)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..engine.weights import misfit, tensor_shapes
+
+    if next(path.glob("*.safetensors"), None) is None:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # what loading it would raise, in every test
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"describes no causal language model transformers can build ({type(e).__name__}: {first})"
+    why = misfit(model, tensor_shapes(path), strict=False)
+    return None if why is None else f"has tensors that do not fit the model its config.json describes: {why}"
+
+
 def reference_problem(path: Path) -> str | None:
     """The reference engine reads Llama / Qwen2 checkpoints in safetensors."""
-    return _checkpoint_problem(path, _reference_types)
+    from ..engine.weights import checkpoint_problem
+
+    return _checkpoint_problem(path, _reference_types) or checkpoint_problem(path)
 
 
 def transformers_problem(path: Path) -> str | None:
-    return _checkpoint_problem(path, _transformers_types)
+    return _checkpoint_problem(path, _transformers_types) or _safetensors_problem(path) or _transformers_fit(path)
 
 
 def any_checkpoint_problem(path: Path) -> str | None:
     """A Hugging Face checkpoint of any model type (the engine judges the type itself)."""
-    return _checkpoint_problem(path, lambda: None)
+    return _checkpoint_problem(path, lambda: None) or _safetensors_problem(path)

@@ -47,8 +47,8 @@ class NoPrefillDecodePair(LookupError):
     """The engine has no prefill/decode pair; kv_pd tests skip with this message."""
 
 
-# How to install each engine's package, run in a clone of the project: the commands the README
-# gives (a test checks), vLLM's in an environment of its own (see the README's vLLM section).
+# How to install each engine's package, run in a clone of the project: the commands the docs give
+# (a test checks), vLLM's in an environment of its own (docs/vllm.md).
 INSTALL = {
     "transformers": 'pip install -e ".[transformers]"',
     "vllm": 'python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install "torch==2.13.0" -e ".[vllm,test]" '

@@ -27,7 +27,9 @@ class Handle(Protocol):
     row held at its step, when the engine can tell (else None). stats: per side, the canary's
     counters since the reset (forwards, protected_tokens, sweeps, violations, rows, dropped) and
     its health ("ok" or the problems). healthy: False once the canary stopped guarding (the
-    plugin then replaces the handle). close: detach the canary.
+    plugin then replaces the handle). close: detach the canary. Optional: a `progress` attribute
+    (a plugin_support.progress.ProgressFactory or None), which the plugin sets before each test
+    where a long generation's progress line can be seen.
     """
 
     side_names: tuple[str, ...]

@@ -7,10 +7,11 @@ module imports the other.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import random
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..canary.runtime import CanaryRuntime
 from ..canary.seam import EngineDefect, EngineUnderTest, optional
@@ -23,6 +24,7 @@ from .protocol import check_context_keys, check_prompts, check_request_count
 if TYPE_CHECKING:
     from ..canary.seam import Arrival
     from ..soak.verdicts import SoakResult
+    from ..plugin_support.progress import ProgressFactory
 
 BASE_PROMPT = "Once upon a time, in a cache far away, "
 PROMPT_SHOWN = 30  # characters of a prompt a failure report shows beside its request id
@@ -59,9 +61,11 @@ class Side:
 
 class SidedHandle:
     """What single and PD handles share (see protocol.Handle for the contract): the workload record,
-    the ledger, results read from the sides."""
+    the ledger, results read from the sides. progress: what makes the line a long generation shows
+    (requests finished of those sent, where the engines tell, and forwards); None shows none."""
 
     sides: list[Side]
+    progress: ProgressFactory | None = None
 
     def __init__(self) -> None:
         self.ledger = Ledger()
@@ -69,7 +73,7 @@ class SidedHandle:
         self._rng = random.Random(0)
         self.armed: tuple[int, tuple[PerturbSpec, ...]] = (0, ())  # the last reset's seed and faults
         self.soak_results: list[SoakResult] = []  # the soaks run since the last reset
-        self.progress: Callable[[str], None] | None = None  # hears progress lines of long work
+        self._showing = False  # a progress line is up (one at a time: the outermost work's)
 
     @property
     def side_names(self) -> tuple[str, ...]:
@@ -108,9 +112,48 @@ class SidedHandle:
         if context_keys is not None:
             check_context_keys(context_keys, prompts, generate, type(getattr(generate, "__self__", generate)).__name__)
             contexts = {"context_keys": list(context_keys)}
-        outputs = generate(prompts, max_new_tokens, **contexts)
+        with self._showing_progress(self._generation(len(prompts))):
+            outputs = generate(prompts, max_new_tokens, **contexts)
         self.drain()  # raise mode: a violation of the last forwards raises here, in the test's call
         return outputs
+
+    def _finished(self) -> int | None:
+        """Requests the sides' engines finished since the reset, or None when one cannot tell."""
+        counts = [optional(side.engine, "finished_requests")() for side in self.sides]
+        return None if None in counts else sum(counts)
+
+    def _generation(self, sent: int) -> Callable[[], str]:
+        """What the progress line of a generate call of `sent` requests reads."""
+        forwards, finished = sum(s.runtime.forwards for s in self.sides), self._finished()
+
+        def describe() -> str:
+            now = self._finished()
+            done = (f"{sent} requests sent" if now is None or finished is None
+                    else f"{now - finished}/{sent} requests finished")
+            n = sum(s.runtime.forwards for s in self.sides) - forwards
+            return f"{done}, {n} forward{'' if n == 1 else 's'}"
+
+        return describe
+
+    @contextlib.contextmanager
+    def _showing_progress(self, describe: Callable[[], str]) -> Iterator[None]:
+        """A progress line reading describe(), ticked at every forward of either side; none while
+        another is up (a soak's generate calls show the soak's line)."""
+        if self.progress is None or self._showing:
+            yield
+            return
+        line = self.progress(describe)
+        tick = line.tick
+        self._showing = True
+        for side in self.sides:
+            side.runtime.on_end_forward.append(tick)
+        try:
+            yield
+        finally:
+            for side in self.sides:
+                side.runtime.on_end_forward.remove(tick)
+            self._showing = False
+            line.close()
 
     def _engine_generate(self) -> Callable[..., list[list[int]]]:
         """The engine's (or pair's) generate(prompts, max_new_tokens[, context_keys=])."""
@@ -162,10 +205,11 @@ class SidedHandle:
             raise ValueError(f"shrink_trials must be an integer >= 0; got {shrink_trials!r}")
         if not isinstance(arrivals, bool):
             raise TypeError(f"arrivals must be True or False; got {arrivals!r}")
-        soak = Soak(self, tie_tolerance=float(tie_tolerance), arrivals=arrivals, progress=self.progress)
+        soak = Soak(self, tie_tolerance=float(tie_tolerance), arrivals=arrivals)
         workload = (Workload.from_text(replay) if replay is not None
                     else make_workload(self.armed[0] if seed is None else seed, rounds, soak.geometry))
-        result = soak.run(workload, shrink_trials)
+        with self._showing_progress(soak.describe):
+            result = soak.run(workload, shrink_trials)
         self.soak_results.append(result)
         return result
 

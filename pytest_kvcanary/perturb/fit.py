@@ -9,6 +9,16 @@ from kvcanary_kernels.records import GroupKind
 
 from ..config import PerturbSpec
 
+# What a slot must be for each mode to damage it (a slot already damaged never is).
+TARGETS = {
+    "req_to_token": "a mapping entry a forward reads and does not write (a cached prefix, or a decoding "
+                    "request's earlier positions) and another live entry to point it at",
+    "real_kv_used": "a slot a forward reads (a cached prefix, or a decoding request's earlier positions)",
+    "real_kv_unused_cache": "a slot the prefix cache holds and no running request reads (a finished request's "
+                            "prompt, while other requests run)",
+    "real_kv_post_forward": "a slot a forward writes",
+}
+
 
 def misfit(spec: PerturbSpec, groups: Sequence[GroupKind], *, fingerprints_real_kv: bool, engine: str) -> str | None:
     """Why `spec` cannot run on an engine with these pool `groups`, or None when it can: its

@@ -111,13 +111,15 @@ class FaultInjector:
             return
         t = self._rng.choice(targets)
         half = self._rng.choice([h for h, state in group.halves.items() if state.sources])
-        source = self._rng.choice(group.halves[half].sources)
+        state = group.halves[half]
+        i = self._rng.randrange(len(state.sources))  # as choice(state.sources) draws it
+        source = state.sources[i]
         sampled = source.sampled_bytes()
         offset = sampled[self._rng.randrange(len(sampled)) if byte is None else byte]
         page, within = divmod(t.slot, source.page_size)
         data = source.row_bytes()  # starts at the source's first sampled byte
         data[page, source.slot_offset(within) + offset - source.sample_offset] ^= 1 << self._rng.randrange(8)
-        self._record(spec, group, t, offset, half.name)
+        self._record(spec, group, t, offset, half.name, state.source_layers[i])
 
     def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:
         """Point one mapping entry HEAD reads at another live entry (a slot of a per-token table,
@@ -156,9 +158,10 @@ class FaultInjector:
         lp = first % m.ring if m.ring else first
         space = torch.tensor([wrong * page + lp % page], dtype=torch.int64)
         slot = int(group.to_group_slots(space)[0])
-        self._record(spec, group, Target(slot, int(space[0]), first, t.row), -1, None)
+        self._record(spec, group, Target(slot, int(space[0]), first, t.row), -1, None, -1)
 
-    def _record(self, spec: PerturbSpec, group: GroupState, t: Target, byte: int, half: str | None) -> None:
+    def _record(self, spec: PerturbSpec, group: GroupState, t: Target, byte: int, half: str | None,
+                layer: int) -> None:
         self.ledger.record(Injection(
             mode=spec.mode, side=self.side, group=group.pool.kind.label, slot=t.slot, full_slot=t.full_slot,
-            position=t.position, row=t.row, byte=byte, step=self.runtime.forwards, half=half))
+            position=t.position, row=t.row, byte=byte, step=self.runtime.forwards, half=half, layer=layer))

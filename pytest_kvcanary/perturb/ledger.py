@@ -36,8 +36,10 @@ class Place(NamedTuple):
 @dataclass
 class Injection:
     """One injected fault. slot: in the target group's pool; row: request row (-1 when only the
-    radix cache held the slot); byte: flipped byte within the slot (-1 for req_to_token, whose
-    damage is the mapping itself); step: the engine's forward index; half: K or V for a flip."""
+    radix cache held the slot); step: the engine's forward index. For a byte flip, half (K or V)
+    and layer (an index into the group's layers) say which of the slot's rows was hit, and byte is
+    the flipped byte's offset within that row (its bytes in feature order, KV head h from h x
+    head bytes on); req_to_token, whose damage is the mapping itself, has none (None, -1, -1)."""
 
     mode: str
     side: str
@@ -49,6 +51,7 @@ class Injection:
     byte: int
     step: int
     half: str | None = None
+    layer: int = -1
     status: str = "latent"
     cause: str = ""
     detected_by: Violation | None = None
@@ -97,7 +100,8 @@ class Injection:
     def describe(self) -> str:
         where = f"{self.side} {self.group} slot={self.slot} pos={self.position} row={self.row}"
         extra = f" ({self.cause})" if self.cause else ""
-        return f"{self.mode} @ step {self.step} [{where} byte={self.byte}] -> {self.status}{extra}"
+        flip = f" half={self.half} layer={self.layer} byte={self.byte}" if self.half is not None else ""
+        return f"{self.mode} @ step {self.step} [{where}{flip}] -> {self.status}{extra}"
 
 
 class Ledger:

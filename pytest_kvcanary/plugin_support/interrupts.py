@@ -3,7 +3,8 @@ stopping a second interrupt waits, so the report and the summary of the finished
 written. A third one stops at once.
 
 Installed only in the process that writes the results (the xdist controller, or the only
-process), from its main thread; the previous handlers come back at the end of the run.
+process), from its main thread; the previous handlers come back at the end of the run. Whatever
+frame an interrupt lands in, its traceback can be shown (`mend_traceback`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from types import FrameType
+from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -47,3 +48,38 @@ class Interrupts:
             print(IGNORED_NOTE, file=sys.stderr, flush=True)
             return
         raise KeyboardInterrupt
+
+
+def _line_before(code: CodeType, offset: int) -> int:
+    """The line of the last instruction at or before `offset` that has one."""
+    line = code.co_firstlineno
+    for start, _end, lineno in code.co_lines():
+        if start > offset:
+            break
+        if lineno is not None:
+            line = lineno
+    return line
+
+
+def mend_traceback(error: BaseException) -> None:
+    """Give every traceback entry of `error` and of the exceptions it chains a line number.
+
+    An interrupt taken at an instruction without a line (the jump back of a loop whose body ends
+    in an `if`, as in a kernel Triton's interpreter runs) leaves an entry whose tb_lineno is None,
+    and pytest's formatting of the traceback then fails before the summary is written. Such an
+    entry is replaced by one of the same frame at the line of the nearest instruction before it.
+    `error`'s first entry stays as it is (the frame that caught it holds that one)."""
+    pending, seen = [error], set()
+    while pending:
+        exc = pending.pop()
+        if id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        pending += [e for e in (exc.__cause__, exc.__context__) if e is not None]
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            after = tb.tb_next
+            if after.tb_lineno is None:
+                tb.tb_next = TracebackType(after.tb_next, after.tb_frame, after.tb_lasti,
+                                           _line_before(after.tb_frame.f_code, after.tb_lasti))
+            tb = tb.tb_next

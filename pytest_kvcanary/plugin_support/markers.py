@@ -1,7 +1,8 @@
 """Parse and validate a test's kv_perturb, kv_attention and kv_canary markers (no torch).
 
 Every error is a `MarkerError` whose message shows the marker as written, the bad argument or
-value, and the allowed values; the plugin turns it into an error of that one test.
+value, and the allowed values; the plugin turns it into an error of that one test. A marker set
+on a test that uses none of the fixtures it acts through is `ignored`: the plugin warns.
 """
 
 from __future__ import annotations
@@ -28,9 +29,21 @@ MARKER_LINES = (
 
 DEFAULT_ATTENTION = ATTENTION_KINDS[0]
 
+# The fixtures each kv marker acts through.
+_ENGINE_FIXTURES = ("kv_engine", "kv_pd", "kv_canary")
+MARKER_FIXTURES = {
+    "kv_perturb": _ENGINE_FIXTURES,
+    "kv_canary": _ENGINE_FIXTURES,
+    "kv_attention": (*_ENGINE_FIXTURES, "kv_attention_kind"),
+}
+
 
 class MarkerError(ValueError):
     """A kv marker has an argument it does not accept."""
+
+
+class KvMarkerWarning(pytest.PytestWarning):
+    """A kv marker on a test that uses none of the fixtures it acts through: it does nothing."""
 
 
 def _show(mark: pytest.Mark) -> str:
@@ -65,29 +78,47 @@ def perturbs(node: pytest.Item, *, pd: bool) -> tuple[PerturbSpec, ...]:
     return tuple(_perturb(mark, pd) for mark in node.iter_markers("kv_perturb"))
 
 
-def check_perturbs_fit(node: pytest.Item, *, groups: tuple[str, ...], real_data: str, engine: str) -> None:
-    """MarkerError unless every kv_perturb marker fits the engine the test got (`perturb.fit`):
-    `groups`: its pool groups by label; engine: how the error names the engine (e.g.
-    "reference/swa")."""
+def check_perturbs_fit(node: pytest.Item, *, groups: tuple[str, ...], canary: CanaryConfig, engine: str) -> None:
+    """MarkerError unless every kv_perturb marker fits the engine the test got (`perturb.fit`)
+    and the canary settings it runs with: real_kv_unused_cache damages slots only the prefix cache
+    holds, which only the sweep reads, so it needs sweep_interval >= 1. `groups`: the engine's
+    pool groups by label; engine: how the error names the engine (e.g. "reference/swa")."""
     kinds = tuple(GroupKind.from_label(label) for label in groups)
     for mark in node.iter_markers("kv_perturb"):
-        why = misfit(_perturb(mark, pd=True), kinds, fingerprints_real_kv=real_data != "none",
-                     engine=f"engine {engine!r}")
+        spec = _perturb(mark, pd=True)
+        why = misfit(spec, kinds, fingerprints_real_kv=canary.real_data != "none", engine=f"engine {engine!r}")
+        if why is None and spec.mode == "real_kv_unused_cache" and canary.sweep_interval == 0:
+            why = ("it damages slots only the prefix cache holds, which only the sweep reads, and sweep_interval=0 "
+                   "turns the sweep off: set sweep_interval >= 1")
         if why is not None:
             raise MarkerError(f"{_show(mark)}: {why}")
 
 
 def attention_kinds(node: pytest.Item) -> tuple[str, ...]:
-    """The kinds of the closest kv_attention marker, duplicates dropped; ("mha",) without one."""
-    mark = node.get_closest_marker("kv_attention")
-    if mark is None:
+    """The kinds of the test's one kv_attention marker (on it, its class or its module),
+    duplicates dropped; ("mha",) without one. Two markers are an error: they do not combine."""
+    marks = list(node.iter_markers("kv_attention"))
+    if not marks:
         return (DEFAULT_ATTENTION,)
+    if len(marks) > 1:
+        raise MarkerError(f"{' and '.join(_show(m) for m in reversed(marks))} apply to this test; kv_attention "
+                          "markers do not combine: give the test one marker naming every kind it runs")
+    mark = marks[0]
     if mark.kwargs or not mark.args:
         raise MarkerError(f"{_show(mark)}: takes one or more kinds; allowed kinds: {', '.join(ATTENTION_KINDS)}")
     for kind in mark.args:
         if kind not in ATTENTION_KINDS:
             raise MarkerError(f"{_show(mark)}: kind must be one of {', '.join(ATTENTION_KINDS)}; got {kind!r}")
     return tuple(dict.fromkeys(mark.args))
+
+
+def ignored(node: pytest.Item) -> list[str]:
+    """What to warn about the kv markers set on the test itself (not on its class or module) that
+    act through none of the fixtures it uses: one message per marker, naming it and the test."""
+    used = set(getattr(node, "fixturenames", ()))
+    return [f"{_show(mark)} on {node.nodeid} does nothing: the test uses none of the fixtures it acts through "
+            f"({', '.join(MARKER_FIXTURES[mark.name])})"
+            for mark in node.own_markers if mark.name in MARKER_FIXTURES and not used & set(MARKER_FIXTURES[mark.name])]
 
 
 def canary_overrides(node: pytest.Item) -> dict[str, Any]:

@@ -11,9 +11,9 @@ logged while it ran.
 
 from __future__ import annotations
 
-import time
+from collections import Counter
 from itertools import accumulate
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from ..canary.seam import Arrival, EngineDefect, GroupKind, optional
 from .verdicts import (UNTRUSTWORTHY, Damage, Failure, RoundResult, SoakResult, exact_damage, scored_damage,
@@ -54,16 +54,22 @@ def geometry(handle: SoakedHandle, arrivals: bool = True) -> Geometry:
 
 
 class Soak:
-    """Runs workloads on one handle. progress(text), when given, hears a line per round."""
+    """Runs workloads on one handle; `describe()` says where it is (a progress line reads it)."""
 
-    def __init__(self, handle: SoakedHandle, *, tie_tolerance: float, arrivals: bool = True,
-                 progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, handle: SoakedHandle, *, tie_tolerance: float, arrivals: bool = True) -> None:
         self.handle = handle
         self.geometry = geometry(handle, arrivals)
         self.tie_tolerance = tie_tolerance
-        self.progress = progress
         self.engine = handle.sides[0].engine  # the oracle's engine (a PD pair's prefill side)
         self.score = optional(self.engine, "score_uncached")
+        self._doing = "starting"
+        self._done: list[RoundResult] = []
+
+    def describe(self) -> str:
+        verdicts = Counter(r.verdict for r in self._done)
+        counts = ", ".join(f"{n} {v}" for v, n in verdicts.items())
+        forwards = sum(r.forwards for r in self._done)
+        return f"soak {self._doing}, {forwards} forwards" + (f": {counts}" if counts else "")
 
     @property
     def oracle(self) -> str:
@@ -78,6 +84,7 @@ class Soak:
         reset for that)."""
         result = SoakResult(workload.seed, workload.to_text(), oracle=self.oracle)
         result.rounds = self._rounds(workload, report=True)
+        self._done = result.rounds
         for rnd in [r for r in result.rounds if r.verdict in UNTRUSTWORTHY]:
             prefix = Workload(workload.seed, workload.rounds[:rnd.index + 1])
             if shrink_trials and len(result.failures) < SHRUNK_FAILURES:
@@ -89,8 +96,11 @@ class Soak:
     def _rounds(self, workload: Workload, report: bool = False) -> list[RoundResult]:
         results: list[RoundResult] = []
         pending: list[tuple[RoundResult, list[list[int]], list[list[int]], Round]] = []
-        started = time.monotonic()
+        if report:
+            self._done = results
         for index, rnd in enumerate(workload.rounds):
+            if report:
+                self._doing = f"round {index + 1}/{len(workload.rounds)}"
             seen = len(self.handle.violations())
             forwards = self._forwards()
             prompts = [workload.prompt(q, self.geometry.vocab) for q in rnd.requests]
@@ -104,10 +114,6 @@ class Soak:
             else:
                 pending.append((result, prompts, outputs, rnd))
             results.append(result)
-            if report and self.progress is not None:
-                done = sum(r.forwards for r in results)
-                self.progress(f"soak: round {index + 1}/{len(workload.rounds)}, {done} forwards, "
-                              f"{time.monotonic() - started:.0f} s")
         for result, prompts, outputs, rnd in pending:  # the oracle that needs the cache flushed
             self._judge_alone(result, rnd, prompts, outputs)
         if pending:
@@ -194,8 +200,7 @@ class Soak:
     def _shrink(self, workload: Workload, verdict: str, index: int, trials_left: int) -> Failure:
         """The smallest workload found (greedily, in at most trials_left runs) that still ends in
         `verdict`; the handle is reset after."""
-        if self.progress is not None:
-            self.progress(f"soak: shrinking round {index} ({verdict})")
+        self._doing = f"shrinking round {index} ({verdict})"
         try:
             if not self._fails(workload, verdict):
                 return Failure(index, verdict, workload.to_text(), workload.size, reproduced=False)

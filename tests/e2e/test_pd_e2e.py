@@ -37,7 +37,9 @@ def test_pd_pair_through_the_plugin(pytester: pytest.Pytester) -> None:
         "*test_identical_prompts_escape_is_explained*",
         "*escaped: real_kv_post_forward on prefill full slot * at step 0: radix dedup freed the duplicate's slot*",
         "*hint: the radix cache dedups identical prompts*",
-        "reference/pd/mha on * [[]main, 3 tests[]] prefill: *violations=0 health=ok",
-        "reference/pd/mha on * [[]main, 3 tests[]] decode: *health=ok",
-        "3 guarded tests, 1 violation (1 expected, 0 unexpected), 1 engine handle",  # HEAD of the first decode forward
+        "reference/pd/mha on * [[]worker main, 3 tests[]] prefill: *violations=0 health=ok",
+        "reference/pd/mha on * [[]worker main, 3 tests[]] decode: *health=ok",
+        # HEAD of the first decode forward
+        "3 guarded tests, 1 violation (1 owned by tests that injected or checked them, "
+        "0 unexpected), 1 engine handle (2 lines: a prefill/decode handle has two sides)",
     ])

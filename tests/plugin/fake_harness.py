@@ -36,6 +36,8 @@ class FakeInjection:
     slot: int
     position: int
     row: int
+    half: str | None
+    layer: int
     byte: int
     step: int
     status: str
@@ -76,7 +78,7 @@ class FakeHandle:
         for spec in self.perturbs:
             side = spec.side or self.side_names[0]
             group = spec.target_group or "full"
-            self._injections.append(FakeInjection(spec.mode, side, group, 5, 1, 0, 0, spec.warmup_steps,
+            self._injections.append(FakeInjection(spec.mode, side, group, 5, 1, 0, "K", 0, 0, spec.warmup_steps,
                                                   "escaped" if dedup else "detected", DEDUP_CAUSE if dedup else ""))
             if not dedup:
                 seen_on = "decode" if side == "prefill" else side

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 
 from pytest_kvcanary.assertions import KvCanary
 from pytest_kvcanary.canary.violation import Violation
+from pytest_kvcanary.config import PerturbSpec
 
 PD = ("prefill", "decode")
 
@@ -28,6 +30,8 @@ class _Injection:
     slot: int = 17
     position: int = 3
     row: int = 0
+    half: str | None = "K"
+    layer: int = 0
     byte: int = 0
     step: int = 0
 
@@ -37,6 +41,7 @@ class _Handle:
     logged: list[Violation] = field(default_factory=list)
     ledger: list[Any] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
+    forwards: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PD, 6))
 
     def violations(self) -> list[Violation]:
         return self.logged
@@ -50,9 +55,12 @@ class _Handle:
     def request_label(self, violation: Violation) -> str | None:
         return {0: "req 7 'Once upon a time'"}.get(violation.row)
 
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {side: {"forwards": n} for side, n in self.forwards.items()}
 
-def _canary(sides: tuple[str, ...] = PD, **handle: Any) -> KvCanary:
-    return KvCanary(_Handle(**handle), sides)
+
+def _canary(sides: tuple[str, ...] = PD, perturbs: tuple[PerturbSpec, ...] = (), **handle: Any) -> KvCanary:
+    return KvCanary(_Handle(**handle), sides, perturbs)
 
 
 def test_filters_match_case_insensitively_and_on_any_reason() -> None:
@@ -200,3 +208,24 @@ def test_the_error_an_assertion_raised_is_remembered_when_it_shows_the_tables() 
     with pytest.raises(AssertionError) as e:
         canary.assert_no_violation()
     assert canary.raised is e.value
+
+
+@pytest.mark.parametrize("perturbs, why", [
+    ((), "the test has no kv_perturb marker"),
+    ((PerturbSpec("real_kv_unused_cache"),),
+     "kv_perturb('real_kv_unused_cache'): no slot qualified in any of the 12 forwards after its warm-up; it needs a "
+     "slot the prefix cache holds and no running request reads (a finished request's prompt, while other requests "
+     "run)"),
+    ((PerturbSpec("real_kv_used", prob=0.5, side="decode", warmup_steps=2),),
+     "kv_perturb('real_kv_used', prob=0.5, side='decode', warmup_steps=2): its probability (0.5) kept it off, or no "
+     "slot qualified in any of the 4 forwards after its warm-up; it needs a slot a forward reads (*)"),
+    ((PerturbSpec("req_to_token", warmup_steps=8, side="prefill"), PerturbSpec("real_kv_post_forward", warmup_steps=6)),
+     "kv_perturb('req_to_token', side='prefill', warmup_steps=8): its warm-up of 8 forwards outlasted the test's "
+     "forwards (6 on prefill); kv_perturb('real_kv_post_forward', warmup_steps=6): its warm-up of 6 forwards "
+     "outlasted the test's forwards (6 on prefill, 6 on decode)"),
+], ids=["no-marker", "no-slot", "probability", "warm-up"])
+def test_no_injection_says_what_kept_each_fault_off(perturbs: tuple[PerturbSpec, ...], why: str) -> None:
+    with pytest.raises(AssertionError) as e:
+        _canary(perturbs=perturbs).assert_perturbations_detected()
+    first = str(e.value).splitlines()[0]
+    assert fnmatch.fnmatchcase(first, f"no fault was injected since the reset: {why}"), first

@@ -37,7 +37,7 @@ def test_handles_are_reused_per_configuration_and_closed_at_the_end(kvtester: py
     """)
     result = kvtester.runpytest("--kv-canary")
     result.assert_outcomes(passed=6)
-    result.stdout.fnmatch_lines(["reference/single/mha on cpu [[]main, 2 tests, sweep_interval=4[]] single: *"])
+    result.stdout.fnmatch_lines(["reference/single/mha on cpu [[]worker main, 2 tests, sweep_interval=4[]] single: *"])
 
 
 def test_hook_spec_is_registered_and_the_harness_gets_the_settings(kvtester: pytest.Pytester) -> None:
@@ -66,7 +66,7 @@ def test_a_broken_handle_is_replaced(kvtester: pytest.Pytester, breakage: str) -
     """)
     result = kvtester.runpytest("--kv-canary")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["*[[]main, 1 test[]] single: * (replaced: *)"])
+    result.stdout.fnmatch_lines(["*[[]worker main, 1 test[]] single: * (replaced: *)"])
 
 
 def test_a_fault_test_runs_in_log_mode_under_raise_unless_its_marker_says_raise(kvtester: pytest.Pytester) -> None:

@@ -55,6 +55,45 @@ def test_a_report_path_that_becomes_unwritable_costs_one_line(kvtester: pytest.P
     result = kvtester.runpytest_subprocess("-p", "no:cacheprovider", "--kv-canary",
                                            "--kv-canary-report=reports/kv.json")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["1 guarded test, 0 violations (0 expected, 0 unexpected), 1 engine handle",
+    result.stdout.fnmatch_lines(["1 guarded test, 0 violations (0 owned by tests that injected or checked them, "
+                                 "0 unexpected), 1 engine handle",
                                  "report: could not write *reports/kv.json (*)"])
     assert "Traceback" not in result.stdout.str() + result.stderr.str()
+
+
+# A kernel whose loop body ends in an `if`: the loop's jump back has no line number (Python 3.11+),
+# and the interpreted kernel gives the GIL away only there, so the interrupt is taken at it and
+# leaves a traceback entry without a line.
+KERNEL_INTERRUPTED = """
+import os, signal, sys, threading
+
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def spin(x_ptr, FOREVER: tl.constexpr):
+    for i in range(FOREVER):
+        if FOREVER:
+            pass
+
+def interrupt_at_the_jump_back(main):
+    while True:
+        frame = sys._current_frames().get(main)
+        if frame is not None and frame.f_code.co_name == "spin" and frame.f_lineno is None:
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+
+def test_interrupted_inside_a_kernel():
+    threading.Thread(target=interrupt_at_the_jump_back, args=(threading.get_ident(),), daemon=True).start()
+    spin[(1,)](torch.zeros(1), 1 << 40)
+"""
+
+
+def test_an_interrupt_inside_an_interpreted_kernel_keeps_the_summary(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile(test_kernel=KERNEL_INTERRUPTED)
+    result = kvtester.runpytest_subprocess("-p", "no:cacheprovider", "--kv-canary", timeout=300)
+    out = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.INTERRUPTED, out
+    result.stdout.fnmatch_lines(["run interrupted (keyboard interrupt): results of the 0 tests that finished"])
+    assert "TypeError" not in out and "Traceback" not in out

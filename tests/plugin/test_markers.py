@@ -159,3 +159,87 @@ def test_marker_mode_wins_over_the_command_line(kvtester: pytest.Pytester) -> No
             assert kv_engine.canary.mode == "raise"
     """)
     kvtester.runpytest("--kv-canary=raise").assert_outcomes(passed=2)
+
+
+def test_two_kv_attention_markers_error_the_test(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import pytest
+
+        pytestmark = pytest.mark.kv_attention("mha", "swa")
+
+        @pytest.mark.kv_attention("mla")
+        def test_two(kv_engine): pass
+
+        @pytest.mark.kv_attention("swa")
+        @pytest.mark.kv_attention("mha")
+        def test_stacked(kv_engine): pass
+
+        def test_module_only(kv_engine, kv_attention_kind): pass
+    """)
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(passed=2, errors=2)
+    result.stdout.fnmatch_lines([
+        "*ERROR at setup of test_two*",
+        "kv_attention('mha', 'swa') and kv_attention('mla') apply to this test; kv_attention markers do not "
+        "combine: give the test one marker naming every kind it runs",
+    ])
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_stacked*",
+                                 "kv_attention('mha', 'swa') and kv_attention('swa') and kv_attention('mha') apply *"])
+
+
+def test_kv_markers_on_a_test_without_kv_fixtures_warn_naming_it(kvtester: pytest.Pytester) -> None:
+    """A fault asked for and never injected is a test that proves nothing: it says so. Markers of
+    a module or class (which also cover its plain tests) do not warn."""
+    kvtester.makepyfile("""
+        import pytest
+
+        pytestmark = pytest.mark.kv_canary(sweep_interval=2)
+
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_forgot_the_engine(): pass
+
+        @pytest.mark.kv_attention("swa")
+        def test_kind_only(kv_attention_kind): pass
+
+        @pytest.mark.kv_attention("swa")
+        @pytest.mark.kv_canary(recheck=False)
+        def test_plain(): pass
+
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_guarded(kv_engine): pass
+    """)
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(passed=4, warnings=3)
+    result.stdout.fnmatch_lines_random([
+        "*KvMarkerWarning: kv_perturb('real_kv_used') on test_kv_markers_on_a_test_without_kv_fixtures_warn_naming_it"
+        ".py::test_forgot_the_engine does nothing: the test uses none of the fixtures it acts through (kv_engine, "
+        "kv_pd, kv_canary)",
+        "*KvMarkerWarning: kv_attention('swa') on *::test_plain does nothing: * (kv_engine, kv_pd, kv_canary, "
+        "kv_attention_kind)",
+        "*KvMarkerWarning: kv_canary(recheck=False) on *::test_plain does nothing: *",
+    ])
+    assert "test_kind_only does nothing" not in result.stdout.str()
+    assert "test_guarded does nothing" not in result.stdout.str()
+
+
+def test_an_unused_cache_fault_with_the_sweep_off_is_a_marker_error(kvtester: pytest.Pytester) -> None:
+    """Only the sweep reads what real_kv_unused_cache damages: with the sweep off every fault
+    would stay latent, so the test errors naming both, whether a marker or the option turned it off."""
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_canary(sweep_interval=0)
+        @pytest.mark.kv_perturb("real_kv_unused_cache")
+        def test_marker_turns_it_off(kv_engine): pass
+
+        @pytest.mark.kv_perturb("real_kv_unused_cache")
+        def test_sweeps(kv_engine): pass
+    """)
+    message = ("kv_perturb('real_kv_unused_cache'): it damages slots only the prefix cache holds, which only the "
+               "sweep reads, and sweep_interval=0 turns the sweep off: set sweep_interval >= 1")
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_marker_turns_it_off*", message])
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-sweep-interval=0")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_sweeps*", message])

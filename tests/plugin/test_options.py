@@ -130,7 +130,19 @@ def test_precedence_cli_marker_ini(kvtester: pytest.Pytester, args: tuple[str, .
         (["--kv-canary=loud"], "", "ERROR: --kv-canary must be one of off, log, raise; got 'loud'"),
         (["--kv-canary-real-data=most"], "", "ERROR: --kv-canary-real-data must be one of none, partial, all; got 'most'"),
         (["--kv-canary-sweep-interval=-1"], "", "ERROR: --kv-canary-sweep-interval must be an integer >= 0; got '-1'"),
-        (["--kv-canary-seed=x"], "", "ERROR: --kv-canary-seed must be an integer >= 0; got 'x'"),
+        (["--kv-canary-seed=x"], "", "ERROR: --kv-canary-seed must be an integer from 0 to 4294967295; got 'x'"),
+        (["--kv-canary-seed=99999999999999999999999"], "",
+         "ERROR: --kv-canary-seed must be an integer from 0 to 4294967295; got '99999999999999999999999'"),
+        ([], "kv_canary_seed = 4294967296",
+         "ERROR: ini option kv_canary_seed must be an integer from 0 to 4294967295; got '4294967296'"),
+        (["--kv-canary-model="], "",
+         "ERROR: --kv-canary-model must not be empty (leave the option out to keep its default); got ''"),
+        (["--kv-canary-report="], "",
+         "ERROR: --kv-canary-report must not be empty (leave the option out to keep its default); got ''"),
+        (["--kv-canary-lock-dir= "], "",
+         "ERROR: --kv-canary-lock-dir must not be empty (leave the option out to keep its default); got ' '"),
+        (["--kv-canary-vllm-attention-isa="], "",
+         "ERROR: --kv-canary-vllm-attention-isa must not be empty (leave the option out to keep its default); got ''"),
         (["--kv-canary-device=tpu"], "", "ERROR: --kv-canary-device must be one of auto, cpu, cuda; got 'tpu'"),
         (["--kv-canary-engine= "], "", "ERROR: --kv-canary-engine must be a non-empty name; got ' '"),
         (["--kv-canary-workers-per-gpu=0"], "",
@@ -304,3 +316,20 @@ def test_lease_options_and_their_ini_twins(kvtester: pytest.Pytester, monkeypatc
     kvtester.runpytest().assert_outcomes(passed=1)
     config = json.loads((kvtester.path / "kv.json").read_text())["config"]
     assert (config["workers_per_gpu"], config["lock_dir"]) == ("auto", None)
+
+
+def test_the_largest_seed_runs_a_fault_injection_test(realtester: pytest.Pytester) -> None:
+    """The seed's range is what every consumer of it takes (the model's weights, the prompts, the
+    faults): the largest one runs, and the replay line carries it."""
+    realtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_flip(kv_engine, kv_canary):
+            kv_engine.send_parallel_requests(2, distinct_prompts=True, max_new_tokens=2)
+            kv_canary.assert_perturbations_detected()
+            assert False, "show the replay line"
+    """)
+    result = realtester.runpytest("--kv-canary", "--kv-canary-seed=4294967295")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*show the replay line*", "replay: pytest *--kv-canary-seed=4294967295 *"])

@@ -152,11 +152,12 @@ def test_summary_lines_agree_with_the_per_test_numbers(realtester: pytest.Pytest
         assert total[counter] == sum(t["stats"]["single"][counter] for t in tests), counter
     assert total["violations"] == sum(len(t["violations"]) for t in tests) > 0
     assert all(t["stats"]["single"]["forwards"] > 0 for t in tests)
-    line = (f"reference/single/mha on cpu [[]main, 4 tests[]] single: forwards={total['forwards']} "
+    line = (f"reference/single/mha on cpu [[]worker main, 4 tests[]] single: forwards={total['forwards']} "
             f"protected_tokens={total['protected_tokens']} sweeps={total['sweeps']} "
             f"violations={total['violations']} health=ok")
-    result.stdout.fnmatch_lines([line, f"4 guarded tests, {total['violations']} violations ({total['violations']} expected, 0 unexpected), "
-                                 "1 engine handle"])
+    result.stdout.fnmatch_lines([line, f"4 guarded tests, {total['violations']} violations ({total['violations']} "
+                                       "owned by tests that injected or checked them, "
+                                       "0 unexpected), 1 engine handle"])
 
 
 def test_a_green_fault_injection_run_prints_no_warning(realtester: pytest.Pytester) -> None:
@@ -180,7 +181,8 @@ def test_a_green_fault_injection_run_prints_no_warning(realtester: pytest.Pytest
     result.assert_outcomes(passed=3)
     out = result.stdout.str()
     assert "warnings summary" not in out and "Warning" not in out and "unexpected violations" not in out
-    result.stdout.fnmatch_lines(["3 guarded tests, * violations (* expected, 0 unexpected), 3 engine handles"])
+    result.stdout.fnmatch_lines(["3 guarded tests, * violations (* owned by tests that injected or checked them, "
+                                 "0 unexpected), 3 engine handles (4 lines: a prefill/decode handle has two sides)"])
 
 
 def test_unexpected_violations_are_one_summary_block(realtester: pytest.Pytester) -> None:
@@ -197,12 +199,32 @@ def test_unexpected_violations_are_one_summary_block(realtester: pytest.Pytester
     result = realtester.runpytest("--kv-canary")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([
-        "unexpected violations: * in 1 test that neither injected faults nor asserted on violations",
+        "unexpected violations: * in 1 test that neither injected faults nor checked them with kv_canary",
         "*::test_damaged_by_the_engine (seed 0, single/mha on cpu):",
         "violations (*):",
         "*side*step*phase*half*group*reasons*slot*pos*row*",
     ])
     assert result.stdout.str().count("test_damaged_by_the_engine (seed 0") == 1
+
+
+def test_a_fault_no_slot_qualified_for_says_so(realtester: pytest.Pytester) -> None:
+    """One request: its prompt's slots are cached only after its last forward, so no forward
+    finds a slot that only the prefix cache holds; the failure says that, not that the marker is
+    missing."""
+    realtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_perturb("real_kv_unused_cache")
+        def test_unused_cache(kv_engine, kv_canary):
+            kv_engine.generate(["one request"], max_new_tokens=2)
+            kv_canary.assert_perturbations_detected()
+    """)
+    result = realtester.runpytest("--kv-canary")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "E*AssertionError: no fault was injected since the reset: kv_perturb('real_kv_unused_cache'): no slot "
+        "qualified in any of the 2 forwards after its warm-up; it needs a slot the prefix cache holds and no running "
+        "request reads (*)"])
 
 
 @pytest.mark.parametrize("attention, marker, message", [
@@ -280,7 +302,7 @@ def test_kv_pd_skips_on_an_engine_without_a_pair(realtester: pytest.Pytester) ->
 
 def test_seam_types_in_a_conftest_and_the_triton_kernels_on_cpu(pytester: pytest.Pytester,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the README's "Other engines" section asks an engine author to write: a conftest that
+    """What docs/adapters.md asks an engine author to write: a conftest that
     imports the seam types (and triton) at module level. The kv tests still run on the CPU with
     the Triton kernels, under the interpreter the plugin chose before the conftest loaded."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

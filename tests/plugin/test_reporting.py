@@ -10,6 +10,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+OWNED = "owned by tests that injected or checked them"
+
 SUITE = """
 import pytest
 
@@ -123,8 +125,8 @@ def test_expected_violations_are_quiet_and_unexpected_ones_are_one_block(kvteste
     assert "warnings summary" not in out and "Warning" not in out
     result.stdout.fnmatch_lines([
         "*= kv-canary =*",
-        "4 guarded tests, 4 violations (2 expected, 2 unexpected), 1 engine handle",
-        "unexpected violations: 2 violations in 2 tests that neither injected faults nor asserted on violations",
+        f"4 guarded tests, 4 violations (2 {OWNED}, 2 unexpected), 1 engine handle",
+        "unexpected violations: 2 violations in 2 tests that neither injected faults nor checked them with kv_canary",
         "test_expected_violations_are_quiet_and_unexpected_ones_are_one_block.py::test_stray_one (seed 0, single/mha "
         "on cpu):",
         "violations (1):",
@@ -155,10 +157,11 @@ def test_engine_lines_sum_the_tests_each_engine_served(kvtester: pytest.Pytester
     result.assert_outcomes(passed=4)
     # forwards per generate = 1 + max_new_tokens: 2 + 3 + 4 on the single engine
     result.stdout.fnmatch_lines_random([
-        "reference/single/mha on cpu [[]main, 3 tests[]] single: forwards=9 protected_tokens=36 sweeps=0 "
+        "reference/single/mha on cpu [[]worker main, 3 tests[]] single: forwards=9 protected_tokens=36 sweeps=0 "
         "violations=3 health=ok",
-        "reference/pd/mha on cpu [[]main, 1 test[]] decode: forwards=10 * violations=2 health=ok",
-        "4 guarded tests, 5 violations (5 expected, 0 unexpected), 2 engine handles",
+        "reference/pd/mha on cpu [[]worker main, 1 test[]] decode: forwards=10 * violations=2 health=ok",
+        f"4 guarded tests, 5 violations (5 {OWNED}, 0 unexpected), 2 engine handles (3 lines: a "
+        "prefill/decode handle has two sides)",
     ])
     report = json.loads((kvtester.path / "kv.json").read_text())
     for engine in report["engines"]:
@@ -219,6 +222,6 @@ def test_engine_lines_name_the_canary_settings_that_tell_them_apart(kvtester: py
     result = kvtester.runpytest("--kv-canary")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines_random([
-        "reference/single/mha on cpu [[]main, 1 test, sweep_interval=4[]] single: *",
-        "reference/single/mha on cpu [[]main, 1 test, sweep_interval=2[]] single: *",
+        "reference/single/mha on cpu [[]worker main, 1 test, sweep_interval=4[]] single: *",
+        "reference/single/mha on cpu [[]worker main, 1 test, sweep_interval=2[]] single: *",
     ])

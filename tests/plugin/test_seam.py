@@ -37,6 +37,9 @@ class _Full(_Bare):
     def request_at(self, row: int, step: int) -> tuple[str, str] | None:
         return (f"r{row}", f"step {step}")
 
+    def finished_requests(self) -> int | None:
+        return 7
+
 
 def test_an_engine_without_the_optional_members_gets_the_declared_defaults():
     engine = _Bare()
@@ -44,6 +47,7 @@ def test_an_engine_without_the_optional_members_gets_the_declared_defaults():
     assert optional(engine, "prefix_caching") is True
     assert optional(engine, "add_free_listener") is None
     assert optional(engine, "request_at")(3, 4) is None
+    assert optional(engine, "finished_requests")() is None
 
 
 def test_an_engine_with_the_optional_members_keeps_its_own():
@@ -52,6 +56,7 @@ def test_an_engine_with_the_optional_members_keeps_its_own():
     optional(engine, "add_free_listener")(print)
     assert engine.listeners == [print]
     assert optional(engine, "request_at")(3, 4) == ("r3", "step 4")
+    assert optional(engine, "finished_requests")() == 7
 
 
 def test_missing_methods_names_what_lacks_in_protocol_order():
@@ -64,8 +69,8 @@ def test_missing_methods_names_what_lacks_in_protocol_order():
 
 
 def test_a_name_that_is_not_an_optional_member_is_an_error():
-    with pytest.raises(ValueError, match="name must be one of add_free_listener, prefix_caching, request_at, serve, "
-                                         "score_uncached, engine_defects; got 'generate'"):
+    with pytest.raises(ValueError, match="name must be one of add_free_listener, prefix_caching, request_at, "
+                                         "finished_requests, serve, score_uncached, engine_defects; got 'generate'"):
         optional(_Full(), "generate")
 
 

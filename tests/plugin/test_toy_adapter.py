@@ -1,4 +1,4 @@
-"""The README's toy adapter (examples/adapter/toy_engine.py) runs the fixtures through the seam:
+"""The toy adapter of docs/adapters.md (examples/adapter/toy_engine.py) runs the fixtures through the seam:
 clean runs are clean, each fault the injector can make on it is named at its first read, and
 attention kinds it lacks skip naming the engine."""
 

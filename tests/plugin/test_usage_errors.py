@@ -22,6 +22,12 @@ CHECKPOINTS = [
      "has model_type 'no-such-type', which the engine does not support (the types it knows)"),
     ({"config.json": json.dumps(LLAMA)}, "transformers", "has no weights (*.safetensors or pytorch_model*.bin)"),
     ({}, "transformers", "has no config.json"),
+    ({"config.json": json.dumps(LLAMA), "model.safetensors": "not a safetensors file"}, "reference",
+     "has a model.safetensors that is not a readable safetensors file (Error while deserializing header: header "
+     "too large)"),
+    ({"config.json": json.dumps(LLAMA), "model.safetensors": "not a safetensors file"}, "transformers",
+     "has a model.safetensors that is not a readable safetensors file (Error while deserializing header: header "
+     "too large)"),
 ]
 
 
@@ -46,6 +52,47 @@ def test_a_model_directory_the_engine_cannot_load(kvtester: pytest.Pytester, fil
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: --kv-canary-model must be a checkpoint the {engine} engine can load: "
                                  f"the directory {problem}; got 'ckpt'"])
+    _one_usage_error(result, result.errlines[0])
+
+
+@pytest.mark.parametrize("engine", ["reference", "transformers"])
+def test_a_checkpoint_whose_tensors_do_not_fit_its_config(kvtester: pytest.Pytester, engine: str) -> None:
+    """A Llama checkpoint whose config.json says another MLP width: found from the safetensors
+    headers before any test runs, not as a load error in every test."""
+    if engine != "reference":
+        pytest.importorskip(engine)
+    from pytest_kvcanary.engine.config import ModelConfig
+    from pytest_kvcanary.engine.model import CausalLM
+    from pytest_kvcanary.engine.weights import save_checkpoint
+
+    kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
+    ckpt = kvtester.mkdir("ckpt")
+    save_checkpoint(CausalLM(ModelConfig(num_layers=2, hidden=32, intermediate=64, tie_embeddings=False)), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    result = kvtester.runpytest_subprocess("-s", "--kv-canary", f"--kv-canary-engine={engine}",
+                                           "--kv-canary-model=ckpt")
+    _one_usage_error(result, f"ERROR: --kv-canary-model must be a checkpoint the {engine} engine can load: the "
+                             "directory has tensors that do not fit the model its config.json describes: "
+                             "model.layers.0.mlp.down_proj.weight and 5 more shaped [32, 64] where the model has "
+                             "[32, 48]; got 'ckpt'")
+
+
+def test_a_checkpoint_transformers_cannot_build_a_causal_model_from(kvtester: pytest.Pytester) -> None:
+    pytest.importorskip("transformers")
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
+    ckpt = kvtester.mkdir("ckpt")
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    save_file({"shared.weight": np.zeros((4, 2), np.float32)}, str(ckpt / "model.safetensors"))
+    result = kvtester.runpytest_subprocess("-s", "--kv-canary", "--kv-canary-engine=transformers",
+                                           "--kv-canary-model=ckpt")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --kv-canary-model must be a checkpoint the transformers engine can load: the "
+                                 "directory describes no causal language model transformers can build (ValueError: "
+                                 "Unrecognized configuration class *T5Config* AutoModelForCausalLM.); got 'ckpt'"])
     _one_usage_error(result, result.errlines[0])
 
 

@@ -42,8 +42,8 @@ def test_workers_results_are_merged(kvtester: pytest.Pytester, monkeypatch: pyte
     out = result.stdout.str()
     assert out.count("= kv-canary =") == 1
     result.stdout.fnmatch_lines(["replay: pytest test_suite.py::test_fails --kv-canary=log *"])
-    result.stdout.fnmatch_lines_random(["*[[]gw0, * single: forwards=*", "*[[]gw1, * single: forwards=*",
-                                        "9 guarded tests, 2 violations (*), * engine handles"])
+    result.stdout.fnmatch_lines_random(["*[[]worker gw0, * single: forwards=*", "*[[]worker gw1, * single: forwards=*",
+                                        "9 guarded tests, 2 violations (*), * engine handles*"])
 
     report = _report(kvtester)
     assert len(report["tests"]) == 9

@@ -1,63 +1,14 @@
-"""TransformersEngine: Hugging Face transformers continuous batching behind the canary seam.
+"""TransformersEngine: Hugging Face transformers continuous batching behind the canary seam (an
+EngineUnderTest).
 
-The engine drives a ``ContinuousBatchProcessor`` in the calling thread (no background thread):
-
-    prepare_next_batch -> _generation_step -> update_batch
-
-(with ``use_async_batching=True`` as transformers' own loop does: the first batch is launched before
-any update, then each update is of the batch before the one just launched). It wraps the model
-runner's ``compute_batch`` (inside ``_generation_step``, after transformers moved the batch's inputs
-to the device and before it marks the compute over): before it, the host stages what only it knows
-in a pinned buffer (batch_buffers.py: the batch size, each row's lane and the token-table entries
-the forward adds). The canary's device work runs inside the model's forward, from a forward pre-hook
-and a forward hook on the model that act only in a forward the wrapper runs (never in a test's own
-model call): before the model, after transformers' carry-over of async tokens, the staged buffer is
-copied to the device and the view's lengths and block tables are derived there from the cumulative
-sequence lengths and the read and write indices transformers hands the forward (forward_view.py),
-then hooks.before_forward; after it, the view's input ids and positions are copied from the very
-buffers the forward consumed, then hooks.after_forward. hooks.end_forward follows as soon as the
-forward is launched, before transformers waits for its outputs: its host work now and then (a
-sweep's walk and plan, a log poll) runs while the device computes the forward, the device work it
-launches runs on the compute stream after the forward, and a step it launches nothing in pays no
-stream switch.
-
-With CUDA graphs (``use_cuda_graph=True``) and ``canary_graphs=True`` transformers captures that
-work in its own graphs and every replay runs it: a decode step launches no canary kernel from
-Python. Graphs transformers captured before (at warmup, or under other hooks) are dropped whenever
-the hooks change and captured again on first use (transformers runs that forward eagerly, then
-captures it). With CUDA graphs and ``canary_graphs=False`` the same work runs eagerly on the
-compute stream right before and after the replay (forward observers, the fault injector, see
-every forward). The per-forward host work fills the staged buffer (with the canary inside
-transformers' graphs no copy or kernel launched from Python, no event): no device sync, no
-read-back. A decode step of the same batch stages nothing.
-
-Token-table entries: the tokens a forward samples are written into the token table on the device
-right after transformers samples them (inside its captured graph; with the canary around the graphs,
-right after the replay), each at the position its request decodes next, so the forward that consumes
-a token is checked against the token sampled for it: one fed another token (a host or carry-over
-hand-over gone wrong) is reported by its TAIL's write_token at the slot it wrote. The host sends
-what the device cannot know: a forward whose batch changed, or that extends a prompt, sends what
-each row added since its lane last heard of it (a lane that changed hands: its request's whole
-sequence, then UNKNOWN to max_context); a decode step of the same batch sends nothing. A token the
-host does not have yet (async batching schedules a decoding request before transformers hands its
-token over) is left to the device, and sent once the host has it.
-
-With write_through (the default) the paged cache's ``update`` is wrapped too: each layer's K and
-V rows, as the forward computed them, go to hooks.kv_stored before transformers stores them, so
-TAIL checks every written slot holds exactly what the forward computed (a store to the wrong
-slot, one slot early, say, is reported in that forward). Write-through runs in eager forwards
-only: a forward replayed from a CUDA graph skips the wrapper and is stamped without it.
-
-A request holds a lane (a row of the canary's block and token tables; the view's rows say each batch
-row's lane) from its first forward until the lane is handed to another request: there are twice
-max_requests_per_batch lanes and a request without one takes the lane used longest ago, so a forward
-still in flight never reads a lane that changed hands, and a request that moves between batch rows
-(transformers reorders its batches as requests join and leave) sends nothing again. Every forward
-derives its rows' block tables on the device from the indices it reads and writes through, so a
-table transformers grew or re-pointed (de-duplication) costs the host nothing. Slot s of a group is
-offset ``s % page_size`` of block ``s // page_size`` in that group's block geometry; slot 0 (block
-0's first slot) is never a token's: it lies in a trash block transformers never allocates (5.18+) or
-in block 0, which the adapter takes out of the free list (5.17).
+It drives a ``ContinuousBatchProcessor`` in the calling thread (prepare_next_batch ->
+_generation_step -> update_batch, in transformers' own order under async batching) and wraps the
+model runner's ``compute_batch``: the host stages only what it alone knows (batch_buffers.py),
+and the canary runs inside the model's forward, from a forward pre-hook and a forward hook that
+act only in the forwards this engine drives, on a view derived on the device from the inputs
+transformers hands that forward (forward_view.py). A request holds a lane (a row of the canary's
+tables) until the lane is handed to another. docs/transformers.md says how each part is guarded:
+lanes, token-table entries, write-through, the block log, CUDA graphs and async batching.
 """
 
 from __future__ import annotations

@@ -2,39 +2,14 @@
 
 The canary reaches vLLM through vLLM's KV-connector interface (connector.py: the step's scheduled
 requests, frees, the prefix cache) and a forward pre-hook on its model (forward_inputs.py: what
-the forward consumes): vLLM itself schedules, allocates blocks, caches prefixes and computes; the
-adapter watches.
-
-- Pools: one FULL group over the full-attention layers and, for a model with sliding-window layers,
-  one SWA group over those (window: the positions before a token that its attention reads, the
-  sliding window minus the token itself). Both address slots as vLLM does, ``block * block_size +
-  offset``. The canary's connector declares hybrid support, so vLLM runs such a model with its
-  hybrid KV cache manager: full-attention and sliding-window layers are KV cache groups of their
-  own, each with its own block table over one block pool (a block belongs to one group at a time;
-  a full-attention layer and a sliding-window layer share each KV tensor), and the sliding-window
-  group drops a request's blocks once they leave its window. Per group and half, one buffer per
-  (layer, KV head): vLLM's CPU cache keeps heads apart. Each half's order is probed (layout.py):
-  on vLLM's portable CPU paths V is stored token by token and K dimension-major inside a block;
-  the fingerprint reads both (K element by element).
-- Views: per forward, from what vLLM's model runner hands the forward (forward_inputs.py), read by
-  a forward pre-hook on the model: row b is the b-th request of vLLM's batch, extend_len the
-  difference of its query start locations, prefix_len its sequence length minus that, input ids
-  and positions the model call's own; the token table holds the tokens the scheduler holds
-  (blocks.py), so TAIL compares what the forward embedded and where its RoPE put it with the
-  scheduler's account.
-- Mapping: a block table the adapter owns, ``[max_num_seqs, blocks per context]``, a copy of the
-  full-attention group's block table the forward's attention reads, refilled before every forward.
-  The SWA group maps through it and a full-to-window slot map (``full_to_group``, as an SGLang-style
-  SWA pool does): per row, from the block holding the first position its window reads on, each
-  full-attention block's slots to the slots of the sliding-window block at the same index of the
-  row's sliding-window block table (none where that entry is the null block), and per
-  full-attention block the prefix cache holds, the sliding-window block cached under the same
-  hash (so the sweep reaches cached sliding-window blocks). Without the hybrid manager (one KV
-  cache group) the map is the identity. The slots the forward stores to (its slot mapping) are
-  checked through write-through: each view token's K/V is what vLLM computed for that token, so a
-  store that goes elsewhere than the block table says leaves a slot that does not hold it.
-- Block 0 is vLLM's null block: its pool never hands it to a request, so slot 0 (the canary's
-  reserved sentinel) is never written.
+the forward consumes); vLLM itself schedules, allocates blocks, caches prefixes and computes, and
+the adapter watches. Pools: a FULL group over the full-attention layers and, for a model with
+sliding-window layers, an SWA group over those, one buffer per (layer, KV head), each half's byte
+order probed at start-up (layout.py); slot = ``block * block_size + offset``, block 0 (vLLM's null
+block) the reserved slot. The mapping is a block table the adapter owns, refilled before every
+forward from the one the forward's attention reads (the SWA group maps through it and a
+full-to-window slot map); the slots the forward stores to are checked through write-through.
+docs/vllm.md says how each part is wired and what is and is not guarded.
 """
 
 from __future__ import annotations

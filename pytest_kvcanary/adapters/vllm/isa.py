@@ -1,28 +1,18 @@
 """Which instruction-set path vLLM's CPU attention (CPU_ATTN) runs, and so which KV layout it keeps.
 
-vLLM picks the path once per KV-cache group, by the CPU it runs on (``_get_attn_isa`` in
-``vllm/v1/attention/backends/cpu_attn.py``): ``amx`` on a CPU with AMX tiles for bfloat16 and
-blocks of 32, else ``vec`` (AVX2 / AVX-512), ``vec16`` for head sizes or blocks that are multiples
-of 16 only, or the path of a non-x86 CPU. Each path stores a block's K and V in an order of its
-own, so the machine a test suite runs on would decide the layout the canary guards.
+vLLM picks the path by the CPU it runs on (``_get_attn_isa`` in
+``vllm/v1/attention/backends/cpu_attn.py``), so the machine would decide the layout the canary
+guards; the ``attention_isa`` setting decides instead:
 
-The ``attention_isa`` setting decides instead:
-
-- ``readable`` (default): vLLM's choice, except that ``amx`` becomes ``vec`` (V token by token, K
-  dimension-major), so every x86 CPU guards the same layout. The canary reads the ``amx`` layout
-  too (layout.py); ``vllm`` or ``amx`` run it on a CPU with AMX.
-- ``vllm``: vLLM's choice, whatever it is.
+- ``readable`` (default): vLLM's choice, except that ``amx`` becomes ``vec``;
+- ``vllm``: vLLM's choice, whatever it is;
 - ``amx``, ``vec``, ``vec16``: that path (``amx`` needs a CPU with AMX and bfloat16).
 
-Latent attention (MLA) follows the same rule: on a CPU with AMX tiles vLLM picks its ``AMX_MLA``
-backend, whose cache the adapter does not know, unless its attention backend is set to
-``CPU_MLA`` (``vllm/platforms/cpu.py``: the backend choice and the block-size rule both honour
-it); ``readable``, ``vec`` and ``vec16`` set it (``latent_backend``), which vLLM runs on any CPU
-and ignores for a model without latent attention.
-
-The environment variable ``KVCANARY_VLLM_ATTENTION_ISA`` sets the default; under pytest, the
-``--kv-canary-vllm-attention-isa`` option (or its ini key ``kv_canary_vllm_attention_isa``) sets
-that variable for the run (settings.py).
+``readable``, ``vec`` and ``vec16`` also set vLLM's attention backend to ``CPU_MLA``
+(``latent_backend``), so latent attention never runs the ``AMX_MLA`` backend the adapter does not
+know. The environment variable ``KVCANARY_VLLM_ATTENTION_ISA`` sets the default; under pytest,
+``--kv-canary-vllm-attention-isa`` (or its ini key) sets that variable for the run (settings.py).
+The paths and their layouts: docs/vllm.md.
 """
 
 from __future__ import annotations

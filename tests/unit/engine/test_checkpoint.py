@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
 from pytest_kvcanary.engine.model import CausalLM
-from pytest_kvcanary.engine.weights import read_config, save_checkpoint
+from pytest_kvcanary.engine.weights import checkpoint_problem, read_config, save_checkpoint
 
 PROMPTS = [list(b"checkpoint round trip"), list(b"check")]
 
@@ -58,3 +58,28 @@ def test_matches_transformers(tmp_path, flavour):
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
     torch.testing.assert_close(model.logits_without_cache(ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("flavour", [dict(), dict(qkv_bias=True, tie_embeddings=False)], ids=["llama", "qwen2"])
+def test_a_checkpoint_is_judged_from_its_headers(tmp_path, flavour):
+    """checkpoint_problem reads config.json and the safetensors headers only: a good checkpoint has
+    none, a corrupt file or tensors that do not fit the model are named."""
+    save_checkpoint(CausalLM(ModelConfig(**flavour)), tmp_path)
+    assert checkpoint_problem(tmp_path) is None
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    save_file({**tensors, name: tensors[name][:8].contiguous()}, str(tmp_path / "model.safetensors"))
+    assert checkpoint_problem(tmp_path) == (
+        "has tensors that do not fit the model its config.json describes: model.layers.0.self_attn.q_proj.weight "
+        f"shaped [8, {tensors[name].shape[1]}] where the model has {list(tensors[name].shape)}")
+    save_file({k: v for k, v in tensors.items() if "norm" not in k}, str(tmp_path / "model.safetensors"))
+    norms = sum("norm" in k for k in tensors)
+    missing = f": missing model.layers.0.input_layernorm.weight and {norms - 1} more"
+    assert checkpoint_problem(tmp_path).endswith(missing)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert checkpoint_problem(tmp_path) == ("has a model.safetensors that is not a readable safetensors file "
+                                            "(Error while deserializing header: header too large)")
+    with pytest.raises(ValueError, match="checkpoint .* has a model.safetensors that is not a readable"):
+        Engine(EngineConfig(model=ModelConfig(**flavour), checkpoint=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert checkpoint_problem(tmp_path) == "has a config.json the engine cannot read (no 'num_attention_heads')"

@@ -174,3 +174,32 @@ def test_without_free_reports_a_damaged_slot_written_again_is_escaped_as_overwri
     engine.generate([list(range(11, 19))], max_new_tokens=1)
     assert (first.status, first.cause) == ("escaped", "slot overwritten before any read")
     assert runtime.log.violations == []
+
+
+@pytest.mark.parametrize("real_data", ["partial", "all"])
+def test_the_ledger_names_the_flipped_byte(real_data):
+    """half, layer and byte say where the flip is: in the slot's row of that half and layer, the
+    byte at that offset is the only one that changed. In partial mode a later sampled layer reads
+    a later KV head, so its flips sit past byte 0 (at that head's first byte, for real_kv_used)."""
+    handle = make_handle("mha", real_data=real_data)
+    pool = handle.side.runtime.groups[0].pool
+    before: list[dict[str, list[torch.Tensor]]] = []
+
+    class Snapshot:  # runs before the injector
+        def before_forward(self, view: ForwardView) -> None:
+            before.append({"K": [t.clone() for t in pool.k_layers], "V": [t.clone() for t in pool.v_layers]})
+
+        def after_stamp(self, view: ForwardView) -> None:
+            pass
+
+    handle.side.runtime.observers.insert(0, Snapshot())
+    handle.reset(0, (PerturbSpec("real_kv_used"),))
+    send_waves(handle, seed=0, waves=2)
+    injections = handle.injections()
+    assert {i.half for i in injections} == {"K", "V"}
+    if real_data == "partial":
+        assert any(i.byte > 0 for i in injections)
+    for i in injections:
+        now = (pool.k_layers if i.half == "K" else pool.v_layers)[i.layer][i.slot].view(torch.uint8).flatten()
+        then = before[i.step][i.half][i.layer][i.slot].view(torch.uint8).flatten()
+        assert (now != then).nonzero().flatten().tolist() == [i.byte], i.describe()
