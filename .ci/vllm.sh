@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI for the vLLM adapter, on a fresh CPU-only machine: vLLM's CPU build in an environment of its
-# own (.venv-vllm: vLLM pins a transformers range of its own), then the adapter's tests and the
-# example suite on vLLM. Exits non-zero when anything fails or a pytest run collects nothing.
+# own (.venv-vllm: vLLM pins a transformers range of its own), then the adapter's tests, the
+# example suite and a short workload soak on vLLM. Exits non-zero when anything fails or a pytest
+# run collects nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,3 +41,4 @@ run_pytest() {
 
 run_pytest tests/adapters/vllm/
 run_pytest --kv-canary --kv-canary-engine=vllm examples/
+run_pytest -q --kv-canary --kv-canary-engine=vllm --kv-canary-soak-rounds=2 --pyargs pytest_kvcanary.soak.suite

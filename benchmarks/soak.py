@@ -113,6 +113,8 @@ def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rou
             print(f"    {line}", flush=True)
         seed += 1
     row["seconds"] = round(time.monotonic() - start, 1)
+    row["versions"] = {name: sys.modules[name].__version__ for name in ("torch", "transformers", "vllm")
+                       if name in sys.modules}
     handle.close()
     return row
 
@@ -126,7 +128,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         v = r["verdicts"]
         seeds = f"{r['seeds'][0]}..{r['seeds'][-1]}" if r["seeds"] else "-"
-        lines.append(f"| {r['config']} | {r['device']} | {r['real_data']} | {seeds} | {r['rounds']} | {r['forwards']} | "
+        engine = ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items() if k != "torch")
+        device = f"{r['device']} ({engine})" if engine else r["device"]
+        lines.append(f"| {r['config']} | {device} | {r['real_data']} | {seeds} | {r['rounds']} | {r['forwards']} | "
                      f"{v['clean']} | {v['engine defect']} | {v['damage detected']} | {v['damage missed']} | "
                      f"{v['suspected false alarm']} | "
                      f"{r['near_ties']} | {r['seconds']} s |")

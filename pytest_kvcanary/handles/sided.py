@@ -182,11 +182,13 @@ class SidedHandle:
         return outputs
 
     def run_workload(self, seed: int | None = None, rounds: int = 12, *, replay: str | None = None,
-                     tie_tolerance: float = 1e-3, shrink_trials: int = 48, arrivals: bool = True) -> SoakResult:
+                     tie_tolerance: float | None = None, shrink_trials: int = 48, arrivals: bool = True
+                     ) -> SoakResult:
         """Drive the engine with a seeded random workload (or the workload a failure's `replay`
         printed) and judge each round against the oracle (soak/runner.py). seed: the workload's
         (default: the test's seed); rounds: how many; tie_tolerance: a logit margin within which a
-        token that is not the oracle's best is a near tie, not damage; shrink_trials: runs of
+        token that is not the oracle's best is a near tie, not damage (default: by the KV's dtype,
+        1e-3 in float32, 2e-2 in float16, 6e-2 in bfloat16); shrink_trials: runs of
         smaller workloads tried to shrink each round that cannot be trusted (0: none); arrivals:
         requests join running batches and are aborted where the engine can serve them (False:
         each round's requests go in `generate` batches). Returns the verdicts
@@ -199,13 +201,14 @@ class SidedHandle:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise ValueError(f"seed must be an integer >= 0; got {seed!r}")
         check_request_count(rounds, "rounds")
-        if isinstance(tie_tolerance, bool) or not isinstance(tie_tolerance, (int, float)) or not tie_tolerance >= 0:
-            raise ValueError(f"tie_tolerance must be a number >= 0; got {tie_tolerance!r}")
+        if tie_tolerance is not None and (isinstance(tie_tolerance, bool) or not isinstance(tie_tolerance, (int, float))
+                                          or not tie_tolerance >= 0):
+            raise ValueError(f"tie_tolerance must be a number >= 0 (or None: by the KV's dtype); got {tie_tolerance!r}")
         if isinstance(shrink_trials, bool) or not isinstance(shrink_trials, int) or shrink_trials < 0:
             raise ValueError(f"shrink_trials must be an integer >= 0; got {shrink_trials!r}")
         if not isinstance(arrivals, bool):
             raise TypeError(f"arrivals must be True or False; got {arrivals!r}")
-        soak = Soak(self, tie_tolerance=float(tie_tolerance), arrivals=arrivals)
+        soak = Soak(self, tie_tolerance=None if tie_tolerance is None else float(tie_tolerance), arrivals=arrivals)
         workload = (Workload.from_text(replay) if replay is not None
                     else make_workload(self.armed[0] if seed is None else seed, rounds, soak.geometry))
         with self._showing_progress(soak.describe):

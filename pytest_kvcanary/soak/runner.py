@@ -15,7 +15,7 @@ from collections import Counter
 from itertools import accumulate
 from typing import Any, Protocol, Sequence
 
-from ..canary.seam import Arrival, EngineDefect, GroupKind, optional
+from ..canary.seam import Arrival, EngineDefect, GroupKind, TokenScores, optional
 from .verdicts import (UNTRUSTWORTHY, Damage, Failure, RoundResult, SoakResult, exact_damage, scored_damage,
                        verdict_of)
 from .workload import Geometry, Round, Workload, subsets
@@ -38,6 +38,10 @@ class SoakedHandle(Protocol):
     def engine_defects(self) -> list[tuple[str, EngineDefect]]: ...
 
 SHRUNK_FAILURES = 2  # failures shrunk per soak (the others keep the whole workload as their replay)
+# The default near-tie margin by the KV's dtype: two computations of one logit (prefill and decode,
+# or another batch) differ by rounding, about 1e-5 in float32 and 1e-2 in bfloat16 on small models.
+TIE_TOLERANCES = {"torch.float32": 1e-3, "torch.float16": 2e-2, "torch.bfloat16": 6e-2}
+COARSE_TIE_TOLERANCE = 0.25  # any other dtype (8-bit floats)
 KEPT_VIOLATIONS = 50  # violations described per round
 
 
@@ -56,9 +60,13 @@ def geometry(handle: SoakedHandle, arrivals: bool = True) -> Geometry:
 class Soak:
     """Runs workloads on one handle; `describe()` says where it is (a progress line reads it)."""
 
-    def __init__(self, handle: SoakedHandle, *, tie_tolerance: float, arrivals: bool = True) -> None:
+    def __init__(self, handle: SoakedHandle, *, tie_tolerance: float | None = None, arrivals: bool = True) -> None:
+        """tie_tolerance None: by the dtype of the FULL pool's K (TIE_TOLERANCES)."""
         self.handle = handle
         self.geometry = geometry(handle, arrivals)
+        if tie_tolerance is None:
+            dtype = str(handle.sides[0].runtime.groups[0].pool.k_layers[0].dtype)
+            tie_tolerance = TIE_TOLERANCES.get(dtype, COARSE_TIE_TOLERANCE)
         self.tie_tolerance = tie_tolerance
         self.engine = handle.sides[0].engine  # the oracle's engine (a PD pair's prefill side)
         self.score = optional(self.engine, "score_uncached")
@@ -105,12 +113,13 @@ class Soak:
             forwards = self._forwards()
             prompts = [workload.prompt(q, self.geometry.vocab) for q in rnd.requests]
             outputs = self._serve(rnd, prompts)
-            for side in self.handle.sides:  # what the round left cached, checked now
+            scores = self._scores(rnd, prompts, outputs) if self.score is not None else None
+            for side in self.handle.sides:  # what the round (and the oracle's forwards) left cached
                 side.runtime.sweep()
             result = RoundResult(index, len(prompts), self._forwards() - forwards, verdict="")
             self._judge_violations(result, self.handle.violations()[seen:])
-            if self.score is not None:
-                self._judge_scored(result, rnd, prompts, outputs)
+            if scores is not None:
+                self._judge_scored(result, outputs, scores)
             else:
                 pending.append((result, prompts, outputs, rnd))
             results.append(result)
@@ -161,10 +170,12 @@ class Soak:
     def _verdict(self, result: RoundResult) -> str:
         return verdict_of(bool(result.damage), result.unexplained, sum(result.engine_defects.values()))
 
-    def _judge_scored(self, result: RoundResult, rnd: Round, prompts: list[list[int]],
-                      outputs: list[list[int]]) -> None:
+    def _scores(self, rnd: Round, prompts: list[list[int]], outputs: list[list[int]]) -> list[TokenScores]:
+        """The oracle's scores of the round's outputs (an engine may run forwards for them)."""
         keys = {"context_keys": [q.context for q in rnd.requests]} if self.geometry.contexts else {}
-        scores = self.score(list(zip(prompts, outputs)), **keys)
+        return self.score(list(zip(prompts, outputs)), **keys)
+
+    def _judge_scored(self, result: RoundResult, outputs: list[list[int]], scores: list[TokenScores]) -> None:
         for i, (out, s) in enumerate(zip(outputs, scores, strict=True)):
             wrong, ties = scored_damage(out, s.best, s.runner_up, s.margin, self.tie_tolerance)
             result.near_ties += ties
