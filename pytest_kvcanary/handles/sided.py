@@ -1,8 +1,10 @@
-"""What every engine handle is built from: sides (one engine each, its canary and fault injector)
-and the state a handle keeps across them (the fault ledger, the prompts sent, results).
+"""What every engine handle is built from: the workload it sends (`Workload`: prompts, the
+requests' nonces), sides (one engine each, its canary and fault injector) and the state a handle
+keeps across them (the fault ledger, results).
 
 single.EngineHandle has one side, pd.PDHandle two; both derive from SidedHandle, so neither
-module imports the other.
+module imports the other. parallel.ParallelHandle sends its workload to the ranks of a parallel
+engine, each of which holds a SidedHandle of its own.
 """
 
 from __future__ import annotations
@@ -52,31 +54,18 @@ class Side:
         self.engine.set_forward_hooks(None)
 
 
-class SidedHandle:
-    """What single and PD handles share (see protocol.Handle for the contract): the workload record,
-    the ledger, results read from the sides."""
-
-    sides: list[Side]
+class Workload:
+    """What every handle does with the requests a test sends (see protocol.Handle): checks them,
+    records the prompts since the reset, draws the nonces of distinct prompts from the test's seed."""
 
     def __init__(self) -> None:
-        self.ledger = Ledger()
         self._prompts: list[str] = []
         self._rng = random.Random(0)
 
-    @property
-    def side_names(self) -> tuple[str, ...]:
-        return tuple(side.name for side in self.sides)
-
-    def pool_groups(self) -> tuple[str, ...]:
-        return tuple(group.pool.kind.label for group in self.sides[0].runtime.groups)
-
-    def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
-        """Flush caches, clear log, ledger and counters, restart step numbering, arm this test's faults."""
-        self.ledger.clear()
+    def _restart(self, seed: int) -> None:
+        """A new test: no prompts sent yet, nonces drawn from `seed`."""
         self._prompts.clear()
         self._rng = random.Random(seed)
-        for side in self.sides:
-            side.reset(seed, perturbs)
 
     def send_parallel_requests(self, n: int, *, distinct_prompts: bool = False, max_new_tokens: int = 8
                                ) -> list[list[int]]:
@@ -108,6 +97,35 @@ class SidedHandle:
 
     def prompts_since_reset(self) -> list[str]:
         return list(self._prompts)
+
+    def drain(self) -> None:
+        """Move what the engines logged where violations() reads it (raise mode raises)."""
+        raise NotImplementedError
+
+
+class SidedHandle(Workload):
+    """What single and PD handles share (see protocol.Handle for the contract): the workload, the
+    ledger, results read from the sides."""
+
+    sides: list[Side]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = Ledger()
+
+    @property
+    def side_names(self) -> tuple[str, ...]:
+        return tuple(side.name for side in self.sides)
+
+    def pool_groups(self) -> tuple[str, ...]:
+        return tuple(group.pool.kind.label for group in self.sides[0].runtime.groups)
+
+    def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
+        """Flush caches, clear log, ledger and counters, restart step numbering, arm this test's faults."""
+        self.ledger.clear()
+        self._restart(seed)
+        for side in self.sides:
+            side.reset(seed, perturbs)
 
     def drain(self) -> None:
         """Move every violation the devices logged into the sides' logs (raise mode raises)."""

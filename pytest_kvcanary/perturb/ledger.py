@@ -37,7 +37,8 @@ class Place(NamedTuple):
 class Injection:
     """One injected fault. slot: in the target group's pool; row: request row (-1 when only the
     radix cache held the slot); byte: flipped byte within the slot (-1 for req_to_token, whose
-    damage is the mapping itself); step: the engine's forward index; half: K or V for a flip."""
+    damage is the mapping itself); step: the engine's forward index; half: K or V for a flip.
+    rank / stage: the rank of a parallel engine it was injected on (None elsewhere)."""
 
     mode: str
     side: str
@@ -54,6 +55,8 @@ class Injection:
     detected_by: Violation | None = None
     moved_to: list[Place] = field(default_factory=list)  # where a PD transfer copied the damage
     gone: dict[Place, int] = field(default_factory=dict)  # place -> its side's step when freed or overwritten
+    rank: int | None = None
+    stage: int | None = None
 
     @property
     def places(self) -> list[Place]:
@@ -95,7 +98,8 @@ class Injection:
         return d
 
     def describe(self) -> str:
-        where = f"{self.side} {self.group} slot={self.slot} pos={self.position} row={self.row}"
+        rank = "" if self.rank is None else f" rank {self.rank}"
+        where = f"{self.side}{rank} {self.group} slot={self.slot} pos={self.position} row={self.row}"
         extra = f" ({self.cause})" if self.cause else ""
         return f"{self.mode} @ step {self.step} [{where} byte={self.byte}] -> {self.status}{extra}"
 
