@@ -280,10 +280,10 @@ def check_parallel(settings: Settings, sources: dict[str, str], raw: dict[str, s
         return
     name = "kv_canary_tp" if settings.tp > 1 else "kv_canary_pp"
     if settings.engine != "reference":
-        raise _usage(sources[name], raw[name], f"needs the reference engine (only it runs parallel here); "
+        raise _usage(sources[name], str(raw[name]), f"needs the reference engine (only it runs parallel here); "
                      f"the run's engine is {settings.engine!r}")
     if settings.device != "cpu" and 0 < (gpus := count_gpus()) < ranks:
-        raise _usage(sources[name], raw[name], f"needs {ranks} GPUs (tp x pp ranks, one GPU each: NCCL refuses two "
+        raise _usage(sources[name], str(raw[name]), f"needs {ranks} GPUs (tp x pp ranks, one GPU each: NCCL refuses two "
                      f"ranks on one GPU), {gpus} visible; --kv-canary-device=cpu runs the ranks on the CPU")
 
 

@@ -90,36 +90,32 @@ def log_divergence(ring: Any, digests: torch.Tensor, rank: int, step: torch.Tens
     ring.count.add_(diverged.to(torch.int64))
 
 
-def walk_entries(walk: CacheWalk | PagedWalk) -> dict[int, tuple[int, int, int, int, int]]:
-    """slot -> (position, previous slot, token, context key, hash of the five) of a cache walk."""
+def walk_entries(walk: CacheWalk | PagedWalk) -> dict[tuple[int, ...], int]:
+    """Each entry of a cache walk, (slot, position, previous slot, token, context key), with its hash."""
     if isinstance(walk, PagedWalk):
         walk = paged_entries(walk)
     contexts = walk.context_keys if walk.context_keys is not None else torch.zeros_like(walk.slots)
     columns = [c.cpu().to(torch.int64) for c in (walk.slots, walk.positions, walk.prev_slots, walk.tokens, contexts)]
-    hashes = _fold(*columns)
-    return {row[0]: (*row[1:5], h) for row, h in zip(torch.stack(columns, 1).tolist(), hashes.tolist())}
+    return dict(zip(map(tuple, torch.stack(columns, 1).tolist()), _fold(*columns).tolist()))
 
 
-def walk_digest(entries: dict[int, tuple[int, ...]]) -> int:
+def walk_digest(entries: dict[tuple[int, ...], int]) -> int:
     """An order-free hash of a walk's entries (a wrapping sum of their hashes)."""
-    return int(torch.tensor([e[-1] for e in entries.values()], dtype=torch.int64).sum()) if entries else 0
+    return int(torch.tensor(list(entries.values()), dtype=torch.int64).sum())
 
 
-def walk_divergence(mine: dict[int, tuple[int, ...]], reference: dict[int, tuple[int, ...]], peer: int) -> torch.Tensor:
-    """rank_divergence rows [n, ROW_WIDTH] (tag and step left to the ring) of every slot whose
-    entry differs from the reference walk's or is in one walk only, by slot: position (this
-    rank's, else the reference's), row the peer rank, stored / expected the entries' hashes (0
-    where absent)."""
-    slots = sorted(s for s in mine.keys() | reference.keys() if mine.get(s) != reference.get(s))
-    rows = torch.zeros(len(slots), ROW_WIDTH, dtype=torch.int64)
-    for i, slot in enumerate(slots):
-        entry, ref = mine.get(slot), reference.get(slot)
+def walk_divergence(mine: dict[tuple[int, ...], int], reference: dict[tuple[int, ...], int], peer: int) -> torch.Tensor:
+    """rank_divergence rows [n, ROW_WIDTH] (tag and step left to the ring) of the entries one walk
+    holds and the other does not, by slot and position: row the peer rank, stored the entry's hash
+    where this rank's walk holds it (else 0), expected where the reference's does (else 0)."""
+    differing = sorted(mine.keys() ^ reference.keys())
+    rows = torch.zeros(len(differing), ROW_WIDTH, dtype=torch.int64)
+    for i, entry in enumerate(differing):
         rows[i, COL_REASONS] = int(Reason.RANK_DIVERGENCE)
-        rows[i, COL_SLOT] = slot
-        rows[i, COL_POSITION] = (entry or ref)[0]
+        rows[i, COL_SLOT], rows[i, COL_POSITION] = entry[0], entry[1]
         rows[i, COL_ROW] = peer
-        rows[i, COL_STORED] = 0 if entry is None else entry[-1]
-        rows[i, COL_EXPECTED] = 0 if ref is None else ref[-1]
+        rows[i, COL_STORED] = mine.get(entry, 0)
+        rows[i, COL_EXPECTED] = reference.get(entry, 0)
     return rows
 
 
