@@ -64,6 +64,24 @@ def test_ranks_compute_what_one_process_does(tp, pp, attention):
         assert torch.allclose(torch.tensor(logits), reference, rtol=0, atol=TOLERANCE[tp])
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_parallel_graph_decode_on_two_gpus():
+    """NCCL ranks replaying their decode steps, the canary and the digests' all-gather inside each
+    step's CUDA graph: the outputs of one process, every kernel launch counted, nothing reported."""
+    config = _config("mha", device="cuda:0", decode_mode="graph")
+    prompts = random_prompts(5, 6)
+    expected = Engine(config).generate(prompts, 12)
+    handle = ParallelHandle(RankSpec("single", config, CanaryConfig(sweep_interval=3), Topology(tp=2),
+                                     ("cuda:0", "cuda:1")))
+    try:
+        handle.reset(0, ())
+        assert handle.generate(prompts, 12) == expected
+        assert handle.violations() == [] and handle.healthy()
+        assert {s["device"] for s in handle.stats().values()} == {"cuda:0", "cuda:1"}
+    finally:
+        handle.close()
+
+
 @pytest.mark.parametrize("topology, engine, message", [
     (Topology(tp=4), {}, r"tp=4 must divide model.num_kv_heads \(2\)"),
     (Topology(tp=3), {}, r"tp=3 must divide model.num_heads \(4\)"),
