@@ -18,8 +18,6 @@ from pytest_kvcanary.engine.parallel.topology import Topology
 from pytest_kvcanary.handles.parallel import ParallelHandle
 from pytest_kvcanary.handles.rank import RankContext, RankSpec
 
-from conftest import random_prompts
-
 TOLERANCE = {1: 0.0, 2: 1e-5}  # by tp
 
 
@@ -38,7 +36,7 @@ def rank_view(context: RankContext) -> tuple[list[int], int, list[float]]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks (gloo); the GPU runs are the examples'")
 @pytest.mark.parametrize("tp, pp, attention", [(2, 1, "mla"), (1, 2, "swa"), (2, 2, "mha")])
-def test_ranks_compute_what_one_process_does(tp, pp, attention):
+def test_ranks_compute_what_one_process_does(tp, pp, attention, random_prompts):
     config = _config(attention, num_slots=56, max_running=4)  # small pools: eviction and retraction
     prompts = random_prompts(tp + pp, 7)
     single = Engine(config)
@@ -65,7 +63,7 @@ def test_ranks_compute_what_one_process_does(tp, pp, attention):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tensor_parallel_graph_decode_on_two_gpus():
+def test_tensor_parallel_graph_decode_on_two_gpus(random_prompts):
     """NCCL ranks replaying their decode steps, the canary and the digests' all-gather inside each
     step's CUDA graph: the outputs of one process, every kernel launch counted, nothing reported."""
     config = _config("mha", device="cuda:0", decode_mode="graph")
