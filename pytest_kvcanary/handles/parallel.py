@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, Callable, NoReturn, Sequence
@@ -41,8 +42,9 @@ class RankProcesses:
 
     def __init__(self, spec: RankSpec) -> None:
         self.world = spec.topology.world
-        self._store = dist.TCPStore(rank.LOCALHOST, 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=spec.timeout_s))
+        self._store: Any = dist.TCPStore(rank.LOCALHOST, 0, is_master=True, wait_for_workers=False,
+                                         timeout=timedelta(seconds=spec.timeout_s))
+        self.port: int = self._store.port  # the port the ranks meet at (free again once closed)
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self.processes = [context.Process(target=rank.main, name=f"kv-canary rank {r}", daemon=True,
@@ -54,11 +56,6 @@ class RankProcesses:
         finally:
             child.close()
         self.pool_groups: tuple[str, ...] = self._receive()
-
-    @property
-    def port(self) -> int:
-        """The port of the store the ranks met at (free again once closed)."""
-        return self._store.port
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)
@@ -82,12 +79,13 @@ class RankProcesses:
         self._fail()
 
     def _fail(self) -> NoReturn:
-        dead = [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(self.processes) if not p.is_alive()]
+        """Kill what is left of the engine; raise with what each rank left in the store."""
+        self.kill()
+        ends = ", ".join(f"rank {r} " + ("killed" if p.exitcode == -signal.SIGKILL else f"exited with {p.exitcode}")
+                         for r, p in enumerate(self.processes))
         errors = [self._store.get(key).decode() for key in (f"error/{r}" for r in range(self.world))
                   if self._store.check([key])]
-        self.kill()
-        raise RankFailure("a rank of the parallel engine died (" + ", ".join(dead or ["pipe closed"]) + ")" +
-                          "".join(f"\n{e}" for e in errors))
+        raise RankFailure(f"a rank of the parallel engine died ({ends})" + "".join(f"\n{e}" for e in errors))
 
     def kill(self) -> None:
         for process in self.processes:
@@ -97,7 +95,10 @@ class RankProcesses:
         self._conn.close()
 
     def close(self) -> None:
-        """Stop the ranks (asked to close; killed when they do not within CLOSE_TIMEOUT_S) and free the port."""
+        """Stop the ranks (asked to close; killed when they do not within CLOSE_TIMEOUT_S) and free
+        the port. Closing again does nothing."""
+        if self._store is None:
+            return
         if self.alive() and not self._conn.closed:
             try:
                 self.call("close")
@@ -106,7 +107,7 @@ class RankProcesses:
         for process in self.processes:
             process.join(CLOSE_TIMEOUT_S)
         self.kill()
-        del self._store
+        self._store = None  # the last reference: its server stops listening
 
 
 class ParallelHandle(Workload):

@@ -28,6 +28,10 @@ def start():
     engine = EngineConfig(model=ModelConfig(max_context=32), num_slots=64, max_batch_tokens=32)
     return ParallelHandle(RankSpec("single", engine, CanaryConfig(kernels="torch"), Topology(tp=2), ("cpu", "cpu")))
 
+def fail_on_rank_1(context):
+    if context.rank == 1:
+        raise RuntimeError("rank 1 gave up")
+
 def busy(context):
     print(f"rank {context.rank} busy", flush=True)
     threading.Event().wait()
@@ -111,8 +115,28 @@ def test_closing_the_handle_stops_the_ranks_and_frees_the_port(tmp_path: Path, m
 
     handle = start()
     processes, port = handle.processes.processes, handle.processes.port
+    with pytest.raises(ValueError, match="prompt is empty"):  # refused by rank 0, before the ranks run it
+        handle.generate([[1, 2], []], 2)
     assert handle.generate([[1, 2, 3]], 2) and handle.healthy()
     handle.close()
     assert [p.exitcode for p in processes] == [0, 0]
     assert _children(os.getpid()) & {p.pid for p in processes} == set()
+    assert _port_is_free(port)
+
+
+def test_a_rank_that_fails_takes_the_engine_down_with_its_traceback(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "parallel_fail.py").write_text(START)
+    from parallel_fail import fail_on_rank_1, start
+
+    from pytest_kvcanary.handles.parallel import RankFailure
+
+    handle = start()
+    processes, port = handle.processes.processes, handle.processes.port
+    with pytest.raises(RankFailure, match=r"(?s)a rank of the parallel engine died \(rank 0 .*\nrank 1: Traceback.*"
+                                          r"rank 1 gave up"):
+        handle.call(fail_on_rank_1)
+    assert not any(p.is_alive() for p in processes) and not handle.healthy()
+    handle.close()
     assert _port_is_free(port)
