@@ -83,8 +83,9 @@ class RankProcesses:
         self.kill()
         ends = ", ".join(f"rank {r} " + ("killed" if p.exitcode == -signal.SIGKILL else f"exited with {p.exitcode}")
                          for r, p in enumerate(self.processes))
-        errors = [self._store.get(key).decode() for key in (f"error/{r}" for r in range(self.world))
-                  if self._store.check([key])]
+        store = self._store
+        errors = [] if store is None else [store.get(key).decode() for key in (f"error/{r}" for r in range(self.world))
+                                           if store.check([key])]
         raise RankFailure(f"a rank of the parallel engine died ({ends})" + "".join(f"\n{e}" for e in errors))
 
     def kill(self) -> None:
