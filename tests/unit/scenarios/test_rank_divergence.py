@@ -18,6 +18,7 @@ whose cache entries differ between the ranks. Without the bug, the ranks agree a
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -90,7 +91,7 @@ def break_rank_1(context: RankContext) -> None:
 
 @pytest.fixture(scope="module")
 def single_process_outputs() -> list[list[list[int]]]:
-    return workload(Engine(ENGINE))
+    return workload(Engine(replace(ENGINE, device=DEVICE)))
 
 
 @pytest.fixture
