@@ -43,6 +43,9 @@ class Reason(IntEnum):
     WALK_TOO_LARGE = 2048  # a walk holds more entries than the FULL slot space has slots
     WALK_POSITION_GAP = 4096  # a walk entry's predecessor does not hold the previous position
     VIEW_OUT_OF_RANGE = 8192  # a view's length is outside what the canary can check; clamped
+    # Ranks of a parallel engine disagree: what a forward stamped (slot, token, position, chain) or
+    # what a sweep's walk holds differs from the reference rank's (the row column holds that rank).
+    RANK_DIVERGENCE = 16384
 
     @property
     def label(self) -> str:
@@ -51,6 +54,7 @@ class Reason(IntEnum):
 
 # Order in which a row's stored/expected pair is chosen when several reasons fail.
 PRIMARY_REASON_ORDER = (
+    Reason.RANK_DIVERGENCE,
     Reason.VIEW_OUT_OF_RANGE,
     Reason.WALK_TOO_LARGE,
     Reason.WALK_SLOT_OUT_OF_RANGE,

@@ -52,7 +52,8 @@ def _matches(v: Violation, reason: str | None, attrs: dict[str, str | None]) -> 
 
 def _fault(injection: Any) -> str:
     i = injection
-    return f"{i.mode} on {i.side} {i.group} slot {i.slot} at step {i.step}" + (f": {i.cause}" if i.cause else "")
+    rank = "" if getattr(i, "rank", None) is None else f" rank {i.rank}"
+    return f"{i.mode} on {i.side}{rank} {i.group} slot {i.slot} at step {i.step}" + (f": {i.cause}" if i.cause else "")
 
 
 def _marker(spec: PerturbSpec) -> str:
@@ -88,14 +89,24 @@ def _describe_filters(**filters: Any) -> str:
 class KvCanary:
     """Assertions over one engine handle for the current test. `sides`: the sides the handle
     has, ("single",) or ("prefill", "decode"); perturbs: the faults the test's kv_perturb markers
-    ask for."""
+    ask for; ranks: how many ranks its engine has (a parallel engine's violations each name theirs;
+    `rank=` filters on it, rank 0 matching those of an engine of one rank)."""
 
-    def __init__(self, handle: Handle, sides: tuple[str, ...], perturbs: Sequence[PerturbSpec] = ()) -> None:
+    def __init__(self, handle: Handle, sides: tuple[str, ...], perturbs: Sequence[PerturbSpec] = (),
+                 ranks: int = 1) -> None:
         self._handle = handle
         self._sides = sides
         self._perturbs = tuple(perturbs)
+        self._ranks = ranks
         self.consulted = False
         self.raised: AssertionError | None = None
+
+    def _rank(self, rank: int | None) -> int | None:
+        if rank is not None:
+            check_int("rank", rank, 0)
+            if rank >= self._ranks:
+                raise ValueError(f"rank must be a rank of the test's engine, 0 to {self._ranks - 1}; got {rank}")
+        return rank
 
     def _context(self) -> str:
         found = self._handle.violations()
@@ -109,9 +120,10 @@ class KvCanary:
         return self.raised
 
     def violations(self, reason: str | None = None, *, phase: str | None = None, group: str | None = None,
-                   side: str | None = None, half: str | None = None) -> list[Violation]:
+                   side: str | None = None, half: str | None = None, rank: int | None = None) -> list[Violation]:
         """Violations since the test's reset that match every filter given (a violation matches a
         reason when any of its reasons is that one)."""
+        rank = self._rank(rank)
         attrs = {
             "phase": _name("phase", phase, PHASES),
             "group": _name("group", group, TARGET_GROUPS),
@@ -120,7 +132,8 @@ class KvCanary:
         }
         wanted = _name("reason", reason, REASONS)
         self.consulted = True
-        return [v for v in self._handle.violations() if _matches(v, wanted, attrs)]
+        return [v for v in self._handle.violations()
+                if _matches(v, wanted, attrs) and rank in (None, v.rank or 0)]
 
     def perturbations(self) -> list[Any]:
         """The fault ledger since the test's reset: one entry per injected fault."""
@@ -129,30 +142,35 @@ class KvCanary:
 
     def written_slots(self, side: str | None = None) -> int:
         """KV slots the canary stamped since the test's reset (on `side`, when given): one per
-        token an engine computed and wrote, none for a token whose KV a cached prefix supplied."""
-        sides = self._handle.stats()
+        token an engine computed and wrote, none for a token whose KV a cached prefix supplied (a
+        parallel engine writes each token's shard on every rank: counted once, the most any of a
+        side's ranks stamped)."""
         _name("side", side, self._sides)
-        return sum(stats["protected_tokens"] for name, stats in sides.items() if side in (None, name))
+        stamped: dict[str, int] = {}
+        for name, stats in self._handle.stats().items():
+            owner = stats.get("side", name)
+            stamped[owner] = max(stamped.get(owner, 0), stats["protected_tokens"])
+        return sum(n for owner, n in stamped.items() if side in (None, owner))
 
-    def assert_no_violation(self, side: str | None = None) -> None:
-        """Fail when any violation was logged (on `side`, when given)."""
+    def assert_no_violation(self, side: str | None = None, *, rank: int | None = None) -> None:
+        """Fail when any violation was logged (on `side` and `rank`, when given)."""
         __tracebackhide__ = True
-        found = self.violations(side=side)
+        found = self.violations(side=side, rank=rank)
         if found:
-            raise self._fail(f"expected no violation{_describe_filters(side=side)}, found {len(found)}\n"
+            raise self._fail(f"expected no violation{_describe_filters(side=side, rank=rank)}, found {len(found)}\n"
                              + self._context())
 
     def assert_violation(self, reason: str, *, phase: str | None = None, group: str | None = None,
-                         side: str | None = None, within_steps: int | None = None,
+                         side: str | None = None, rank: int | None = None, within_steps: int | None = None,
                          require_distinct_prompts: bool = False) -> list[Violation]:
-        """Fail unless a violation with this reason (and phase / group / side) was logged; return
-        the matching ones. within_steps=N: only violations of the first N forwards after the
+        """Fail unless a violation with this reason (and phase / group / side / rank) was logged;
+        return the matching ones. within_steps=N: only violations of the first N forwards after the
         test's reset count (step < N). require_distinct_prompts: fail at once when a prompt was
         sent twice since the reset, since radix dedup can let the fault escape."""
         __tracebackhide__ = True
         if within_steps is not None:
             check_int("within_steps", within_steps, 1)
-        found = self.violations(reason, phase=phase, group=group, side=side)
+        found = self.violations(reason, phase=phase, group=group, side=side, rank=rank)
         repeated = sorted(p for p, n in Counter(self._handle.prompts_since_reset()).items() if n > 1)
         if require_distinct_prompts and repeated:
             raise AssertionError(f"{len(repeated)} prompt(s) were sent more than once since the reset, e.g. "
@@ -161,7 +179,8 @@ class KvCanary:
         if found:
             return found
         lines = [f"expected a {reason} violation"
-                 f"{_describe_filters(phase=phase, group=group, side=side, within_steps=within_steps)}, found none"]
+                 f"{_describe_filters(phase=phase, group=group, side=side, rank=rank, within_steps=within_steps)}, "
+                 "found none"]
         escaped = [i for i in self._handle.injections() if i.status == "escaped"]
         lines += [f"escaped: {_fault(i)}" for i in escaped]
         if escaped and repeated:

@@ -80,13 +80,15 @@ class CanaryConfig:
 class PerturbSpec:
     """One fault to inject. prob: chance per eligible forward; side: prefill / decode (PD only,
     None = every engine); target_group: full / swa (required when the model has both);
-    warmup_steps: forwards to run clean first."""
+    warmup_steps: forwards to run clean first; rank: on a parallel engine, the one rank that
+    injects (None = every rank)."""
 
     mode: str
     prob: float = 1.0
     side: str | None = None
     target_group: str | None = None
     warmup_steps: int = 0
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         _choice("kv_perturb mode", self.mode, PERTURB_MODES)
@@ -97,3 +99,5 @@ class PerturbSpec:
         if self.target_group is not None:
             _choice("target_group", self.target_group, TARGET_GROUPS)
         check_int("warmup_steps", self.warmup_steps, 0)
+        if self.rank is not None:
+            check_int("rank", self.rank, 0)

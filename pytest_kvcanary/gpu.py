@@ -10,6 +10,12 @@ taken says so and waits for one to free up.
 A prefill/decode pair leases a second GPU only from spares: when the run has more GPUs than
 workers, a GPU nobody's primary needs; otherwise both sides share the primary.
 
+A parallel engine of n ranks runs on n distinct GPUs (NCCL refuses two ranks on one GPU): the
+primary and n - 1 others, each leased at the lowest free level of its GPU, so the ranks take the
+least shared GPUs and share them with other workers' primaries as workers past the GPU count do.
+These leases never wait, whatever the cap (a cap bounds the primaries), so two workers that both
+need each other's GPU never deadlock. With fewer than n GPUs the engine cannot run on GPUs.
+
 GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L` without initialising CUDA; torch
 is asked only as a last resort. Devices are returned as "cuda:i" (an index into the visible
 devices); the environment is left as it is.
@@ -25,7 +31,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping
 
 from filelock import FileLock, Timeout
 
@@ -105,6 +111,7 @@ class DeviceLeases:
         self._count: int | None = None
         self._held: dict[int, FileLock] = {}  # GPU index -> the lock of the slot held on it; primary first
         self._pair: tuple[str, str] | None = None
+        self._ranks: dict[int, tuple[str, ...]] = {}
 
     def _gpus(self) -> int:
         if self._count is None:
@@ -116,12 +123,12 @@ class DeviceLeases:
     def _lock(self, gpu: int, slot: int) -> FileLock:
         return FileLock(self._lock_dir / f"gpu{gpu}.{slot}.lock", thread_local=False)
 
-    def _take(self, levels: Iterable[int], exclude: int | None = None) -> int | None:
+    def _take(self, levels: Iterable[int], exclude: Collection[int] = ()) -> int | None:
         """The first free slot, level by level; its GPU, or None when every slot is taken."""
         self._lock_dir.mkdir(parents=True, exist_ok=True)
         for k in levels:
             for i in range(self._gpus()):
-                if i == exclude:
+                if i in exclude:
                     continue
                 lock = self._lock(i, k)
                 try:
@@ -177,12 +184,29 @@ class DeviceLeases:
             first = self.primary()
             second = None
             if first != "cpu" and self._gpus() > self._workers:
-                second = self._take([0], exclude=int(first.split(":")[1]))
+                second = self._take([0], exclude={int(first.split(":")[1])})
             self._pair = (first, first if second is None else f"cuda:{second}")
         return self._pair
+
+    def ranks(self, n: int) -> tuple[str, ...] | None:
+        """The devices of a parallel engine's n ranks, rank 0's first: "cpu" n times on a CPU run;
+        else the primary and n - 1 other GPUs (those this process holds already first, then the
+        least shared, leased on the first call without waiting); None when fewer than n GPUs are
+        visible."""
+        first = self.primary()
+        if first == "cpu":
+            return ("cpu",) * n
+        if self._gpus() < n:
+            return None
+        if n not in self._ranks:
+            while len(self._held) < n:
+                self._take(itertools.count(), exclude=set(self._held))
+            self._ranks[n] = tuple(f"cuda:{i}" for i in list(self._held)[:n])
+        return self._ranks[n]
 
     def release(self) -> None:
         for lock in self._held.values():
             lock.release()
         self._held.clear()
         self._pair = None
+        self._ranks.clear()

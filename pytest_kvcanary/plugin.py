@@ -24,7 +24,7 @@ import pytest
 
 from .canary.seam import UnsupportedAttention
 from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
-from .handles.factories import NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
+from .handles.factories import NoParallelEngine, NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
 from .handles.pool import EngineKey, EnginePool, WatchedHandle
 from .plugin_support import markers
 from .plugin_support.interrupts import Interrupts, mend_traceback
@@ -260,18 +260,33 @@ def _marker_value(read: Callable[..., Any], node: pytest.Item, **kwargs: Any) ->
         _fail(str(e))
 
 
-def _devices(config: pytest.Config, kind: str) -> str:
+def _devices(config: pytest.Config, kind: str, ranks: int = 1) -> str:
+    """The devices of a handle: its primary, a pair's (one or two), or a parallel engine's ranks'
+    (skips when the run has fewer GPUs than ranks)."""
     leases = config.stash[_LEASES]
     try:
+        if ranks > 1:
+            devices = leases.ranks(ranks)
+            if devices is None:
+                pytest.skip(f"kv_parallel: the engine's {ranks} ranks need {ranks} GPUs (NCCL refuses two ranks on "
+                            "one GPU), and fewer are visible; --kv-canary-device=cpu runs them on the CPU")
+            return ",".join(dict.fromkeys(devices))
         return leases.primary() if kind == "single" else ",".join(dict.fromkeys(leases.pair()))
     except DeviceLeaseError as e:
         _fail(str(e))
 
 
+def _topology(settings: Settings, node: pytest.Item) -> tuple[int, int]:
+    """(tp, pp) of the test's engine: the command line's, else its kv_parallel marker's, else the ini's."""
+    marked = _marker_value(markers.parallel, node)
+    return tuple(getattr(settings, name) if name in settings.pinned or name not in marked else marked[name]
+                 for name in markers.PARALLEL_FIELDS)
+
+
 def _checkout(pool: EnginePool, key: EngineKey, seed: int) -> Any:
     try:
         return pool.checkout(key, seed)
-    except (NoPrefillDecodePair, UnsupportedAttention) as e:
+    except (NoPrefillDecodePair, NoParallelEngine, UnsupportedAttention) as e:
         raise pytest.skip.Exception(str(e)) from None
     except (UnknownEngine, NotAnEngineUnderTest) as e:
         _fail(str(e))
@@ -283,7 +298,8 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
         _fail("a test drives one engine handle: use kv_engine or kv_pd, not both")
     node = request.node
     settings = request.config.stash[_SETTINGS]
-    perturbs = _marker_value(markers.perturbs, node, pd=kind == "pd")
+    tp, pp = _topology(settings, node)
+    perturbs = _marker_value(markers.perturbs, node, pd=kind == "pd", ranks=tp * pp)
     overrides = _marker_value(markers.canary_overrides, node)
     if perturbs:  # its faults are expected: raise mode would stop it at the first one
         overrides.setdefault("mode", "log")
@@ -293,7 +309,10 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     if not canary.enabled:
         pytest.skip("kv-canary is off for this test: its kv_canary marker sets mode='off'")
     model = str(settings.model) if settings.model else None
-    key = EngineKey(kind, canary, attention, _devices(request.config, kind), settings.engine, model)
+    if tp * pp > 1 and settings.engine != "reference":
+        pytest.skip(f"kv_parallel runs the reference engine only; engine {settings.engine!r} has no parallel "
+                    "engine here")
+    key = EngineKey(kind, canary, attention, _devices(request.config, kind, tp * pp), settings.engine, model, tp, pp)
     pool: EnginePool = request.getfixturevalue("_kv_engines")
     serial, handle = _checkout(pool, key, settings.seed)
     _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), canary=canary,
@@ -362,7 +381,7 @@ def kv_canary(request: pytest.FixtureRequest, kv_attention_kind: str) -> KvCanar
 
     handle = request.getfixturevalue("kv_pd" if "kv_pd" in request.fixturenames else "kv_engine")
     record = request.node.stash[_RECORD]
-    record.canary = KvCanary(handle, record.sides, record.perturbs)
+    record.canary = KvCanary(handle, record.sides, record.perturbs, record.key.tp * record.key.pp)
     return record.canary
 
 
@@ -375,10 +394,12 @@ def _replay(item: pytest.Item, record: _TestRecord, settings: Settings) -> str:
     c = record.key.canary
     model = [f"--kv-canary-model={record.key.model}"] if record.key.model else []
     isa = [f"--kv-canary-vllm-attention-isa={settings.vllm_attention_isa}"] if settings.vllm_attention_isa else []
+    key = record.key
+    parallel = [f"--kv-canary-tp={key.tp}", f"--kv-canary-pp={key.pp}"] if key.tp * key.pp > 1 else []
     return shlex.join([
         "pytest", target, f"--kv-canary={c.mode}", f"--kv-canary-seed={record.seed}",
         f"--kv-canary-real-data={c.real_data}", f"--kv-canary-sweep-interval={c.sweep_interval}",
-        f"--kv-canary-device={settings.device}", f"--kv-canary-engine={record.key.engine}", *model, *isa,
+        f"--kv-canary-device={settings.device}", f"--kv-canary-engine={key.engine}", *parallel, *model, *isa,
     ])
 
 

@@ -44,34 +44,49 @@ def violations_table(violations: Sequence[Violation], requests: Sequence[str | N
         return "violations: none"
     headers = ["side", "step", "phase", "half", "group", "reasons", "slot", "pos", "row", "stored", "expected"]
     rows = [
-        [v.side, v.step, v.phase, v.half, v.group, ",".join(v.reasons), v.slot, v.position, v.row,
-         f"{v.stored:#x}", f"{v.expected:#x}"]
+        [v.side, v.step, v.phase, v.half, v.group, ",".join(v.reasons), v.slot, v.position,
+         v.row if v.peer is None else f"vs rank {v.peer}", f"{v.stored:#x}", f"{v.expected:#x}"]
         for v in violations
     ]
+    if any(v.rank is not None for v in violations):  # a parallel engine's: the rank (and stage) after the side
+        for row, v in zip(rows, violations):
+            row.insert(1, "-" if v.rank is None else v.rank if not v.stage else f"{v.rank} (stage {v.stage})")
+        headers.insert(1, "rank")
     if any(requests):
-        headers.insert(9, "request")
+        at = headers.index("row") + 1
+        headers.insert(at, "request")
         for row, request in zip(rows, requests):
-            row.insert(9, request or "-")
+            row.insert(at, request or "-")
     return f"violations ({len(violations)}):\n{_table(headers, rows)}"
 
 
+def _injection_fields(injections: Sequence[Any]) -> tuple[str, ...]:
+    """INJECTION_FIELDS, with "rank" after the side where a fault was injected on a parallel engine."""
+    if all(getattr(i, "rank", None) is None for i in injections):
+        return INJECTION_FIELDS
+    at = INJECTION_FIELDS.index("side") + 1
+    return (*INJECTION_FIELDS[:at], "rank", *INJECTION_FIELDS[at:])
+
+
 def injection_to_json(injection: Any) -> dict[str, Any]:
-    return {name: getattr(injection, name) for name in INJECTION_FIELDS}
+    return {name: getattr(injection, name) for name in _injection_fields([injection])}
 
 
 def ledger_table(injections: Sequence[Any]) -> str:
     """A heading and one row per injected fault, or `ledger: no injections`."""
     if not injections:
         return "ledger: no injections"
-    rows = ([*("-" if getattr(i, name) is None else getattr(i, name) for name in INJECTION_FIELDS[:-1]),
-             i.cause or "-"] for i in injections)
-    return f"ledger ({_count(len(injections), 'injection')}):\n{_table(INJECTION_FIELDS, rows)}"
+    names = _injection_fields(injections)
+    rows = ([*("-" if getattr(i, name, None) is None else getattr(i, name) for name in names[:-1]), i.cause or "-"]
+            for i in injections)
+    return f"ledger ({_count(len(injections), 'injection')}):\n{_table(names, rows)}"
 
 
 @dataclass(frozen=True)
 class EngineRef:
     """An engine handle as the results name it: the worker process holding it, its number there
-    (`handle`), and the configuration it runs (`canary`: the CanaryConfig's fields)."""
+    (`handle`), and the configuration it runs (`canary`: the CanaryConfig's fields; tp / pp: the
+    ranks of a parallel engine, whose device names each rank's, in rank order)."""
 
     worker: str
     handle: int
@@ -80,6 +95,8 @@ class EngineRef:
     attention: str
     device: str
     canary: dict[str, Any]
+    tp: int = 1
+    pp: int = 1
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,8 @@ class ReportEntry:
     expected: bool = False
     read_error: str | None = None
     soaks: list[dict[str, Any]] = field(default_factory=list)
+    tp: int = 1
+    pp: int = 1
 
     @classmethod
     def guarded(cls, nodeid: str, outcome: str, served_by: EngineRef, *, seed: int, perturbs: Sequence[Any],
@@ -159,7 +178,10 @@ def failure_section(seed: int, replay: str, violations: Sequence[Violation], req
 
 
 def _where(engine: dict[str, Any]) -> str:
-    return f"{engine['engine']}/{engine['kind']}/{engine['attention']} on {engine['device']} [worker {engine['worker']}"
+    tp, pp = engine.get("tp", 1), engine.get("pp", 1)
+    parallel = f" tp={tp} pp={pp}" if tp * pp > 1 else ""
+    return (f"{engine['engine']}/{engine['kind']}/{engine['attention']}{parallel} on {engine['device']} "
+            f"[worker {engine['worker']}")
 
 
 def _distinctions(engines: Sequence[dict[str, Any]]) -> list[str]:
@@ -231,6 +253,15 @@ class RunResults:
     def engines(self) -> list[dict[str, Any]]:
         return list(self._engines.values())
 
+    def worker_devices(self) -> dict[str, list[str]]:
+        """Each worker and the devices its tests ran on, in first use order ("cuda:0,cuda:1": a
+        prefill/decode pair's, or a parallel engine's ranks')."""
+        devices: dict[str, list[str]] = {}
+        for t in self.tests:
+            if t.worker is not None and t.device is not None and t.device not in devices.setdefault(t.worker, []):
+                devices[t.worker].append(t.device)
+        return devices
+
     def unexpected(self) -> list[ReportEntry]:
         """Entries with violations the test neither caused nor asserted on, and whose failure
         section does not show them already."""
@@ -253,6 +284,9 @@ class RunResults:
         lines.append(f"{_count(len(guarded), 'guarded test')}, {_count(violations, 'violation')} "
                      f"({owned} owned by tests that injected or checked them, "
                      f"{violations - owned} unexpected), {_count(len(self.engines), 'engine handle')}{sides}")
+        workers = self.worker_devices()
+        if len(workers) > 1 or any(e.get("tp", 1) * e.get("pp", 1) > 1 for e in self.engines):
+            lines.append("devices: " + "; ".join(f"{w} -> {', '.join(d)}" for w, d in sorted(workers.items())))
         unexpected = self.unexpected()
         if unexpected:
             n = sum(len(t.violations) for t in unexpected)
@@ -309,6 +343,7 @@ class RunResults:
             "tests": [t.to_json() for t in self.tests],
             "engines": self.engines,
             "soak": self.soak_totals(),
+            "workers": self.worker_devices(),
         }
         partial = path.with_name(f".{path.name}.partial")
         partial.write_text(json.dumps(document, indent=2) + "\n")

@@ -117,6 +117,11 @@ OPTIONS = (
     _Option("kv_canary_soak_replay", "--kv-canary-soak-replay", "WORKLOAD", "", _unset_or(_workload),
             "run the stock workload soak on this workload (the replay a soak failure printed) instead of "
             "a seeded one"),
+    _Option("kv_canary_tp", "--kv-canary-tp", "N", "1", _integer(1),
+            "tensor-parallel ranks of the reference engine each test runs on (a kv_parallel marker sets "
+            "it per test; this option, given on the command line, wins)"),
+    _Option("kv_canary_pp", "--kv-canary-pp", "N", "1", _integer(1),
+            "pipeline-parallel stages of the reference engine each test runs on (as --kv-canary-tp)"),
     _Option("kv_canary_vllm_attention_isa", "--kv-canary-vllm-attention-isa", "ISA", "",
             _unset_or(_one_of(*VLLM_ATTENTION_ISAS)),
             "vllm engine: the instruction-set path of vLLM's CPU attention, which decides its KV layout: "
@@ -125,6 +130,8 @@ OPTIONS = (
 )
 # Options that set a CanaryConfig field; all but the mode, given on the command line, win over markers.
 _CANARY_FIELDS = {"kv_canary": "mode", "kv_canary_real_data": "real_data", "kv_canary_sweep_interval": "sweep_interval"}
+# Options a kv_parallel marker sets per test; given on the command line, they win over it.
+_PARALLEL_FIELDS = {"kv_canary_tp": "tp", "kv_canary_pp": "pp"}
 
 
 @dataclass(frozen=True)
@@ -132,7 +139,9 @@ class Settings:
     """The run's options, resolved once: command line over ini file over defaults.
 
     pinned: CanaryConfig fields (other than mode) given on the command line, which kv_canary
-    markers cannot change. model / report / lock_dir: absolute, or None when unset.
+    markers cannot change, and "tp" / "pp" when given there (kv_parallel markers cannot change
+    them). tp / pp: tensor-parallel ranks and pipeline stages of the engines (1: one process).
+    model / report / lock_dir: absolute, or None when unset.
     workers_per_gpu: None for auto. vllm_attention_isa: None when unset (the vLLM adapter's
     default applies: its environment variable, else readable). soak_rounds / soak_replay: what the
     stock workload soak runs (a seeded workload of that many rounds, or the replay given).
@@ -150,6 +159,8 @@ class Settings:
     vllm_attention_isa: str | None = None
     soak_rounds: int = 16
     soak_replay: str | None = None
+    tp: int = 1
+    pp: int = 1
 
     def header(self) -> str:
         if not self.canary.enabled:
@@ -157,8 +168,9 @@ class Settings:
         c = self.canary
         model = f" model={self.model}" if self.model else ""
         isa = f" vllm_attention_isa={self.vllm_attention_isa}" if self.vllm_attention_isa else ""
+        parallel = f" tp={self.tp} pp={self.pp}" if self.tp * self.pp > 1 else ""
         return (f"kv-canary: mode={c.mode} real_data={c.real_data} sweep_interval={c.sweep_interval} "
-                f"seed={self.seed} device={self.device} engine={self.engine}{model}{isa}")
+                f"seed={self.seed} device={self.device} engine={self.engine}{parallel}{model}{isa}")
 
     def environment(self) -> dict[str, str]:
         """Environment variables that carry settings to the engine adapters, which read them when
@@ -209,10 +221,13 @@ def resolve(config: pytest.Config) -> Settings:
         report=path("kv_canary_report"),
         workers_per_gpu=values["kv_canary_workers_per_gpu"],
         lock_dir=path("kv_canary_lock_dir"),
-        pinned=frozenset(f for name, f in _CANARY_FIELDS.items() if name in from_cli and f != "mode"),
+        pinned=frozenset(f for name, f in {**_CANARY_FIELDS, **_PARALLEL_FIELDS}.items()
+                         if name in from_cli and f != "mode"),
         vllm_attention_isa=values["kv_canary_vllm_attention_isa"],
         soak_rounds=values["kv_canary_soak_rounds"],
         soak_replay=values["kv_canary_soak_replay"] or None,
+        tp=values["kv_canary_tp"],
+        pp=values["kv_canary_pp"],
     )
     raw = {name: values[name] for name in sources}
     check_paths(settings, sources, raw)
@@ -280,6 +295,22 @@ def check_engine(settings: Settings, sources: dict[str, str], raw: dict[str, str
                      f"must be a checkpoint the {settings.engine} engine can load: the directory {problem}")
     if settings.device == "cuda" and count_gpus() == 0:
         raise _usage(sources["kv_canary_device"], raw["kv_canary_device"], "asks for a GPU, and none is visible")
+    check_parallel(settings, sources, raw)
+
+
+def check_parallel(settings: Settings, sources: dict[str, str], raw: dict[str, str]) -> None:
+    """A parallel engine the run asks for (--kv-canary-tp / --kv-canary-pp or their ini keys) is
+    the reference engine's, and on GPUs there is one per rank (NCCL refuses two ranks on one GPU)."""
+    ranks = settings.tp * settings.pp
+    if ranks == 1:
+        return
+    name = "kv_canary_tp" if settings.tp > 1 else "kv_canary_pp"
+    if settings.engine != "reference":
+        raise _usage(sources[name], str(raw[name]), f"needs the reference engine (only it runs parallel here); "
+                     f"the run's engine is {settings.engine!r}")
+    if settings.device != "cpu" and 0 < (gpus := count_gpus()) < ranks:
+        raise _usage(sources[name], str(raw[name]), f"needs {ranks} GPUs (tp x pp ranks, one GPU each: NCCL refuses two "
+                     f"ranks on one GPU), {gpus} visible; --kv-canary-device=cpu runs the ranks on the CPU")
 
 
 def split_bare_flag(args: list[str]) -> list[str]:

@@ -40,9 +40,11 @@ class KvCanaryViolationError(RuntimeError):
 
 
 def decode_row(row: list[int], side: str) -> Violation:
+    """A ring row as a Violation; a rank_divergence row's row column is the peer rank."""
     phase, half, group = R.split_tag(row[R.COL_TAG])
     bits = row[R.COL_REASONS]
     primary = [r.label for r in R.PRIMARY_REASON_ORDER if bits & r]
+    divergence = bool(bits & R.Reason.RANK_DIVERGENCE)
     return Violation(
         side=side,
         step=row[R.COL_STEP],
@@ -52,9 +54,10 @@ def decode_row(row: list[int], side: str) -> Violation:
         reasons=tuple(primary),
         slot=row[R.COL_SLOT],
         position=row[R.COL_POSITION],
-        row=row[R.COL_ROW],
+        row=-1 if divergence else row[R.COL_ROW],
         stored=row[R.COL_STORED] & _MASK64,
         expected=row[R.COL_EXPECTED] & _MASK64,
+        peer=row[R.COL_ROW] if divergence else None,
     )
 
 

@@ -42,15 +42,17 @@ class Engine:
     ``row``, ``kv_len``, ``prefix_len``, ``token_ids``), ``forward_count``, ``token_table``
     (``[rows, max_context]``: the token at each position of each row's request, -1 past it),
     ``drafter`` (speculative decoding's draft model and its acceptance counts, or None; its KV
-    pool is ``pools.draft``)."""
+    pool is ``pools.draft``). model: what the engine runs, with its weights (default: a CausalLM
+    of config.model with the checkpoint's weights; a parallel rank passes its shard)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.model = CausalLM(config.model)
-        if config.checkpoint is not None:
-            load_weights(self.model, config.checkpoint)
-        self.model.to(self.device)
+        if model is None:
+            model = CausalLM(config.model)
+            if config.checkpoint is not None:
+                load_weights(model, config.checkpoint)
+        self.model = model.to(self.device)
         self.tokenizer = ByteTokenizer()
         self.pools = KVPools(config)
         self.req_to_token_pool = ReqToTokenPool(config.max_running, config.model.max_context, self.device)
@@ -81,8 +83,17 @@ class Engine:
 
     def submit(self, prompt: str | Sequence[int], max_new_tokens: int, context_key: int = 0) -> Request:
         """Queue a request read in context `context_key` (a cache salt or adapter id, 0 = none: KV
-        is shared within one context only); raises ValueError for an empty or too long prompt, a
-        bad token id, max_new_tokens or context key, or a request the pools could not hold alone."""
+        is shared within one context only); raises what `encode_request` raises."""
+        req = Request(self._next_rid, self.encode_request(prompt, max_new_tokens, context_key), max_new_tokens,
+                      context_key)
+        self._next_rid += 1
+        self.scheduler.waiting.append(req)
+        return req
+
+    def encode_request(self, prompt: str | Sequence[int], max_new_tokens: int, context_key: int = 0) -> list[int]:
+        """The prompt's token ids, once the request is known to fit (nothing is queued); raises
+        ValueError for an empty or too long prompt, a bad token id, max_new_tokens or context key,
+        or a request the pools could not hold alone."""
         m = self.config.model
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
@@ -100,10 +111,7 @@ class Engine:
             if pool is not None and total - 1 > pool.num_slots - 1:  # slot 0 is reserved
                 raise ValueError(f"pool too small for a single request: it needs {total - 1} KV slots, "
                                  f"{name}={pool.num_slots} holds {pool.num_slots - 1}")
-        req = Request(self._next_rid, ids, max_new_tokens, context_key)
-        self._next_rid += 1
-        self.scheduler.waiting.append(req)
-        return req
+        return ids
 
     def step(self) -> list[Request]:
         """Run one forward; returns the requests that finished in it ([] when idle). If the

@@ -135,13 +135,21 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
                 context_keys: torch.Tensor | None = None) -> torch.Tensor:
-        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
+        return self.norm(self.run_layers(self.embed(input_ids, context_keys), positions, kv))
+
+    def embed(self, input_ids: torch.Tensor, context_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states [T, hidden] the first layer reads."""
         x = self.embed_tokens(input_ids)
         if context_keys is not None:  # sin(0) = 0: no context, no offset
             x = x + (0.5 * torch.sin(context_keys.float()[:, None] * self.adapter_freqs[None, :])).to(x.dtype)
+        return x
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+        """Every decoder layer over hidden states x (a pipeline stage runs its own layers)."""
+        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         for layer in self.layers:
             x = layer(x, cos, sin, kv)
-        return self.norm(x)
+        return x
 
 
 class CausalLM(nn.Module):

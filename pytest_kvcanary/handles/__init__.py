@@ -3,10 +3,13 @@
 protocol: what a handle offers a test, the plugin and the assertions (the `Handle` protocol).
 factories: engines and prefill/decode pairs built by name (built-in, or a conftest's hooks);
 checkpoints: whether a --kv-canary-model directory can serve a built-in engine.
-sided: what every handle is built from (a `Side` per engine, `SidedHandle`); single: one engine
-(kv_engine); pd: a prefill/decode pair (kv_pd); start: `start_engine`, the kv_start_engine
-function. pool: this process's handles, reused across tests and replaced when broken.
+sided: what every handle is built from (the `RequestSender`, a `Side` per engine, `SidedHandle`);
+single: one engine (kv_engine); pd: a prefill/decode pair (kv_pd); parallel: a tensor/pipeline
+parallel reference engine, one process per rank (rank: what runs in each of them); start:
+`start_engine`, the kv_start_engine function. pool: this process's handles, reused across tests
+and replaced when broken.
 
 protocol, factories, checkpoints and pool import no torch: the plugin loads them in every run;
-torch loads with sided, single, pd and start, inside the fixture that starts an engine.
+torch loads with sided, single, pd, parallel, rank and start, inside the fixture that starts an
+engine.
 """

@@ -47,6 +47,11 @@ class NoPrefillDecodePair(LookupError):
     """The engine has no prefill/decode pair; kv_pd tests skip with this message."""
 
 
+class NoParallelEngine(LookupError):
+    """The engine has no tensor/pipeline-parallel form here (only the reference engine has one);
+    kv_parallel tests skip with this message."""
+
+
 # How to install each engine's package, run in a clone of the project: the commands the docs give
 # (a test checks), vLLM's in an environment of its own (docs/vllm.md).
 INSTALL = {

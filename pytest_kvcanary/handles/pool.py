@@ -44,9 +44,16 @@ class EngineKey(NamedTuple):
     kind: str  # "single" or "pd"
     canary: CanaryConfig
     attention: str
-    device: str  # "cuda:0"; for a pd pair on two GPUs "cuda:0,cuda:1"
+    device: str  # "cuda:0"; for a pd pair on two GPUs, or a parallel engine's ranks, "cuda:0,cuda:1"
     engine: str
     model: str | None
+    tp: int = 1  # tensor-parallel ranks
+    pp: int = 1  # pipeline stages
+
+    @property
+    def parallel(self) -> dict[str, tuple[int, int]]:
+        """What kv_start_engine is told about a parallel engine: parallel=(tp, pp); {} for one process."""
+        return {"parallel": (self.tp, self.pp)} if self.tp * self.pp > 1 else {}
 
 
 class Checkout(NamedTuple):
@@ -71,13 +78,14 @@ class EnginePool:
     def describe(self, key: EngineKey, serial: int) -> EngineRef:
         """The handle for key, numbered `serial`, as the results name it."""
         return EngineRef(worker=self._worker, handle=serial, engine=key.engine, kind=key.kind,
-                         attention=key.attention, device=key.device, canary=asdict(key.canary))
+                         attention=key.attention, device=key.device, canary=asdict(key.canary), tp=key.tp, pp=key.pp)
 
     def checkout(self, key: EngineKey, seed: int) -> Checkout:
         """The handle for key, started on first use (whatever starting raises propagates)."""
         if key not in self._handles:
             handle = self._start(key.kind, canary=key.canary, attention=key.attention, device=key.device, seed=seed,
-                                 engine_name=key.engine, model=key.model, pluginmanager=self._pluginmanager)
+                                 engine_name=key.engine, model=key.model, pluginmanager=self._pluginmanager,
+                                 **key.parallel)
             self._handles[key] = Checkout(self._serials, WatchedHandle(handle))
             self._serials += 1
         return self._handles[key]

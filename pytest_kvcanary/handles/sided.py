@@ -1,8 +1,10 @@
-"""What every engine handle is built from: sides (one engine each, its canary and fault injector)
-and the state a handle keeps across them (the fault ledger, the prompts sent, results).
+"""What every engine handle is built from: the requests it sends (`RequestSender`: prompts, the
+requests' nonces), sides (one engine each, its canary and fault injector) and the state a handle
+keeps across them (the fault ledger, results, the workload soaks it ran).
 
 single.EngineHandle has one side, pd.PDHandle two; both derive from SidedHandle, so neither
-module imports the other.
+module imports the other. parallel.ParallelHandle sends its requests to the ranks of a parallel
+engine, each of which holds a SidedHandle of its own.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import contextlib
 import inspect
 import random
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
 
 from ..canary.runtime import CanaryRuntime
 from ..canary.seam import EngineDefect, EngineUnderTest, optional
@@ -59,38 +61,18 @@ class Side:
         self.engine.set_forward_hooks(None)
 
 
-class SidedHandle:
-    """What single and PD handles share (see protocol.Handle for the contract): the workload record,
-    the ledger, results read from the sides. progress: what makes the line a long generation shows
-    (requests finished of those sent, where the engines tell, and forwards); None shows none."""
-
-    sides: list[Side]
-    progress: ProgressFactory | None = None
+class RequestSender:
+    """What every handle does with the requests a test sends (see protocol.Handle): checks them,
+    records the prompts since the reset, draws the nonces of distinct prompts from the test's seed."""
 
     def __init__(self) -> None:
-        self.ledger = Ledger()
         self._prompts: list[str] = []
         self._rng = random.Random(0)
-        self.armed: tuple[int, tuple[PerturbSpec, ...]] = (0, ())  # the last reset's seed and faults
-        self.soak_results: list[SoakResult] = []  # the soaks run since the last reset
-        self._showing = False  # a progress line is up (one at a time: the outermost work's)
 
-    @property
-    def side_names(self) -> tuple[str, ...]:
-        return tuple(side.name for side in self.sides)
-
-    def pool_groups(self) -> tuple[str, ...]:
-        return tuple(group.pool.kind.label for group in self.sides[0].runtime.groups)
-
-    def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
-        """Flush caches, clear log, ledger and counters, restart step numbering, arm this test's faults."""
-        self.ledger.clear()
+    def _restart(self, seed: int) -> None:
+        """A new test: no prompts sent yet, nonces drawn from `seed`."""
         self._prompts.clear()
         self._rng = random.Random(seed)
-        self.armed = (seed, perturbs)
-        self.soak_results = []
-        for side in self.sides:
-            side.reset(seed, perturbs)
 
     def send_parallel_requests(self, n: int, *, distinct_prompts: bool = False, max_new_tokens: int = 8
                                ) -> list[list[int]]:
@@ -112,18 +94,67 @@ class SidedHandle:
         if context_keys is not None:
             check_context_keys(context_keys, prompts, generate, type(getattr(generate, "__self__", generate)).__name__)
             contexts = {"context_keys": list(context_keys)}
-        with self._showing_progress(self._generation(len(prompts))):
+        with self._generating(len(prompts)):
             outputs = generate(prompts, max_new_tokens, **contexts)
         self.drain()  # raise mode: a violation of the last forwards raises here, in the test's call
         return outputs
 
+    def _generating(self, sent: int) -> ContextManager[None]:
+        """Around a generate call of `sent` requests (a handle that shows progress shows it)."""
+        return contextlib.nullcontext()
+
+    def _engine_generate(self) -> Callable[..., list[list[int]]]:
+        """The engine's (or pair's) generate(prompts, max_new_tokens[, context_keys=])."""
+        raise NotImplementedError
+
+    def prompts_since_reset(self) -> list[str]:
+        return list(self._prompts)
+
+    def drain(self) -> None:
+        """Move what the engines logged where violations() reads it (raise mode raises)."""
+        raise NotImplementedError
+
+
+class SidedHandle(RequestSender):
+    """What single and PD handles share (see protocol.Handle for the contract): the requests sent,
+    the ledger, results read from the sides, the workload soak. progress: what makes the line a
+    long generation or soak shows (requests finished of those sent, where the engines tell, and
+    forwards); None shows none."""
+
+    sides: list[Side]
+    progress: ProgressFactory | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = Ledger()
+        self.armed: tuple[int, tuple[PerturbSpec, ...]] = (0, ())  # the last reset's seed and faults
+        self.soak_results: list[SoakResult] = []  # the soaks run since the last reset
+        self._showing = False  # a progress line is up (one at a time: the outermost work's)
+
+    @property
+    def side_names(self) -> tuple[str, ...]:
+        return tuple(side.name for side in self.sides)
+
+    def pool_groups(self) -> tuple[str, ...]:
+        return tuple(group.pool.kind.label for group in self.sides[0].runtime.groups)
+
+    def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
+        """Flush caches, clear log, ledger and counters, restart step numbering, arm this test's faults."""
+        self.ledger.clear()
+        self._restart(seed)
+        self.armed = (seed, perturbs)
+        self.soak_results = []
+        for side in self.sides:
+            side.reset(seed, perturbs)
+
+    # ------------------------------------------------------------------------------- progress
     def _finished(self) -> int | None:
         """Requests the sides' engines finished since the reset, or None when one cannot tell."""
         counts = [optional(side.engine, "finished_requests")() for side in self.sides]
         return None if None in counts else sum(counts)
 
-    def _generation(self, sent: int) -> Callable[[], str]:
-        """What the progress line of a generate call of `sent` requests reads."""
+    def _generating(self, sent: int) -> ContextManager[None]:
+        """The progress line of a generate call of `sent` requests."""
         forwards, finished = sum(s.runtime.forwards for s in self.sides), self._finished()
 
         def describe() -> str:
@@ -133,7 +164,7 @@ class SidedHandle:
             n = sum(s.runtime.forwards for s in self.sides) - forwards
             return f"{done}, {n} forward{'' if n == 1 else 's'}"
 
-        return describe
+        return self._showing_progress(describe)
 
     @contextlib.contextmanager
     def _showing_progress(self, describe: Callable[[], str]) -> Iterator[None]:
@@ -155,10 +186,7 @@ class SidedHandle:
             self._showing = False
             line.close()
 
-    def _engine_generate(self) -> Callable[..., list[list[int]]]:
-        """The engine's (or pair's) generate(prompts, max_new_tokens[, context_keys=])."""
-        raise NotImplementedError
-
+    # ------------------------------------------------------------------------ the workload soak
     def _engine_serve(self) -> Callable[[Sequence[Arrival]], list[list[int]]] | None:
         """The engine's serve (EngineUnderTest.serve), or None when it has none."""
         return None
@@ -216,9 +244,7 @@ class SidedHandle:
         self.soak_results.append(result)
         return result
 
-    def prompts_since_reset(self) -> list[str]:
-        return list(self._prompts)
-
+    # ----------------------------------------------------------------------------- results
     def drain(self) -> None:
         """Move every violation the devices logged into the sides' logs (raise mode raises)."""
         for side in self.sides:

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import CanaryConfig
-from .factories import make_engine, make_pd_pair
+from ..engine.parallel.topology import Topology
+from .factories import NoParallelEngine, make_engine, make_pd_pair
 from .pd import PDHandle
-from .sided import SidedHandle
+from .sided import RequestSender
 from .single import EngineHandle
 
 
@@ -25,10 +26,21 @@ def _make_current(device: str) -> None:
 
 def start_engine(kind: str, *, canary: CanaryConfig, attention: str, device: str, seed: int,
                  engine_name: str = "reference", model: str | None = None,
-                 pluginmanager: Any | None = None) -> SidedHandle:
+                 pluginmanager: Any | None = None, parallel: tuple[int, int] | None = None) -> RequestSender:
     """A handle of this kind ("single" or "pd"), its (first) device made the current one. For pd,
     device may name two devices ("cuda:0,cuda:1"): prefill on the first, decode on the second.
-    Raises what factories.make_engine / make_pd_pair raise."""
+    parallel=(tp, pp): the reference engine over tp x pp rank processes (parallel.ParallelHandle),
+    rank r on the r-th device of `device` (one device: all of them). Raises what
+    factories.make_engine / make_pd_pair raise, and NoParallelEngine for a parallel engine
+    other than the reference one."""
+    if parallel is not None:
+        if engine_name != "reference":
+            raise NoParallelEngine(f"kv_parallel runs the reference engine only; engine {engine_name!r} has no "
+                                   "parallel engine here")
+        from .parallel import start_parallel
+
+        return start_parallel(kind, Topology(*parallel), canary=canary, attention=attention,
+                              devices=device.split(","), seed=seed, model=model)
     _make_current(device.split(",")[0])
     if kind == "single":
         return EngineHandle(make_engine(engine_name, attention, device, seed, model, pluginmanager), canary)

@@ -39,7 +39,8 @@ class Injection:
     radix cache held the slot); step: the engine's forward index. For a byte flip, half (K or V)
     and layer (an index into the group's layers) say which of the slot's rows was hit, and byte is
     the flipped byte's offset within that row (its bytes in feature order, KV head h from h x
-    head bytes on); req_to_token, whose damage is the mapping itself, has none (None, -1, -1)."""
+    head bytes on); req_to_token, whose damage is the mapping itself, has none (None, -1, -1).
+    rank / stage: the rank of a parallel engine it was injected on (None elsewhere)."""
 
     mode: str
     side: str
@@ -57,6 +58,8 @@ class Injection:
     detected_by: Violation | None = None
     moved_to: list[Place] = field(default_factory=list)  # where a PD transfer copied the damage
     gone: dict[Place, int] = field(default_factory=dict)  # place -> its side's step when freed or overwritten
+    rank: int | None = None
+    stage: int | None = None
 
     @property
     def places(self) -> list[Place]:
@@ -98,7 +101,8 @@ class Injection:
         return d
 
     def describe(self) -> str:
-        where = f"{self.side} {self.group} slot={self.slot} pos={self.position} row={self.row}"
+        rank = "" if self.rank is None else f" rank {self.rank}"
+        where = f"{self.side}{rank} {self.group} slot={self.slot} pos={self.position} row={self.row}"
         extra = f" ({self.cause})" if self.cause else ""
         flip = f" half={self.half} layer={self.layer} byte={self.byte}" if self.half is not None else ""
         return f"{self.mode} @ step {self.step} [{where}{flip}] -> {self.status}{extra}"

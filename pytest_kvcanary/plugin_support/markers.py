@@ -1,4 +1,4 @@
-"""Parse and validate a test's kv_perturb, kv_attention and kv_canary markers (no torch).
+"""Parse and validate a test's kv_perturb, kv_attention, kv_canary and kv_parallel markers (no torch).
 
 Every error is a `MarkerError` whose message shows the marker as written, the bad argument or
 value, and the allowed values; the plugin turns it into an error of that one test. A marker set
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvcanary_kernels.checks import is_int
 from kvcanary_kernels.records import GroupKind
 
 from ..config import ATTENTION_KINDS, PERTURB_MODES, CanaryConfig, PerturbSpec
@@ -19,13 +20,17 @@ from ..perturb.fit import misfit
 
 # Registered in pytest_configure, so `pytest --markers` lists them and --strict-markers accepts them.
 MARKER_LINES = (
-    "kv_perturb(mode, *, prob=1.0, side=None, target_group=None, warmup_steps=0): inject a KV fault "
-    f"into the test's engine, one marker per fault; modes: {', '.join(PERTURB_MODES)}",
+    "kv_perturb(mode, *, prob=1.0, side=None, target_group=None, warmup_steps=0, rank=None): inject a KV "
+    f"fault into the test's engine (on a parallel engine: on every rank, or on `rank` only), one marker per "
+    f"fault; modes: {', '.join(PERTURB_MODES)}",
     f"kv_attention(*kinds): attention kinds of the test's engine ({', '.join(ATTENTION_KINDS)}); "
     "several kinds parametrize the test",
     "kv_canary(**overrides): canary settings for this test (fields of CanaryConfig); "
     "command-line options win, except for mode",
+    "kv_parallel(tp=1, pp=1): run the test's reference engine with tp tensor-parallel ranks and pp pipeline "
+    "stages, one process and one canary per rank; --kv-canary-tp / --kv-canary-pp on the command line win",
 )
+PARALLEL_FIELDS = ("tp", "pp")
 
 DEFAULT_ATTENTION = ATTENTION_KINDS[0]
 
@@ -72,10 +77,18 @@ def _perturb(mark: pytest.Mark, pd: bool) -> PerturbSpec:
     return spec
 
 
-def perturbs(node: pytest.Item, *, pd: bool) -> tuple[PerturbSpec, ...]:
+def perturbs(node: pytest.Item, *, pd: bool, ranks: int = 1) -> tuple[PerturbSpec, ...]:
     """One spec per kv_perturb marker on the test, its class and its module. `pd`: whether the
-    test drives a prefill/decode pair (only then may a fault name a side)."""
-    return tuple(_perturb(mark, pd) for mark in node.iter_markers("kv_perturb"))
+    test drives a prefill/decode pair (only then may a fault name a side); ranks: how many ranks
+    the test's engine has (a fault's rank must be one of them)."""
+    specs = []
+    for mark in node.iter_markers("kv_perturb"):
+        spec = _perturb(mark, pd)
+        if spec.rank is not None and spec.rank >= ranks:
+            raise MarkerError(f"{_show(mark)}: rank={spec.rank} is not a rank of the test's engine, which has "
+                              f"{ranks} (ranks 0 to {ranks - 1}; kv_parallel(tp=..., pp=...) makes more)")
+        specs.append(spec)
+    return tuple(specs)
 
 
 def check_perturbs_fit(node: pytest.Item, *, groups: tuple[str, ...], canary: CanaryConfig, engine: str) -> None:
@@ -133,3 +146,18 @@ def canary_overrides(node: pytest.Item) -> dict[str, Any]:
             raise MarkerError(f"{_show(mark)}: {e}") from None
         merged.update(mark.kwargs)
     return merged
+
+
+def parallel(node: pytest.Item) -> dict[str, int]:
+    """The tp / pp the closest kv_parallel marker sets (only those it names)."""
+    mark = node.get_closest_marker("kv_parallel")
+    if mark is None:
+        return {}
+    if mark.args:
+        raise MarkerError(f"{_show(mark)}: takes keyword arguments only: tp, pp")
+    for name, value in mark.kwargs.items():
+        if name not in PARALLEL_FIELDS:
+            raise MarkerError(f"{_show(mark)}: unknown keyword {name!r}; allowed: {', '.join(PARALLEL_FIELDS)}")
+        if not is_int(value) or value < 1:
+            raise MarkerError(f"{_show(mark)}: {name} must be an integer >= 1; got {value!r}")
+    return dict(mark.kwargs)

@@ -46,8 +46,9 @@ class FakeInjection:
 
 class FakeHandle:
     def __init__(self, harness: FakeHarness, serial: int, kind: str, canary: CanaryConfig, attention: str,
-                 device: str, seed: int, engine_name: str, engine: Any) -> None:
+                 device: str, seed: int, engine_name: str, engine: Any, parallel: tuple[int, int]) -> None:
         self.harness, self.serial, self.kind, self.canary = harness, serial, kind, canary
+        self.parallel = parallel
         self.attention, self.device, self.seed, self.engine_name, self.engine = attention, device, seed, engine_name, engine
         self.config_key = (kind, canary, attention, device, engine_name)
         self.side_names = ("single",) if kind == "single" else ("prefill", "decode")
@@ -134,9 +135,11 @@ class FakeHarness:
         self.closed: list[int] = []
 
     def start_engine(self, kind: str, *, canary: CanaryConfig, attention: str, device: str, seed: int,
-                     engine_name: str, model: str | None, pluginmanager: Any) -> FakeHandle:
+                     engine_name: str, model: str | None, pluginmanager: Any,
+                     parallel: tuple[int, int] = (1, 1)) -> FakeHandle:
         engine = pluginmanager.hook.pytest_kvcanary_make_engine(name=engine_name, attention=attention,
                                                                 device=device, seed=seed, model=model)
-        handle = FakeHandle(self, len(self.started), kind, canary, attention, device, seed, engine_name, engine)
+        handle = FakeHandle(self, len(self.started), kind, canary, attention, device, seed, engine_name, engine,
+                            parallel)
         self.started.append(handle)
         return handle

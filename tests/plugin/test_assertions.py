@@ -81,7 +81,7 @@ def test_filters_match_case_insensitively_and_on_any_reason() -> None:
                                     "verify_token, write_token, write_position, verify_missing_slot, "
                                     "reserved_slot_written, write_real_kv_hash, walk_duplicate_slot, "
                                     "walk_slot_out_of_range, walk_too_large, walk_position_gap, "
-                                    "view_out_of_range; got 'verify_hash'"),
+                                    "view_out_of_range, rank_divergence; got 'verify_hash'"),
         ({"phase": "BODY"}, "phase must be one of HEAD, TAIL, SWEEP, RECHECK; got 'BODY'"),
         ({"group": "local"}, "group must be one of full, swa, draft; got 'local'"),
         ({"side": "single"}, "side must be one of prefill, decode; got 'single'"),
@@ -229,3 +229,29 @@ def test_no_injection_says_what_kept_each_fault_off(perturbs: tuple[PerturbSpec,
         _canary(perturbs=perturbs).assert_perturbations_detected()
     first = str(e.value).splitlines()[0]
     assert fnmatch.fnmatchcase(first, f"no fault was injected since the reset: {why}"), first
+
+
+def test_rank_filters_a_parallel_engines_violations_and_the_tables_name_the_rank() -> None:
+    from dataclasses import replace
+
+    on_rank_1 = replace(_violation(), rank=1, stage=0)
+    diverged = replace(_violation(phase="TAIL", reasons=("rank_divergence",)), rank=1, stage=0, peer=0, row=-1)
+    canary = KvCanary(_Handle(logged=[replace(_violation(side="prefill"), rank=0, stage=0), on_rank_1, diverged]),
+                      PD, ranks=2)
+    assert canary.violations(rank=1) == [on_rank_1, diverged]
+    assert canary.assert_violation("rank_divergence", rank=1) == [diverged]
+    with pytest.raises(ValueError, match="rank must be a rank of the test's engine, 0 to 1; got 2"):
+        canary.violations(rank=2)
+    with pytest.raises(AssertionError) as e:
+        canary.assert_no_violation(rank=1)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "expected no violation (rank=1), found 2"
+    assert lines[2].split()[:2] == ["side", "rank"] and lines[5].split()[:2] == ["decode", "1"]
+    assert "vs rank 0" in lines[5]
+
+
+def test_an_engine_of_one_rank_is_rank_0() -> None:
+    canary = _canary(logged=[_violation()])
+    assert canary.violations(rank=0) == [_violation()]
+    with pytest.raises(ValueError, match="0 to 0; got 1"):
+        canary.violations(rank=1)

@@ -101,6 +101,33 @@ def test_spares_go_to_the_first_pairs(tmp_path: Path) -> None:
     assert second.pair() == ("cuda:1", "cuda:1")
 
 
+def test_parallel_ranks_take_distinct_gpus_without_waiting(tmp_path: Path) -> None:
+    """Two workers, two GPUs, one worker per GPU: each worker's tp=2 engine gets both GPUs, its own
+    first, without waiting for the other's (held by the other as its primary), so two such tests
+    at once never deadlock; three ranks cannot run on two GPUs."""
+    def waited(message: str) -> None:
+        pytest.fail(f"a rank's lease waited: {message}")
+
+    first, second = _workers(tmp_path, 2, gpus=2, per_gpu=1, on_wait=waited)
+    assert (first.primary(), second.primary()) == ("cuda:0", "cuda:1")
+    assert first.ranks(2) == ("cuda:0", "cuda:1")
+    assert second.ranks(2) == ("cuda:1", "cuda:0")
+    assert first.ranks(2) == ("cuda:0", "cuda:1")  # kept
+    assert first.ranks(3) is None
+
+
+def test_parallel_ranks_take_the_least_shared_gpus_and_a_held_spare_first(tmp_path: Path) -> None:
+    first, second = _workers(tmp_path, 2, gpus=4)
+    assert (first.primary(), second.primary()) == ("cuda:0", "cuda:1")
+    assert first.ranks(2) == ("cuda:0", "cuda:2")  # GPU 2 is nobody's, GPU 1 is second's primary
+    assert second.pair() == ("cuda:1", "cuda:3")
+    assert second.ranks(3) == ("cuda:1", "cuda:3", "cuda:0")  # its spare, then the least shared
+
+
+def test_parallel_ranks_share_the_cpu(tmp_path: Path) -> None:
+    assert _workers(tmp_path, 1, gpus=0)[0].ranks(4) == ("cpu",) * 4
+
+
 def test_cpu_and_auto_without_gpus(tmp_path: Path) -> None:
     cpu = DeviceLeases("cpu", tmp_path, None, gpu_count=lambda: pytest.fail("cpu must not count GPUs"))
     assert cpu.pair() == ("cpu", "cpu")

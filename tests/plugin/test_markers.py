@@ -11,9 +11,10 @@ from pytest_kvcanary.plugin import OFF_REASON
 def test_markers_are_registered(kvtester: pytest.Pytester) -> None:
     result = kvtester.runpytest("--markers")
     result.stdout.fnmatch_lines([
-        "@pytest.mark.kv_perturb(mode, *, prob=1.0, side=None, target_group=None, warmup_steps=0): *",
+        "@pytest.mark.kv_perturb(mode, *, prob=1.0, side=None, target_group=None, warmup_steps=0, rank=None): *",
         "@pytest.mark.kv_attention(*kinds): *",
         "@pytest.mark.kv_canary(**overrides): *",
+        "@pytest.mark.kv_parallel(tp=1, pp=1): *",
     ])
 
 
@@ -80,7 +81,7 @@ BAD_MARKERS = [
      "real_kv_unused_cache, real_kv_post_forward; got 'flip_everything'"),
     ('kv_perturb("req_to_token", probability=1)',
      "kv_perturb('req_to_token', probability=1): unknown keyword 'probability'; "
-     "allowed: prob, side, target_group, warmup_steps"),
+     "allowed: prob, side, target_group, warmup_steps, rank"),
     ('kv_perturb("req_to_token", prob=2)', "kv_perturb('req_to_token', prob=2): prob must be a number in [[]0, 1[]]; got 2"),
     ('kv_perturb("req_to_token", target_group="local")',
      "kv_perturb('req_to_token', target_group='local'): target_group must be one of full, swa, draft; got 'local'"),
@@ -96,6 +97,13 @@ BAD_MARKERS = [
     ('kv_canary(real_data="some")',
      "kv_canary(real_data='some'): real_data must be one of none, partial, all; got 'some'"),
     ('kv_canary("raise")', "kv_canary('raise'): takes keyword arguments only *"),
+    ('kv_perturb("req_to_token", rank=-1)', "kv_perturb('req_to_token', rank=-1): rank must be an integer >= 0; got -1"),
+    ('kv_perturb("req_to_token", rank=1)',
+     "kv_perturb('req_to_token', rank=1): rank=1 is not a rank of the test's engine, which has 1 (ranks 0 to 0; "
+     "kv_parallel(tp=..., pp=...) makes more)"),
+    ("kv_parallel(2)", "kv_parallel(2): takes keyword arguments only: tp, pp"),
+    ("kv_parallel(dp=2)", "kv_parallel(dp=2): unknown keyword 'dp'; allowed: tp, pp"),
+    ("kv_parallel(tp=0)", "kv_parallel(tp=0): tp must be an integer >= 1; got 0"),
 ]
 
 

@@ -154,6 +154,11 @@ def test_precedence_cli_marker_ini(kvtester: pytest.Pytester, args: tuple[str, .
          "ERROR: --kv-canary-vllm-attention-isa must be one of readable, vllm, amx, vec, vec16; got 'avx2'"),
         ([], "kv_canary_vllm_attention_isa = AMX",
          "ERROR: ini option kv_canary_vllm_attention_isa must be one of readable, vllm, amx, vec, vec16; got 'AMX'"),
+        (["--kv-canary-tp=0"], "", "ERROR: --kv-canary-tp must be an integer >= 1; got '0'"),
+        ([], "kv_canary_pp = two", "ERROR: ini option kv_canary_pp must be an integer >= 1; got 'two'"),
+        (["--kv-canary", "--kv-canary-tp=2", "--kv-canary-engine=elsewhere"], "",
+         "ERROR: --kv-canary-tp needs the reference engine (only it runs parallel here); the run's engine is "
+         "'elsewhere'; got '2'"),
     ],
 )
 def test_bad_values_are_usage_errors(kvtester: pytest.Pytester, args: list[str], ini: str, message: str) -> None:
@@ -333,3 +338,47 @@ def test_the_largest_seed_runs_a_fault_injection_test(realtester: pytest.Pyteste
     result = realtester.runpytest("--kv-canary", "--kv-canary-seed=4294967295")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*show the replay line*", "replay: pytest *--kv-canary-seed=4294967295 *"])
+
+
+PARALLEL_TEST = """
+import pytest
+
+@pytest.mark.kv_parallel(pp=2)
+def test_marked(kv_engine):
+    print("ENGINE", *kv_engine.parallel, kv_engine.device)
+
+def test_unmarked(kv_engine):
+    print("ENGINE", *kv_engine.parallel, kv_engine.device)
+"""
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ((), ["ENGINE 2 2 cpu", "ENGINE 2 1 cpu"]),  # the marker's pp over the ini's, the ini's tp
+        (("--kv-canary-tp=4", "--kv-canary-pp=1"), ["ENGINE 4 1 cpu", "ENGINE 4 1 cpu"]),  # command line over both
+    ],
+    ids=["marker-over-ini", "cli-over-marker"],
+)
+def test_parallel_precedence_cli_marker_ini(kvtester: pytest.Pytester, args: tuple[str, ...],
+                                            expected: list[str]) -> None:
+    kvtester.makepyfile(PARALLEL_TEST)
+    kvtester.makeini("[pytest]\nkv_canary = log\nkv_canary_tp = 2\n")
+    result = kvtester.runpytest("-s", "-p", "no:randomly", *args)
+    result.assert_outcomes(passed=2)
+    assert [line[line.index("ENGINE "):] for line in result.outlines if "ENGINE " in line] == expected
+
+
+def test_parallel_tests_skip_on_an_engine_without_one(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_parallel(tp=2)
+        def test_parallel(kv_engine): pass
+
+        def test_single(kv_engine): pass
+    """)
+    result = kvtester.runpytest("--kv-canary", "--kv-canary-engine=elsewhere", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*kv_parallel runs the reference engine only; engine 'elsewhere' has no parallel "
+                                 "engine here*"])

@@ -194,7 +194,7 @@ def test_json_report(kvtester: pytest.Pytester) -> None:
     assert detected["outcome"] == "passed" and detected["device"] == "cpu" and detected["kind"] == "pd"
     assert detected["expected"] is True and tests["test_suite.py::test_clean"]["expected"] is True
     assert detected["perturbs"] == [{"mode": "real_kv_post_forward", "prob": 1.0, "side": "prefill",
-                                     "target_group": "full", "warmup_steps": 0}]
+                                     "target_group": "full", "warmup_steps": 0, "rank": None}]
     assert [(v["reasons"], v["side"], v["request"]) for v in detected["violations"]] == [
         (["verify_real_kv_hash"], "decode", None)]
     assert set(detected["stats"]) == {"prefill", "decode"}
@@ -225,3 +225,21 @@ def test_engine_lines_name_the_canary_settings_that_tell_them_apart(kvtester: py
         "reference/single/mha on cpu [[]worker main, 1 test, sweep_interval=4[]] single: *",
         "reference/single/mha on cpu [[]worker main, 1 test, sweep_interval=2[]] single: *",
     ])
+
+
+def test_the_summary_and_the_json_report_name_each_workers_devices(tmp_path) -> None:
+    """Which devices each worker's tests ran on: its GPU, and a parallel engine's ranks'."""
+    from pytest_kvcanary.report import EngineRef, ReportEntry, RunResults
+
+    results = RunResults()
+    for worker, device, tp in (("gw0", "cuda:0", 1), ("gw0", "cuda:0,cuda:1", 2), ("gw1", "cuda:1", 1),
+                               ("gw0", "cuda:0", 1)):
+        ref = EngineRef(worker, 0 if tp == 1 else 1, "reference", "single", "mha", device, {}, tp=tp)
+        results.add_test(ReportEntry.guarded("t", "passed", ref, seed=0, perturbs=[], violations=[], requests=[],
+                                             injections=[], stats={}, expected=False, read_error=None))
+    assert "devices: gw0 -> cuda:0, cuda:0,cuda:1; gw1 -> cuda:1" in results.summary_lines()
+    results.write_json(tmp_path / "r.json", {})
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["workers"] == {"gw0": ["cuda:0", "cuda:0,cuda:1"], "gw1": ["cuda:1"]}
+    assert [(e["device"], e["tp"], e["pp"]) for e in report["engines"]] == [
+        ("cuda:0", 1, 1), ("cuda:0,cuda:1", 2, 1), ("cuda:1", 1, 1)]
