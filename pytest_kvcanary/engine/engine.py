@@ -36,7 +36,8 @@ from .weights import load_weights
 
 class Engine:
     """Attributes for tools that reach inside: ``model``, ``pools`` (FULL ``pools.full`` and SWA
-    ``pools.swa`` KV pools, ``pools.swa.full_to_swa``), ``req_to_token_pool`` (``.table``),
+    ``pools.swa`` KV pools, ``pools.swa.full_to_swa``), ``req_to_token_pool`` (``.table``: per token,
+    or with page_size > 1 a block table of pages; ``.read(row, start, end)`` gives slots),
     ``radix_cache``, ``scheduler`` (``running`` / ``waiting`` requests; each running request has
     ``row``, ``kv_len``, ``prefix_len``, ``token_ids``), ``forward_count``, ``token_table``
     (``[rows, max_context]``: the token at each position of each row's request, -1 past it),
@@ -52,11 +53,13 @@ class Engine:
         self.model.to(self.device)
         self.tokenizer = ByteTokenizer()
         self.pools = KVPools(config)
-        self.req_to_token_pool = ReqToTokenPool(config.max_running, config.model.max_context, self.device)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running, config.model.max_context, self.device,
+                                                config.page_size)
         window = config.model.window if self.pools.swa is not None else None
         self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window)
         self.scheduler = Scheduler(config, self.pools, self.req_to_token_pool, self.radix_cache)
-        self.token_table = torch.full_like(self.req_to_token_pool.table, -1)
+        self.token_table = torch.full((config.max_running, config.model.max_context), -1, dtype=torch.int64,
+                                      device=self.device)
         self.drafter = None if self.pools.draft is None else Drafter(
             self.model, config, self.pools.draft, self.req_to_token_pool.table, self.token_table, self.device)
         self.forward_count = 0
@@ -94,10 +97,11 @@ class Engine:
         if total > m.max_context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
                              f"exceeds max_context ({m.max_context})")
+        ps = self.config.page_size
         for name, pool in (("num_slots", self.pools.full), ("swa_num_slots", self.pools.swa)):
-            if pool is not None and total - 1 > pool.num_slots - 1:  # slot 0 is reserved
+            if pool is not None and -(-(total - 1) // ps) * ps > pool.num_slots - ps:  # page 0 is reserved
                 raise ValueError(f"pool too small for a single request: it needs {total - 1} KV slots, "
-                                 f"{name}={pool.num_slots} holds {pool.num_slots - 1}")
+                                 f"{name}={pool.num_slots} holds {pool.num_slots - ps} in pages of {ps}")
         req = Request(self._next_rid, ids, max_new_tokens, context_key)
         self._next_rid += 1
         self.scheduler.waiting.append(req)
@@ -150,14 +154,15 @@ class Engine:
     # CanaryHost
     def canary_groups(self) -> Sequence[PoolGroup]:
         full, swa, draft, table = self.pools.full, self.pools.swa, self.pools.draft, self.req_to_token_pool.table
-        groups = [PoolGroup(GroupKind.FULL, full.k_layers, full.v_layers, full.num_slots, SlotMapping(table))]
+        ps = self.config.page_size  # the table is a block table of FULL pages when > 1
+        groups = [PoolGroup(GroupKind.FULL, full.k_layers, full.v_layers, full.num_slots, SlotMapping(table, ps))]
         if swa is not None:
             groups.append(PoolGroup(GroupKind.SWA, swa.k_layers, swa.v_layers, swa.num_slots,
-                                    SlotMapping(table, full_to_group=swa.full_to_swa),
+                                    SlotMapping(table, ps, full_to_group=swa.full_to_swa),
                                     window=self.config.model.window))
         if draft is not None:
             groups.append(PoolGroup(GroupKind.DRAFT, draft.k_layers, draft.v_layers, draft.num_slots,
-                                    SlotMapping(table, full_to_group=draft.full_to_draft)))
+                                    SlotMapping(table, ps, full_to_group=draft.full_to_draft)))
         return groups
 
     def canary_capacities(self) -> Capacities:
