@@ -262,6 +262,8 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     serial, handle = _checkout(pool, key, settings.seed)
     _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), real_data=canary.real_data,
                   engine=f"{settings.engine}/{attention}")
+    if perturbs and (why := handle.unsupported(perturbs)):
+        pytest.skip(why)
     pool.reset(key, settings.seed, perturbs)
     node.stash[_RECORD] = _TestRecord(key, serial, handle, SINGLE_SIDES if kind == "single" else PD_SIDES,
                                       perturbs, settings.seed)

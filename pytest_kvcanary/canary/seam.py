@@ -100,6 +100,13 @@ class CanaryHost(Protocol):
     # announce frees (a damaged slot written again is then reported as overwritten).
     add_free_listener: Callable[[FreeListener], None] | None = None
 
+    # Optional. feed_token(view, index, token): called from a forward observer in before_forward
+    # (before HEAD, eager forwards only), make the forward about to run embed `token` at view token
+    # `index` (the last token of its batch row) instead of the one it was to be fed: write it where
+    # the forward will read it, and into view.input_ids when they are a copy already made. The
+    # fault injector's next_token_swap uses it; None: that mode cannot run on this engine.
+    feed_token: Callable[[ForwardView, int, int], None] | None = None
+
 
 class ForwardHooks(Protocol):
     """What an engine calls around each forward, in the order of the module docstring (the
@@ -214,7 +221,7 @@ class UnsupportedAttention(LookupError):
     latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
-OPTIONAL_MEMBERS = ("add_free_listener", "prefix_caching", "request_at")
+OPTIONAL_MEMBERS = ("add_free_listener", "feed_token", "prefix_caching", "request_at")
 
 
 def _required_methods() -> tuple[str, ...]:

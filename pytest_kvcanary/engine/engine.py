@@ -177,6 +177,11 @@ class Engine:
     def cache_walk(self) -> CacheWalk:
         return self.radix_cache.walk()
 
+    def feed_token(self, view: ForwardView, index: int, token: int) -> None:
+        """The forward about to run embeds `token` at view token `index` (optional CanaryHost
+        extra): the view's input_ids are the tensor the forward consumes."""
+        view.input_ids[index] = token
+
     def _run(self, batch: Batch | None) -> list[Request]:
         """Forward and account one batch; returns the requests that finished in it. None: idle,
         which is a stall while requests wait (nothing running frees what they need)."""

@@ -20,9 +20,9 @@ from ..canary.seam import CanaryHost, ForwardView, optional
 from ..config import PerturbSpec
 from .fit import misfit, target
 from .ledger import Injection, Ledger
-from .targets import Target, cached_only_targets, read_targets, written_targets
+from .targets import Target, cached_only_targets, feeds, read_targets, written_targets
 
-BEFORE_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache")
+BEFORE_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "next_token_swap")
 
 
 class PerturbError(ValueError):
@@ -81,6 +81,8 @@ class FaultInjector:
                 self._flip(spec, group, cached_only_targets(self.host, group), byte=None)
             elif spec.mode == "real_kv_used":
                 self._flip(spec, group, read_targets(view, group), byte=0)
+            elif spec.mode == "next_token_swap":
+                self._swap(spec, view)
             else:
                 self._remap(spec, group, view)
 
@@ -157,6 +159,28 @@ class FaultInjector:
         space = torch.tensor([wrong * page + lp % page], dtype=torch.int64)
         slot = int(group.to_group_slots(space)[0])
         self._record(spec, group, Target(slot, int(space[0]), first, t.row), -1, None)
+
+    def _swap(self, spec: PerturbSpec, view: ForwardView) -> None:
+        """Feed one request of this forward another token than its newest one (the last token of
+        its row whose token the engine knows): the token another request is fed, where one
+        differs, else a neighbouring id. Recorded in every pool group where its position has a
+        slot: TAIL of this forward stamps what the forward consumed there and reports write_token."""
+        feed = optional(self.host, "feed_token")
+        if feed is None or view.token_table is None:
+            return
+        fed = feeds(view)
+        if not fed:
+            return
+        index, row, position = self._rng.choice(fed)
+        tokens = view.input_ids.cpu()
+        token = int(tokens[index])
+        others = sorted({int(tokens[i]) for i, _, _ in fed} - {token})
+        feed(view, index, others[0] if others else (token - 1 if token > 0 else token + 1))
+        rows, positions = torch.tensor([row], dtype=torch.int64), torch.tensor([position], dtype=torch.int64)
+        for group in self.runtime.groups:
+            space, slot = (int(t[0]) for t in group.mapped_slots(rows, positions))
+            if slot:
+                self._record(spec, group, Target(slot, space, position, row), -1, None)
 
     def _record(self, spec: PerturbSpec, group: GroupState, t: Target, byte: int, half: str | None) -> None:
         self.ledger.record(Injection(

@@ -21,6 +21,8 @@ DETECTING_REASONS = {
     "real_kv_used": ("verify_real_kv_hash",),
     "real_kv_unused_cache": ("verify_real_kv_hash",),
     "real_kv_post_forward": ("verify_real_kv_hash",),
+    # TAIL of the forward fed the other token, then any read of the record it stamped.
+    "next_token_swap": ("write_token", "verify_token"),
 }
 
 
@@ -37,7 +39,9 @@ class Place(NamedTuple):
 class Injection:
     """One injected fault. slot: in the target group's pool; row: request row (-1 when only the
     radix cache held the slot); byte: flipped byte within the slot (-1 for req_to_token, whose
-    damage is the mapping itself); step: the engine's forward index; half: K or V for a flip."""
+    damage is the mapping itself, and next_token_swap, whose damage is what the forward wrote at
+    the position it was fed another token at); step: the engine's forward index; half: K or V for
+    a flip."""
 
     mode: str
     side: str
@@ -78,6 +82,8 @@ class Injection:
                 return False
             return v.position == self.position or (v.position == self.position + 1
                                                    and "verify_chain_hash" in v.reasons)
+        if "write_token" in v.reasons:  # next_token_swap: TAIL of the forward fed the other token
+            return (v.side, v.step, v.row, v.position) == (self.side, self.step, self.row, self.position)
         if v.side == self.side and v.step < self.step:
             return False
         # A violation after a place was freed or overwritten is about whatever lives there now. A
@@ -110,7 +116,8 @@ class Ledger:
         self.injections.append(injection)
 
     def damaged(self, side: str, group: GroupKind) -> set[int]:
-        """Slots of a side's pool group that hold flipped bytes not yet freed or overwritten."""
+        """Slots of a side's pool group that hold damage (flipped bytes, a swapped token's KV) not yet
+        freed or overwritten."""
         return {p.slot for inj in self.injections if inj.group == group.label and inj.mode != "req_to_token"
                 for p in inj.places if p.side == side and p not in inj.gone}
 
@@ -127,9 +134,11 @@ class Ledger:
     def escape(self, side: str, group: GroupKind, slots: set[int], cause: str, step: int) -> None:
         """These slots of a side's pool group lost their data at that side's forward `step`
         (freed or overwritten). Injections whose every copy is gone escaped, unless `match`
-        later finds a violation from before."""
+        later finds a violation from before. A next_token_swap's slot written by the forward it was
+        injected in holds its damage: that write is no loss."""
         for inj in self.injections:
-            if inj.group != group.label or inj.mode == "req_to_token" or inj.status == "escaped":
+            if inj.group != group.label or inj.mode == "req_to_token" or inj.status == "escaped" \
+                    or (inj.mode == "next_token_swap" and (inj.side, inj.step) == (side, step)):
                 continue
             for p in inj.places:
                 if p.side == side and p.slot in slots:

@@ -14,8 +14,9 @@ and a forward hook on the model that act only in a forward the wrapper runs (nev
 model call): before the model, after transformers' carry-over of async tokens, the staged buffer is
 copied to the device and the view's lengths and block tables are derived there from the cumulative
 sequence lengths and the read and write indices transformers hands the forward (forward_view.py),
-then hooks.before_forward; after it, the view's input ids and positions are copied from the very
-buffers the forward consumed, then hooks.after_forward. hooks.end_forward follows as soon as the
+its input ids and positions copied from the buffers the forward consumes, then hooks.before_forward;
+after it, the view's input ids and positions are copied again from the very buffers the forward
+consumed, then hooks.after_forward. hooks.end_forward follows as soon as the
 forward is launched, before transformers waits for its outputs: its host work now and then (a
 sweep's walk and plan, a log poll) runs while the device computes the forward, the device work it
 launches runs on the compute stream after the forward, and a step it launches nothing in pays no
@@ -171,6 +172,7 @@ class TransformersEngine:
         self._use_cuda_graph = use_cuda_graph
         self._in_forward = canary_graphs or not use_cuda_graph  # the canary's work inside the model's forward
         self._forward_pair: int | None = None  # the IO pair of the forward the wrapper runs now
+        self._head_pair = 0  # the IO pair of the forward whose HEAD ran last
         if self._in_forward:  # the model outlives the engine: its hooks hold the engine weakly
             for handle in (model.register_forward_pre_hook(_weakly(self._head_in_forward), with_kwargs=True),
                            model.register_forward_hook(_weakly(self._tail_in_forward), with_kwargs=True)):
@@ -373,14 +375,27 @@ class TransformersEngine:
     def _head(self, hooks: ForwardHooks, pair: int, inputs: dict[str, Any]) -> None:
         """What the host staged for this forward onto the device, the view's lengths and block
         tables from the buffers and indices the forward consumes (`inputs`: its keyword
-        arguments), then HEAD (device work)."""
+        arguments) and its inputs as they are now (what a forward observer sees), then HEAD
+        (device work)."""
         if inputs.get("block_table") is not None:
             raise UnsupportedModel("transformers runs this batch on its block-table decode path (flash attention "
                                    "with a KV cache); the canary reads the read and write indices of the SDPA path")
         self._buffers.upload()
         self._buffers.apply_tokens()
-        self._derived[pair].derive(inputs["read_index"], inputs["write_index"])
+        derived = self._derived[pair]
+        derived.derive(inputs["read_index"], inputs["write_index"])
+        derived.copy_inputs()
+        self._head_pair = pair
         hooks.before_forward(self._view)
+
+    def feed_token(self, view: Any, index: int, token: int) -> None:
+        """The forward about to run embeds `token` at view token `index` (optional CanaryHost extra,
+        from a forward observer in before_forward): written into the input ids transformers staged
+        for it and into the view's copy of them. With async batching and the canary around
+        transformers' graphs, transformers' carry-over of a token sampled by the forward before may
+        still overwrite it."""
+        self._derived[self._head_pair].input_ids[index] = token
+        view.input_ids[index] = token
 
     def _tail(self, hooks: ForwardHooks, pair: int) -> None:
         """The inputs as the forward left them into the view, then RECHECK and TAIL (device work)."""

@@ -110,10 +110,36 @@ def test_each_wrong_mapping_is_one_of_its_own_and_detected():
         assert all(i.status == "detected" for i in handle.injections()), [i.describe() for i in handle.injections()]
 
 
-@pytest.mark.parametrize("mode", PERTURB_MODES)
+@pytest.mark.parametrize("mode", [m for m in PERTURB_MODES if m != "next_token_swap"])
 def test_a_model_with_two_pool_groups_needs_target_group(mode):
     with pytest.raises(PerturbError, match=r"target_group is required: this engine has pool groups full, swa; allowed: full, swa$"):
         make_handle("swa").reset(0, (PerturbSpec(mode),))
+
+
+def test_a_swapped_token_needs_no_target_group_and_is_recorded_in_every_group_it_was_written_to():
+    """The token lands in every pool group the forward writes: one injection per group, each
+    detected by that group's TAIL write_token at the same row and position."""
+    handle = make_handle("swa", real_data="none")
+    handle.reset(0, (PerturbSpec("next_token_swap", warmup_steps=1),))
+    handle.generate([[BYTE_TOKENS] + list(range(1, 12))], max_new_tokens=3)
+    injections = handle.injections()
+    by_step = Counter(i.step for i in injections)
+    assert by_step == {1: 2, 2: 2}, by_step  # the two decodes, once per group
+    assert {(i.step, i.row, i.position) for i in injections if i.group == "full"} == \
+        {(i.step, i.row, i.position) for i in injections if i.group == "swa"}
+    for inj in injections:
+        v = inj.detected_by
+        assert (v.phase, v.group.lower(), v.reasons, v.slot) == ("TAIL", inj.group, ("write_token",), inj.slot)
+
+
+def test_an_engine_that_cannot_feed_another_token_is_named_by_the_reason_to_skip():
+    handle = make_handle("mha")
+    assert handle.unsupported((PerturbSpec("req_to_token"),)) is None
+    assert handle.unsupported((PerturbSpec("next_token_swap"),)) is None
+    handle.side.engine = _HostWithoutFreeReports(handle.engine)  # the bare seam: no feed_token
+    assert handle.unsupported((PerturbSpec("next_token_swap"),)) == (
+        "kv_perturb('next_token_swap') needs an engine that can feed a forward another token "
+        "(CanaryHost.feed_token); the single engine (_HostWithoutFreeReports) has none")
 
 
 @pytest.mark.parametrize("mode", PERTURB_MODES)

@@ -1,6 +1,7 @@
 """Each fault mode on every pool group of the reference engine, one fault per group and forward:
 detected with the reason the mode must produce at the first read of the damage (HEAD for what a
-forward reads, SWEEP for what only the radix cache holds), or escaped with a cause; recall 100%."""
+forward reads, SWEEP for what only the radix cache holds, TAIL for a forward fed another token), or
+escaped with a cause; recall 100%."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ MODE_PHASES = {
     "real_kv_used": {"HEAD"},
     "real_kv_unused_cache": {"SWEEP"},
     "real_kv_post_forward": {"HEAD", "SWEEP"},
+    "next_token_swap": {"TAIL"},
 }
 SEEDS = range(20)
 TRITON_SEEDS = range(2)
@@ -56,6 +58,9 @@ def latency_summary(injections: list[Injection]) -> str:
 def check_detection(inj: Injection, violations: list[Violation], reads: HeadReads) -> None:
     """A detected fault was reported with its mode's reason at the first read of the damage."""
     v = inj.detected_by
+    if inj.mode == "next_token_swap":  # TAIL of the forward fed the other token
+        assert (v.phase, inj.latency, v.reasons) == ("TAIL", 0, ("write_token",)), inj.describe()
+        return
     if inj.mode == "req_to_token":
         reasons = {r for w in violations if inj.matches(w) for r in w.reasons}
         assert (v.phase, inj.latency) == ("HEAD", 0) and reasons & {"verify_position", "verify_chain_hash"}, \
