@@ -24,6 +24,7 @@ from pytest_kvcanary.canary.seam import (
 from .attention import PagedKV
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs
+from .host_tier import HostTier
 from .kv_pool import KVPools, ReqToTokenPool
 from .model import CausalLM
 from .radix_cache import RadixCache
@@ -42,7 +43,8 @@ class Engine:
     ``row``, ``kv_len``, ``prefix_len``, ``token_ids``), ``forward_count``, ``token_table``
     (``[rows, max_context]``: the token at each position of each row's request, -1 past it),
     ``drafter`` (speculative decoding's draft model and its acceptance counts, or None; its KV
-    pool is ``pools.draft``)."""
+    pool is ``pools.draft``), ``host_tier`` (the host-memory tier the radix cache writes evicted
+    pages back to, or None; also the seam's optional CanaryHost.host_tier)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -53,10 +55,11 @@ class Engine:
         self.model.to(self.device)
         self.tokenizer = ByteTokenizer()
         self.pools = KVPools(config)
+        self.host_tier = HostTier(config, self.pools, self.device) if config.host_num_slots else None
         self.req_to_token_pool = ReqToTokenPool(config.max_running, config.model.max_context, self.device,
                                                 config.page_size)
         window = config.model.window if self.pools.swa is not None else None
-        self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window)
+        self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window, self.host_tier)
         self.scheduler = Scheduler(config, self.pools, self.req_to_token_pool, self.radix_cache)
         self.token_table = torch.full((config.max_running, config.model.max_context), -1, dtype=torch.int64,
                                       device=self.device)
@@ -140,6 +143,8 @@ class Engine:
         self.scheduler.reset()
         self.radix_cache.reset()
         self.pools.restart()
+        if self.host_tier is not None:
+            self.host_tier.restart()
         self.req_to_token_pool.restart()
         self.token_table.fill_(-1)
         self._steps = 0
@@ -202,6 +207,8 @@ class Engine:
         inside them); each request's new tokens: its greedy next token, or in a speculative decode
         the proposals the target accepted and its own next token."""
         hooks = self._hooks
+        if self.host_tier is not None:  # no forward reads a page before it is loaded back, nor
+            self.host_tier.wait()  # rewrites one before it is written back
         self._note_rows(batch)
         if not batch.is_prefill and self._decode is not None:
             tokens = self._decode.run(hooks, [r.row for r in batch.reqs], batch.prefix_lens, batch.input_ids.tolist(),

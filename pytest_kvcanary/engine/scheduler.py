@@ -4,7 +4,8 @@ Each step is one batch: a prefill of waiting requests (extending their cached pr
 the token budget and memory allow, else a decode of every running request (with speculative
 decoding, up to k + 1 positions per request: the last token and k draft proposals). Memory comes
 in whole pages, from the free lists, then from evicting the radix cache: a request's positions fill
-its last page before a new one is taken. A prefill that still does not fit waits, a decode that does
+its last page before a new one is taken. A prefill whose cached prefix runs on in the host tier gets
+device pages for that part first and its KV loaded back into them. A prefill that still does not fit waits, a decode that does
 not fit retracts the newest running request (frees what it owns, draft KV included, and requeues it
 first: it is prefilled again, its cached prefix reused).
 In a prefill/decode pair the prefill side only runs schedule_prefill, and the decode side admits
@@ -20,7 +21,7 @@ import torch
 
 from .config import EngineConfig
 from .kv_pool import KVPools, ReqToTokenPool, page_slots
-from .radix_cache import RadixCache
+from .radix_cache import MatchResult, RadixCache
 from .request import Request
 
 DRAFT_TOKEN = -1  # a speculative decode's input id the draft has not proposed yet
@@ -121,6 +122,8 @@ class Scheduler:
             req = self.waiting[0]
             tokens = req.token_ids
             match = self.radix_cache.match_prefix(tokens[:-1], req.context_key)  # leave one token to compute
+            if match.host_node is not None:
+                match = self._load_back(match)
             extend = len(tokens) - match.slots.numel()
             if extend > budget:
                 break
@@ -140,6 +143,17 @@ class Scheduler:
             locs.append(self._slots(req, extend, pages))
             budget -= extend
         return self._batch(reqs, locs, is_prefill=True) if reqs else None
+
+    def _load_back(self, match: MatchResult) -> MatchResult:
+        """The match with the part only the host tier holds loaded back into device pages (the
+        copies launched), or its device part alone when device memory is short."""
+        cache = self.radix_cache
+        cache.lock(match.host_node)  # allocating may evict: not what is about to be loaded back
+        pages = self._alloc(match.host_len // self.pools.page_size)
+        cache.unlock(match.host_node)
+        if pages is None:
+            return MatchResult(match.slots, match.node)
+        return cache.load_back(match, pages)
 
     def _schedule_decode(self) -> Batch | None:
         if not self.running:

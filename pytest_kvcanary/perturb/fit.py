@@ -35,6 +35,9 @@ def lacking(spec: PerturbSpec, engine: Any, name: str) -> str | None:
     if spec.mode == "next_token_swap" and optional(engine, "feed_token") is None:
         return (f"kv_perturb('next_token_swap') needs an engine that can feed a forward another token "
                 f"(CanaryHost.feed_token); {name} ({type(engine).__name__}) has none")
+    if spec.mode == "real_kv_host" and optional(engine, "host_tier") is None:
+        return (f"kv_perturb('real_kv_host') needs an engine with a host-memory tier (CanaryHost.host_tier); "
+                f"{name} ({type(engine).__name__}) has none")
     return None
 
 

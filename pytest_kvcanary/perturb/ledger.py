@@ -21,18 +21,23 @@ DETECTING_REASONS = {
     "real_kv_used": ("verify_real_kv_hash",),
     "real_kv_unused_cache": ("verify_real_kv_hash",),
     "real_kv_post_forward": ("verify_real_kv_hash",),
+    # Read where a load-back from the host tier brought the damaged page.
+    "real_kv_host": ("verify_real_kv_hash",),
     # TAIL of the forward fed the other token, then any read of the record it stamped.
     "next_token_swap": ("write_token", "verify_token"),
 }
 
 
 class Place(NamedTuple):
-    """Where damaged data lives: an engine side, the slot in the target group's pool, and the
-    FULL-pool slot that owns it (they are equal for the FULL group)."""
+    """Where damaged data lives: an engine side (or "<side>:host", its host tier), the slot in the
+    target group's pool (a host slot there), and the FULL-pool slot that owns it (they are equal for
+    the FULL group and on the host); since: the side's forward from which on it is there (0: from
+    the injection on)."""
 
     side: str
     slot: int
     full_slot: int
+    since: int = 0
 
 
 @dataclass
@@ -65,10 +70,11 @@ class Injection:
 
     @property
     def latency(self) -> int | None:
-        """Forwards from injection to detection (on the detecting side's clock when it moved)."""
+        """Forwards from injection to detection, on the injection side's clock (a host tier's
+        side, "<side>:host", keeps its engine's); None when detected on another engine (PD)."""
         if self.detected_by is None:
             return None
-        return self.detected_by.step - self.step if self.detected_by.side == self.side else None
+        return self.detected_by.step - self.step if self.detected_by.side == self.side.partition(":")[0] else None
 
     def matches(self, v: Violation) -> bool:
         if v.group.lower() != self.group or not set(v.reasons) & set(DETECTING_REASONS[self.mode]):
@@ -89,7 +95,7 @@ class Injection:
         # A violation after a place was freed or overwritten is about whatever lives there now. A
         # sweep runs after its forward and carries the next forward's step, as does a free made
         # while scheduling that forward: the sweep came first.
-        return any((v.side, v.slot) == (p.side, p.slot)
+        return any((v.side, v.slot) == (p.side, p.slot) and v.step >= p.since
                    and (v.step < self.gone.get(p, v.step + 1) or (v.phase == "SWEEP" and v.step == self.gone[p]))
                    for p in self.places)
 
@@ -147,7 +153,8 @@ class Ledger:
                 inj.status, inj.cause = "escaped", cause
 
     def moved(self, side: str, group: GroupKind, full_slot: int, to: Place) -> None:
-        """A transfer copied the data of (side, full_slot) in that pool group to `to`."""
+        """A transfer (or a write-back to a host tier, or a load-back from it) copied the data of
+        (side, full_slot) in that pool group to `to`."""
         for inj in self.injections:
             if inj.group == group.label and any(p.side == side and p.full_slot == full_slot
                                           for p in inj.places if p not in inj.gone):

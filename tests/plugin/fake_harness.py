@@ -25,6 +25,7 @@ REASON = {
     "real_kv_unused_cache": "verify_real_kv_hash",
     "real_kv_post_forward": "verify_real_kv_hash",
     "next_token_swap": "write_token",
+    "real_kv_host": "verify_real_kv_hash",
 }
 DEDUP_CAUSE = "slot freed by radix dedup before any read"
 

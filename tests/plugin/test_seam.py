@@ -65,7 +65,7 @@ def test_missing_methods_names_what_lacks_in_protocol_order():
 
 
 def test_a_name_that_is_not_an_optional_member_is_an_error():
-    with pytest.raises(ValueError, match="name must be one of add_free_listener, feed_token, prefix_caching, request_at; got 'generate'"):
+    with pytest.raises(ValueError, match="name must be one of add_free_listener, feed_token, host_tier, prefix_caching, request_at; got 'generate'"):
         optional(_Full(), "generate")
 
 

@@ -55,8 +55,10 @@ def assert_reference() -> Callable[[Engine, list[list[int]], list[list[int]]], N
 def check_invariants(engine: Engine, writing: torch.Tensor | None = None) -> None:
     """Every FULL page is free, cached by exactly one tree node or owned by exactly one running
     request (writing: the slots a forward about to run was given, whose new pages are not yet
-    counted); lock counts match the running requests; SWA residency matches the tombstones, and
-    everything the next forward's windowed layers read is resident."""
+    counted); lock counts match the running requests; every host page is free or held by exactly one
+    node, and a node off the device has a host copy and nothing on the device below it; SWA
+    residency matches the tombstones, and everything the next forward's windowed layers read is
+    resident."""
     full, swa, table = engine.pools.full, engine.pools.swa, engine.req_to_token_pool
     ps = full.page_size
     walk = engine.cache_walk()
@@ -80,6 +82,17 @@ def check_invariants(engine: Engine, writing: torch.Tensor | None = None) -> Non
             locks[node] = locks.get(node, 0) + 1
             node = node.parent
     assert all(n.lock_ref == locks.get(n, 0) for n in nodes), "lock counts disagree with running requests"
+    tier = engine.host_tier
+    if tier is not None:
+        held = torch.cat([slot_pages(n.host_value, ps) for n in nodes if n.host_value is not None] +
+                         [torch.empty(0, dtype=torch.int64)])
+        assert held.unique().numel() == held.numel(), "a host page is held twice"
+        assert not set(held.tolist()) & set(tier.free_pages.tolist()), "a held host page is also free"
+        assert held.numel() + tier.free_pages.numel() == tier.num_pages, "a host page leaked"
+        for n in nodes:
+            if n.value is None:
+                assert n.host_value is not None, "a node left the device without a host copy"
+                assert all(c.value is None for c in n.children.values()), "a device-resident node below an evicted one"
     if swa is None:
         return
     mapped = swa.full_to_swa.cpu()

@@ -64,8 +64,9 @@ def test_no_fault_armed_no_violation_and_an_empty_ledger(attention):
 @pytest.mark.parametrize("mode", PERTURB_MODES)
 def test_nothing_is_injected_before_the_warm_up_ends(mode):
     warmup = 5
-    handle = make_handle("swa")
-    handle.reset(0, (PerturbSpec(mode, target_group="swa", warmup_steps=warmup),))
+    engine, group = ("host", "full") if mode == "real_kv_host" else ("swa", "swa")
+    handle = make_handle(engine)
+    handle.reset(0, (PerturbSpec(mode, target_group=group, warmup_steps=warmup),))
     send_waves(handle, seed=0)
     steps = [i.step for i in handle.injections()]
     assert steps and min(steps) >= warmup
@@ -74,14 +75,15 @@ def test_nothing_is_injected_before_the_warm_up_ends(mode):
 
 
 def test_a_seed_replays_its_faults_and_another_seed_places_them_elsewhere():
+    """Every mode at once, on the engine with pages and a host tier."""
     specs = tuple(PerturbSpec(mode, target_group="full") for mode in PERTURB_MODES)
-    handle = make_handle("mha")
+    handle = make_handle("host")
     first = ledger_of(handle, 1, specs)
-    assert first
+    assert {i["mode"] for i in first} == set(PERTURB_MODES)
     assert ledger_of(handle, 2, specs) != first
     # Again after another run of the same engine, and on a new one (a replay in isolation).
     assert ledger_of(handle, 1, specs) == first
-    assert ledger_of(make_handle("mha"), 1, specs) == first
+    assert ledger_of(make_handle("host"), 1, specs) == first
 
 
 def test_wrong_mappings_are_put_back_after_their_forward_even_one_entry_remapped_twice():
@@ -130,6 +132,16 @@ def test_a_swapped_token_needs_no_target_group_and_is_recorded_in_every_group_it
     for inj in injections:
         v = inj.detected_by
         assert (v.phase, v.group.lower(), v.reasons, v.slot) == ("TAIL", inj.group, ("write_token",), inj.slot)
+
+
+def test_a_host_fault_needs_an_engine_with_a_host_tier():
+    with pytest.raises(PerturbError, match=r"^kv_perturb\('real_kv_host'\): the full group of this engine has no host "
+                                           r"tier to damage$"):
+        make_handle("mha").reset(0, (PerturbSpec("real_kv_host"),))
+    assert make_handle("mha").unsupported((PerturbSpec("real_kv_host"),)) == (
+        "kv_perturb('real_kv_host') needs an engine with a host-memory tier (CanaryHost.host_tier); the single "
+        "engine (Engine) has none")
+    assert make_handle("host").unsupported((PerturbSpec("real_kv_host"),)) is None
 
 
 def test_an_engine_that_cannot_feed_another_token_is_named_by_the_reason_to_skip():
