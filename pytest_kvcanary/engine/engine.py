@@ -220,11 +220,10 @@ class Engine:
             hooks.before_forward(view)
         on_store = None if hooks is None else hooks.kv_stored
         contexts = view.context_keys.repeat_interleave(view.extend_lens)
-        if self.drafter is not None and batch.is_prefill:
-            self.drafter.prefill(batch, view.input_ids, view.positions, contexts, on_store)
-        elif self.drafter is not None:
+        if self.drafter is not None:
             draft = view.group_inputs[GroupKind.DRAFT]
-            self.drafter.draft(batch, draft.input_ids, view.positions, draft.positions, contexts, on_store)
+            run = self.drafter.prefill if batch.is_prefill else self.drafter.draft
+            run(batch, draft.input_ids, view.positions, draft.positions, contexts, on_store)
         kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
                      batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device), on_store=on_store)
         hidden = self.model(view.input_ids, view.positions, kv, contexts)
@@ -256,8 +255,8 @@ class Engine:
         """The batch on the engine's device. Its input_ids and positions are the tensors the
         forward consumes (the model and, in a prefill, the draft read them; a speculative decode's
         draft writes its proposals into input_ids), so TAIL checks what the forward used against
-        the bookkeeping (token_table, prefix_lens). A speculative decode's draft forwards run at
-        positions of their own: they fill the DRAFT group's positions, from which its model reads
+        the bookkeeping (token_table, prefix_lens). The draft's forwards (speculative decoding) run
+        at positions of their own: they fill the DRAFT group's positions, from which its model reads
         them."""
 
         def on_device(values: list[int] | torch.Tensor) -> torch.Tensor:
@@ -265,7 +264,7 @@ class Engine:
 
         input_ids, positions = on_device(batch.input_ids), on_device(batch.positions)
         draft = None
-        if self.drafter is not None and not batch.is_prefill:  # -1: no draft forward ran there yet
+        if self.drafter is not None:  # -1: no draft forward ran there yet
             draft = {GroupKind.DRAFT: GroupInputs(input_ids, torch.full_like(positions, -1))}
         return ForwardView(
             rows=on_device([r.row for r in batch.reqs]),
