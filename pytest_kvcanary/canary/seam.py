@@ -75,19 +75,19 @@ FreeListener = Callable[[GroupKind, "torch.Tensor", str], None]
 
 class HostTierListener(Protocol):
     """Hears what a host-memory tier does with KV pages (the canary's records travel with the
-    bytes; the fault ledger follows damage). Slots are CPU int64, position by position; the
-    FULL slots are the device pages' (groups mapped through full_to_group follow them). Each call
-    comes on the stream the tier copies on, once its KV copies are launched, so work a listener
-    launches there is ordered with them."""
+    bytes; the fault ledger follows damage). Per pool group: slots in the group's mapping space
+    (as a FreeListener's), host slots in the group's `HostPool`, CPU int64, position by position.
+    Each call comes on the stream the tier copies on, once its KV copies are launched, so work a
+    listener launches there is ordered with them."""
 
-    def written_back(self, full_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        """These device slots' KV is copied to these host slots, before the device slots are freed."""
+    def written_back(self, kind: GroupKind, slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """These slots' KV is copied to these host slots; before the slots' frees are announced."""
 
-    def loaded_back(self, host_slots: torch.Tensor, full_slots: torch.Tensor) -> None:
-        """These host slots' KV is copied to these device slots, before any forward reads them
-        (the engine makes its next forward wait for the copies)."""
+    def loaded_back(self, kind: GroupKind, host_slots: torch.Tensor, slots: torch.Tensor) -> None:
+        """These host slots' KV is copied to these slots, before any forward reads them (the
+        engine makes its next forward wait for the copies)."""
 
-    def host_freed(self, host_slots: torch.Tensor, cause: str) -> None:
+    def host_freed(self, kind: GroupKind, host_slots: torch.Tensor, cause: str) -> None:
         """These host slots no longer hold their data (cause: why)."""
 
 

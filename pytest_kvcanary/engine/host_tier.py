@@ -38,6 +38,7 @@ class HostTier:
             return [torch.zeros((self.num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pinned) for t in layers]
 
         self.pools = [HostPool(kind, host(pool.k_layers), host(pool.v_layers), self.num_slots) for kind, pool in backed]
+        self._kinds = [kind for kind, _ in backed]
         self._device = [pool.k_layers + pool.v_layers for _, pool in backed]
         self.free_pages = torch.arange(self.num_pages, dtype=torch.int64)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -64,7 +65,8 @@ class HostTier:
         """Return host pages; listeners hear their slots first."""
         slots = page_slots(pages, self.page_size)
         for listener in self._listeners:
-            listener.host_freed(slots, cause)
+            for kind in self._kinds:
+                listener.host_freed(kind, slots, cause)
         self.free_pages = torch.cat([self.free_pages, pages])
 
     def restart(self) -> None:
@@ -80,7 +82,8 @@ class HostTier:
                 for dst, src in zip(pool.k_layers + pool.v_layers, device):
                     copy_runs(dst, host_slots, src, device_slots)
             for listener in self._listeners:
-                listener.written_back(device_slots, host_slots)
+                for kind in self._kinds:  # every backed pool is indexed by FULL slots
+                    listener.written_back(kind, device_slots, host_slots)
         self.num_written_back += host_slots.numel() // self.page_size
 
     def load_back(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
@@ -91,7 +94,8 @@ class HostTier:
                 for dst, src in zip(device, pool.k_layers + pool.v_layers):
                     copy_runs(dst, device_slots, src, host_slots)
             for listener in self._listeners:
-                listener.loaded_back(host_slots, device_slots)
+                for kind in self._kinds:
+                    listener.loaded_back(kind, host_slots, device_slots)
         self.num_loaded_back += host_slots.numel() // self.page_size
 
     def wait(self) -> None:

@@ -151,7 +151,7 @@ class FaultInjector:
         held = self.runtime.host_records
         self._tier.synchronize()  # no copy into host memory is under way
         damaged = self.ledger.damaged(self.host_side, group.pool.kind)
-        targets = [h for h in held.live_slots().tolist() if h not in damaged]
+        targets = [h for h in held.live_slots(group.pool.kind).tolist() if h not in damaged]
         if not targets:
             return
         slot = self._rng.choice(targets)
@@ -167,34 +167,30 @@ class FaultInjector:
 
     # HostTierListener: the ledger follows damage into host memory and back.
 
-    def written_back(self, full_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        self._follow(full_slots, host_slots, into_host=True)
+    def written_back(self, kind: GroupKind, slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        self._follow(kind, slots, host_slots, into_host=True)
 
-    def loaded_back(self, host_slots: torch.Tensor, full_slots: torch.Tensor) -> None:
-        self._follow(full_slots, host_slots, into_host=False)
+    def loaded_back(self, kind: GroupKind, host_slots: torch.Tensor, slots: torch.Tensor) -> None:
+        self._follow(kind, slots, host_slots, into_host=False)
 
-    def host_freed(self, host_slots: torch.Tensor, cause: str) -> None:
+    def host_freed(self, kind: GroupKind, host_slots: torch.Tensor, cause: str) -> None:
         if self.ledger.injections:
-            freed = set(host_slots.tolist())
-            for group in self.runtime.host_records.groups:
-                self.ledger.escape(self.host_side, group.pool.kind, freed, cause, self.runtime.forwards)
+            self.ledger.escape(self.host_side, kind, set(host_slots.tolist()), cause, self.runtime.forwards)
 
-    def _follow(self, full_slots: torch.Tensor, host_slots: torch.Tensor, *, into_host: bool) -> None:
-        """Damage at these device slots now also lives at these host slots (a write-back), or the
-        other way round (a load-back), from the next forward on."""
+    def _follow(self, kind: GroupKind, slots: torch.Tensor, host_slots: torch.Tensor, *, into_host: bool) -> None:
+        """Damage at these slots (the group's mapping space) now also lives at these host slots (a
+        write-back), or the other way round (a load-back), from the next forward on."""
         if not self.ledger.injections:
             return
-        step = self.runtime.forwards
-        for group in self.runtime.host_records.groups:
-            kind = group.pool.kind
-            slots = group.to_group_slots(full_slots.to(group.device)).tolist()
-            for full, slot, host in zip(full_slots.tolist(), slots, host_slots.tolist()):
-                if not slot:
-                    continue
-                if into_host:
-                    self.ledger.moved(self.side, kind, full, Place(self.host_side, host, host, step))
-                else:
-                    self.ledger.moved(self.host_side, kind, host, Place(self.side, slot, full, step))
+        step, group = self.runtime.forwards, self.runtime.group(kind)
+        for space, slot, host in zip(slots.tolist(), group.to_group_slots(slots.to(group.device)).tolist(),
+                                     host_slots.tolist()):
+            if not slot:
+                continue
+            if into_host:
+                self.ledger.moved(self.side, kind, space, Place(self.host_side, host, host, step))
+            else:
+                self.ledger.moved(self.host_side, kind, host, Place(self.side, slot, space, step))
 
     def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:
         """Point one mapping entry HEAD reads at another live entry (a slot of a per-token table,

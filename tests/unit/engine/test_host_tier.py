@@ -63,13 +63,13 @@ def test_without_the_records_travelling_back_every_loaded_back_slot_is_reported(
                                                                                  monkeypatch):
     """What keeps the run above clean is the records coming back with the bytes: dropped, the
     loaded-back slots keep the records of what was there before, and HEAD reports them."""
-    monkeypatch.setattr(HostRecords, "loaded_back", lambda self, host_slots, full_slots: None)
+    monkeypatch.setattr(HostRecords, "loaded_back", lambda self, kind, host_slots, slots: None)
     engine = make_engine("mha", **tight(4))
     runtime = attach(engine, sweep_interval=0)
     loaded: list[set[int]] = []
     engine.host_tier.add_listener(type("Loads", (), {
-        "written_back": lambda self, f, h: None, "host_freed": lambda self, h, c: None,
-        "loaded_back": lambda self, h, f: loaded.append(set(f.tolist()))})())
+        "written_back": lambda self, kind, f, h: None, "host_freed": lambda self, kind, h, c: None,
+        "loaded_back": lambda self, kind, h, f: loaded.append(set(f.tolist()))})())
     a_b_a(engine, random_prompts)
     runtime.drain()
     found = runtime.log.violations
@@ -108,8 +108,8 @@ def test_a_full_host_tier_drops_the_least_recently_used_copies(make_engine, chec
     engine = make_engine("mha", page_size=4, num_slots=60, max_running=2, host_num_slots=24)
     host_causes: list[str] = []
     engine.host_tier.add_listener(type("Frees", (), {
-        "written_back": lambda self, f, h: None, "loaded_back": lambda self, h, f: None,
-        "host_freed": lambda self, h, cause: host_causes.append(cause)})())
+        "written_back": lambda self, kind, f, h: None, "loaded_back": lambda self, kind, h, f: None,
+        "host_freed": lambda self, kind, h, cause: host_causes.append(cause)})())
     causes: list[str] = []
     engine.add_free_listener(lambda group, slots, cause: causes.append(cause))
     rng = random.Random(1)
