@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protoc
 from kvcanary_kernels.records import GroupKind, Half
 
 from .host import (
-    CacheWalk, Capacities, ForwardView, GroupInputs, HostPool, PagedWalk, PoolGroup, SlotMapping, copy_runs, page_entries,
+    CacheWalk, Capacities, ForwardView, GroupInputs, HostPool, PagedWalk, PoolGroup, SlotMapping, copy_runs,
+    page_entries,
 )
 
 if TYPE_CHECKING:

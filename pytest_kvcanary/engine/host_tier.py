@@ -101,7 +101,7 @@ class HostTier:
     def wait(self) -> None:
         """The current stream waits for every copy launched so far (CUDA; nothing on a CPU)."""
         if self._event is not None:
-            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+            torch.cuda.current_stream(self._stream.device).wait_event(self._event)
 
     def synchronize(self) -> None:
         """The host waits for every copy launched so far: host memory may then be read or written

@@ -91,7 +91,8 @@ class KVPool:
         """Return allocated pages; freeing page 0, a free page or a page twice is a bug."""
         if pages.numel() == 0:
             return
-        assert pages.unique().numel() == pages.numel() and pages.min() > 0 and not self._is_free[pages].any(), "bad free"
+        assert pages.unique().numel() == pages.numel() and pages.min() > 0, "bad free"
+        assert not self._is_free[pages].any(), "bad free"
         self._is_free[pages] = True
         self.free_pages = torch.cat([self.free_pages, pages])
 

@@ -11,7 +11,8 @@ class Node:
     (host_value). lock_ref: running requests whose cached prefix passes through here. tombstone:
     the SWA slots of value were freed."""
 
-    def __init__(self, key: list[int], value: torch.Tensor | None, parent: Node | None, tombstone: bool = False) -> None:
+    def __init__(self, key: list[int], value: torch.Tensor | None, parent: Node | None,
+                 tombstone: bool = False) -> None:
         self.key = key  # tokens of this edge
         self.value = value  # their FULL slots, CPU int64
         self.host_value: torch.Tensor | None = None  # their host slots, CPU int64

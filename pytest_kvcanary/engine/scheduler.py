@@ -5,9 +5,9 @@ the token budget and memory allow, else a decode of every running request (with 
 decoding, up to k + 1 positions per request: the last token and k draft proposals). Memory comes
 in whole pages, from the free lists, then from evicting the radix cache: a request's positions fill
 its last page before a new one is taken. A prefill whose cached prefix runs on in the host tier gets
-device pages for that part first and its KV loaded back into them. A prefill that still does not fit waits, a decode that does
-not fit retracts the newest running request (frees what it owns, draft KV included, and requeues it
-first: it is prefilled again, its cached prefix reused).
+device pages for that part first and its KV loaded back into them. A prefill that still does not
+fit waits, a decode that does not fit retracts the newest running request (frees what it owns,
+draft KV included, and requeues it first: it is prefilled again, its cached prefix reused).
 In a prefill/decode pair the prefill side only runs schedule_prefill, and the decode side admits
 requests with admit_transferred instead of prefilling them.
 """
@@ -186,7 +186,7 @@ class Scheduler:
         page, then the new pages'."""
         ps, start = self.pools.page_size, req.kv_len
         rest = (-start) % ps
-        tail = self.req_to_token.read(req.row, start, start + min(rest, n)) if rest else torch.empty(0, dtype=torch.int64)
+        tail = self.req_to_token.read(req.row, start, start + min(rest, n))  # empty when rest is 0
         return torch.cat([tail, page_slots(pages, ps)])[:n]
 
     def _roll_back(self, req: Request, kept: int, written: int) -> None:

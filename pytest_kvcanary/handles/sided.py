@@ -73,9 +73,12 @@ class SidedHandle:
 
     def unsupported(self, perturbs: tuple[PerturbSpec, ...]) -> str | None:
         """Why a side's engine cannot run one of these faults at all (perturb.fit.lacking), or None."""
-        return next((why for spec in perturbs for side in self.sides
-                     if spec.side in (None, side.name) and (why := lacking(spec, side.engine, f"the {side.name} engine"))),
-                    None)
+        for spec in perturbs:
+            for side in self.sides:
+                why = lacking(spec, side.engine, f"the {side.name} engine") if spec.side in (None, side.name) else None
+                if why:
+                    return why
+        return None
 
     def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
         """Flush caches, clear log, ledger and counters, restart step numbering, arm this test's faults."""

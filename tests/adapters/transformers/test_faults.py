@@ -27,8 +27,8 @@ SEEDS = range(10)
 PHASES = {"req_to_token": {"HEAD"}, "real_kv_used": {"HEAD"}, "real_kv_unused_cache": {"SWEEP"},
           "real_kv_post_forward": {"HEAD", "SWEEP"}, "next_token_swap": {"TAIL"}}
 CASES = [("mha", mode, "full") for mode in PHASES] + [
-    ("swa", mode, group) for mode in ("req_to_token", "real_kv_used", "real_kv_post_forward") for group in ("full", "swa")
-] + [("swa", "next_token_swap", "full")]
+    ("swa", mode, group) for mode in ("req_to_token", "real_kv_used", "real_kv_post_forward", "next_token_swap")
+    for group in ("full", "swa") if (mode, group) != ("next_token_swap", "swa")]
 
 
 @pytest.fixture(scope="module")

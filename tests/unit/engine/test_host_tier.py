@@ -36,10 +36,10 @@ def tight(page_size: int, host_slots: int = 256) -> dict:
 def a_b_a(engine, random_prompts) -> tuple[list[list[int]], list[list[int]]]:
     """Prompts A, then prompts B (A's pages go to host memory), then A again: its pages are loaded
     back into device pages B's KV held. A and its last outputs."""
-    a, b = random_prompts(2, 8), random_prompts(5, 8)
-    engine.generate(a, 12)
-    engine.generate(b, 12)
-    return a, engine.generate(a, 12)
+    a, b = random_prompts(2, 4), random_prompts(5, 4)
+    engine.generate(a, 10)
+    engine.generate(b, 10)
+    return a, engine.generate(a, 10)
 
 
 @pytest.mark.parametrize(("attention", "page_size", "k"), [("mha", 1, 0), ("mha", 16, 0), ("mha", 4, 3), ("mla", 4, 0)],

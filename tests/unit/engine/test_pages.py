@@ -37,8 +37,8 @@ def test_greedy_outputs_equal_the_no_cache_recomputation_with_the_canary_clean(
     runtime = attach(engine)
     shadow = shadow_canary(engine)  # replaces the runtime's hooks: both see every forward below
     engine.set_forward_hooks(_Both(shadow, runtime))
-    prompts = random_prompts(2, 8)
-    outputs = engine.generate(prompts, 16)
+    prompts = random_prompts(2, 6)
+    outputs = engine.generate(prompts, 14)
     assert_reference(engine, prompts, outputs)
     check_invariants(engine)
     runtime.drain()
@@ -82,8 +82,8 @@ def test_speculative_decoding_with_pages_retracts_and_re_prefills_exactly(k, mak
     request frees its pages, draft KV included, and is prefilled again (draft included)."""
     engine = make_engine("mha", page_size=4, speculative_k=k, **tight(4))
     runtime = attach(engine)
-    prompts = random_prompts(3, 8)
-    outputs = engine.generate(prompts, 16)
+    prompts = random_prompts(3, 6)
+    outputs = engine.generate(prompts, 14)
     assert_reference(engine, prompts, outputs)
     check_invariants(engine)
     runtime.drain()

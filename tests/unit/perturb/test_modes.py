@@ -35,12 +35,14 @@ MODE_PHASES = {
 MODE_ENGINES = [(mode, attention) for mode in PERTURB_MODES for attention in SEED_SWEEP_ENGINES
                 if (mode == "real_kv_host") == (attention == "host")]
 SEEDS = range(20)
+# A swapped token is reported by the TAIL of the very forward fed it, whatever the seed: fewer do.
+MODE_SEEDS = {"next_token_swap": range(5)}
 TRITON_SEEDS = range(2)
 # Two short waves, each request three new tokens: a prefill and two decodes per wave.
 TRITON_WORKLOAD = {"waves": 2, "per_wave": 3, "longest_output": 3}
 # Under Triton's interpreter (CPU) one engine runs the Triton kernels with every mode; the others
 # run compiled in the GPU pass (benchmarks/gpu_run.sh), as the interpreter takes a minute each.
-TRITON_CASES = [(m, a) if a == "mha" or DEVICE == "cuda" else
+TRITON_CASES = [(m, a) if (a == "mha" and m != "next_token_swap") or DEVICE == "cuda" else
                 pytest.param(m, a, marks=pytest.mark.skip(reason="interpreter: runs in the GPU pass"))
                 for m, a in MODE_ENGINES if a in POOL_GROUPS or a == "host"]
 
@@ -134,7 +136,7 @@ def check_seeds(record_property: Callable[[str, object], None], kernels: str, mo
 
 @pytest.mark.parametrize(("mode", "attention"), MODE_ENGINES)
 def test_every_fault_is_detected_at_its_first_read_over_20_seeds(record_property, mode, attention):
-    check_seeds(record_property, SEED_SWEEP_KERNELS, mode, attention, SEEDS)
+    check_seeds(record_property, SEED_SWEEP_KERNELS, mode, attention, MODE_SEEDS.get(mode, SEEDS))
 
 
 @pytest.mark.parametrize(("mode", "attention"), TRITON_CASES)

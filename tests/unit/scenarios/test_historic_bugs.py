@@ -464,9 +464,10 @@ def test_a_page_aligned_prefix_writing_the_next_page_is_reported_before_a_reader
     assert {("FULL", p) for p in range(4, 8)} <= kv_off_reference(engine, reader)
     # Its records say the other request's tokens, and the chain breaks where the page after begins.
     next_slot = int(table.read(reader.row, 8, 9)[0])
-    assert first_reports(runtime) == (3, reports(
-        BOTH, ("HEAD", "RECHECK"), "FULL", ("verify_token",), [(slot, 4 + i, reader.row) for i, slot in enumerate(spilled)]
-    ) | reports(BOTH, ("HEAD", "RECHECK"), "FULL", ("verify_chain_hash",), [(next_slot, 8, reader.row)]))
+    places = [(slot, 4 + i, reader.row) for i, slot in enumerate(spilled)]
+    assert first_reports(runtime) == (3, reports(BOTH, ("HEAD", "RECHECK"), "FULL", ("verify_token",), places)
+                                      | reports(BOTH, ("HEAD", "RECHECK"), "FULL", ("verify_chain_hash",),
+                                                [(next_slot, 8, reader.row)]))
 
 
 # ---- 9. a host page loaded back after its host copy was freed and reused (SGLang #13483, #26728-like) --
