@@ -98,9 +98,6 @@ class RadixCache:
         that may evict. With a host tier the match runs on through device-evicted nodes
         (host_node, host_len), which `load_back` brings back."""
         path = list(self._descend(key[:len(key) - len(key) % self.page_size], context))
-        tick = next(self._clock)
-        for node in path:
-            node.last_access = tick
         resident = [node for node in path if node.value is not None]  # a prefix of the path
         host, path = path[len(resident):], resident
         if self.window is not None:
@@ -111,6 +108,9 @@ class RadixCache:
                 if not node.tombstone and (run >= self.window or run == depth):
                     best = j + 1
             path = path[:best]
+        tick = next(self._clock)
+        for node in path + host:
+            node.last_access = tick
         node = path[-1] if path else self.root(context)
         if not host:
             return MatchResult(self._path_slots(node), node)
