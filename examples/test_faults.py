@@ -33,3 +33,15 @@ def test_idle_cached_slot_is_caught_by_the_sweep(kv_engine, kv_canary):
 def test_slot_damaged_after_the_stamp_is_caught_by_the_next_read(kv_engine, kv_canary):
     kv_engine.send_parallel_requests(4, distinct_prompts=True, max_new_tokens=6)
     kv_canary.assert_violation("verify_real_kv_hash", phase="HEAD", group="swa")
+
+
+@pytest.mark.kv_attention("mha")
+@pytest.mark.kv_perturb("next_token_swap", warmup_steps=1)
+def test_a_forward_fed_another_token_is_caught_at_its_tail(kv_engine, kv_canary):
+    """Each forward feeds one request another token than the one the engine holds for it (the
+    token another request is fed): the TAIL of that very forward names the slot it wrote. Runs on
+    every engine with a token table (reference, transformers, vLLM); one that cannot feed a forward
+    another token skips."""
+    kv_engine.send_parallel_requests(3, distinct_prompts=True, max_new_tokens=4)
+    kv_canary.assert_violation("write_token", phase="TAIL", group="full")
+    kv_canary.assert_perturbations_detected()

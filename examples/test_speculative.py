@@ -24,7 +24,8 @@ def test_speculative_decoding_is_exact_and_guarded(k):
 
     assert engine.generate(PROMPTS, 10) == plain
     assert [g.pool.kind.label for g in canary.groups] == ["full", "draft"]
-    assert canary.drain() == [] and canary.health_problems() == []
+    canary.drain()
+    assert canary.log.violations == [] and canary.health_problems() == []
     assert engine.drafter.proposed > engine.drafter.accepted > 0
 
 

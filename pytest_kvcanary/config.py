@@ -16,7 +16,9 @@ from kvcanary_kernels.records import GroupKind
 
 CANARY_MODES = ("off", "log", "raise")
 REAL_DATA_MODES = tuple(mode.value for mode in RealDataMode)
-PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward")
+PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward", "next_token_swap",
+                 "real_kv_host")
+FLIP_MODES = tuple(mode for mode in PERTURB_MODES if mode.startswith("real_kv"))  # they flip real KV bytes
 SIDES = ("prefill", "decode")
 TARGET_GROUPS = tuple(kind.label for kind in GroupKind)
 ATTENTION_KINDS = ("mha", "swa", "mla")
@@ -79,9 +81,10 @@ class CanaryConfig:
 @dataclass(frozen=True)
 class PerturbSpec:
     """One fault to inject. prob: chance per eligible forward; side: prefill / decode (PD only,
-    None = every engine); target_group: full / swa (required when the model has both);
-    warmup_steps: forwards to run clean first; rank: on a parallel engine, the one rank that
-    injects (None = every rank)."""
+    None = every engine); target_group: the pool group damaged (required when the engine has
+    several, but for next_token_swap, whose fed token lands in every group); warmup_steps:
+    forwards to run clean first; rank: on a parallel engine, the one rank that injects (None =
+    every rank)."""
 
     mode: str
     prob: float = 1.0

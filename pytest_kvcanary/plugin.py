@@ -317,6 +317,8 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     serial, handle = _checkout(pool, key, settings.seed)
     _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), canary=canary,
                   engine=f"{settings.engine}/{attention}")
+    if perturbs and (why := handle.unsupported(perturbs)):
+        pytest.skip(why)
     pool.reset(key, settings.seed, perturbs)
     if hasattr(handle.target, "progress"):  # a handle that can show it (SidedHandle)
         handle.target.progress = _progress(request)

@@ -18,8 +18,8 @@ from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping
 from kvcanary_kernels.records import GroupKind, Half
 
-__all__ = ["Arrival", "CacheWalk", "Capacities", "EngineDefect", "ForwardView", "GroupInputs", "PagedWalk", "PoolGroup",
-           "SlotMapping", "TokenScores", "page_entries"]
+__all__ = ["Arrival", "CacheWalk", "Capacities", "EngineDefect", "ForwardView", "GroupInputs", "HostPool", "PagedWalk",
+           "PoolGroup", "SlotMapping", "TokenScores", "copy_runs", "page_entries"]
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +66,19 @@ class PoolGroup:
                              f"k_layers ({len(self.k_layers)}); got {len(self.v_layers)}")
         if self.num_slots < 2:
             raise ValueError(f"PoolGroup.num_slots must be >= 2 (slot 0 is reserved); got {self.num_slots}")
+
+
+@dataclass(frozen=True)
+class HostPool:
+    """One pool group's KV in an engine's host-memory tier: per-layer K and V buffers in host
+    memory, each laid out as the group's device buffer of the same layer past its first dimension
+    (host slot h where device slot s would be), num_slots host slots. The fault injector flips
+    bytes there (real_kv_host) where the fingerprint reads them on the device."""
+
+    kind: GroupKind
+    k_layers: Sequence[torch.Tensor]
+    v_layers: Sequence[torch.Tensor]
+    num_slots: int
 
 
 @dataclass(frozen=True)
@@ -178,3 +191,24 @@ class EngineDefect(NamedTuple):
     group: GroupKind
     slots: tuple[int, ...]
     name: str
+
+
+def copy_runs(dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Tensor,
+              src_index: torch.Tensor | None) -> None:
+    """``dst[dst_index[i]] = src[src_index[i]]`` for every i (an index None: 0, 1, ...; indices are
+    CPU int64), as one slice copy per run of entries consecutive on both sides: whole pages move in
+    a few copies, asynchronous between pinned host memory and a device (non_blocking), where an
+    indexed copy would wait for the device."""
+    import torch
+
+    index = dst_index if dst_index is not None else src_index
+    n = 0 if index is None else index.numel()
+    if n == 0:
+        return
+    d = dst_index if dst_index is not None else torch.arange(n)
+    s = src_index if src_index is not None else torch.arange(n)
+    breaks = ((d[1:] - d[:-1] != 1) | (s[1:] - s[:-1] != 1)).nonzero().flatten() + 1
+    bounds = [0, *breaks.tolist(), n]
+    starts_d, starts_s = d[bounds[:-1]].tolist(), s[bounds[:-1]].tolist()
+    for a, b, at_d, at_s in zip(bounds, bounds[1:], starts_d, starts_s):
+        dst[at_d:at_d + b - a].copy_(src[at_s:at_s + b - a], non_blocking=True)

@@ -15,7 +15,8 @@ from kvcanary_kernels.records import GroupKind, Half, Phase, launch_tag
 from ..config import CanaryConfig
 from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
-from .seam import CanaryHost, ForwardView
+from .host_records import HostRecords
+from .seam import CanaryHost, ForwardView, optional
 from .log import ViolationLog
 from .plans import SweepPlan
 from .violation import Violation
@@ -54,7 +55,8 @@ class CanaryRuntime:
     """Guards one engine's KV pools. Observers run before HEAD and after TAIL, in the order added;
     the callables in `on_end_forward` at every end_forward (replayed forwards too). In raise mode,
     end_forward (every drain_interval forwards) and drain() raise KvCanaryViolationError when new
-    violations appeared."""
+    violations appeared. host_records: the records of the pages the engine's host tier holds (None
+    without one), moved with the bytes."""
 
     def __init__(
         self,
@@ -77,6 +79,8 @@ class CanaryRuntime:
                        for pool in pools]
         for group in self.groups:
             group.seal_reserved_slot()
+        tier = optional(host, "host_tier")
+        self.host_records = None if tier is None else HostRecords(self.groups, tier)
         self.ring = K.ViolationRing(config.ring_capacity, self.device)
         self.log = ViolationLog(self.ring, side, config.mode, jsonl_path)
         phases = [Phase.HEAD, Phase.TAIL] + ([Phase.RECHECK] if config.recheck else [])
@@ -274,6 +278,8 @@ class CanaryRuntime:
         """Forget records, log and counters (the engine has flushed its caches)."""
         for group in self.groups:
             group.clear()
+        if self.host_records is not None:
+            self.host_records.clear()
         self.log.clear()
         self.launches.reset()
         self.forwards = self.sweeps = 0

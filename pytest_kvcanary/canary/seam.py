@@ -11,7 +11,8 @@ An adapter is an `EngineUnderTest`:
    with the `SlotMapping` that says how (row, position) finds a slot.
 2. How big a forward gets (`CanaryHost.canary_capacities`): `Capacities`.
 3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView`.
-4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk` (or a `PagedWalk`), swept between forwards.
+4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk` (or a `PagedWalk`), swept between forwards;
+   a host-memory tier behind it (`CanaryHost.host_tier`, optional): a `HostTier`.
 5. What the fixtures drive: `generate`, `reset`, and the optional members (declared below with
    the defaults an engine that leaves them out gets: `optional(engine, name)` reads them), among
    them what the workload soak uses when an engine offers it: `serve` (requests arriving while
@@ -51,17 +52,20 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protoc
 
 from kvcanary_kernels.records import GroupKind, Half
 
-from .host import (Arrival, CacheWalk, Capacities, EngineDefect, ForwardView, GroupInputs, PagedWalk, PoolGroup,
-                   SlotMapping, TokenScores, page_entries)
+from .host import (
+    Arrival, CacheWalk, Capacities, EngineDefect, ForwardView, GroupInputs, HostPool, PagedWalk, PoolGroup, SlotMapping,
+    TokenScores, copy_runs, page_entries,
+)
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "GroupKind", "Half", "SlotMapping", "PoolGroup", "Capacities", "GroupInputs", "ForwardView", "CacheWalk",
-    "PagedWalk", "FreeListener", "TransferListener", "ForwardHooks", "CanaryHost", "EngineUnderTest",
-    "PrefillDecodePair", "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS", "REQUIRED_METHODS",
-    "missing_methods", "optional", "page_entries", "Arrival", "EngineDefect", "TokenScores",
+    "PagedWalk", "HostPool", "FreeListener", "TransferListener", "HostTierListener", "HostTier", "ForwardHooks",
+    "CanaryHost", "EngineUnderTest", "PrefillDecodePair", "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS",
+    "REQUIRED_METHODS", "missing_methods", "optional", "copy_runs", "page_entries", "Arrival", "EngineDefect",
+    "TokenScores",
 ]
 
 Owner = TypeVar("Owner")
@@ -69,6 +73,39 @@ Owner = TypeVar("Owner")
 # Called with (group, slots of that group's mapping space, cause) whenever slots stop holding their
 # data, before they are released. For a group mapped through full_to_group the slots are FULL slots.
 FreeListener = Callable[[GroupKind, "torch.Tensor", str], None]
+
+
+class HostTierListener(Protocol):
+    """Hears what a host-memory tier does with KV pages (the canary's records travel with the
+    bytes; the fault ledger follows damage). Per pool group: slots in the group's mapping space
+    (as a FreeListener's), host slots in the group's `HostPool`, CPU int64, position by position.
+    Each call comes on the stream the tier copies on, once its KV copies are launched, so work a
+    listener launches there is ordered with them."""
+
+    def written_back(self, kind: GroupKind, slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """These slots' KV is copied to these host slots; before the slots' frees are announced."""
+
+    def loaded_back(self, kind: GroupKind, host_slots: torch.Tensor, slots: torch.Tensor) -> None:
+        """These host slots' KV is copied to these slots, before any forward reads them (the
+        engine makes its next forward wait for the copies)."""
+
+    def host_freed(self, kind: GroupKind, host_slots: torch.Tensor, cause: str) -> None:
+        """These host slots no longer hold their data (cause: why)."""
+
+
+class HostTier(Protocol):
+    """A host-memory tier behind the prefix cache (SGLang's HiCache, one host level): pages the
+    cache evicts are written back to host memory and loaded back on a later hit. pools: its
+    buffers per pool group it keeps (`HostPool`)."""
+
+    pools: Sequence[HostPool]
+
+    def add_listener(self, listener: HostTierListener) -> None:
+        """listener hears every write-back, load-back and host free from now on."""
+
+    def synchronize(self) -> None:
+        """Wait until every copy launched so far has landed: host memory may then be read or
+        written from the CPU."""
 
 
 class CanaryHost(Protocol):
@@ -100,6 +137,19 @@ class CanaryHost(Protocol):
     # the fault ledger can say why an injected fault was never read. None: the engine does not
     # announce frees (a damaged slot written again is then reported as overwritten).
     add_free_listener: Callable[[FreeListener], None] | None = None
+
+    # Optional. feed_token(view, index, token): called from a forward observer in before_forward
+    # (before HEAD, eager forwards only), make the forward about to run embed `token` at view token
+    # `index` (the last token of its batch row) instead of the one it was to be fed: write it where
+    # the forward will read it, and into view.input_ids when they are a copy already made. The
+    # fault injector's next_token_swap uses it; None: that mode cannot run on this engine.
+    feed_token: Callable[[ForwardView, int, int], None] | None = None
+
+    # Optional. host_tier: the engine's host-memory tier, when it has one. The runtime then keeps
+    # the records of the pages it holds beside them (written back and loaded back with the bytes),
+    # so the HEAD of the first forward that reads a loaded-back page verifies it; the fault injector
+    # can damage pages while they are there (real_kv_host).
+    host_tier: HostTier | None = None
 
 
 class ForwardHooks(Protocol):
@@ -238,8 +288,8 @@ class UnsupportedAttention(LookupError):
     latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
-OPTIONAL_MEMBERS = ("add_free_listener", "prefix_caching", "request_at", "finished_requests", "serve",
-                    "score_uncached", "engine_defects")
+OPTIONAL_MEMBERS = ("add_free_listener", "feed_token", "host_tier", "prefix_caching", "request_at", "finished_requests",
+                    "serve", "score_uncached", "engine_defects")
 
 
 def _required_methods() -> tuple[str, ...]:

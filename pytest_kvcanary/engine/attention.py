@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvcanary_kernels.records import GroupKind
 
-from .kv_pool import KVPools
+from .kv_pool import KVPools, token_slots
 
 KVAccess = Callable[[int, torch.Tensor, torch.Tensor, "torch.Tensor | None", "int | None"], torch.Tensor]
 # Told, at each layer's KV-store point, the pool group, the layer's index in it and the K and V rows
@@ -52,9 +52,10 @@ class DenseKV:
 class PagedKV:
     """One forward batch over the paged pools. Each layer first writes the new tokens' K/V into
     their slots (out_cache_loc, through the SWA map for windowed layers), then each request
-    attends to the K/V gathered through its req_to_token row: positions [0, prefix + extend), or
-    [prefix - window, prefix + extend) for a windowed layer. Nothing is checked here: a wrong
-    mapping or a stale slot silently reads wrong K/V, which is what the canary is for."""
+    attends to the K/V gathered through its req_to_token row (in pages of pools.page_size):
+    positions [0, prefix + extend), or [prefix - window, prefix + extend) for a windowed layer.
+    Nothing is checked here: a wrong mapping or a stale slot silently reads wrong K/V, which is
+    what the canary is for."""
 
     def __init__(self, pools: KVPools, req_to_token: torch.Tensor, rows: Sequence[int],
                  prefix_lens: Sequence[int], extend_lens: Sequence[int], positions: torch.Tensor,
@@ -76,7 +77,7 @@ class PagedKV:
         outs, t = [], 0
         for row, prefix, extend in self.seqs:
             start, end = (0 if window is None else max(0, prefix - window)), prefix + extend
-            slots = self.table[row, start:end]
+            slots = token_slots(self.table[row], self.pools.page_size, start, end)
             if buf.slot_map is not None:
                 slots = buf.slot_map[slots]
             k_pos = torch.arange(start, end, device=q.device)

@@ -113,7 +113,12 @@ class EngineConfig:
     request), "padded" (decode batches padded to fixed sizes, as a graph replays them) or "graph"
     (those padded steps captured in CUDA graphs and replayed; CUDA only). speculative_k: draft
     tokens proposed per decode step (0: no speculative decoding; mha and mla, eager decode), by a
-    draft model made of the target's first draft_layers layers (speculative.py)."""
+    draft model made of the target's first draft_layers layers (speculative.py). page_size: tokens
+    per KV page (1: SGLang's per-token slots); the pools allocate, and the radix cache matches,
+    inserts and evicts, whole pages, and num_slots / swa_num_slots / host_num_slots are multiples
+    of it (page 0, slot 0's page, is reserved). host_num_slots: slots of a host-memory tier that
+    pages the radix cache evicts are written back to and loaded back from on a later hit (0: none;
+    mha and mla; host_tier.py)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     num_slots: int = 1024
@@ -125,6 +130,8 @@ class EngineConfig:
     decode_mode: str = "eager"
     speculative_k: int = 0
     draft_layers: int = 1
+    page_size: int = 1
+    host_num_slots: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -145,6 +152,18 @@ class EngineConfig:
         if not isinstance(self.draft_layers, int) or not 1 <= self.draft_layers <= self.model.num_layers:
             raise ValueError(f"draft_layers must be an integer in [1, model.num_layers={self.model.num_layers}]; "
                              f"got {self.draft_layers!r}")
+        check_int("page_size", self.page_size, 1)
+        for name in ("num_slots",) + (("swa_num_slots",) if self.model.attention == "swa" else ()):
+            if getattr(self, name) % self.page_size or getattr(self, name) < 2 * self.page_size:
+                raise ValueError(f"{name} must be a multiple of page_size ({self.page_size}) holding at least two "
+                                 f"pages (page 0 is reserved); got {getattr(self, name)}")
+        check_int("host_num_slots", self.host_num_slots, 0)
+        if self.host_num_slots % self.page_size:
+            raise ValueError(f"host_num_slots must be a multiple of page_size ({self.page_size}); "
+                             f"got {self.host_num_slots}")
+        if self.host_num_slots and self.model.attention == "swa":
+            raise ValueError(f"host_num_slots > 0 needs attention mha or mla (the host tier keeps no SWA pool); "
+                             f"got attention={self.model.attention!r}")
         if self.decode_mode == "graph" and torch.device(self.device).type != "cuda":
             raise ValueError(f"decode_mode='graph' needs a CUDA device; got device={self.device!r}")
         try:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView
 
-from .kv_pool import KVPools
+from .kv_pool import KVPools, token_slots
 from .model import CausalLM
 
 
@@ -40,7 +40,7 @@ class PaddedDecodeKV:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                  window: int | None) -> torch.Tensor:
         buf = self.pools.layer(layer)
-        slots = self.table[self.rows]  # [B, max_context] FULL slots
+        slots = token_slots(self.table[self.rows], self.pools.page_size)  # [B, positions] FULL slots
         loc = slots.gather(1, self.prefix_lens[:, None])[:, 0]
         if buf.slot_map is not None:
             slots, loc = buf.slot_map[slots], buf.slot_map[loc]

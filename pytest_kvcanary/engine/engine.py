@@ -25,6 +25,7 @@ from pytest_kvcanary.canary.seam import (
 from .attention import PagedKV
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs
+from .host_tier import HostTier
 from .kv_pool import KVPools, ReqToTokenPool
 from .model import CausalLM
 from .radix_cache import RadixCache
@@ -37,13 +38,16 @@ from .weights import load_weights
 
 class Engine:
     """Attributes for tools that reach inside: ``model``, ``pools`` (FULL ``pools.full`` and SWA
-    ``pools.swa`` KV pools, ``pools.swa.full_to_swa``), ``req_to_token_pool`` (``.table``),
+    ``pools.swa`` KV pools, ``pools.swa.full_to_swa``), ``req_to_token_pool`` (``.table``: per token,
+    or with page_size > 1 a block table of pages; ``.read(row, start, end)`` gives slots),
     ``radix_cache``, ``scheduler`` (``running`` / ``waiting`` requests; each running request has
     ``row``, ``kv_len``, ``prefix_len``, ``token_ids``), ``forward_count``, ``token_table``
     (``[rows, max_context]``: the token at each position of each row's request, -1 past it),
     ``drafter`` (speculative decoding's draft model and its acceptance counts, or None; its KV
-    pool is ``pools.draft``). model: what the engine runs, with its weights (default: a CausalLM
-    of config.model with the checkpoint's weights; a parallel rank passes its shard)."""
+    pool is ``pools.draft``), ``host_tier`` (the host-memory tier the radix cache writes evicted
+    pages back to, or None; also the seam's optional CanaryHost.host_tier). model: what the engine
+    runs, with its weights (default: a CausalLM of config.model with the checkpoint's weights; a
+    parallel rank passes its shard)."""
 
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.config = config
@@ -55,11 +59,14 @@ class Engine:
         self.model = model.to(self.device)
         self.tokenizer = ByteTokenizer()
         self.pools = KVPools(config)
-        self.req_to_token_pool = ReqToTokenPool(config.max_running, config.model.max_context, self.device)
+        self.host_tier = HostTier(config, self.pools, self.device) if config.host_num_slots else None
+        self.req_to_token_pool = ReqToTokenPool(config.max_running, config.model.max_context, self.device,
+                                                config.page_size)
         window = config.model.window if self.pools.swa is not None else None
-        self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window)
+        self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window, self.host_tier)
         self.scheduler = Scheduler(config, self.pools, self.req_to_token_pool, self.radix_cache)
-        self.token_table = torch.full_like(self.req_to_token_pool.table, -1)
+        self.token_table = torch.full((config.max_running, config.model.max_context), -1, dtype=torch.int64,
+                                      device=self.device)
         self.drafter = None if self.pools.draft is None else Drafter(
             self.model, config, self.pools.draft, self.req_to_token_pool.table, self.token_table, self.device)
         self.forward_count = 0
@@ -107,10 +114,11 @@ class Engine:
         if total > m.max_context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
                              f"exceeds max_context ({m.max_context})")
+        ps = self.config.page_size
         for name, pool in (("num_slots", self.pools.full), ("swa_num_slots", self.pools.swa)):
-            if pool is not None and total - 1 > pool.num_slots - 1:  # slot 0 is reserved
+            if pool is not None and -(-(total - 1) // ps) * ps > pool.num_slots - ps:  # page 0 is reserved
                 raise ValueError(f"pool too small for a single request: it needs {total - 1} KV slots, "
-                                 f"{name}={pool.num_slots} holds {pool.num_slots - 1}")
+                                 f"{name}={pool.num_slots} holds {pool.num_slots - ps} in pages of {ps}")
         return ids
 
     def step(self) -> list[Request]:
@@ -189,6 +197,8 @@ class Engine:
         self.scheduler.reset()
         self.radix_cache.reset()
         self.pools.restart()
+        if self.host_tier is not None:
+            self.host_tier.restart()
         self.req_to_token_pool.restart()
         self.token_table.fill_(-1)
         self._steps = 0
@@ -209,14 +219,15 @@ class Engine:
     # CanaryHost
     def canary_groups(self) -> Sequence[PoolGroup]:
         full, swa, draft, table = self.pools.full, self.pools.swa, self.pools.draft, self.req_to_token_pool.table
-        groups = [PoolGroup(GroupKind.FULL, full.k_layers, full.v_layers, full.num_slots, SlotMapping(table))]
+        ps = self.config.page_size  # the table is a block table of FULL pages when > 1
+        groups = [PoolGroup(GroupKind.FULL, full.k_layers, full.v_layers, full.num_slots, SlotMapping(table, ps))]
         if swa is not None:
             groups.append(PoolGroup(GroupKind.SWA, swa.k_layers, swa.v_layers, swa.num_slots,
-                                    SlotMapping(table, full_to_group=swa.full_to_swa),
+                                    SlotMapping(table, ps, full_to_group=swa.full_to_swa),
                                     window=self.config.model.window))
         if draft is not None:
             groups.append(PoolGroup(GroupKind.DRAFT, draft.k_layers, draft.v_layers, draft.num_slots,
-                                    SlotMapping(table, full_to_group=draft.full_to_draft)))
+                                    SlotMapping(table, ps, full_to_group=draft.full_to_draft)))
         return groups
 
     def canary_capacities(self) -> Capacities:
@@ -230,6 +241,11 @@ class Engine:
 
     def cache_walk(self) -> CacheWalk:
         return self.radix_cache.walk()
+
+    def feed_token(self, view: ForwardView, index: int, token: int) -> None:
+        """The forward about to run embeds `token` at view token `index` (optional CanaryHost
+        extra): the view's input_ids are the tensor the forward consumes."""
+        view.input_ids[index] = token
 
     def _run(self, batch: Batch | None) -> list[Request]:
         """Forward and account one batch; returns the requests that finished in it. None: idle,
@@ -253,6 +269,8 @@ class Engine:
         inside them); each request's new tokens: its greedy next token, or in a speculative decode
         the proposals the target accepted and its own next token."""
         hooks = self._hooks
+        if self.host_tier is not None:  # no forward reads a page before it is loaded back, nor
+            self.host_tier.wait()  # rewrites one before it is written back
         self._note_rows(batch)
         if not batch.is_prefill and self._decode is not None:
             tokens = self._decode.run(hooks, [r.row for r in batch.reqs], batch.prefix_lens, batch.input_ids.tolist(),
@@ -264,11 +282,10 @@ class Engine:
             hooks.before_forward(view)
         on_store = None if hooks is None else hooks.kv_stored
         contexts = view.context_keys.repeat_interleave(view.extend_lens)
-        if self.drafter is not None and batch.is_prefill:
-            self.drafter.prefill(batch, view.input_ids, view.positions, contexts, on_store)
-        elif self.drafter is not None:
+        if self.drafter is not None:
             draft = view.group_inputs[GroupKind.DRAFT]
-            self.drafter.draft(batch, draft.input_ids, view.positions, draft.positions, contexts, on_store)
+            run = self.drafter.prefill if batch.is_prefill else self.drafter.draft
+            run(batch, draft.input_ids, view.positions, draft.positions, contexts, on_store)
         kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
                      batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device), on_store=on_store)
         hidden = self.model(view.input_ids, view.positions, kv, contexts)
@@ -300,8 +317,8 @@ class Engine:
         """The batch on the engine's device. Its input_ids and positions are the tensors the
         forward consumes (the model and, in a prefill, the draft read them; a speculative decode's
         draft writes its proposals into input_ids), so TAIL checks what the forward used against
-        the bookkeeping (token_table, prefix_lens). A speculative decode's draft forwards run at
-        positions of their own: they fill the DRAFT group's positions, from which its model reads
+        the bookkeeping (token_table, prefix_lens). The draft's forwards (speculative decoding) run
+        at positions of their own: they fill the DRAFT group's positions, from which its model reads
         them."""
 
         def on_device(values: list[int] | torch.Tensor) -> torch.Tensor:
@@ -309,7 +326,7 @@ class Engine:
 
         input_ids, positions = on_device(batch.input_ids), on_device(batch.positions)
         draft = None
-        if self.drafter is not None and not batch.is_prefill:  # -1: no draft forward ran there yet
+        if self.drafter is not None:  # -1: no draft forward ran there yet
             draft = {GroupKind.DRAFT: GroupInputs(input_ids, torch.full_like(positions, -1))}
         return ForwardView(
             rows=on_device([r.row for r in batch.reqs]),

@@ -1,10 +1,11 @@
-"""KV pools, their slot allocators and the req_to_token table.
+"""KV pools, their page allocators and the req_to_token table.
 
-A slot is one token's K/V in every layer of a pool (page_size 1): ``k_layers[i][slot]`` is a
-``[num_kv_heads, head_dim]`` row, or a ``[latent_dim]`` row of a latent (mla) pool, which has no V
-buffers. Slot 0 is reserved in every pool: never allocated, padding
-points there. Slots handed out and taken back are CPU int64 tensors; the buffers, the SWA map and
-the req_to_token table live on the engine's device.
+A slot is one token's K/V in every layer of a pool: ``k_layers[i][slot]`` is a ``[num_kv_heads,
+head_dim]`` row, or a ``[latent_dim]`` row of a latent (mla) pool, which has no V buffers. A page is
+page_size consecutive slots, ``[page * page_size, (page + 1) * page_size)``: the pools hand out and
+take back whole pages (with page_size 1 a page is a slot). Page 0, which holds slot 0, is reserved
+in every pool: never allocated, padding points there. Pages and slots handed out and taken back are
+CPU int64 tensors; the buffers, the SWA map and the req_to_token table live on the engine's device.
 """
 
 from __future__ import annotations
@@ -29,75 +30,109 @@ def kv_buffers(num_slots: int, num_layers: int, model: ModelConfig,
     return zeros(), [] if model.attention == "mla" else zeros()
 
 
-class KVPool:
-    """Per-layer K and V buffers ``[num_slots, *model.kv_row]`` plus a free list; a latent (mla)
-    model's pool has K buffers only (v_layers empty)."""
+def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The slots of these pages, page by page in order."""
+    if page_size == 1:
+        return pages
+    return (pages[:, None] * page_size + torch.arange(page_size, device=pages.device)).flatten()
 
-    def __init__(self, num_slots: int, num_layers: int, model: ModelConfig, device: torch.device) -> None:
-        self.num_slots = num_slots
+
+def slot_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The pages of slots that are whole pages listed in order (page_slots' inverse)."""
+    return slots if page_size == 1 else slots[::page_size] // page_size
+
+
+def token_slots(table_rows: torch.Tensor, page_size: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """The slots of positions [start, end) (end: every position the table columns reach) of
+    req_to_token rows ``[..., cols]``, on their device."""
+    if page_size == 1:
+        return table_rows[..., start:end]
+    end = table_rows.shape[-1] * page_size if end is None else end
+    positions = torch.arange(start, end, device=table_rows.device)
+    return table_rows[..., positions // page_size] * page_size + positions % page_size
+
+
+class KVPool:
+    """Per-layer K and V buffers ``[num_slots, *model.kv_row]`` plus a free list of pages; a latent
+    (mla) model's pool has K buffers only (v_layers empty)."""
+
+    def __init__(self, num_slots: int, num_layers: int, model: ModelConfig, device: torch.device,
+                 page_size: int = 1) -> None:
+        self.num_slots, self.page_size = num_slots, page_size
+        self.num_pages = num_slots // page_size
         self.k_layers, self.v_layers = kv_buffers(num_slots, num_layers, model, device)
-        self.free_slots = torch.arange(1, num_slots, dtype=torch.int64)  # read-only for callers
-        self._is_free = torch.ones(num_slots, dtype=torch.bool)
+        self.free_pages = torch.arange(1, self.num_pages, dtype=torch.int64)  # read-only for callers
+        self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
         self._is_free[0] = False
 
     @property
     def num_free(self) -> int:
-        return self.free_slots.numel()
+        """Free slots (of free pages)."""
+        return self.free_pages.numel() * self.page_size
+
+    @property
+    def free_slots(self) -> torch.Tensor:
+        return page_slots(self.free_pages, self.page_size)
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """n free slots, or None (nothing allocated) when fewer than n are free."""
-        if n > self.num_free:
+        """n free pages, or None (nothing allocated) when fewer than n are free."""
+        if n > self.free_pages.numel():
             return None
-        slots, self.free_slots = self.free_slots[:n], self.free_slots[n:]
-        self._is_free[slots] = False
-        return slots
+        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        self._is_free[pages] = False
+        return pages
 
     def restart(self) -> None:
-        """With every slot free, hand them out from slot 1 up again, as a new pool does."""
-        assert self.num_free == self.num_slots - 1, "restart while slots are held"
-        self.free_slots = torch.arange(1, self.num_slots, dtype=torch.int64)
+        """With every page free, hand them out from page 1 up again, as a new pool does."""
+        assert self.free_pages.numel() == self.num_pages - 1, "restart while pages are held"
+        self.free_pages = torch.arange(1, self.num_pages, dtype=torch.int64)
 
-    def free(self, slots: torch.Tensor) -> None:
-        """Return allocated slots; freeing slot 0, a free slot or a slot twice is a bug."""
-        if slots.numel() == 0:
+    def free(self, pages: torch.Tensor) -> None:
+        """Return allocated pages; freeing page 0, a free page or a page twice is a bug."""
+        if pages.numel() == 0:
             return
-        assert slots.unique().numel() == slots.numel() and slots.min() > 0 and not self._is_free[slots].any(), "bad free"
-        self._is_free[slots] = True
-        self.free_slots = torch.cat([self.free_slots, slots])
+        assert pages.unique().numel() == pages.numel() and pages.min() > 0, "bad free"
+        assert not self._is_free[pages].any(), "bad free"
+        self._is_free[pages] = True
+        self.free_pages = torch.cat([self.free_pages, pages])
 
 
 class SWAPool(KVPool):
     """The windowed layers' pool. ``full_to_swa[full_slot]`` is the SWA slot holding that token's
-    windowed-layer K/V, 0 when it has none (never mapped, or slid out of every window)."""
+    windowed-layer K/V, 0 when it has none (never mapped, or slid out of every window); a FULL page
+    maps to one SWA page, slot for slot. Its methods take FULL pages."""
 
     def __init__(self, num_slots: int, full_num_slots: int, num_layers: int, model: ModelConfig,
-                 device: torch.device, listeners: list[FreeListener]) -> None:
-        super().__init__(num_slots, num_layers, model, device)
+                 device: torch.device, listeners: list[FreeListener], page_size: int = 1) -> None:
+        super().__init__(num_slots, num_layers, model, device, page_size)
         self.full_to_swa = torch.zeros(full_num_slots, dtype=torch.int64, device=device)
         self._listeners = listeners
 
-    def map(self, full_slots: torch.Tensor) -> bool:
-        """Give each full slot an SWA slot; False (nothing changed) when too few are free."""
-        swa = self.alloc(full_slots.numel())
+    def map(self, full_pages: torch.Tensor) -> bool:
+        """Give each FULL page an SWA page; False (nothing changed) when too few are free."""
+        swa = self.alloc(full_pages.numel())
         if swa is None:
             return False
-        self.full_to_swa[full_slots.to(self.full_to_swa.device)] = swa.to(self.full_to_swa.device)
+        device = self.full_to_swa.device
+        self.full_to_swa[page_slots(full_pages, self.page_size).to(device)] = page_slots(swa, self.page_size).to(device)
         return True
 
-    def unmap(self, full_slots: torch.Tensor, cause: str) -> int:
-        """Free the SWA slots of those full slots that have one; returns how many were freed."""
+    def unmap(self, full_pages: torch.Tensor, cause: str) -> int:
+        """Free the SWA pages of those FULL pages that have one; returns how many slots were freed."""
+        full_slots = page_slots(full_pages, self.page_size)
         for listener in self._listeners:
             listener(GroupKind.SWA, full_slots, cause)
         idx = full_slots.to(self.full_to_swa.device)
         swa = self.full_to_swa[idx].cpu()
         self.full_to_swa[idx] = 0
         swa = swa[swa != 0]
-        self.free(swa)
+        self.free(slot_pages(swa, self.page_size))
         return swa.numel()
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Hand src's SWA slots to dst (dst has none); src is left with none."""
-        src, dst = src.to(self.full_to_swa.device), dst.to(self.full_to_swa.device)
+        """Hand the SWA pages of FULL pages src to FULL pages dst (dst has none); src is left with none."""
+        device = self.full_to_swa.device
+        src, dst = page_slots(src, self.page_size).to(device), page_slots(dst, self.page_size).to(device)
         self.full_to_swa[dst] = self.full_to_swa[src]
         self.full_to_swa[src] = 0
 
@@ -128,8 +163,8 @@ class DraftPool:
     draft's KV of the token whose target KV it holds, so its slots are allocated and freed with the
     FULL pool's. full_to_draft (the identity) maps FULL slots to it for the canary's sweep."""
 
-    def __init__(self, num_slots: int, model: ModelConfig, device: torch.device) -> None:
-        self.num_slots = num_slots
+    def __init__(self, num_slots: int, model: ModelConfig, device: torch.device, page_size: int = 1) -> None:
+        self.num_slots, self.page_size = num_slots, page_size
         self.k_layers, self.v_layers = kv_buffers(num_slots, model.num_layers, model, device)
         self.full_to_draft = torch.arange(num_slots, device=device)
 
@@ -139,20 +174,21 @@ class DraftPool:
 
 class KVPools:
     """The FULL pool (slot ids everyone uses) and, for swa models, the SWA pool behind it; with
-    speculative decoding, the draft pool beside it. alloc/free work on FULL slots and keep the SWA
-    side in step. free_listeners hear of every
-    free with its cause (the fault ledger uses it to tell why damage was never read)."""
+    speculative decoding, the draft pool beside it. alloc/free work on FULL pages and keep the SWA
+    side in step. free_listeners hear of every free (as FULL slots) with its cause (the fault ledger
+    uses it to tell why damage was never read)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.free_listeners: list[FreeListener] = []
-        m, device = config.model, torch.device(config.device)
+        m, device, ps = config.model, torch.device(config.device), config.page_size
+        self.page_size = ps
         groups = m.layer_groups
         full_layers = [i for i, g in enumerate(groups) if g is GroupKind.FULL]
         swa_layers = [i for i, g in enumerate(groups) if g is GroupKind.SWA]
-        self.full = KVPool(config.num_slots, len(full_layers), m, device)
-        self.swa = (SWAPool(config.swa_num_slots, config.num_slots, len(swa_layers), m, device, self.free_listeners)
-                    if swa_layers else None)
-        self.draft = (DraftPool(config.num_slots, replace(m, num_layers=config.draft_layers), device)
+        self.full = KVPool(config.num_slots, len(full_layers), m, device, ps)
+        self.swa = (SWAPool(config.swa_num_slots, config.num_slots, len(swa_layers), m, device, self.free_listeners,
+                            ps) if swa_layers else None)
+        self.draft = (DraftPool(config.num_slots, replace(m, num_layers=config.draft_layers), device, ps)
                       if config.speculative_k else None)
         self._layers = {i: layer_kv(self.full.k_layers, self.full.v_layers, j, None, GroupKind.FULL)
                         for j, i in enumerate(full_layers)}
@@ -164,12 +200,12 @@ class KVPools:
         return self._layers[i]
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """n FULL slots, each with an SWA slot on swa models; None (nothing held) if either is short."""
-        slots = self.full.alloc(n)
-        if slots is not None and self.swa is not None and not self.swa.map(slots):
-            self.full.free(slots)
+        """n FULL pages, each with an SWA page on swa models; None (nothing held) if either is short."""
+        pages = self.full.alloc(n)
+        if pages is not None and self.swa is not None and not self.swa.map(pages):
+            self.full.free(pages)
             return None
-        return slots
+        return pages
 
     def restart(self) -> None:
         """With every slot free, allocate in a new engine's order again (a seeded run replays)."""
@@ -177,22 +213,27 @@ class KVPools:
             if pool is not None:
                 pool.restart()
 
-    def free(self, slots: torch.Tensor, cause: str) -> None:
+    def free(self, pages: torch.Tensor, cause: str) -> None:
+        """Return FULL pages (and their SWA pages); listeners hear their slots first."""
         if self.swa is not None:
-            self.swa.unmap(slots, cause)
+            self.swa.unmap(pages, cause)
         kinds = [GroupKind.FULL] + ([GroupKind.DRAFT] if self.draft is not None else [])
+        slots = page_slots(pages, self.page_size)
         for listener in self.free_listeners:
             for kind in kinds:
                 listener(kind, slots, cause)
-        self.full.free(slots)
+        self.full.free(pages)
 
 
 class ReqToTokenPool:
-    """``table[row, pos]`` = FULL slot of a running request's token at pos; rows are handed out to
-    requests while they hold KV. Entries past a request's KV length are stale and never read."""
+    """``table[row, pos // page_size]`` = FULL page of a running request's token at pos (page_size
+    1: its FULL slot, SGLang's req_to_token; else a block table): the token's slot is that page's
+    slot ``pos % page_size``. Rows are handed out to requests while they hold KV. Entries past a
+    request's KV length are stale and never read. write and read take and give slots."""
 
-    def __init__(self, max_rows: int, max_context: int, device: torch.device) -> None:
-        self.table = torch.zeros((max_rows, max_context), dtype=torch.int64, device=device)
+    def __init__(self, max_rows: int, max_context: int, device: torch.device, page_size: int = 1) -> None:
+        self.page_size = page_size
+        self.table = torch.zeros((max_rows, -(-max_context // page_size)), dtype=torch.int64, device=device)
         self._free_rows = list(range(max_rows))
 
     def alloc(self) -> int | None:
@@ -208,8 +249,22 @@ class ReqToTokenPool:
         self._free_rows.sort()
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
+        """Map positions [start, start + len(slots)) to slots (each in the page its position's
+        column then names)."""
+        ps = self.page_size
+        if ps == 1:
+            self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
+            return
+        columns = torch.arange(start, start + slots.numel()) // ps
+        self.table[row, columns.to(self.table.device)] = (slots // ps).to(self.table.device)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end): a CPU copy, unaffected by later writes to the row."""
-        return self.table[row, start:end].to("cpu", copy=True)
+        return token_slots(self.table[row], self.page_size, start, end).to("cpu", copy=True)
+
+    def pages(self, row: int, start: int, end: int) -> torch.Tensor:
+        """The pages holding positions [start, end), each once (CPU)."""
+        if end <= start:
+            return torch.empty(0, dtype=torch.int64)
+        ps = self.page_size
+        return self.table[row, start // ps:-(-end // ps)].to("cpu", copy=True)

@@ -24,7 +24,7 @@ import torch
 
 from ..canary.seam import TransferListener
 from .engine import Engine
-from .kv_pool import KVPool
+from .kv_pool import KVPool, slot_pages
 from .request import Request
 
 
@@ -98,7 +98,8 @@ class PDPair:
         if sender.swa is not None:
             src_swa = sender.swa.full_to_swa[src.to(sender.swa.full_to_swa.device)].cpu()
             resident = src_swa != 0
-            receiver.swa.unmap(dst[~resident], "not SWA-resident on the prefill side, so not transferred")
+            receiver.swa.unmap(slot_pages(dst[~resident], receiver.page_size),
+                               "not SWA-resident on the prefill side, so not transferred")
             dst_swa = receiver.swa.full_to_swa[dst[resident].to(receiver.swa.full_to_swa.device)].cpu()
             _copy_kv(sender.swa, receiver.swa, src_swa[resident], dst_swa)
         for listener in self._transfer_listeners:

@@ -1,12 +1,22 @@
-"""A radix tree over token ids whose nodes own FULL-pool slots (SGLang's RadixCache, page_size 1).
+"""A radix tree over token ids whose nodes own FULL-pool pages (SGLang's RadixCache; with page_size
+> 1 its paged variant: keys in page-size chunks, a match rounded down to whole pages, nodes split
+and evicted at page boundaries, a request's partial last page never cached).
 
 KV is shared only within one context (a cache salt or adapter id, the request's context_key): each
 context has a tree of its own, so equal tokens under different contexts never match.
 
-Ownership: a slot is free, owned by exactly one tree node, or owned by exactly one running request
-(``req_to_token[row, prefix_len:kv_len]``). Tree slots reachable from a locked node are in use by
-a request and are never freed. SWA models: a node is either SWA-resident (every slot it holds has an
-SWA slot) or a tombstone (none has; its FULL slots are still cached).
+Ownership: a page is free, owned by exactly one tree node, or owned by exactly one running request
+(the pages of its positions [prefix_len, kv_len); prefix_len is a multiple of the page size). Tree
+pages reachable from a locked node are in use by a request and are never freed. SWA models: a node
+is either SWA-resident (every slot it holds has an SWA slot) or a tombstone (none has; its FULL
+slots are still cached).
+
+With a host tier (host_tier.py), evicting a node writes its pages back to host memory first (unless
+the tier holds a copy already) and keeps the node, device-evicted (value None), in the tree; a host
+page is free or owned by exactly one node (host_value). Eviction goes bottom-up, so a device-evicted
+node's descendants are device-evicted too. A match may run on through device-evicted nodes; the
+scheduler then gives them device pages and loads their KV back (`load_back`). When host memory runs
+short, device-evicted leaves are dropped, least recently used first (their host copy freed).
 """
 
 from __future__ import annotations
@@ -20,16 +30,26 @@ import torch
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
 from pytest_kvcanary.canary.seam import CacheWalk
 
-from .kv_pool import KVPools, ReqToTokenPool
+from .host_tier import HostTier
+from .kv_pool import KVPools, ReqToTokenPool, page_slots, slot_pages
 from .radix_node import Node
 from .request import Request
 
+CAUSE_WRITTEN_BACK = "written back to host memory (device copy freed)"
+CAUSE_EVICTED = "evicted from the radix cache"
+CAUSE_HOST_EVICTED = "host copy evicted from host memory"
+CAUSE_HOST_DROPPED = "host copy freed: its node left the radix cache"
+
 
 class MatchResult(NamedTuple):
-    """slots: FULL slots of the matched prefix; node: where the match ends (root when empty)."""
+    """slots: FULL slots of the matched prefix on the device; node: where that ends (root when
+    empty). host_node: with a host tier, where the match ends past node through device-evicted
+    nodes (None: it ends at node); host_len: the tokens from node to host_node."""
 
     slots: torch.Tensor
     node: Node
+    host_node: Node | None = None
+    host_len: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -40,20 +60,25 @@ class InsertResult(NamedTuple):
     node: Node
 
 
-def _common_len(a: list[int], b: list[int]) -> int:
+def _common_len(a: list[int], b: list[int], page_size: int) -> int:
+    """Length of the common prefix of a and b, in whole pages."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
             break
         n += 1
-    return n
+    return n - n % page_size
 
 
 class RadixCache:
-    """window: the windowed layers' window for swa models (enables tombstones), else None."""
+    """window: the windowed layers' window for swa models (enables tombstones), else None.
+    host_tier: where evicted pages are written back to, or None. Keys inserted are whole pages of
+    pools.page_size tokens."""
 
-    def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, window: int | None) -> None:
-        self.pools, self.req_to_token, self.window = pools, req_to_token, window
+    def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, window: int | None,
+                 host_tier: HostTier | None = None) -> None:
+        self.pools, self.req_to_token, self.window, self.host_tier = pools, req_to_token, window, host_tier
+        self.page_size = pools.page_size
         self.roots: dict[int, Node] = {}  # context key -> its tree's root
         self.num_evicted = 0  # FULL slots freed by evict()
         self.num_swa_evicted = 0  # SWA slots freed by evict_swa()
@@ -65,12 +90,16 @@ class RadixCache:
         return self.roots[context]
 
     def match_prefix(self, key: list[int], context: int = 0) -> MatchResult:
-        """The longest cached prefix of key a new request may reuse. The node is split so the
-        match ends exactly at it. SWA models: the match is cut back to the last node end whose
-        preceding `window` tokens (all of them, if fewer) are SWA-resident; tombstones earlier on
-        the path are fine, only the full layers read them. The slots stay valid only while the
-        node is locked (`lock`); call it before anything that may evict."""
-        path = list(self._descend(key, context))
+        """The longest cached prefix of key a new request may reuse, in whole pages (key is cut
+        to whole pages first). The node is split so the match ends exactly at it. SWA models: the
+        match is cut back to the last node end whose preceding `window` tokens (all of them, if
+        fewer) are SWA-resident; tombstones earlier on the path are fine, only the full layers read
+        them. The slots stay valid only while the node is locked (`lock`); call it before anything
+        that may evict. With a host tier the match runs on through device-evicted nodes
+        (host_node, host_len), which `load_back` brings back."""
+        path = list(self._descend(key[:len(key) - len(key) % self.page_size], context))
+        resident = [node for node in path if node.value is not None]  # a prefix of the path
+        host, path = path[len(resident):], resident
         if self.window is not None:
             best, run, depth = 0, 0, 0
             for j, node in enumerate(path):
@@ -80,29 +109,53 @@ class RadixCache:
                     best = j + 1
             path = path[:best]
         tick = next(self._clock)
-        for node in path:
+        for node in path + host:
             node.last_access = tick
         node = path[-1] if path else self.root(context)
-        return MatchResult(self._path_slots(node), node)
+        if not host:
+            return MatchResult(self._path_slots(node), node)
+        return MatchResult(self._path_slots(node), node, host[-1], sum(len(n.key) for n in host))
+
+    def load_back(self, match: MatchResult, pages: torch.Tensor) -> MatchResult:
+        """Give the device-evicted nodes of a match (node to host_node) these device pages and load
+        their KV back from the host tier into them (launched; the engine's next forward waits for
+        it), keeping the host copy. Returns the match ending at host_node. The caller holds a lock
+        on host_node (allocating the pages may evict)."""
+        nodes = []
+        node = match.host_node
+        while node is not match.node:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        slots = page_slots(pages, self.page_size)
+        self.host_tier.load_back(torch.cat([n.host_value for n in nodes]), slots)
+        for node, value in zip(nodes, slots.split([len(n.key) for n in nodes])):
+            node.value = value
+        return MatchResult(self._path_slots(match.host_node), match.host_node)
 
     def insert(self, key: list[int], slots: torch.Tensor, swa_from: int = 0, context: int = 0) -> InsertResult:
-        """Cache key with its FULL slots. Where the tree already holds a prefix of key it keeps
-        its own slots: the caller's slots for that prefix are duplicates, the caller's to free
-        (those it got from the tree excepted). swa_from (swa models): slots[i] has an SWA slot iff
-        i >= swa_from; new tokens below it become tombstones, and a tombstone at or above it takes
-        over the caller's SWA slot there (so the duplicate it then frees has none)."""
+        """Cache key (whole pages) with its FULL slots (whole pages). Where the tree already holds
+        a prefix of key it keeps its own slots: the caller's slots for that prefix are duplicates,
+        the caller's to free (those it got from the tree excepted); a device-evicted node on the
+        way takes the caller's slots instead (they are no duplicates). swa_from (swa models, a page
+        boundary): slots[i] has an SWA slot iff i >= swa_from; new tokens below it become
+        tombstones, and a tombstone at or above it takes over the caller's SWA slot there (so the
+        duplicate it then frees has none)."""
+        assert len(key) % self.page_size == 0 and swa_from % self.page_size == 0, "insert of a partial page"
         if self.pools.swa is None:
             swa_from = 0
-        tick, node, i = next(self._clock), self.root(context), 0
+        tick, node, i, held = next(self._clock), self.root(context), 0, None
         for node in list(self._descend(key, context)):
             a, i = i, i + len(node.key)
+            if node.value is None:  # device-evicted: the caller's slots hold its tokens now
+                node.value, held = slots[a:i], a if held is None else held
             if node.tombstone and i > swa_from:
                 if a < swa_from:
                     self._split(node, swa_from - a)
-                self.pools.swa.move(slots[max(a, swa_from):i], node.value)
+                self.pools.swa.move(self._pages(slots[max(a, swa_from):i]), self._pages(node.value))
                 node.tombstone = False
             node.last_access = tick
-        prefix_len = i
+        prefix_len = i if held is None else held
         if i < min(swa_from, len(key)):
             node = self._add(node, key[i:swa_from], slots[i:swa_from], tombstone=True, tick=tick)
             i = min(swa_from, len(key))
@@ -111,21 +164,24 @@ class RadixCache:
         return InsertResult(prefix_len, node)
 
     def cache_unfinished_req(self, req: Request) -> None:
-        """After a prefill: cache the request's KV tokens and make it share the tree's copy. Where
-        the tree already held some of them (a duplicate prompt inserted first in the same batch),
-        the request's row is rewritten to the tree's slots and its own duplicates are freed. The
-        request then owns nothing: prefix_len = kv_len, locked through the new last_node."""
+        """After a prefill: cache the request's KV tokens in whole pages and make it share the
+        tree's copy. Where the tree already held some of them (a duplicate prompt inserted first in
+        the same batch), the request's row is rewritten to the tree's slots and its own duplicates
+        are freed. The request then owns only its partial last page, if any: prefix_len = kv_len
+        rounded down to a page, locked through the new last_node."""
         res = self._insert_req(req)
         tree_slots = self._path_slots(res.node)
         self.req_to_token.write(req.row, req.prefix_len, tree_slots[req.prefix_len:])
         self.lock(res.node)
         self.unlock(req.last_node)
-        req.prefix_len, req.last_node = req.kv_len, res.node
+        req.prefix_len, req.last_node = tree_slots.numel(), res.node
 
     def cache_finished_req(self, req: Request) -> None:
-        """When a request finishes: cache its KV tokens, free its duplicates, unlock its path.
-        Its row no longer owns any slot (the caller frees the row)."""
-        self._insert_req(req)
+        """When a request finishes: cache its KV tokens in whole pages, free its duplicates and its
+        partial last page, unlock its path. Its row no longer owns any slot (the caller frees the
+        row)."""
+        cached = self._path_slots(self._insert_req(req).node).numel()
+        self.pools.free(self.req_to_token.pages(req.row, cached, req.kv_len), "a finished request's partial last page")
         self.unlock(req.last_node)
         req.prefix_len, req.last_node = 0, None
 
@@ -142,19 +198,26 @@ class RadixCache:
             node = node.parent
 
     def evict(self, n: int) -> int:
-        """Free whole unlocked leaves, least recently used first (a parent left childless and
-        unlocked becomes a leaf), until at least n FULL slots are freed or none is left. Returns
-        the number freed, which may exceed n; evict(0) does nothing."""
-        heap = [self._lru_key(x) for x in self._nodes() if not x.children and not x.lock_ref]
+        """Free the device pages of whole unlocked leaves (nodes no device-resident node hangs
+        from), least recently used first (a parent left so and unlocked becomes a leaf), until at
+        least n FULL slots are freed or none is left. With a host tier a leaf is written back to
+        host memory first and stays in the tree, device-evicted; without one, or when host memory
+        cannot hold it, it leaves the tree. Returns the number freed, which may exceed n; evict(0)
+        does nothing."""
+        heap = [self._lru_key(x) for x in self._nodes() if self._device_leaf(x) and not x.lock_ref]
         heapq.heapify(heap)
         freed = 0
         while freed < n and heap:
             node = heapq.heappop(heap)[-1]
-            self.pools.free(node.value, "evicted from the radix cache")
             freed += len(node.key)
+            if self._back_up(node):
+                self.pools.free(self._pages(node.value), CAUSE_WRITTEN_BACK)
+                node.value = None
+            else:
+                self.pools.free(self._pages(node.value), CAUSE_EVICTED)
+                self._drop(node)
             parent = node.parent
-            del parent.children[node.key[0]]
-            if parent.parent is not None and not parent.children and not parent.lock_ref:
+            if parent.parent is not None and self._device_leaf(parent) and not parent.lock_ref:
                 heapq.heappush(heap, self._lru_key(parent))
         self.num_evicted += freed
         return freed
@@ -167,19 +230,21 @@ class RadixCache:
         for *_, node in sorted(self._lru_key(x) for x in self._nodes() if not x.lock_ref and not x.tombstone):
             if freed >= n:
                 break
-            freed += self.pools.swa.unmap(node.value, "SWA slots evicted from the radix cache")
+            freed += self.pools.swa.unmap(self._pages(node.value), "SWA slots evicted from the radix cache")
             node.tombstone = True
         self.num_swa_evicted += freed
         return freed
 
     def walk(self) -> CacheWalk:
-        """Every slot the trees hold with its position, previous slot on its path (PREV_CHAIN_HEAD
-        at position 0), token, whether a request holds it locked, and its context."""
+        """Every slot the trees hold on the device with its position, previous slot on its path
+        (PREV_CHAIN_HEAD at position 0), token, whether a request holds it locked, and its context."""
         parts: list[tuple[torch.Tensor, ...]] = []
         stack = [(child, 0, PREV_CHAIN_HEAD, context) for context, root in self.roots.items()
                  for child in root.children.values()]
         while stack:
             node, start, prev, context = stack.pop()
+            if node.value is None:  # device-evicted, and so is everything below
+                continue
             n = len(node.key)
             parts.append((node.value, torch.arange(start, start + n), torch.cat([torch.tensor([prev]), node.value[:-1]]),
                           torch.tensor(node.key, dtype=torch.int64), torch.full((n,), node.lock_ref > 0),
@@ -191,26 +256,92 @@ class RadixCache:
         return CacheWalk(*(torch.cat(col) for col in zip(*parts)))
 
     def reset(self) -> None:
-        """Free every cached slot. No request may hold a lock."""
+        """Free every cached slot, on the device and in host memory. No request may hold a lock."""
         for node in self._nodes():
             assert not node.lock_ref, "reset while a request holds the cache"
-            self.pools.free(node.value, "radix cache flushed")
+            if node.value is not None:
+                self.pools.free(self._pages(node.value), "radix cache flushed")
+            if node.host_value is not None:
+                self.host_tier.free(self._pages(node.host_value), "radix cache flushed")
         self.roots.clear()
 
     def _insert_req(self, req: Request) -> InsertResult:
-        slots = self.req_to_token.read(req.row, 0, req.kv_len)
-        res = self.insert(req.token_ids[:req.kv_len], slots, swa_from=max(req.swa_from, req.prefix_len),
+        """Insert the request's KV tokens in whole pages; free its duplicates."""
+        cached = req.kv_len - req.kv_len % self.page_size
+        slots = self.req_to_token.read(req.row, 0, cached)
+        res = self.insert(req.token_ids[:cached], slots, swa_from=max(req.swa_from, req.prefix_len),
                           context=req.context_key)
-        self.pools.free(slots[req.prefix_len:res.prefix_len],
+        self.pools.free(self._pages(slots[req.prefix_len:res.prefix_len]),
                         "radix dedup freed the duplicate's slot (its row now points at the cached copy)")
         return res
+
+    def _pages(self, slots: torch.Tensor) -> torch.Tensor:
+        return slot_pages(slots, self.page_size)
+
+    @staticmethod
+    def _device_leaf(node: Node) -> bool:
+        """Device-resident, and no device-resident node hangs from it."""
+        return node.value is not None and all(c.value is None for c in node.children.values())
+
+    def _back_up(self, node: Node) -> bool:
+        """Whether the host tier holds a copy of the node's KV, writing it back first when it holds
+        none (dropping device-evicted leaves for room when host memory is short); False without a
+        host tier or room."""
+        if self.host_tier is None:
+            return False
+        if node.host_value is None:
+            n = len(node.key) // self.page_size
+            if n > self.host_tier.num_pages:  # more than it holds: keep the copies it has
+                return False
+            if n > self.host_tier.free_pages.numel():
+                self._evict_host(n)
+            pages = self.host_tier.alloc(n)
+            if pages is None:
+                return False
+            node.host_value = page_slots(pages, self.page_size)
+            self.host_tier.write_back(node.value, node.host_value)
+        return True
+
+    def _evict_host(self, n: int) -> None:
+        """Drop unlocked device-evicted leaves, least recently used first (a parent left so becomes
+        one), their host copies freed, until n host pages are free or none is left."""
+        def host_leaf(x: Node) -> bool:
+            return x.parent is not None and x.value is None and not x.children and not x.lock_ref
+
+        heap = [(x.last_access, int(x.host_value[0]), x) for x in self._nodes() if host_leaf(x)]
+        heapq.heapify(heap)
+        while self.host_tier.free_pages.numel() < n and heap:
+            node = heapq.heappop(heap)[-1]
+            self.host_tier.free(self._pages(node.host_value), CAUSE_HOST_EVICTED)
+            node.host_value = None
+            parent = node.parent
+            del parent.children[self._child_key(node.key)]
+            if host_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, int(parent.host_value[0]), parent))
+
+    def _drop(self, node: Node) -> None:
+        """Take a node out of the tree, freeing the host copies of the device-evicted nodes below it."""
+        del node.parent.children[self._child_key(node.key)]
+        stack = list(node.children.values())
+        while stack:
+            below = stack.pop()
+            self.host_tier.free(self._pages(below.host_value), CAUSE_HOST_DROPPED)
+            below.host_value = None
+            stack.extend(below.children.values())
+        if node.host_value is not None:
+            self.host_tier.free(self._pages(node.host_value), CAUSE_HOST_DROPPED)
+            node.host_value = None
+
+    def _child_key(self, key: list[int]) -> int | tuple[int, ...]:
+        """What a node's parent files it under: its first token, or with pages its first page."""
+        return key[0] if self.page_size == 1 else tuple(key[:self.page_size])
 
     def _descend(self, key: list[int], context: int) -> Iterator[Node]:
         """The nodes matching key from the context's root, the last one split to end at the match."""
         node, i = self.root(context), 0
-        while i < len(key) and key[i] in node.children:
-            node = node.children[key[i]]
-            n = _common_len(node.key, key[i:])
+        while i < len(key) and (child := node.children.get(self._child_key(key[i:]))) is not None:
+            node = child
+            n = _common_len(node.key, key[i:], self.page_size)
             if n < len(node.key):
                 node = self._split(node, n)
             yield node
@@ -218,17 +349,22 @@ class RadixCache:
 
     def _split(self, node: Node, n: int) -> Node:
         """Cut node after its first n tokens; returns the new upper part (same locks, age, state)."""
-        top = Node(node.key[:n], node.value[:n], node.parent, node.tombstone)
+        def cut(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            return (None, None) if slots is None else (slots[:n], slots[n:])
+
+        (top_value, node.value), (top_host, node.host_value) = cut(node.value), cut(node.host_value)
+        top = Node(node.key[:n], top_value, node.parent, node.tombstone)
+        top.host_value = top_host
         top.lock_ref, top.last_access = node.lock_ref, node.last_access
-        top.children = {node.key[n]: node}
-        node.parent.children[node.key[0]] = top
-        node.key, node.value, node.parent = node.key[n:], node.value[n:], top
+        top.children = {self._child_key(node.key[n:]): node}
+        node.parent.children[self._child_key(node.key)] = top
+        node.key, node.parent = node.key[n:], top
         return top
 
     def _add(self, parent: Node, key: list[int], value: torch.Tensor, tombstone: bool, tick: int) -> Node:
         node = Node(key, value, parent, tombstone)
         node.last_access = tick
-        parent.children[key[0]] = node
+        parent.children[self._child_key(key)] = node
         return node
 
     def _path_slots(self, node: Node) -> torch.Tensor:

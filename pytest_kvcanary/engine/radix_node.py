@@ -6,12 +6,16 @@ import torch
 
 
 class Node:
-    """An edge of the tree: tokens (key) and their FULL slots (value). lock_ref: running requests
-    whose cached prefix passes through here. tombstone: the SWA slots of value were freed."""
+    """An edge of the tree: tokens (key) and their FULL slots (value; None once written back to
+    the host tier and freed on the device), and their host slots when the host tier holds a copy
+    (host_value). lock_ref: running requests whose cached prefix passes through here. tombstone:
+    the SWA slots of value were freed."""
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: Node | None, tombstone: bool = False) -> None:
+    def __init__(self, key: list[int], value: torch.Tensor | None, parent: Node | None,
+                 tombstone: bool = False) -> None:
         self.key = key  # tokens of this edge
         self.value = value  # their FULL slots, CPU int64
+        self.host_value: torch.Tensor | None = None  # their host slots, CPU int64
         self.parent = parent
         self.children: dict[int, Node] = {}
         self.lock_ref = 0

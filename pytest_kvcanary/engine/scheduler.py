@@ -3,9 +3,11 @@
 Each step is one batch: a prefill of waiting requests (extending their cached prefix) while rows,
 the token budget and memory allow, else a decode of every running request (with speculative
 decoding, up to k + 1 positions per request: the last token and k draft proposals). Memory comes
-from the free lists, then from evicting the radix cache; a prefill that still does not fit waits, a
-decode that does not fit retracts the newest running request (frees what it owns, requeues it
-first).
+in whole pages, from the free lists, then from evicting the radix cache: a request's positions fill
+its last page before a new one is taken. A prefill whose cached prefix runs on in the host tier gets
+device pages for that part first and its KV loaded back into them. A prefill that still does not
+fit waits, a decode that does not fit retracts the newest running request (frees what it owns,
+draft KV included, and requeues it first: it is prefilled again, its cached prefix reused).
 In a prefill/decode pair the prefill side only runs schedule_prefill, and the decode side admits
 requests with admit_transferred instead of prefilling them.
 """
@@ -18,8 +20,8 @@ from typing import NamedTuple
 import torch
 
 from .config import EngineConfig
-from .kv_pool import KVPools, ReqToTokenPool
-from .radix_cache import RadixCache
+from .kv_pool import KVPools, ReqToTokenPool, page_slots
+from .radix_cache import MatchResult, RadixCache
 from .request import Request
 
 DRAFT_TOKEN = -1  # a speculative decode's input id the draft has not proposed yet
@@ -90,9 +92,10 @@ class Scheduler:
         None (nothing held) when no row or memory is free."""
         if len(self.running) >= self.config.max_running:
             return None
-        slots = self._alloc(req.kv_len)
-        if slots is None:
+        pages = self._alloc(self._pages_needed(0, req.kv_len))
+        if pages is None:
             return None
+        slots = page_slots(pages, self.pools.page_size)[:req.kv_len]
         req.row = self.req_to_token.alloc()
         assert req.row is not None
         req.prefix_len, req.swa_from, req.last_node = 0, 0, None
@@ -101,11 +104,10 @@ class Scheduler:
         return slots
 
     def abort(self, batch: Batch) -> None:
-        """Undo a batch whose forward raised: free the slots it was given and send its requests
-        back to the front of the queue, holding nothing (their outputs so far are kept)."""
-        self.pools.free(batch.out_cache_loc, "batch aborted")
-        for req in reversed(batch.reqs):
-            self._retract(req)
+        """Undo a batch whose forward raised: free what its requests hold, the slots it gave them
+        included, and send them back to the front of the queue (their outputs so far are kept)."""
+        for req, extend in reversed(list(zip(batch.reqs, batch.extend_lens))):
+            self._retract(req, written=extend, cause="batch aborted")
 
     def abort_request(self, req: Request) -> None:
         """Drop one request, waiting or running (what it holds is released; its cached prefix
@@ -128,12 +130,14 @@ class Scheduler:
             req = self.waiting[0]
             tokens = req.token_ids
             match = self.radix_cache.match_prefix(tokens[:-1], req.context_key)  # leave one token to compute
+            if match.host_node is not None:
+                match = self._load_back(match)
             extend = len(tokens) - match.slots.numel()
             if extend > budget:
                 break
             self.radix_cache.lock(match.node)
-            slots = self._alloc(extend)
-            if slots is None:
+            pages = self._alloc(self._pages_needed(match.slots.numel(), extend))
+            if pages is None:
                 self.radix_cache.unlock(match.node)
                 break
             self.waiting.popleft()
@@ -144,17 +148,30 @@ class Scheduler:
             self.req_to_token.write(req.row, 0, match.slots)
             self.running.append(req)
             reqs.append(req)
-            locs.append(slots)
+            locs.append(self._slots(req, extend, pages))
             budget -= extend
         return self._batch(reqs, locs, is_prefill=True) if reqs else None
+
+    def _load_back(self, match: MatchResult) -> MatchResult:
+        """The match with the part only the host tier holds loaded back into device pages (the
+        copies launched), or its device part alone when device memory is short."""
+        cache = self.radix_cache
+        cache.lock(match.host_node)  # allocating may evict: not what is about to be loaded back
+        pages = self._alloc(match.host_len // self.pools.page_size)
+        cache.unlock(match.host_node)
+        if pages is None:
+            return MatchResult(match.slots, match.node)
+        return cache.load_back(match, pages)
 
     def _schedule_decode(self) -> Batch | None:
         if not self.running:
             return None
-        while (slots := self._alloc(sum(self._decode_lens()))) is None:
+        while (pages := self._alloc(sum(self._decode_pages()))) is None:
             assert len(self.running) > 1, "a lone request always fits (checked at submit)"
             self._retract(self.running[-1])
-        return self._batch(list(self.running), list(slots.split(self._decode_lens())), is_prefill=False)
+        locs = [self._slots(r, n, p) for r, n, p in zip(self.running, self._decode_lens(),
+                                                         pages.split(self._decode_pages()))]
+        return self._batch(list(self.running), locs, is_prefill=False)
 
     def _decode_lens(self) -> list[int]:
         """Positions each running request's decode writes: 1, or with speculative decoding up to
@@ -162,11 +179,31 @@ class Scheduler:
         k = self.config.speculative_k
         return [min(k + 1, r.max_new_tokens - len(r.output_ids)) for r in self.running]
 
+    def _decode_pages(self) -> list[int]:
+        """New pages each running request's decode needs."""
+        return [self._pages_needed(r.kv_len, n) for r, n in zip(self.running, self._decode_lens())]
+
+    def _pages_needed(self, start: int, n: int) -> int:
+        """New pages positions [start, start + n) of a request take: those past the page holding
+        position start - 1 (a request fills its last page first)."""
+        ps = self.pools.page_size
+        return -(-(start + n) // ps) - -(-start // ps)
+
+    def _slots(self, req: Request, n: int, pages: torch.Tensor) -> torch.Tensor:
+        """The slots of positions [kv_len, kv_len + n) of a running request: the rest of its last
+        page, then the new pages'."""
+        ps, start = self.pools.page_size, req.kv_len
+        rest = (-start) % ps
+        tail = self.req_to_token.read(req.row, start, start + min(rest, n))  # empty when rest is 0
+        return torch.cat([tail, page_slots(pages, ps)])[:n]
+
     def _roll_back(self, req: Request, kept: int, written: int) -> None:
-        """Free the slots of the positions [kv_len + kept, kv_len + written) a speculative decode
-        wrote and rejected (their row entries lie past kv_len: stale, never read)."""
+        """Free the pages of the positions [kv_len + kept, kv_len + written) a speculative decode
+        wrote and rejected, but the page the last kept one is in (their row entries lie past
+        kv_len: stale, never read)."""
         if kept < written:
-            rejected = self.req_to_token.read(req.row, req.kv_len + kept, req.kv_len + written)
+            ps, end = self.pools.page_size, req.kv_len + kept
+            rejected = self.req_to_token.pages(req.row, -(-end // ps) * ps, req.kv_len + written)
             self.pools.free(rejected, "rejected draft position rolled back")
 
     def _batch(self, reqs: list[Request], locs: list[torch.Tensor], is_prefill: bool) -> Batch:
@@ -180,35 +217,39 @@ class Scheduler:
                      torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(locs))
 
     def _alloc(self, n: int) -> torch.Tensor | None:
-        """n FULL (+ SWA) slots, evicting the radix cache for what the free lists lack."""
-        if (short := n - self.pools.full.num_free) > 0:
+        """n FULL (+ SWA) pages, evicting the radix cache for what the free lists lack."""
+        ps = self.pools.page_size
+        if (short := n * ps - self.pools.full.num_free) > 0:
             self.radix_cache.evict(short)
-        if self.pools.swa is not None and (short := n - self.pools.swa.num_free) > 0:
+        if self.pools.swa is not None and (short := n * ps - self.pools.swa.num_free) > 0:
             self.radix_cache.evict_swa(short)
         return self.pools.alloc(n)
 
     def _slide_window(self, req: Request) -> None:
-        """Free the SWA slots of the request's own positions no window will read again: the next
-        forward reads positions >= kv_len - window."""
+        """Free the SWA pages of the request's own positions no window will read again: the next
+        forward reads positions >= kv_len - window (a page is freed once all of it lies before)."""
         window = self.radix_cache.window
         if window is None:
             return
-        start, end = max(req.swa_from, req.prefix_len), req.kv_len - window
+        ps = self.pools.page_size
+        start, end = max(req.swa_from, req.prefix_len), (req.kv_len - window) // ps * ps
         if end > start:
-            self.pools.swa.unmap(self.req_to_token.read(req.row, start, end), "slid out of the attention window")
+            self.pools.swa.unmap(self.req_to_token.pages(req.row, start, end), "slid out of the attention window")
             req.swa_from = end
 
-    def _retract(self, req: Request) -> None:
-        """Take memory back from a running request; it goes first in line and later re-prefills its
-        prompt and the tokens it has generated so far."""
-        self._release(req)
+    def _retract(self, req: Request, written: int = 0, cause: str = "request released") -> None:
+        """Take memory back from a running request (and the `written` positions past its KV a
+        batch gave it); it goes first in line and later re-prefills its prompt and the tokens it
+        has generated so far."""
+        self._release(req, written, cause)
         self.waiting.appendleft(req)
         self.num_retracted += 1
 
-    def _release(self, req: Request) -> None:
-        """Free the request's own slots and row and unlock its cached prefix (which stays cached)."""
+    def _release(self, req: Request, written: int = 0, cause: str = "request released") -> None:
+        """Free the request's own pages (those of its positions [prefix_len, kv_len + written)) and
+        row and unlock its cached prefix (which stays cached)."""
         self.running.remove(req)
-        self.pools.free(self.req_to_token.read(req.row, req.prefix_len, req.kv_len), "request released")
+        self.pools.free(self.req_to_token.pages(req.row, req.prefix_len, req.kv_len + written), cause)
         self.radix_cache.unlock(req.last_node)
         self.req_to_token.free(req.row)
         req.row, req.kv_len, req.prefix_len, req.swa_from, req.last_node = -1, 0, 0, 0, None

@@ -4,7 +4,9 @@ them in one forward, and the positions it rejects are rolled back.
 The draft is the target's first `draft_layers` layers with its embeddings, final norm and head (a
 self-speculative early exit), with a KV pool of its own indexed by the same FULL slots
 (`KVPools.draft`). It runs in every forward, before the target, over the slots the target writes:
-in a prefill over the same tokens, so its KV covers every token the radix cache holds; in a decode
+in a prefill over the same tokens (at positions of its own, view.group_inputs[DRAFT], which TAIL
+checks: a retracted request prefilled again gets its draft KV recomputed where it lands), so its KV
+covers every token the radix cache holds (and the host tier writes back and loads back); in a decode
 over positions [L, L + e) of each request (L = its KV length, e = min(k + 1, tokens it still
 needs)), one position per draft forward:
 
@@ -75,12 +77,19 @@ class Drafter:
         self.proposed = 0  # proposals made since the engine started
         self.accepted = 0  # of them, accepted by the target
 
-    def prefill(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,
-                on_store: KVStoreListener | None) -> None:
-        """The draft's KV of the prefill's tokens, into the slots the target writes."""
+    def prefill(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor, draft_positions: torch.Tensor,
+                contexts: torch.Tensor, on_store: KVStoreListener | None) -> None:
+        """The draft's KV of the prefill's tokens, into the slots the target writes (a retracted
+        request prefilled again included: its draft KV is recomputed with its target KV). It fills
+        draft_positions (the DRAFT group's inputs) with `prefill_positions` and runs there."""
+        draft_positions.copy_(self.prefill_positions(batch, positions))
         kv = PagedKV(self.pool, self.table, [r.row for r in batch.reqs], batch.prefix_lens, batch.extend_lens,
-                     positions, batch.out_cache_loc.to(positions.device), on_store=on_store)
-        self.model(input_ids, positions, kv, contexts)
+                     draft_positions, batch.out_cache_loc.to(positions.device), on_store=on_store)
+        self.model(input_ids, draft_positions, kv, contexts)
+
+    def prefill_positions(self, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
+        """The positions the draft's prefill forward runs at: the forward's positions of its tokens."""
+        return positions
 
     def draft(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor, draft_positions: torch.Tensor,
               contexts: torch.Tensor, on_store: KVStoreListener | None) -> None:

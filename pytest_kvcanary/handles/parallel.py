@@ -9,6 +9,7 @@ the store, and the others are killed. Ranks also die with this process (handles.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -144,6 +145,10 @@ class ParallelHandle(RequestSender):
         self._reports = None
         return self._processes.call("call", fn)
 
+    def unsupported(self, perturbs: tuple[PerturbSpec, ...]) -> str | None:
+        """Why rank 0's engine cannot run one of these faults at all (every rank runs the same one)."""
+        return self.call(functools.partial(_unsupported, perturbs))[0]
+
     def _engine_generate(self) -> Callable[..., list[list[int]]]:
         return self._generate
 
@@ -188,6 +193,10 @@ class ParallelHandle(RequestSender):
 
     def close(self) -> None:
         self._processes.close()
+
+
+def _unsupported(perturbs: tuple[PerturbSpec, ...], context: RankContext) -> str | None:
+    return context.handle.unsupported(perturbs)
 
 
 def start_parallel(kind: str, topology: Topology, *, canary: CanaryConfig, attention: str, devices: Sequence[str],

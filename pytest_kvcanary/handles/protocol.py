@@ -20,7 +20,8 @@ class Handle(Protocol):
     """One engine, or a prefill/decode pair, with the canary attached and a fault ledger.
 
     side_names: ("single",) or ("prefill", "decode"). pool_groups: the engine's pool groups as
-    kv_perturb's target_group names them ("full", and "swa" on a hybrid model).
+    kv_perturb's target_group names them ("full", and "swa" on a hybrid model). unsupported: why
+    an engine of the handle cannot run one of these faults at all (the test then skips), or None.
     reset: flush caches, clear log, ledger and counters, restart step numbering, arm `perturbs`
     seeded by `seed`; called before every test. violations / injections / prompts_since_reset:
     since that reset. request_label: "req <id> '<prompt start>'" for the request a violation's
@@ -35,6 +36,8 @@ class Handle(Protocol):
     side_names: tuple[str, ...]
 
     def pool_groups(self) -> tuple[str, ...]: ...
+
+    def unsupported(self, perturbs: tuple[PerturbSpec, ...]) -> str | None: ...
 
     def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None: ...
 

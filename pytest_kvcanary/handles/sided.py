@@ -19,6 +19,7 @@ from ..canary.runtime import CanaryRuntime
 from ..canary.seam import EngineDefect, EngineUnderTest, optional
 from ..canary.violation import Violation
 from ..config import CanaryConfig, PerturbSpec
+from ..perturb.fit import lacking
 from ..perturb.injector import FaultInjector
 from ..perturb.ledger import Injection, Ledger
 from .protocol import check_context_keys, check_prompts, check_request_count
@@ -137,6 +138,15 @@ class SidedHandle(RequestSender):
 
     def pool_groups(self) -> tuple[str, ...]:
         return tuple(group.pool.kind.label for group in self.sides[0].runtime.groups)
+
+    def unsupported(self, perturbs: tuple[PerturbSpec, ...]) -> str | None:
+        """Why a side's engine cannot run one of these faults at all (perturb.fit.lacking), or None."""
+        for spec in perturbs:
+            for side in self.sides:
+                why = lacking(spec, side.engine, f"the {side.name} engine") if spec.side in (None, side.name) else None
+                if why:
+                    return why
+        return None
 
     def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
         """Flush caches, clear log, ledger and counters, restart step numbering, arm this test's faults."""

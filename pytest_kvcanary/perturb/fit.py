@@ -1,13 +1,15 @@
 """Whether a kv_perturb spec fits an engine: one rule for the plugin (before the test runs, as a
-marker error) and the fault injector (when it arms). No torch."""
+marker error, or a skip where the engine lacks what a mode needs) and the fault injector (when it
+arms). No torch."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvcanary_kernels.records import GroupKind
 
-from ..config import PerturbSpec
+from ..canary.seam import optional
+from ..config import FLIP_MODES, PerturbSpec
 
 # What a slot must be for each mode to damage it (a slot already damaged never is).
 TARGETS = {
@@ -22,20 +24,33 @@ TARGETS = {
 
 def misfit(spec: PerturbSpec, groups: Sequence[GroupKind], *, fingerprints_real_kv: bool, engine: str) -> str | None:
     """Why `spec` cannot run on an engine with these pool `groups`, or None when it can: its
-    target_group must be one of the groups (and given when there are several), and a mode that
-    flips real KV bytes needs a canary that fingerprints them. engine: how the message names the
-    engine (e.g. "engine 'reference/swa'")."""
+    target_group must be one of the groups (and given when there are several, but for
+    next_token_swap, which is no group's), and a mode that flips real KV bytes needs a canary that
+    fingerprints them. engine: how the message names the engine (e.g. "engine 'reference/swa'")."""
     labels = ", ".join(kind.label for kind in groups)
-    if spec.target_group is None and len(groups) > 1:
+    if spec.target_group is None and len(groups) > 1 and spec.mode != "next_token_swap":
         return f"target_group is required: {engine} has pool groups {labels}; allowed: {labels}"
     if spec.target_group is not None and GroupKind.from_label(spec.target_group) not in groups:
         return f"target_group={spec.target_group!r} is not a pool group of {engine}; its groups: {labels}"
-    if spec.mode != "req_to_token" and not fingerprints_real_kv:
+    if spec.mode in FLIP_MODES and not fingerprints_real_kv:
         return (f"mode {spec.mode!r} flips real KV bytes, which the canary fingerprints only with real_data "
                 "partial or all; got real_data='none'")
     return None
 
 
+def lacking(spec: PerturbSpec, engine: Any, name: str) -> str | None:
+    """Why engine `name` (an EngineUnderTest) cannot run `spec`'s mode at all, or None: a mode
+    that needs an optional member of the seam the engine does not offer. A test asking for it
+    skips with this reason."""
+    if spec.mode == "next_token_swap" and optional(engine, "feed_token") is None:
+        return (f"kv_perturb('next_token_swap') needs an engine that can feed a forward another token "
+                f"(CanaryHost.feed_token); {name} ({type(engine).__name__}) has none")
+    if spec.mode == "real_kv_host" and optional(engine, "host_tier") is None:
+        return (f"kv_perturb('real_kv_host') needs an engine with a host-memory tier (CanaryHost.host_tier); "
+                f"{name} ({type(engine).__name__}) has none")
+    return None
+
+
 def target(spec: PerturbSpec, groups: Sequence[GroupKind]) -> GroupKind:
-    """The pool group a fitting spec damages."""
+    """The pool group a fitting spec damages (next_token_swap without one: the first)."""
     return groups[0] if spec.target_group is None else GroupKind.from_label(spec.target_group)

@@ -2,16 +2,20 @@
 
 It observes the canary runtime: its before_forward runs before the runtime's HEAD (so HEAD of the
 same forward must see the fault), its after_stamp right after the TAIL stamp (so a flip lands
-after the stamp, in stream order).
+after the stamp, in stream order). With an engine's host tier it also hears every write-back,
+load-back and host free, so the ledger follows damage into host memory and back (a host copy is
+the place "<side>:host").
 """
 
 from __future__ import annotations
 
 import random
 import zlib
+from dataclasses import replace
 
 import torch
 
+from kvcanary_kernels import RealKvSource
 from kvcanary_kernels.records import GroupKind, Half
 
 from ..canary.groups import GroupState
@@ -19,10 +23,10 @@ from ..canary.runtime import CanaryRuntime
 from ..canary.seam import CanaryHost, ForwardView, optional
 from ..config import PerturbSpec
 from .fit import misfit, target
-from .ledger import Injection, Ledger
-from .targets import Target, cached_only_targets, read_targets, written_targets
+from .ledger import Injection, Ledger, Place
+from .targets import Target, cached_only_targets, feeds, read_targets, written_targets
 
-BEFORE_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache")
+BEFORE_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "next_token_swap", "real_kv_host")
 
 
 class PerturbError(ValueError):
@@ -42,6 +46,10 @@ class FaultInjector:
         self._hears_frees = add_listener is not None
         if self._hears_frees:
             add_listener(self._on_free)
+        self._tier = optional(host, "host_tier")
+        self.host_side = f"{side}:host"  # where the ledger places damage the host tier holds
+        if self._tier is not None:
+            self._tier.add_listener(self)
 
     def _on_free(self, kind: GroupKind, slots: torch.Tensor, cause: str) -> None:
         """Called before the engine drops the slots (in the group's mapping space: an SWA slot is
@@ -59,6 +67,10 @@ class FaultInjector:
         fingerprints = any(g.has_sources() for g in self.runtime.groups)
         for spec in specs:
             why = misfit(spec, kinds, fingerprints_real_kv=fingerprints, engine="this engine")
+            held = self.runtime.host_records
+            if why is None and spec.mode == "real_kv_host" and (
+                    held is None or target(spec, kinds) not in {g.pool.kind for g in held.groups}):
+                why = f"the {target(spec, kinds).label} group of this engine has no host tier to damage"
             if why is not None:
                 raise PerturbError(f"kv_perturb({spec.mode!r}): {why}")
         self.specs = tuple(s for s in specs if s.side in (None, self.side))
@@ -81,6 +93,10 @@ class FaultInjector:
                 self._flip(spec, group, cached_only_targets(self.host, group), byte=None)
             elif spec.mode == "real_kv_used":
                 self._flip(spec, group, read_targets(view, group), byte=0)
+            elif spec.mode == "next_token_swap":
+                self._swap(spec, view)
+            elif spec.mode == "real_kv_host":
+                self._flip_host(spec, group)
             else:
                 self._remap(spec, group, view)
 
@@ -110,16 +126,74 @@ class FaultInjector:
         if not targets:
             return
         t = self._rng.choice(targets)
-        half = self._rng.choice([h for h, state in group.halves.items() if state.sources])
+        half, source = self._pick_source(group)
         state = group.halves[half]
-        i = self._rng.randrange(len(state.sources))  # as choice(state.sources) draws it
-        source = state.sources[i]
+        offset = self._flip_byte(state.sources[source], t.slot, byte)
+        self._record(spec, group, t, offset, half.name, state.source_layers[source])
+
+    def _pick_source(self, group: GroupState) -> tuple[Half, int]:
+        """A half of the group and the index of one of its fingerprint's sources."""
+        half = self._rng.choice([h for h, state in group.halves.items() if state.sources])
+        return half, self._rng.randrange(len(group.halves[half].sources))
+
+    def _flip_byte(self, source: RealKvSource, slot: int, byte: int | None) -> int:
+        """Flip one bit of a byte of the slot the source reads (its index among the sampled bytes,
+        None: a random one); returns the byte's offset in the slot."""
         sampled = source.sampled_bytes()
         offset = sampled[self._rng.randrange(len(sampled)) if byte is None else byte]
-        page, within = divmod(t.slot, source.page_size)
+        page, within = divmod(slot, source.page_size)
         data = source.row_bytes()  # starts at the source's first sampled byte
         data[page, source.slot_offset(within) + offset - source.sample_offset] ^= 1 << self._rng.randrange(8)
-        self._record(spec, group, t, offset, half.name, state.source_layers[i])
+        return offset
+
+    def _flip_host(self, spec: PerturbSpec, group: GroupState) -> None:
+        """Flip a byte the fingerprint reads of a page the host tier holds, while it is there: the
+        HEAD of the first forward that reads it after it is loaded back must see it. Recorded at
+        the host slot on the place "<side>:host"."""
+        held = self.runtime.host_records
+        self._tier.synchronize()  # no copy into host memory is under way
+        damaged = self.ledger.damaged(self.host_side, group.pool.kind)
+        targets = [h for h in held.live_slots(group.pool.kind).tolist() if h not in damaged]
+        if not targets:
+            return
+        slot = self._rng.choice(targets)
+        half, index = self._pick_source(group)
+        state = group.halves[half]
+        pool = next(p for p in self._tier.pools if p.kind is group.pool.kind)
+        layer = (pool.k_layers if half is Half.K else pool.v_layers)[state.source_layers[index]]
+        offset = self._flip_byte(replace(state.sources[index], tensor=layer), slot, None)
+        position = held.position(group.pool.kind, half, slot)
+        self.ledger.record(Injection(
+            mode=spec.mode, side=self.host_side, group=group.pool.kind.label, slot=slot, full_slot=slot,
+            position=position, row=-1, byte=offset, step=self.runtime.forwards, half=half.name,
+            layer=state.source_layers[index]))
+
+    # HostTierListener: the ledger follows damage into host memory and back.
+
+    def written_back(self, kind: GroupKind, slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        self._follow(kind, slots, host_slots, into_host=True)
+
+    def loaded_back(self, kind: GroupKind, host_slots: torch.Tensor, slots: torch.Tensor) -> None:
+        self._follow(kind, slots, host_slots, into_host=False)
+
+    def host_freed(self, kind: GroupKind, host_slots: torch.Tensor, cause: str) -> None:
+        if self.ledger.injections:
+            self.ledger.escape(self.host_side, kind, set(host_slots.tolist()), cause, self.runtime.forwards)
+
+    def _follow(self, kind: GroupKind, slots: torch.Tensor, host_slots: torch.Tensor, *, into_host: bool) -> None:
+        """Damage at these slots (the group's mapping space) now also lives at these host slots (a
+        write-back), or the other way round (a load-back), from the next forward on."""
+        if not self.ledger.injections:
+            return
+        step, group = self.runtime.forwards, self.runtime.group(kind)
+        for space, slot, host in zip(slots.tolist(), group.to_group_slots(slots.to(group.device)).tolist(),
+                                     host_slots.tolist()):
+            if not slot:
+                continue
+            if into_host:
+                self.ledger.moved(self.side, kind, space, Place(self.host_side, host, host, step))
+            else:
+                self.ledger.moved(self.host_side, kind, host, Place(self.side, slot, space, step))
 
     def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:
         """Point one mapping entry HEAD reads at another live entry (a slot of a per-token table,
@@ -159,6 +233,28 @@ class FaultInjector:
         space = torch.tensor([wrong * page + lp % page], dtype=torch.int64)
         slot = int(group.to_group_slots(space)[0])
         self._record(spec, group, Target(slot, int(space[0]), first, t.row), -1, None, -1)
+
+    def _swap(self, spec: PerturbSpec, view: ForwardView) -> None:
+        """Feed one request of this forward another token than its newest one (the last token of
+        its row whose token the engine knows): the token another request is fed, where one
+        differs, else a neighbouring id. Recorded in every pool group where its position has a
+        slot: TAIL of this forward stamps what the forward consumed there and reports write_token."""
+        feed = optional(self.host, "feed_token")
+        if feed is None or view.token_table is None:
+            return
+        fed = feeds(view)
+        if not fed:
+            return
+        index, row, position = self._rng.choice(fed)
+        tokens = view.input_ids.cpu()
+        token = int(tokens[index])
+        others = sorted({int(tokens[i]) for i, _, _ in fed} - {token})
+        feed(view, index, others[0] if others else (token - 1 if token > 0 else token + 1))
+        rows, positions = torch.tensor([row], dtype=torch.int64), torch.tensor([position], dtype=torch.int64)
+        for group in self.runtime.groups:
+            space, slot = (int(t[0]) for t in group.mapped_slots(rows, positions))
+            if slot:
+                self._record(spec, group, Target(slot, space, position, row), -1, None, -1)
 
     def _record(self, spec: PerturbSpec, group: GroupState, t: Target, byte: int, half: str | None,
                 layer: int) -> None:

@@ -21,16 +21,23 @@ DETECTING_REASONS = {
     "real_kv_used": ("verify_real_kv_hash",),
     "real_kv_unused_cache": ("verify_real_kv_hash",),
     "real_kv_post_forward": ("verify_real_kv_hash",),
+    # Read where a load-back from the host tier brought the damaged page.
+    "real_kv_host": ("verify_real_kv_hash",),
+    # TAIL of the forward fed the other token, then any read of the record it stamped.
+    "next_token_swap": ("write_token", "verify_token"),
 }
 
 
 class Place(NamedTuple):
-    """Where damaged data lives: an engine side, the slot in the target group's pool, and the
-    FULL-pool slot that owns it (they are equal for the FULL group)."""
+    """Where damaged data lives: an engine side (or "<side>:host", its host tier), the slot in the
+    target group's pool (a host slot there), and the FULL-pool slot that owns it (they are equal for
+    the FULL group and on the host); since: the side's forward from which on it is there (0: from
+    the injection on)."""
 
     side: str
     slot: int
     full_slot: int
+    since: int = 0
 
 
 @dataclass
@@ -39,8 +46,9 @@ class Injection:
     radix cache held the slot); step: the engine's forward index. For a byte flip, half (K or V)
     and layer (an index into the group's layers) say which of the slot's rows was hit, and byte is
     the flipped byte's offset within that row (its bytes in feature order, KV head h from h x
-    head bytes on); req_to_token, whose damage is the mapping itself, has none (None, -1, -1).
-    rank / stage: the rank of a parallel engine it was injected on (None elsewhere)."""
+    head bytes on); req_to_token, whose damage is the mapping itself, and next_token_swap, whose
+    damage is what the forward wrote at the position it was fed another token at, have none
+    (None, -1, -1). rank / stage: the rank of a parallel engine it was injected on (None elsewhere)."""
 
     mode: str
     side: str
@@ -67,10 +75,11 @@ class Injection:
 
     @property
     def latency(self) -> int | None:
-        """Forwards from injection to detection (on the detecting side's clock when it moved)."""
+        """Forwards from injection to detection, on the injection side's clock (a host tier's
+        side, "<side>:host", keeps its engine's); None when detected on another engine (PD)."""
         if self.detected_by is None:
             return None
-        return self.detected_by.step - self.step if self.detected_by.side == self.side else None
+        return self.detected_by.step - self.step if self.detected_by.side == self.side.partition(":")[0] else None
 
     def matches(self, v: Violation) -> bool:
         if v.group.lower() != self.group or not set(v.reasons) & set(DETECTING_REASONS[self.mode]):
@@ -84,12 +93,14 @@ class Injection:
                 return False
             return v.position == self.position or (v.position == self.position + 1
                                                    and "verify_chain_hash" in v.reasons)
+        if "write_token" in v.reasons:  # next_token_swap: TAIL of the forward fed the other token
+            return (v.side, v.step, v.row, v.position) == (self.side, self.step, self.row, self.position)
         if v.side == self.side and v.step < self.step:
             return False
         # A violation after a place was freed or overwritten is about whatever lives there now. A
         # sweep runs after its forward and carries the next forward's step, as does a free made
         # while scheduling that forward: the sweep came first.
-        return any((v.side, v.slot) == (p.side, p.slot)
+        return any((v.side, v.slot) == (p.side, p.slot) and v.step >= p.since
                    and (v.step < self.gone.get(p, v.step + 1) or (v.phase == "SWEEP" and v.step == self.gone[p]))
                    for p in self.places)
 
@@ -118,7 +129,8 @@ class Ledger:
         self.injections.append(injection)
 
     def damaged(self, side: str, group: GroupKind) -> set[int]:
-        """Slots of a side's pool group that hold flipped bytes not yet freed or overwritten."""
+        """Slots of a side's pool group that hold damage (flipped bytes, a swapped token's KV) not yet
+        freed or overwritten."""
         return {p.slot for inj in self.injections if inj.group == group.label and inj.mode != "req_to_token"
                 for p in inj.places if p.side == side and p not in inj.gone}
 
@@ -135,9 +147,11 @@ class Ledger:
     def escape(self, side: str, group: GroupKind, slots: set[int], cause: str, step: int) -> None:
         """These slots of a side's pool group lost their data at that side's forward `step`
         (freed or overwritten). Injections whose every copy is gone escaped, unless `match`
-        later finds a violation from before."""
+        later finds a violation from before. A next_token_swap's slot written by the forward it was
+        injected in holds its damage: that write is no loss."""
         for inj in self.injections:
-            if inj.group != group.label or inj.mode == "req_to_token" or inj.status == "escaped":
+            if inj.group != group.label or inj.mode == "req_to_token" or inj.status == "escaped" \
+                    or (inj.mode == "next_token_swap" and (inj.side, inj.step) == (side, step)):
                 continue
             for p in inj.places:
                 if p.side == side and p.slot in slots:
@@ -146,7 +160,8 @@ class Ledger:
                 inj.status, inj.cause = "escaped", cause
 
     def moved(self, side: str, group: GroupKind, full_slot: int, to: Place) -> None:
-        """A transfer copied the data of (side, full_slot) in that pool group to `to`."""
+        """A transfer (or a write-back to a host tier, or a load-back from it) copied the data of
+        (side, full_slot) in that pool group to `to`."""
         for inj in self.injections:
             if inj.group == group.label and any(p.side == side and p.full_slot == full_slot
                                           for p in inj.places if p not in inj.gone):

@@ -1,7 +1,8 @@
-"""Where faults may land: the slots a forward reads, writes, or only the prefix cache holds.
+"""Where faults may land: the slots a forward reads, writes, or only the prefix cache holds, and the
+tokens it is fed.
 
-Each is a list of (group slot, mapping-space slot, position, row) candidates, computed through the
-seam only (the view, the group's mapping, the cache walk); slot 0 never appears.
+Each slot list is of (group slot, mapping-space slot, position, row) candidates, computed through
+the seam only (the view, the group's mapping, the cache walk); slot 0 never appears.
 """
 
 from __future__ import annotations
@@ -63,3 +64,19 @@ def cached_only_targets(host: CanaryHost, group: GroupState) -> list[Target]:
     cols = [e.slots[:n].cpu(), space, e.positions[:n].cpu(), e.rows[:n].cpu()]
     keep = cols[0] != 0
     return [Target(*c) for c in zip(*(t[keep].tolist() for t in cols))]
+
+
+def feeds(view: ForwardView) -> list[tuple[int, int, int]]:
+    """(view token index, row, position) of each batch row's newest fed token: the last token of
+    its row whose token the engine's token table knows (a speculative decode's proposals are not
+    known yet)."""
+    out = []
+    start = 0
+    known = view.token_table.cpu()
+    for row, prefix, extend in zip(view.rows.tolist(), view.prefix_lens.tolist(), view.extend_lens.tolist()):
+        for j in reversed(range(max(extend, 0))):
+            if prefix + j < known.shape[1] and int(known[row, prefix + j]) >= 0:
+                out.append((start + j, row, prefix + j))
+                break
+        start += max(extend, 0)
+    return out

@@ -24,6 +24,8 @@ REASON = {
     "real_kv_used": "verify_real_kv_hash",
     "real_kv_unused_cache": "verify_real_kv_hash",
     "real_kv_post_forward": "verify_real_kv_hash",
+    "next_token_swap": "write_token",
+    "real_kv_host": "verify_real_kv_hash",
 }
 DEDUP_CAUSE = "slot freed by radix dedup before any read"
 
@@ -62,6 +64,9 @@ class FakeHandle:
 
     def pool_groups(self) -> tuple[str, ...]:
         return ("full",) if self.attention == "mha" else ("full", "swa")
+
+    def unsupported(self, perturbs: tuple[PerturbSpec, ...]) -> str | None:
+        return None
 
     def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
         self.resets.append((seed, perturbs))

@@ -78,7 +78,7 @@ def test_perturb_markers_become_specs(kvtester: pytest.Pytester) -> None:
 BAD_MARKERS = [
     ('kv_perturb("flip_everything")',
      "kv_perturb('flip_everything'): kv_perturb mode must be one of req_to_token, real_kv_used, "
-     "real_kv_unused_cache, real_kv_post_forward; got 'flip_everything'"),
+     "real_kv_unused_cache, real_kv_post_forward, next_token_swap, real_kv_host; got 'flip_everything'"),
     ('kv_perturb("req_to_token", probability=1)',
      "kv_perturb('req_to_token', probability=1): unknown keyword 'probability'; "
      "allowed: prob, side, target_group, warmup_steps, rank"),

@@ -46,6 +46,7 @@ def test_an_engine_without_the_optional_members_gets_the_declared_defaults():
     assert missing_methods(engine) == []
     assert optional(engine, "prefix_caching") is True
     assert optional(engine, "add_free_listener") is None
+    assert optional(engine, "feed_token") is None
     assert optional(engine, "request_at")(3, 4) is None
     assert optional(engine, "finished_requests")() is None
 
@@ -69,8 +70,9 @@ def test_missing_methods_names_what_lacks_in_protocol_order():
 
 
 def test_a_name_that_is_not_an_optional_member_is_an_error():
-    with pytest.raises(ValueError, match="name must be one of add_free_listener, prefix_caching, request_at, "
-                                         "finished_requests, serve, score_uncached, engine_defects; got 'generate'"):
+    with pytest.raises(ValueError, match="name must be one of add_free_listener, feed_token, host_tier, prefix_caching, "
+                                         "request_at, finished_requests, serve, score_uncached, engine_defects; "
+                                         "got 'generate'"):
         optional(_Full(), "generate")
 
 

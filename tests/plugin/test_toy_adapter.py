@@ -1,6 +1,6 @@
 """The toy adapter of docs/adapters.md (examples/adapter/toy_engine.py) runs the fixtures through the seam:
 clean runs are clean, each fault the injector can make on it is named at its first read, and
-attention kinds it lacks skip naming the engine."""
+attention kinds and fault modes it lacks skip naming the engine."""
 
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ def test_damage_after_the_stamp_is_caught_by_the_next_read(kv_engine, kv_canary)
 @pytest.mark.kv_attention("swa")
 def test_swa_is_not_a_toy_kind(kv_engine):
     raise AssertionError("the toy engine has no swa: this test must skip")
+
+
+@pytest.mark.kv_perturb("next_token_swap")
+def test_the_toy_cannot_be_fed_another_token(kv_engine):
+    raise AssertionError("the toy engine has no feed_token: this test must skip")
 '''
 
 
@@ -50,5 +55,7 @@ def test_the_toy_adapter_runs_the_fixtures(realtester: pytest.Pytester) -> None:
     realtester.makepyfile(toy_engine=TOY_ENGINE.read_text(), test_toy=TESTS)
     realtester.syspathinsert()
     result = realtester.runpytest_subprocess("-p", "toy_engine", "--kv-canary", "--kv-canary-engine=toy", "-rs")
-    result.assert_outcomes(passed=4, skipped=1)
+    result.assert_outcomes(passed=4, skipped=2)
     result.stdout.fnmatch_lines(["*the toy engine has no swa attention*"])
+    result.stdout.fnmatch_lines(["*kv_perturb('next_token_swap') needs an engine that can feed a forward another "
+                                 "token (CanaryHost.feed_token); the single engine (ToyEngine) has none*"])

@@ -30,8 +30,11 @@ from ...canary.seam import (Arrival, CacheWalk, Capacities, EngineDefect, Forwar
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .forward_view import DerivedView, empty_tables, empty_view
-from .versions import (CAUSE_RESET, DEFECT_CACHED_BLOCK_REWRITE, GroupCache, UnsupportedModel, cache_layout,
-                       config_options, sdpa_attention)
+from .offload import CpuOffloadTier
+from .versions import (
+    CAUSE_RESET, DEFECT_CACHED_BLOCK_REWRITE, GroupCache, SectorLayout, UnsupportedModel, cache_layout,
+    config_options, sdpa_attention,
+)
 
 
 _NO_ENTRIES: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -63,17 +66,21 @@ class TransformersEngine:
     canary_graphs: with use_cuda_graph, the canary's per-forward device work is captured in
     transformers' own CUDA graphs (forward observers such as the fault injector are then not
     called on replay, so fault-injection tests leave it off); without it that work runs eagerly
-    around each replay.
+    around each replay. cpu_offload_space: GiB of transformers' CPU swap pool (5.18+; transformers
+    pins it, which needs CUDA): an offloaded request's blocks are copied there and back instead of
+    being recomputed, guarded as a host tier (offload.py); 0 (the default): offloaded requests are
+    recomputed.
 
     Attributes for tools that reach inside: ``model``, ``tokenizer``, ``manager`` (the
     ContinuousBatchingManager), ``processor`` (its ContinuousBatchProcessor; ``processor.cache``
-    is the PagedAttentionCache), ``layout`` (versions.py), ``block_log``.
+    is the PagedAttentionCache), ``layout`` (versions.py), ``block_log``, ``host_tier`` (the CPU
+    swap pool as the seam's HostTier, or None).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, page_size: int = 16, num_blocks: int = 256,
                  max_batch_tokens: int = 256, max_requests_per_batch: int = 8, max_context: int = 512,
                  allow_block_sharing: bool = True, use_cuda_graph: bool = False, use_async_batching: bool = False,
-                 write_through: bool = True, canary_graphs: bool = False) -> None:
+                 write_through: bool = True, canary_graphs: bool = False, cpu_offload_space: float = 0.0) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
         self.model, self.tokenizer = model, tokenizer
@@ -83,6 +90,9 @@ class TransformersEngine:
                 raise ValueError(f"{option}=True needs a CUDA device; the model is on {self.device}")
         if canary_graphs and not use_cuda_graph:
             raise ValueError("canary_graphs=True needs use_cuda_graph=True")
+        if isinstance(cpu_offload_space, bool) or not isinstance(cpu_offload_space, (int, float)) \
+                or not cpu_offload_space >= 0:
+            raise ValueError(f"cpu_offload_space must be a number of GiB >= 0; got {cpu_offload_space!r}")
         self.eos_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else -1
         model.set_attn_implementation(sdpa_attention())
         generation = GenerationConfig(do_sample=False, eos_token_id=self.eos_token_id,
@@ -90,7 +100,7 @@ class TransformersEngine:
         config = ContinuousBatchingConfig(**config_options(
             page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
             max_requests_per_batch=max_requests_per_batch, allow_block_sharing=allow_block_sharing,
-            use_cuda_graph=use_cuda_graph, use_async_batching=use_async_batching, cpu_offload_space=0.0))
+            use_cuda_graph=use_cuda_graph, use_async_batching=use_async_batching, cpu_offload_space=cpu_offload_space))
         self.manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
         self.manager.warmup()  # creates the processor; captures CUDA graphs when they are on
         self.processor = self.manager.batch_processor
@@ -99,7 +109,9 @@ class TransformersEngine:
         self.page_size = page_size
         self.block_log = BlockLog(page_size, self.groups[0].num_slots)
         self._free_listeners: list[FreeListener] = []
+        self._held_frees: list[tuple[GroupKind, list[int], str]] | None = None  # announced after an offload
         self.layout.install(self._on_free, self._on_marked)
+        self.host_tier = self._cpu_offload() if cpu_offload_space else None
 
         resolved = self.manager.continuous_batching_config
         self.capacities = Capacities(
@@ -124,6 +136,7 @@ class TransformersEngine:
         self._in_forward = canary_graphs or not use_cuda_graph  # the canary's work inside the model's forward
         self._forward_pair: int | None = None  # the IO pair of the forward the wrapper runs now
         self._in_flight = False  # async batching: a launched batch is not updated yet
+        self._head_pair = 0  # the IO pair of the forward whose HEAD ran last
         if self._in_forward:  # the model outlives the engine: its hooks hold the engine weakly
             for handle in (model.register_forward_pre_hook(_weakly(self._head_in_forward), with_kwargs=True),
                            model.register_forward_hook(_weakly(self._tail_in_forward), with_kwargs=True)):
@@ -428,14 +441,27 @@ class TransformersEngine:
     def _head(self, hooks: ForwardHooks, pair: int, inputs: dict[str, Any]) -> None:
         """What the host staged for this forward onto the device, the view's lengths and block
         tables from the buffers and indices the forward consumes (`inputs`: its keyword
-        arguments), then HEAD (device work)."""
+        arguments) and its inputs as they are now (what a forward observer sees), then HEAD
+        (device work)."""
         if inputs.get("block_table") is not None:
             raise UnsupportedModel("transformers runs this batch on its block-table decode path (flash attention "
                                    "with a KV cache); the canary reads the read and write indices of the SDPA path")
         self._buffers.upload()
         self._buffers.apply_tokens()
-        self._derived[pair].derive(inputs["read_index"], inputs["write_index"])
+        derived = self._derived[pair]
+        derived.derive(inputs["read_index"], inputs["write_index"])
+        derived.copy_inputs()
+        self._head_pair = pair
         hooks.before_forward(self._view)
+
+    def feed_token(self, view: Any, index: int, token: int) -> None:
+        """The forward about to run embeds `token` at view token `index` (optional CanaryHost extra,
+        from a forward observer in before_forward): written into the input ids transformers staged
+        for it and into the view's copy of them. With async batching and the canary around
+        transformers' graphs, transformers' carry-over of a token sampled by the forward before may
+        still overwrite it."""
+        self._derived[self._head_pair].input_ids[index] = token
+        view.input_ids[index] = token
 
     def _tail(self, hooks: ForwardHooks, pair: int) -> None:
         """The inputs as the forward left them into the view, then RECHECK and TAIL (device work)."""
@@ -627,7 +653,31 @@ class TransformersEngine:
                              f"max_context ({self.capacities.max_context})")
         return ids
 
+    def _cpu_offload(self) -> CpuOffloadTier:
+        """transformers' CPU swap pool as a host tier. Blocks an offload frees are announced once
+        it returned, after their copy to the pool (listeners then follow the data there)."""
+        manager = self.processor.offloading_manager
+        if not isinstance(self.layout, SectorLayout) or getattr(manager, "_cpu_pool", None) is None:
+            raise ValueError("cpu_offload_space > 0 needs transformers >= 5.18 and room for a sector of the cache in "
+                             "it; this one keeps no CPU swap pool")
+        offload = manager.offload_requests
+
+        def offload_requests() -> bool:
+            self._held_frees = []
+            try:
+                return offload()
+            finally:
+                held, self._held_frees = self._held_frees, None
+                for args in held:
+                    self._on_free(*args)
+
+        manager.offload_requests = offload_requests
+        return CpuOffloadTier(self.processor, self.layout)
+
     def _on_free(self, kind: GroupKind, blocks: list[int], cause: str) -> None:
+        if self._held_frees is not None:
+            self._held_frees.append((kind, blocks, cause))
+            return
         if kind is GroupKind.FULL:
             self.block_log.forget(blocks)
         if self._free_listeners:

@@ -60,7 +60,8 @@ def empty_tables(groups: Sequence[GroupCache], capacities: Capacities, lanes: in
 
 class DerivedView:
     """Refills `view` by ``derive`` (before HEAD: lengths and block tables) and ``copy_inputs``
-    (after the forward, before TAIL: the inputs as the forward left them) from one set of
+    (before HEAD: the inputs a forward observer sees; after the forward, before TAIL: the inputs
+    as the forward left them) from one set of
     transformers' IO buffers. `tables`: per group kind, ``[lanes + 1, width]``, the last row a
     scratch row padded batch rows write to."""
 

@@ -41,7 +41,7 @@ FreeCallback = Callable[[GroupKind, list[int], str], None]
 MarkedCallback = Callable[[Any], None]  # called with the RequestState whose blocks were hashed
 
 CAUSE_RELEASED = "request released its blocks"
-CAUSE_OFFLOADED = "request offloaded (soft reset)"
+CAUSE_OFFLOADED = "request offloaded (its KV copied to CPU memory, or dropped to be recomputed)"
 CAUSE_EVICTED = "evicted from the prefix cache"
 CAUSE_DEDUPLICATED = "deduplicated: the request adopted an identical hashed block"
 CAUSE_RESET = "engine reset"
@@ -143,6 +143,24 @@ def _group_window(kind: GroupKind, config: Any) -> tuple[int | None, int]:
     return window - 1, window
 
 
+def block_views(base: torch.Tensor, allocator: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int]:
+    """Per layer of the allocator's group, K and V views ``[num_blocks, page, H, D]`` of `base`, a
+    tensor of the cache's dtype laid out as transformers lays out its cache (block b: the b-th run
+    of block_physical_stride rows; per page, the page's K rows then its V rows, layer by layer), and
+    num_blocks."""
+    page, heads, dim = allocator.tokens_per_page, allocator.num_key_value_heads, allocator.head_dim
+    stride = allocator.block_physical_stride  # rows per block: (K page + V page) per layer of the group
+    row = heads * dim
+    num_blocks = base.numel() // (stride * row)
+
+    def layer(i: int, half: int) -> torch.Tensor:
+        return base.as_strided((num_blocks, page, heads, dim), (stride * row, row, dim, 1),
+                               base.storage_offset() + (2 * i + half) * page * row)
+
+    layers = range(len(allocator.layer_indices))
+    return tuple(layer(i, 0) for i in layers), tuple(layer(i, 1) for i in layers), num_blocks
+
+
 class SectorLayout:
     """transformers 5.18+: ``PagedAttentionCache.cache_allocators``."""
 
@@ -157,21 +175,22 @@ class SectorLayout:
 
     def _group(self, name: str, allocator: Any) -> GroupCache:
         kind = KINDS[name]
-        base = allocator.cache_tensor  # [tokens, 2, H, D]: per page, page_size K rows then page_size V rows
-        page, heads, dim = allocator.tokens_per_page, allocator.num_key_value_heads, allocator.head_dim
-        stride = allocator.block_physical_stride  # rows per block: (K page + V page) per layer of the group
-        num_blocks = base.shape[0] * 2 // stride
-        row = heads * dim
-
-        def layer(i: int, half: int) -> torch.Tensor:
-            return base.as_strided((num_blocks, page, heads, dim), (stride * row, row, dim, 1),
-                                   base.storage_offset() + (2 * i + half) * page * row)
-
-        layers = range(len(allocator.layer_indices))
+        k_layers, v_layers, num_blocks = block_views(allocator.cache_tensor, allocator)
         window, ring = _group_window(kind, self.cache.config)
-        return GroupCache(kind, tuple(allocator.layer_indices), tuple(layer(i, 0) for i in layers),
-                          tuple(layer(i, 1) for i in layers), num_blocks, page, window, ring, key=name,
-                          io_index=allocator.index, index_stride=stride)
+        return GroupCache(kind, tuple(allocator.layer_indices), k_layers, v_layers, num_blocks,
+                          allocator.tokens_per_page, window, ring, key=name, io_index=allocator.index,
+                          index_stride=allocator.block_physical_stride)
+
+    def cpu_pools(self, cpu_bytes: torch.Tensor) -> list[tuple[GroupCache, tuple[torch.Tensor, ...],
+                                                                  tuple[torch.Tensor, ...], int]]:
+        """Per group, its layers' K and V views of transformers' CPU swap pool (`cpu_bytes`, whose
+        blocks of each allocator lie as the device cache's do, without trash sectors) and the pool's
+        blocks in that group's geometry."""
+        out = []
+        for group in self.groups:
+            allocator = self.cache.cache_allocators[group.key]
+            out.append((group, *block_views(cpu_bytes.view(allocator.cache_tensor.dtype), allocator)))
+        return out
 
     def block_ids(self, group: GroupCache, request_id: str) -> list[int]:
         return self.cache.cache_allocators[group.key].block_table.get(request_id, [])

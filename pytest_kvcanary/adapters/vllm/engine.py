@@ -85,6 +85,7 @@ class VllmEngine:
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._plan: dict[str, RowPlan] | None = None  # the bound step's rows by vLLM request id
         self._view: ForwardView | None = None
+        self._inputs: forward_inputs.ForwardInputs | None = None  # what the forward under way consumes
         self._steps: list[list[int]] = []  # per forward since the last reset: the book id of each row
         self._write_through = WriteThrough(self._kv_stored)
         key = uuid.uuid4().hex
@@ -124,7 +125,7 @@ class VllmEngine:
         plan, self._plan = self._plan, None
         if plan is None:
             return
-        inputs = forward_inputs.read(self._runner, kwargs, self._group_layers)
+        self._inputs = inputs = forward_inputs.read(self._runner, kwargs, self._group_layers)
         rows = [plan[rid] for rid in inputs.request_ids]
         self._view, index = self._map(inputs, rows)
         if self._hybrid:
@@ -179,9 +180,28 @@ class VllmEngine:
                            input_ids=torch.cat(ids), positions=torch.cat(positions), token_table=self._token_table)
         return view, None if by_slot is None else order
 
+    def feed_token(self, view: ForwardView, index: int, token: int) -> None:
+        """The forward about to run embeds `token` at view token `index` (optional CanaryHost extra,
+        from a forward observer in before_forward): written into the model call's own input ids,
+        and into the view's copy of them. Raises ValueError for a view token of a position the
+        forward does not compute for that row (another row's, blocks.py)."""
+        inputs = self._inputs
+        assert inputs is not None, "feed_token outside a forward"
+        ends = view.extend_lens.cumsum(0)
+        b = int(torch.searchsorted(ends, torch.tensor(index), right=True))
+        position = int(view.prefix_lens[b]) + index - int(ends[b] - view.extend_lens[b])
+        qsl = inputs.query_start_loc
+        first = int(inputs.seq_lens[b]) - int(qsl[b + 1] - qsl[b])  # the first position row b computes
+        if position < first:
+            raise ValueError(f"view token {index} (row {b}, position {position}) is not fed to this forward: row "
+                             f"{b} computes positions from {first}")
+        inputs.input_ids[int(qsl[b]) + position - first] = token
+        view.input_ids[index] = token
+
     def after_forward(self) -> None:
         """The forward wrote its K/V: RECHECK and TAIL, then the host side of the forward."""
         view, self._view = self._view, None
+        self._inputs = None
         assert view is not None, "wait_for_save without a bound step"
         self._write_through.end_forward()
         self.forwards += 1

@@ -23,10 +23,12 @@ from pytest_kvcanary.perturb.ledger import DETECTING_REASONS  # noqa: E402
 SEEDS = range(10)
 # Where each mode's damage is read first: the forward's own HEAD, the sweep over idle cached
 # blocks, or the next forward's HEAD (the sweep when the block went idle first).
+# A forward fed another token is reported by its own TAIL.
 PHASES = {"req_to_token": {"HEAD"}, "real_kv_used": {"HEAD"}, "real_kv_unused_cache": {"SWEEP"},
-          "real_kv_post_forward": {"HEAD", "SWEEP"}}
+          "real_kv_post_forward": {"HEAD", "SWEEP"}, "next_token_swap": {"TAIL"}}
 CASES = [("mha", mode, "full") for mode in PHASES] + [
-    ("swa", mode, group) for mode in ("req_to_token", "real_kv_used", "real_kv_post_forward") for group in ("full", "swa")]
+    ("swa", mode, group) for mode in ("req_to_token", "real_kv_used", "real_kv_post_forward", "next_token_swap")
+    for group in ("full", "swa") if (mode, group) != ("next_token_swap", "swa")]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def test_every_injected_fault_is_named_at_its_slot(handles, attention, mode, gro
                 continue
             v = inj.detected_by
             assert set(v.reasons) & set(DETECTING_REASONS[mode]) and v.phase in PHASES[mode], inj.describe()
-            assert v.group.lower() == group
+            assert v.group.lower() == inj.group and (inj.group == group or mode == "next_token_swap")
             if mode == "req_to_token":
                 assert (v.step, v.row) == (inj.step, inj.row)
             else:

@@ -22,8 +22,9 @@ MODES = {
     "req_to_token": ({"HEAD"}, 2),
     "real_kv_unused_cache": ({"SWEEP"}, 3),
     "real_kv_post_forward": ({"HEAD", "RECHECK", "SWEEP"}, 1),
+    "next_token_swap": ({"TAIL"}, 1),
 }
-REASONS = {"req_to_token": {"verify_chain_hash", "verify_token", "verify_position"}}
+REASONS = {"req_to_token": {"verify_chain_hash", "verify_token", "verify_position"}, "next_token_swap": {"write_token"}}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,9 @@ CASES = [(a, g, m) for a, groups in (("mha", ["full"]), ("swa", ["full", "swa"])
          # ends, which the fault ledger does not match to the injection yet.
          if (g, m) != ("swa", "req_to_token")
          # Without a prefix cache (mla on vLLM's CPU build) no slot is held by the cache alone.
-         and (a, m) != ("mla", "real_kv_unused_cache")]
+         and (a, m) != ("mla", "real_kv_unused_cache")
+         # A token fed in another lands in every group: recorded (and reported) in each.
+         and (m, g) != ("next_token_swap", "swa")]
 
 
 @pytest.mark.parametrize("attention,group,mode", CASES)
@@ -102,11 +105,12 @@ def test_each_fault_is_caught_where_it_was_made(engines, attention, group, mode)
             assert inj.status == "detected" or (inj.status == "escaped" and mode == "real_kv_post_forward"), inj
         for inj in detected:
             v = inj.detected_by
-            assert v.group.lower() == group and v.phase in phases and set(v.reasons) & reasons, (inj, v)
+            assert v.group.lower() == inj.group and v.phase in phases and set(v.reasons) & reasons, (inj, v)
+            assert inj.group == group or mode == "next_token_swap"
             if mode == "req_to_token":
                 assert (v.row, v.step) == (inj.row, inj.step) and v.position in (inj.position, inj.position + 1)
             else:
-                assert (v.slot, v.half) == (inj.slot, inj.half)
+                assert v.slot == inj.slot and inj.half in (None, v.half)
 
 
 @pytest.mark.parametrize("real_data", ["partial", "all"])
@@ -133,3 +137,12 @@ def test_a_k_only_flip_in_a_cached_prefix_is_reported_at_its_slot_on_half_k(engi
     runtime.drain()
     found = [(v.phase, v.half, v.slot, v.reasons) for v in handle.violations()]
     assert found == [("SWEEP", "K", slot, ("verify_real_kv_hash",))]
+
+
+def test_a_token_fed_in_another_changes_what_the_forward_computes(engines):
+    """next_token_swap writes into the model call's own input ids (the view's are a copy made
+    before HEAD): the greedy outputs then differ from a clean run's."""
+    prompts = [[random.Random(i).randrange(256) for _ in range(20)] for i in range(3)]
+    clean = make_handle(engines["mha"]).generate(prompts, 6)
+    swapped = make_handle(engines["mha"], (PerturbSpec("next_token_swap", warmup_steps=1),)).generate(prompts, 6)
+    assert swapped != clean

@@ -10,6 +10,7 @@ import torch
 
 from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.engine.kv_pool import slot_pages
 
 WINDOW = 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,16 +53,23 @@ def assert_reference() -> Callable[[Engine, list[list[int]], list[list[int]]], N
 
 
 def check_invariants(engine: Engine, writing: torch.Tensor | None = None) -> None:
-    """Every FULL slot is free, cached by exactly one tree node or owned by exactly one running
-    request (writing: the slots a forward about to run was given, not yet counted); lock counts match the running requests; SWA residency matches the tombstones, and
-    everything the next forward's windowed layers read is resident."""
+    """Every FULL page is free, cached by exactly one tree node or owned by exactly one running
+    request (writing: the slots a forward about to run was given, whose new pages are not yet
+    counted); lock counts match the running requests; every host page is free or held by exactly one
+    node, and a node off the device has a host copy and nothing on the device below it; SWA
+    residency matches the tombstones, and everything the next forward's windowed layers read is
+    resident."""
     full, swa, table = engine.pools.full, engine.pools.swa, engine.req_to_token_pool
+    ps = full.page_size
     walk = engine.cache_walk()
-    owned = [table.read(r.row, r.prefix_len, r.kv_len) for r in engine.running]
-    used = torch.cat([walk.slots, *owned, *([] if writing is None else [writing])])
-    assert used.unique().numel() == used.numel(), "a slot is held twice"
-    assert not set(used.tolist()) & set(full.free_slots.tolist()), "a held slot is also free"
-    assert used.numel() + full.num_free == full.num_slots - 1, "a slot leaked"
+    owned = torch.cat([table.pages(r.row, r.prefix_len, r.kv_len) for r in engine.running] +
+                      [torch.empty(0, dtype=torch.int64)])
+    new = [] if writing is None else [torch.tensor(sorted(set((writing // ps).tolist()) - set(owned.tolist())),
+                                                   dtype=torch.int64)]
+    used = torch.cat([slot_pages(walk.slots, ps), owned, *new])
+    assert used.unique().numel() == used.numel(), "a page is held twice"
+    assert not set(used.tolist()) & set(full.free_pages.tolist()), "a held page is also free"
+    assert used.numel() + full.free_pages.numel() == full.num_pages - 1, "a page leaked"
 
     nodes, locks = [], {}
     stack = [c for root in engine.radix_cache.roots.values() for c in root.children.values()]
@@ -74,12 +82,23 @@ def check_invariants(engine: Engine, writing: torch.Tensor | None = None) -> Non
             locks[node] = locks.get(node, 0) + 1
             node = node.parent
     assert all(n.lock_ref == locks.get(n, 0) for n in nodes), "lock counts disagree with running requests"
+    tier = engine.host_tier
+    if tier is not None:
+        held = torch.cat([slot_pages(n.host_value, ps) for n in nodes if n.host_value is not None] +
+                         [torch.empty(0, dtype=torch.int64)])
+        assert held.unique().numel() == held.numel(), "a host page is held twice"
+        assert not set(held.tolist()) & set(tier.free_pages.tolist()), "a held host page is also free"
+        assert held.numel() + tier.free_pages.numel() == tier.num_pages, "a host page leaked"
+        for n in nodes:
+            if n.value is None:
+                assert n.host_value is not None, "a node left the device without a host copy"
+                assert all(c.value is None for c in n.children.values()), "a device-resident node below an evicted one"
     if swa is None:
         return
     mapped = swa.full_to_swa.cpu()
     values = mapped[mapped != 0]
     assert values.unique().numel() == values.numel(), "an SWA slot is mapped twice"
-    assert values.numel() + swa.num_free == swa.num_slots - 1, "an SWA slot leaked"
+    assert values.numel() + swa.num_free == swa.num_slots - ps, "an SWA slot leaked"
     assert not mapped[full.free_slots].any(), "a free FULL slot keeps an SWA slot"
     for n in nodes:
         resident = mapped[n.value] != 0
@@ -97,9 +116,9 @@ def _check_invariants() -> Callable[[Engine], None]:
 
 def written_slots(engine: Engine, view: ForwardView) -> torch.Tensor:
     """The FULL slots a forward writes, in token order: mapping(row, prefix + j)."""
-    table = engine.req_to_token_pool.table.cpu()
-    parts = [table[r, p:p + e] for r, p, e in zip(view.rows.tolist(), view.prefix_lens.tolist(),
-                                                   view.extend_lens.tolist())]
+    table = engine.req_to_token_pool
+    parts = [table.read(r, p, p + e) for r, p, e in zip(view.rows.tolist(), view.prefix_lens.tolist(),
+                                                         view.extend_lens.tolist())]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
@@ -128,7 +147,7 @@ class ShadowCanary(ForwardHooks):
         check_invariants(engine, out)
         self.views.append(view)
         self.written.append(out)
-        table = engine.req_to_token_pool.table.cpu()
+        table = engine.req_to_token_pool
         tokens = view.token_table.cpu()
         free = set(engine.pools.full.free_slots.tolist())
         assert out.unique().numel() == out.numel() and not free & set(out.tolist()) and 0 not in out.tolist()
@@ -142,7 +161,7 @@ class ShadowCanary(ForwardHooks):
             assert view.positions[seg].tolist() == list(range(p, p + e))
             assert view.input_ids[seg].tolist() == req.token_ids[p:p + e]
             assert tokens[row, :p + e].tolist() == req.token_ids[:p + e] and (tokens[row, p + e:] == -1).all()
-            prefix = table[row, :p].tolist()
+            prefix = table.read(row, 0, p).tolist()
             assert not free & set(prefix) and not set(prefix) & set(out.tolist())
             for q, slot in enumerate(prefix):
                 assert self.full[slot] == (req.token_ids[q], q), f"row {row} pos {q}: slot {slot} holds {self.full[slot]}"

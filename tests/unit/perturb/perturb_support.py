@@ -23,8 +23,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SEED_SWEEP_KERNELS = "triton" if DEVICE == "cuda" else "torch"
 # The pool groups of each attention kind.
 POOL_GROUPS = {"mha": ("full",), "swa": ("full", "swa"), "mla": ("full",)}
-# The seed sweep also runs an mha engine decoding speculatively (k = 3), whose draft pool is a group.
-SEED_SWEEP_ENGINES = {**POOL_GROUPS, "speculative": ("full", "draft")}
+# The seed sweep also runs an mha engine decoding speculatively (k = 3), whose draft pool is a group,
+# and one with pages of 4 tokens and a host tier behind a pool that prompts overflow ("host").
+SEED_SWEEP_ENGINES = {**POOL_GROUPS, "speculative": ("full", "draft"), "host": ("full",)}
+HOST_ENGINE = {"page_size": 4, "num_slots": 128, "host_num_slots": 1024, "max_running": 4}
 BYTE_TOKENS = 256  # prompt tokens below this; first tokens above it, one per request of a run
 LATENCY_PROPERTY = "detection_latency"
 
@@ -35,21 +37,27 @@ def group_name(group: GroupState) -> str:
 
 def make_handle(attention: str, **canary: object) -> EngineHandle:
     """A fresh reference engine (window 16, roomy pools) with the canary on; "speculative": mha
-    decoding speculatively with 3 draft tokens per step."""
-    engine = (make_reference_engine("mha", DEVICE, seed=0, speculative_k=3) if attention == "speculative"
-              else make_reference_engine(attention, DEVICE, seed=0))
+    decoding speculatively with 3 draft tokens per step; "host": mha with a host tier (HOST_ENGINE)."""
+    options = {"speculative": {"speculative_k": 3}, "host": HOST_ENGINE}.get(attention, {})
+    engine = make_reference_engine(attention if attention in POOL_GROUPS else "mha", DEVICE, seed=0, **options)
     return EngineHandle(engine, CanaryConfig(**{"kernels": SEED_SWEEP_KERNELS, **canary}))
 
 
 def send_waves(handle: EngineHandle, seed: int, waves: int = 3, per_wave: int = 4, longest_output: int = 7) -> None:
     """Waves of distinct prompts of 5-24 tokens, 3 to longest_output new tokens each. Each prompt
     opens with a token of its own, so no request reuses another's cached prefix: a wave's KV stays
-    in the radix cache, unlocked and read by nothing but the sweep, while the next wave runs."""
+    in the radix cache, unlocked and read by nothing but the sweep, while the next wave runs. On an
+    engine with a host tier each wave also sends two earlier requests' whole sequences again, with a
+    token more: their pages, written back to host memory meanwhile, are loaded back."""
     rng = random.Random(seed)
+    sent: list[list[int]] = []
+    host = handle.engine.host_tier is not None
     for wave in range(waves):
         prompts = [[BYTE_TOKENS + wave * per_wave + i]
                    + [rng.randrange(BYTE_TOKENS) for _ in range(rng.randrange(4, 24))] for i in range(per_wave)]
-        handle.generate(prompts, max_new_tokens=rng.randrange(3, longest_output + 1))
+        again = [seq + [rng.randrange(BYTE_TOKENS)] for seq in rng.sample(sent, min(2, len(sent)))] if host else []
+        outputs = handle.generate(prompts + again, max_new_tokens=rng.randrange(3, longest_output + 1))
+        sent += [p + o[:-1] for p, o in zip(prompts, outputs)]
 
 
 def final_sweep(handle: EngineHandle) -> None:

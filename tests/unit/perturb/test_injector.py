@@ -64,8 +64,9 @@ def test_no_fault_armed_no_violation_and_an_empty_ledger(attention):
 @pytest.mark.parametrize("mode", PERTURB_MODES)
 def test_nothing_is_injected_before_the_warm_up_ends(mode):
     warmup = 5
-    handle = make_handle("swa")
-    handle.reset(0, (PerturbSpec(mode, target_group="swa", warmup_steps=warmup),))
+    engine, group = ("host", "full") if mode == "real_kv_host" else ("swa", "swa")
+    handle = make_handle(engine)
+    handle.reset(0, (PerturbSpec(mode, target_group=group, warmup_steps=warmup),))
     send_waves(handle, seed=0)
     steps = [i.step for i in handle.injections()]
     assert steps and min(steps) >= warmup
@@ -74,14 +75,15 @@ def test_nothing_is_injected_before_the_warm_up_ends(mode):
 
 
 def test_a_seed_replays_its_faults_and_another_seed_places_them_elsewhere():
+    """Every mode at once, on the engine with pages and a host tier."""
     specs = tuple(PerturbSpec(mode, target_group="full") for mode in PERTURB_MODES)
-    handle = make_handle("mha")
+    handle = make_handle("host")
     first = ledger_of(handle, 1, specs)
-    assert first
+    assert {i["mode"] for i in first} == set(PERTURB_MODES)
     assert ledger_of(handle, 2, specs) != first
     # Again after another run of the same engine, and on a new one (a replay in isolation).
     assert ledger_of(handle, 1, specs) == first
-    assert ledger_of(make_handle("mha"), 1, specs) == first
+    assert ledger_of(make_handle("host"), 1, specs) == first
 
 
 def test_wrong_mappings_are_put_back_after_their_forward_even_one_entry_remapped_twice():
@@ -110,10 +112,46 @@ def test_each_wrong_mapping_is_one_of_its_own_and_detected():
         assert all(i.status == "detected" for i in handle.injections()), [i.describe() for i in handle.injections()]
 
 
-@pytest.mark.parametrize("mode", PERTURB_MODES)
+@pytest.mark.parametrize("mode", [m for m in PERTURB_MODES if m != "next_token_swap"])
 def test_a_model_with_two_pool_groups_needs_target_group(mode):
     with pytest.raises(PerturbError, match=r"target_group is required: this engine has pool groups full, swa; allowed: full, swa$"):
         make_handle("swa").reset(0, (PerturbSpec(mode),))
+
+
+def test_a_swapped_token_needs_no_target_group_and_is_recorded_in_every_group_it_was_written_to():
+    """The token lands in every pool group the forward writes: one injection per group, each
+    detected by that group's TAIL write_token at the same row and position."""
+    handle = make_handle("swa", real_data="none")
+    handle.reset(0, (PerturbSpec("next_token_swap", warmup_steps=1),))
+    handle.generate([[BYTE_TOKENS] + list(range(1, 12))], max_new_tokens=3)
+    injections = handle.injections()
+    by_step = Counter(i.step for i in injections)
+    assert by_step == {1: 2, 2: 2}, by_step  # the two decodes, once per group
+    assert {(i.step, i.row, i.position) for i in injections if i.group == "full"} == \
+        {(i.step, i.row, i.position) for i in injections if i.group == "swa"}
+    for inj in injections:
+        v = inj.detected_by
+        assert (v.phase, v.group.lower(), v.reasons, v.slot) == ("TAIL", inj.group, ("write_token",), inj.slot)
+
+
+def test_a_host_fault_needs_an_engine_with_a_host_tier():
+    with pytest.raises(PerturbError, match=r"^kv_perturb\('real_kv_host'\): the full group of this engine has no host "
+                                           r"tier to damage$"):
+        make_handle("mha").reset(0, (PerturbSpec("real_kv_host"),))
+    assert make_handle("mha").unsupported((PerturbSpec("real_kv_host"),)) == (
+        "kv_perturb('real_kv_host') needs an engine with a host-memory tier (CanaryHost.host_tier); the single "
+        "engine (Engine) has none")
+    assert make_handle("host").unsupported((PerturbSpec("real_kv_host"),)) is None
+
+
+def test_an_engine_that_cannot_feed_another_token_is_named_by_the_reason_to_skip():
+    handle = make_handle("mha")
+    assert handle.unsupported((PerturbSpec("req_to_token"),)) is None
+    assert handle.unsupported((PerturbSpec("next_token_swap"),)) is None
+    handle.side.engine = _HostWithoutFreeReports(handle.engine)  # the bare seam: no feed_token
+    assert handle.unsupported((PerturbSpec("next_token_swap"),)) == (
+        "kv_perturb('next_token_swap') needs an engine that can feed a forward another token "
+        "(CanaryHost.feed_token); the single engine (_HostWithoutFreeReports) has none")
 
 
 @pytest.mark.parametrize("mode", PERTURB_MODES)

@@ -23,7 +23,8 @@ Report = tuple[str, str, str, tuple[str, ...], int, int, int]
 
 
 def make_engine(attention: str = "mha", **engine_kw: object) -> Engine:
-    """A 4-layer model on seeded random weights, window 4 (swa: layers 0 and 2 windowed)."""
+    """A 4-layer model on seeded random weights, window 4 (swa: layers 0 and 2 windowed); engine_kw:
+    EngineConfig fields (pages, a host tier, speculative decoding, pool sizes)."""
     model = ModelConfig(attention=attention, window=WINDOW, max_context=64, seed=0)
     engine_kw.setdefault("max_batch_tokens", 64)
     return Engine(EngineConfig(model=model, device=DEVICE, **engine_kw))
@@ -84,7 +85,7 @@ def kv_off_reference(engine: Engine, req: Request) -> set[tuple[str, int]]:
     n = req.kv_len
     positions = torch.arange(n, device=engine.device)
     ids = torch.tensor(req.token_ids[:n], device=engine.device)
-    table = engine.req_to_token_pool.table[req.row]
+    table = engine.req_to_token_pool.read(req.row, 0, n).to(engine.device)
     models = [(engine.model, engine.pools.layer)]
     if engine.drafter is not None:
         models.append((engine.drafter.model, engine.pools.draft.layer))
@@ -113,7 +114,8 @@ def off_greedy_reference(engine: Engine, req: Request) -> bool:
 
 def owner_of(engine: Engine, slot: int) -> tuple[Request, int]:
     """The running request whose cached prefix maps position p to this FULL slot, and p."""
-    table = engine.req_to_token_pool.table
-    found = [(req, p) for req in engine.running for p in range(req.kv_len) if int(table[req.row, p]) == slot]
+    table = engine.req_to_token_pool
+    found = [(req, p) for req in engine.running for p, at in enumerate(table.read(req.row, 0, req.kv_len).tolist())
+             if at == slot]
     assert len(found) == 1, f"slot {slot} is in {len(found)} running requests' KV"
     return found[0]

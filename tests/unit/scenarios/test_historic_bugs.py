@@ -1,7 +1,7 @@
 """Historic KV-cache bug mechanisms, reintroduced into the reference engine's real code paths.
 
-Each bug test patches one mechanism into the scheduler, the radix cache, a KV store or the
-speculative drafter, runs a workload, proves the damage without the canary (the KV a forward
+Each bug test patches one mechanism into the scheduler, the radix cache, a KV store, the
+speculative drafter or the host tier, runs a workload, proves the damage without the canary (the KV a forward
 reads, or the greedy outputs, against a forward with no cache at all), and checks that the
 canary's first report names the damaged slot and position with the right reason, in the forward
 that did or read the damage.
@@ -20,7 +20,8 @@ from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.engine import Engine, Request
 from pytest_kvcanary.engine.attention import PagedKV
 from pytest_kvcanary.engine.decode_graphs import PaddedDecodeKV
-from pytest_kvcanary.engine.radix_cache import RadixCache
+from pytest_kvcanary.engine.kv_pool import page_slots
+from pytest_kvcanary.engine.radix_cache import CAUSE_HOST_EVICTED, RadixCache
 from pytest_kvcanary.engine.scheduler import Scheduler
 from pytest_kvcanary.engine.speculative import Drafter
 
@@ -113,6 +114,48 @@ def first_speculative_decode(engine: Engine) -> list[Request]:
     return [req]
 
 
+def one_page_prefix(engine: Engine) -> list[Request]:
+    """Pages of 4 tokens. A 12-token prompt finishes at steps 0-1, its 12 KV tokens cached in pages
+    1-3 (slots 4-15). At step 2 a request is prefilled whose cached prefix is exactly one page (the
+    prompt's first 4 tokens, then tokens of its own); at step 3 one that reads the whole cached
+    prompt."""
+    first = run_until_finished(engine, tokens(80, 11), 2)
+    one_page = engine.submit(first.prompt_ids[:4] + tokens(81, 6), 3)
+    engine.step()
+    reader = engine.submit(first.token_ids[:12] + tokens(82, 3), 3)
+    engine.step()
+    return [one_page, reader]
+
+
+def host_reload(engine: Engine) -> list[Request]:
+    """Pages of 4 tokens, a device pool of 11 pages and a host tier of 6. Prompts A, B, C, D of 20
+    tokens (5 pages) run one after another: C pushes A to host memory, D pushes B there (A's host
+    copy dropped for room, A leaving the tree). At the last step A's prompt comes back."""
+    prompts = [tokens(90 + i, 20) for i in range(4)]
+    for prompt in prompts:
+        run_until_finished(engine, prompt, 1)
+    again = engine.submit(prompts[0] + tokens(95, 1), 2)
+    engine.step()
+    return [again]
+
+
+def retraction_under_speculation(engine: Engine) -> list[Request]:
+    """Speculative decoding (k = 3) of three prompts in a pool too small for all of them: runs until
+    the scheduler retracted a request that had decoded tokens of its own, then until that request
+    is prefilled again (its prompt cached, what it decoded computed anew)."""
+    reqs = [engine.submit(tokens(100 + i, 8), 16) for i in range(3)]
+    scheduler = engine.scheduler
+    for _ in range(100):
+        retracted = scheduler.num_retracted
+        engine.step()
+        if scheduler.num_retracted > retracted and len(scheduler.waiting[0].output_ids) > 1:
+            break
+    victim = scheduler.waiting[0]
+    while victim.row < 0:
+        engine.step()
+    return [r for r in reqs if r.row >= 0]
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A workload and the engine (attention, EngineConfig fields) and canary settings it runs with."""
@@ -138,6 +181,11 @@ SCENARIOS = {
     "swa long decode": Scenario(long_decode, "swa"),
     "first decode": Scenario(first_decode),
     "first speculative decode": Scenario(first_speculative_decode, engine={"speculative_k": 3}),
+    "one-page prefix": Scenario(one_page_prefix, engine={"page_size": 4}),
+    "host page loaded back": Scenario(host_reload, engine={"page_size": 4, "num_slots": 48, "max_running": 2,
+                                                           "host_num_slots": 24}),
+    "retraction under speculation": Scenario(retraction_under_speculation, engine={
+        "speculative_k": 3, "num_slots": 48}),
 }
 
 
@@ -383,3 +431,119 @@ def test_a_draft_forward_at_the_next_position_is_a_write_position_at_tail_of_tha
     assert first_reports(runtime) == (1, reports(BOTH, ("TAIL",), "DRAFT", ("write_position",),
                                                  [(slot, 8 + j, req.row) for j, slot in enumerate(written)]))
     assert {(v.stored, v.expected) for v in runtime.log.violations if v.step == 1} == {(p + 1, p) for p in range(8, 12)}
+
+
+# ---- 8. a page-aligned prefix handled as a partial page (SGLang #22819-like) ---------------------------
+
+
+def aligned_prefix_continues_in_the_next_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose KV ends on a page boundary (a cached prefix of exactly one page, say) is
+    treated as having a partial page open: its next positions are given the slots after the last
+    prefix slot, which are the next page's, another owner's."""
+    def slots(self, req, n, pages):
+        ps = self.pools.page_size
+        if req.kv_len % ps or not req.kv_len:
+            return slots_of_the_last_page_first(self, req, n, pages)
+        last = int(self.req_to_token.read(req.row, req.kv_len - 1, req.kv_len)[0])
+        return torch.cat([torch.arange(last + 1, last + 1 + ps), page_slots(pages, ps)])[:n]
+
+    slots_of_the_last_page_first = Scheduler._slots
+    monkeypatch.setattr(Scheduler, "_slots", slots)
+
+
+def test_a_page_aligned_prefix_writing_the_next_page_is_reported_before_a_reader_of_that_page(monkeypatch):
+    """The one-page prefix's request writes its positions 4-7 over the cached page of the first
+    prompt's positions 4-7 (stamping them as its own): the next request reading that page is
+    reported at HEAD, before its forward reads it (every cached prefix ends on a page boundary, so
+    its own new positions go astray too, after its HEAD)."""
+    aligned_prefix_continues_in_the_next_page(monkeypatch)
+    engine, runtime, (one_page, reader) = SCENARIOS["one-page prefix"].run()
+    table = engine.req_to_token_pool
+    spilled = table.read(one_page.row, 4, 8).tolist()
+    assert spilled == table.read(reader.row, 4, 8).tolist() == [8, 9, 10, 11]  # the cached page of positions 4-7
+    assert {("FULL", p) for p in range(4, 8)} <= kv_off_reference(engine, reader)
+    # Its records say the other request's tokens, and the chain breaks where the page after begins.
+    next_slot = int(table.read(reader.row, 8, 9)[0])
+    places = [(slot, 4 + i, reader.row) for i, slot in enumerate(spilled)]
+    assert first_reports(runtime) == (3, reports(BOTH, ("HEAD", "RECHECK"), "FULL", ("verify_token",), places)
+                                      | reports(BOTH, ("HEAD", "RECHECK"), "FULL", ("verify_chain_hash",),
+                                                [(next_slot, 8, reader.row)]))
+
+
+# ---- 9. a host page loaded back after its host copy was freed and reused (SGLang #13483, #26728-like) --
+
+
+def host_copy_freed_but_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making room in host memory frees a device-evicted leaf's host pages but leaves the node in
+    the tree with them: the next write-back takes those pages for another node, and a hit on the
+    stale node loads that node's KV back."""
+    def evict_host(self, n):
+        leaves = sorted((x for x in self._nodes() if x.value is None and not x.children and not x.lock_ref),
+                        key=lambda x: (x.last_access, int(x.host_value[0])))
+        for node in leaves:
+            if self.host_tier.free_pages.numel() >= n:
+                break
+            self.host_tier.free(self._pages(node.host_value), CAUSE_HOST_EVICTED)
+
+    monkeypatch.setattr(RadixCache, "_evict_host", evict_host)
+
+
+def test_a_host_page_reused_before_its_load_back_is_reported_before_the_forward_reads_it(monkeypatch):
+    host_copy_freed_but_kept(monkeypatch)
+    engine, runtime, (req,) = SCENARIOS["host page loaded back"].run()
+    loaded = range(20)  # the 5 pages of A's prompt, loaded back from host memory
+    slots = engine.req_to_token_pool.read(req.row, 0, 20).tolist()
+    damaged = {("FULL", p) for p in loaded} & kv_off_reference(engine, req)
+    assert len(damaged) >= 16  # at least 4 of the 5 host pages held B's KV by then
+    step, found = first_reports(runtime)
+    assert step == engine.forward_count - 1
+    assert {(phase, half, slot, position, row) for phase, half, _, _, slot, position, row in found} == {
+        (phase, half, slots[p], p, req.row) for phase in ("HEAD", "RECHECK") for half in BOTH for _, p in damaged}
+    assert set().union(*(reasons for *_, reasons, _, _, _ in found)) <= {
+        "verify_position", "verify_token", "verify_chain_hash"}
+
+
+# ---- 10. a retracted speculative request re-prefilled with its draft KV at stale positions (SGLang #28254-like)
+
+
+def retracted_draft_positions_not_reset(monkeypatch: pytest.MonkeyPatch) -> dict[int, tuple[int, int, int]]:
+    """The draft keeps a position counter per request that retraction does not reset: when a
+    retracted request is prefilled again, its draft runs the re-prefilled tokens at positions
+    continuing from where its KV ended when it was retracted. Returns, per request it misplaced,
+    (prefix length, tokens, shift) of that prefill."""
+    stale: dict[int, int] = {}
+    misplaced: dict[int, tuple[int, int, int]] = {}
+    retract, prefill_positions = Scheduler._retract, Drafter.prefill_positions
+
+    def retract_keeping_the_counter(self, req, *args, **kwargs):
+        stale[req.rid] = req.kv_len
+        retract(self, req, *args, **kwargs)
+
+    def stale_positions(self, batch, positions):
+        out = prefill_positions(self, batch, positions).clone()
+        start = 0
+        for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            if req.rid in stale:
+                misplaced[req.rid] = (prefix, extend, stale.pop(req.rid) - prefix)
+                out[start:start + extend] += misplaced[req.rid][2]
+            start += extend
+        return out
+
+    monkeypatch.setattr(Scheduler, "_retract", retract_keeping_the_counter)
+    monkeypatch.setattr(Drafter, "prefill_positions", stale_positions)
+    return misplaced
+
+
+def test_a_re_prefilled_draft_at_stale_positions_is_a_write_position_at_tail_of_that_forward(monkeypatch):
+    misplaced = retracted_draft_positions_not_reset(monkeypatch)
+    engine, runtime, reqs = SCENARIOS["retraction under speculation"].run()
+    ((rid, (prefix, extend, shift)),) = misplaced.items()
+    (req,) = [r for r in reqs if r.rid == rid]
+    assert shift > 0
+    # The draft's KV of the re-prefilled positions is off (the target's is not; it verifies every
+    # proposal, so only the canary sees it).
+    assert kv_off_reference(engine, req) == {("DRAFT", p) for p in range(prefix, prefix + extend)}
+    slots = engine.req_to_token_pool.read(req.row, prefix, prefix + extend).tolist()
+    assert first_reports(runtime) == (engine.forward_count - 1, reports(
+        BOTH, ("TAIL",), "DRAFT", ("write_position",), [(slot, prefix + j, req.row) for j, slot in enumerate(slots)]))
+    assert {v.stored - v.expected for v in runtime.log.violations} == {shift}

@@ -1,0 +1,123 @@
+"""The host-memory tier behind the radix cache (SGLang's HiCache, one host level): pages the cache
+evicts are written back here and loaded back into device pages on a later hit.
+
+It holds host buffers laid out as the device pools' (the FULL pool and, with speculative decoding,
+the draft pool, whose KV lives at the same FULL slots), a page allocator over them and the copies
+both ways. On CUDA the copies run on a copy stream of their own, between pinned host memory and the
+device, without the host waiting; the engine makes each forward's stream wait for every copy
+launched before it (`wait`), so no forward reads a loaded-back page, or writes a device page just
+written back, before the copy is over. On a CPU the same copies run synchronously.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from kvcanary_kernels.records import GroupKind
+from pytest_kvcanary.canary.seam import HostPool, HostTierListener, copy_runs
+
+from .config import EngineConfig
+from .kv_pool import KVPools, page_slots
+
+
+class HostTier:
+    """host_num_slots host slots in pages of the pools' page size (every page usable). pools: a
+    `HostPool` per device pool it backs (FULL, DRAFT). num_written_back / num_loaded_back: pages
+    copied each way since the engine started. Implements the seam's HostTier."""
+
+    def __init__(self, config: EngineConfig, pools: KVPools, device: torch.device) -> None:
+        self.page_size, self.num_slots = pools.page_size, config.host_num_slots
+        self.num_pages = self.num_slots // self.page_size
+        pinned = device.type == "cuda"
+        backed = [(GroupKind.FULL, pools.full)] + ([(GroupKind.DRAFT, pools.draft)] if pools.draft is not None else [])
+
+        def host(layers: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [torch.zeros((self.num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pinned) for t in layers]
+
+        self.pools = [HostPool(kind, host(pool.k_layers), host(pool.v_layers), self.num_slots) for kind, pool in backed]
+        self._kinds = [kind for kind, _ in backed]
+        self._device = [pool.k_layers + pool.v_layers for _, pool in backed]
+        self.free_pages = torch.arange(self.num_pages, dtype=torch.int64)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._event: torch.cuda.Event | None = None  # the last copy launched
+        self._listeners: list[HostTierListener] = []
+        self.num_written_back = self.num_loaded_back = 0
+
+    @property
+    def num_free(self) -> int:
+        """Free host slots (of free pages)."""
+        return self.free_pages.numel() * self.page_size
+
+    def add_listener(self, listener: HostTierListener) -> None:
+        self._listeners.append(listener)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free host pages, or None (nothing allocated) when fewer are free."""
+        if n > self.free_pages.numel():
+            return None
+        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        return pages
+
+    def free(self, pages: torch.Tensor, cause: str) -> None:
+        """Return host pages; listeners hear their slots first."""
+        slots = page_slots(pages, self.page_size)
+        for listener in self._listeners:
+            for kind in self._kinds:
+                listener.host_freed(kind, slots, cause)
+        self.free_pages = torch.cat([self.free_pages, pages])
+
+    def restart(self) -> None:
+        """With every page free, hand them out from page 0 up again, as a new tier does."""
+        assert self.free_pages.numel() == self.num_pages, "restart while host pages are held"
+        self.free_pages = torch.arange(self.num_pages, dtype=torch.int64)
+
+    def write_back(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """Copy every backed pool's KV of these device slots to these host slots (launched; the
+        device slots may be freed now)."""
+        with self._copying():
+            for pool, device in zip(self.pools, self._device):
+                for dst, src in zip(pool.k_layers + pool.v_layers, device):
+                    copy_runs(dst, host_slots, src, device_slots)
+            for listener in self._listeners:
+                for kind in self._kinds:  # every backed pool is indexed by FULL slots
+                    listener.written_back(kind, device_slots, host_slots)
+        self.num_written_back += host_slots.numel() // self.page_size
+
+    def load_back(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Copy these host slots' KV to these (newly allocated) device slots (launched; the next
+        forward waits for it)."""
+        with self._copying():
+            for pool, device in zip(self.pools, self._device):
+                for dst, src in zip(device, pool.k_layers + pool.v_layers):
+                    copy_runs(dst, device_slots, src, host_slots)
+            for listener in self._listeners:
+                for kind in self._kinds:
+                    listener.loaded_back(kind, host_slots, device_slots)
+        self.num_loaded_back += host_slots.numel() // self.page_size
+
+    def wait(self) -> None:
+        """The current stream waits for every copy launched so far (CUDA; nothing on a CPU)."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(self._event)
+
+    def synchronize(self) -> None:
+        """The host waits for every copy launched so far: host memory may then be read or written
+        from the CPU."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    @contextlib.contextmanager
+    def _copying(self) -> Iterator[None]:
+        """Copies (and listeners' work) on the copy stream, after what the device's stream has
+        launched (the forwards that wrote or read these device slots); a completion event after."""
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            yield
+        self._event = torch.cuda.Event()
+        self._event.record(self._stream)
