@@ -32,12 +32,14 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda:0" if CUDA else "cpu"
 
 
-def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 0) -> Any:
+def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 0, page_size: int = 1,
+               host_num_slots: int = 0) -> Any:
     from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
 
     model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0)
     return Engine(EngineConfig(model=model, num_slots=512, swa_num_slots=256, max_running=8, max_batch_tokens=512,
-                               device=DEVICE, decode_mode=decode_mode, speculative_k=speculative_k))
+                               device=DEVICE, decode_mode=decode_mode, speculative_k=speculative_k,
+                               page_size=page_size, host_num_slots=host_num_slots))
 
 
 def _transformers(attention: str, batching: str, graphs: str) -> Any:
@@ -67,6 +69,13 @@ def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
         configs[f"reference-{attention}-speculative"] = (lambda a=attention: _reference(a, speculative_k=3), None)
     for attention in ("mha", "swa"):
         configs[f"reference-pd-{attention}"] = (lambda a=attention: ("pd", _reference(a), _reference(a)), None)
+    for attention in ("mha", "swa", "mla"):  # pages of 16 tokens
+        configs[f"reference-{attention}-pages"] = (lambda a=attention: _reference(a, page_size=16), None)
+    for attention in ("mha", "mla"):  # pages and a host-memory tier, with and without speculative decoding
+        configs[f"reference-{attention}-host"] = (
+            lambda a=attention: _reference(a, page_size=16, host_num_slots=1024), None)
+        configs[f"reference-{attention}-speculative-host"] = (
+            lambda a=attention: _reference(a, speculative_k=3, page_size=16, host_num_slots=1024), None)
     for attention in ("mha", "swa"):
         for batching in ("sync", "async"):
             for graphs in ("eager", "graphs"):

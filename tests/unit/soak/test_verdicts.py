@@ -62,6 +62,20 @@ def test_a_clean_engine_gets_clean_rounds_under_pressure():
     assert handle.soak_results == [result]
 
 
+def test_pages_a_host_tier_and_retraction_under_speculation_are_clean_under_pressure():
+    """Pages of 16 tokens, a host-memory tier behind the radix cache and speculative decoding, on a
+    pool the workload outgrows: pages go to the host and come back, running requests are retracted
+    and re-prefilled with their draft, and every round is clean."""
+    engine = make_reference_engine("mha", DEVICE, 0, page_size=16, host_num_slots=1024, speculative_k=3,
+                                   num_slots=512)
+    handle = EngineHandle(engine, CanaryConfig(kernels=KERNELS))
+    handle.reset(0, ())
+    result = handle.run_workload(seed=0, rounds=3)
+    assert result.counts()[CLEAN] == 3 and result.forwards > 100, result.summary()
+    tier = engine.host_tier
+    assert tier.num_written_back > 0 and tier.num_loaded_back > 0 and engine.scheduler.num_retracted > 0
+
+
 def test_a_wrong_token_table_is_a_suspected_false_alarm_shrunk_to_a_replay(monkeypatch):
     wrong_token_table(monkeypatch)
     handle = start()
