@@ -143,7 +143,7 @@ class RankCheck:
         names the forward just run)."""
         runtime = self.runtime
         runtime.after_forward(view)
-        dist.all_gather_single(self._digests, stamp_digest(view, runtime.groups), group=self.group)
+        dist.all_gather_into_tensor(self._digests, stamp_digest(view, runtime.groups), group=self.group)
         log_divergence(runtime.ring, self._digests, self.rank, runtime.ring.step - 1, TAIL_TAG)
 
     def end_forward(self, device_work: Callable[[], ContextManager[None]] = nullcontext) -> None:
