@@ -329,7 +329,10 @@ class VllmEngine:
         twin = inputs.block_tables[self.book.window_groups[0]].to(torch.int64)
         width = min(full.shape[1], twin.shape[1])
         index = torch.arange(width)
-        live = index >= ((prefix_lens - window).clamp(min=0) // bs)[:, None]
+        # Entries past a row's last block are never read: they may still name a block of the
+        # request that held the row before (vLLM 0.26's persistent batch keeps them).
+        ends = -(-(prefix_lens + view.extend_lens) // bs)
+        live = (index >= ((prefix_lens - window).clamp(min=0) // bs)[:, None]) & (index < ends[:, None])
         pairs = torch.stack([full[:, :width], twin[:, :width]], dim=-1)
         own = pairs[live]
         own = own[(own[:, 0] != 0) & (own[:, 1] != 0)]
@@ -340,9 +343,8 @@ class VllmEngine:
         # whole: no sliding-window block table names a block the full-attention group holds, so
         # the SWA records there are nobody else's (until the map moves, at the next forward).
         mapped = set(own[:, 0].tolist()) | {f for f, _ in cached}
-        ends = (-(-(prefix_lens + view.extend_lens) // bs)).tolist()
-        unmapped = sorted({f for b, start in enumerate((prefix_lens // bs).tolist())
-                           for f in full[b, start:min(ends[b], width)].tolist() if f != 0 and f not in mapped})
+        unmapped = sorted({f for b, (start, end) in enumerate(zip((prefix_lens // bs).tolist(), ends.tolist()))
+                           for f in full[b, start:min(end, width)].tolist() if f != 0 and f not in mapped})
         self._window_pairs = torch.cat([own, torch.tensor(unmapped, dtype=torch.int64)[:, None].expand(-1, 2)])
         self._map_window(cached)
 
