@@ -32,6 +32,7 @@ from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
 from .isa import attention_isa, check_attention_isa, default_attention_isa, latent_backend
 from .layout import half_views, probe, probe_latent
+from .versions import layer_isa, unbound_kv_cache_manager
 from .write_through import WriteThrough, rows_by_slot
 
 
@@ -98,6 +99,8 @@ class VllmEngine:
                     "kv_connector_extra_config": {CONFIG_KEY: key}})
         finally:
             registry.building = None
+        if (manager := unbound_kv_cache_manager(self.llm)) is not None:
+            self.book.bind(manager)
         self.block_size = bs = self.llm.llm_engine.vllm_config.cache_config.block_size  # vLLM may change it
         self._table = torch.zeros(s.max_num_seqs, -(-s.max_model_len // bs), dtype=torch.int64)
         self._token_table = torch.full((s.max_num_seqs, s.max_model_len), -1, dtype=torch.int64)
@@ -380,7 +383,7 @@ class VllmEngine:
         orders = probe(first, cache)
         if None in orders.values():
             raise NotImplementedError(
-                f"vLLM's CPU attention runs its {first.isa!r} path here, whose KV layout the adapter does not know "
+                f"vLLM's CPU attention runs its {layer_isa(first)!r} path here, whose KV layout the adapter does not know "
                 f"(orders found: {orders}); attention_isa='readable' (the default) runs a path it knows")
         windows = {layers[n].sliding_window for n in names} - {None}
         if len(windows) > 1:
