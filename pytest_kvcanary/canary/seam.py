@@ -161,7 +161,7 @@ class ForwardHooks(Protocol):
 
     def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Optional write-through, inside the forward at the KV-store point of ``layer`` (an index
-        into the group's k_layers and v_layers): the K and V rows the forward computed for its
+        into the group's k_layers for k, into its v_layers for v): the K and V rows the forward computed for its
         tokens (either may be None: that half is not reported here), shaped ``[T, ...]`` in view
         token order. TAIL then checks each written slot holds exactly that.
         Device work only."""

@@ -23,7 +23,8 @@ The adapter needs scheduler and worker in one process (VLLM_ENABLE_V1_MULTIPROCE
 It declares hybrid support (`SupportsHMA`), so vLLM keeps its hybrid KV cache manager for models
 with sliding-window layers (a KV cache group per attention kind, each with its own block table)
 instead of turning it off; bind_kv_cache_manager hands the book vLLM's KV cache manager, whose
-sliding-window managers' drops the book hooks (blocks.py).
+sliding-window managers' drops the book hooks (blocks.py). vLLM before 0.30 does not call it: the
+engine adapter binds the manager itself once the LLM is built (versions.py).
 
 The connector loads nothing and saves nothing; it never changes what vLLM schedules or computes.
 """

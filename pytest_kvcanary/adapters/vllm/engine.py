@@ -32,6 +32,7 @@ from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
 from .isa import attention_isa, check_attention_isa, default_attention_isa, latent_backend
 from .layout import half_views, probe, probe_latent
+from .versions import layer_isa, unbound_kv_cache_manager
 from .write_through import WriteThrough, rows_by_slot
 
 
@@ -99,6 +100,8 @@ class VllmEngine:
                     "kv_connector_extra_config": {CONFIG_KEY: key}})
         finally:
             registry.building = None
+        if (manager := unbound_kv_cache_manager(self.llm)) is not None:
+            self.book.bind(manager)
         self.block_size = bs = self.llm.llm_engine.vllm_config.cache_config.block_size  # vLLM may change it
         self._table = torch.zeros(s.max_num_seqs, -(-s.max_model_len // bs), dtype=torch.int64)
         self._token_table = torch.full((s.max_num_seqs, s.max_model_len), -1, dtype=torch.int64)
@@ -349,7 +352,10 @@ class VllmEngine:
         twin = inputs.block_tables[self.book.window_groups[0]].to(torch.int64)
         width = min(full.shape[1], twin.shape[1])
         index = torch.arange(width)
-        live = index >= ((prefix_lens - window).clamp(min=0) // bs)[:, None]
+        # Entries past a row's last block are never read: they may still name a block of the
+        # request that held the row before (vLLM 0.26's persistent batch keeps them).
+        ends = -(-(prefix_lens + view.extend_lens) // bs)
+        live = (index >= ((prefix_lens - window).clamp(min=0) // bs)[:, None]) & (index < ends[:, None])
         pairs = torch.stack([full[:, :width], twin[:, :width]], dim=-1)
         own = pairs[live]
         own = own[(own[:, 0] != 0) & (own[:, 1] != 0)]
@@ -360,9 +366,8 @@ class VllmEngine:
         # whole: no sliding-window block table names a block the full-attention group holds, so
         # the SWA records there are nobody else's (until the map moves, at the next forward).
         mapped = set(own[:, 0].tolist()) | {f for f, _ in cached}
-        ends = (-(-(prefix_lens + view.extend_lens) // bs)).tolist()
-        unmapped = sorted({f for b, start in enumerate((prefix_lens // bs).tolist())
-                           for f in full[b, start:min(ends[b], width)].tolist() if f != 0 and f not in mapped})
+        unmapped = sorted({f for b, (start, end) in enumerate(zip((prefix_lens // bs).tolist(), ends.tolist()))
+                           for f in full[b, start:min(end, width)].tolist() if f != 0 and f not in mapped})
         self._window_pairs = torch.cat([own, torch.tensor(unmapped, dtype=torch.int64)[:, None].expand(-1, 2)])
         self._map_window(cached)
 
@@ -398,7 +403,7 @@ class VllmEngine:
         orders = probe(first, cache)
         if None in orders.values():
             raise NotImplementedError(
-                f"vLLM's CPU attention runs its {first.isa!r} path here, whose KV layout the adapter does not know "
+                f"vLLM's CPU attention runs its {layer_isa(first)!r} path here, whose KV layout the adapter does not know "
                 f"(orders found: {orders}); attention_isa='readable' (the default) runs a path it knows")
         windows = {layers[n].sliding_window for n in names} - {None}
         if len(windows) > 1:

@@ -70,5 +70,8 @@ def attention_isa(setting: str) -> Iterator[None]:
 
 
 def latent_backend(setting: str) -> dict[str, str]:
-    """vLLM ``LLM(...)`` keyword arguments for the latent-attention backend under `setting`."""
-    return {} if setting in ("vllm", "amx") else {"attention_backend": "CPU_MLA"}
+    """vLLM ``LLM(...)`` keyword arguments for the latent-attention backend under `setting` (none
+    where vLLM has no AMX_MLA backend to avoid)."""
+    from .versions import amx_latent_backend
+
+    return {} if setting in ("vllm", "amx") or not amx_latent_backend() else {"attention_backend": "CPU_MLA"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 import torch
 
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
@@ -15,6 +16,20 @@ from pytest_kvcanary.handles.factories import install_hint
 
 INSTALL = f"vLLM is not installed: {install_hint('vllm')}"
 KERNELS = "torch"  # the reference kernels: bit-identical to the Triton ones, fast on a CPU
+
+
+def unsupported(attention: str) -> str | None:
+    """Why the installed vLLM runs no `attention` (versions.py), or None. Call once vLLM imports."""
+    from pytest_kvcanary.adapters.vllm.versions import no_latent_attention
+
+    return no_latent_attention() if attention == "mla" else None
+
+
+def attention_param(attention: str, *values: Any) -> Any:
+    """A test parameter (the attention kind, then `values`), skipped where the installed vLLM runs
+    no such attention. Call once vLLM imports."""
+    reason = unsupported(attention)
+    return pytest.param(attention, *values, marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
 
 
 def make_engine(attention: str = "mha", **settings: Any) -> Any:

@@ -11,7 +11,10 @@ import torch
 
 from pytest_kvcanary.config import PerturbSpec
 
-from .support import INSTALL, PrefixCacheCounter, make_engine, make_handle, prompts_with_shared_prefixes, stems
+from .support import (
+    INSTALL, PrefixCacheCounter, attention_param, make_engine, make_handle, prompts_with_shared_prefixes, stems,
+    unsupported,
+)
 
 pytest.importorskip("vllm", reason=INSTALL)
 
@@ -29,7 +32,7 @@ REASONS = {"req_to_token": {"verify_chain_hash", "verify_token", "verify_positio
 
 @pytest.fixture(scope="module")
 def engines():
-    return {attention: make_engine(attention) for attention in ("mha", "swa", "mla")}
+    return {attention: make_engine(attention) for attention in ("mha", "swa", "mla") if not unsupported(attention)}
 
 
 def clean_workload(handle, seed: int) -> None:
@@ -58,13 +61,14 @@ def fault_workload(handle, seed: int) -> None:
 def test_prefix_caching_says_what_vllm_runs_with(engines):
     """The examples expect prefix reuse only where it can happen: vLLM's CPU build runs latent
     attention without a prefix cache, whatever the settings ask."""
-    assert engines["mha"].settings.prefix_caching and engines["mla"].settings.prefix_caching
-    assert (engines["mha"].prefix_caching, engines["swa"].prefix_caching, engines["mla"].prefix_caching) == (
-        True, True, False)
+    assert all(engine.settings.prefix_caching for engine in engines.values())
+    expected = {"mha": True, "swa": True, "mla": False}
+    assert {attention: engine.prefix_caching for attention, engine in engines.items()} == {
+        attention: expected[attention] for attention in engines}
 
 
 @pytest.mark.parametrize("real_data", ["partial", "all"])
-@pytest.mark.parametrize("attention", ["mha", "swa", "mla"])
+@pytest.mark.parametrize("attention", [attention_param(a) for a in ("mha", "swa", "mla")])
 def test_clean_workload_has_no_violation(engines, attention, real_data, monkeypatch):
     engine = engines[attention]
     handle = make_handle(engine, real_data=real_data)
@@ -78,7 +82,7 @@ def test_clean_workload_has_no_violation(engines, attention, real_data, monkeypa
         assert stats["sweeps"] > 0
 
 
-CASES = [(a, g, m) for a, groups in (("mha", ["full"]), ("swa", ["full", "swa"]), ("mla", ["full"]))
+CASES = [attention_param(a, g, m) for a, groups in (("mha", ["full"]), ("swa", ["full", "swa"]), ("mla", ["full"]))
          for g in groups for m in MODES
          # A wrong block-table entry read only from a window start breaks the chain where the block
          # ends, which the fault ledger does not match to the injection yet.

@@ -110,6 +110,35 @@ def test_a_workload_that_slides_past_the_window_runs_clean(engine, real_data, mo
     assert blocks and all(get_group_id(pool.blocks[b].block_hash) == full_group for b in blocks)
 
 
+def test_block_table_entries_past_a_rows_last_block_are_not_mapped(engine, monkeypatch):
+    """vLLM's model runner may leave, past a row's last block, the entries of the request that held
+    the row before (vLLM 0.26 does). Put there, in both groups' tables, the row's own last
+    full-attention block and a sliding-window block other than its own: the window map ignores
+    them, and a sliding workload stays clean (mapped, they send that block's SWA records to the
+    other block, and TAIL reports the forward's writes missing there)."""
+    from pytest_kvcanary.adapters.vllm import forward_inputs
+
+    read, planted = forward_inputs.read, [0]
+    full, window, bs = engine.book.full_group, engine.book.window_groups[0], engine.block_size
+
+    def with_stale_entries(runner, model_kwargs, group_layers):
+        inputs = read(runner, model_kwargs, group_layers)
+        tables = [table.clone() for table in inputs.block_tables]
+        for b, end in enumerate((-(-inputs.seq_lens.to(torch.int64) // bs)).tolist()):
+            if end < tables[full].shape[1]:
+                own = int(tables[window][b, end - 1])
+                tables[full][b, end] = tables[full][b, end - 1]
+                tables[window][b, end] = own + 1 if own + 1 < engine.settings.num_blocks else 1
+                planted[0] += 1
+        return inputs._replace(block_tables=tuple(tables))
+
+    monkeypatch.setattr(forward_inputs, "read", with_stale_entries)
+    handle = make_handle(engine)
+    handle.generate(sliding_prompts(random.Random(3), 4), 12)
+    assert planted[0] > 0
+    assert handle.violations() == []
+
+
 def test_blocks_that_leave_the_window_are_announced_freed():
     """Without a prefix cache a block that left every window holds nothing anyone reads: the
     adapter hears vLLM's sliding-window manager drop it and announces its slots as freed (SWA

@@ -12,7 +12,7 @@ import torch
 
 from pytest_kvcanary.adapters.vllm.isa import CHOICES, ENV, chosen
 
-from .support import INSTALL, make_engine, make_handle, prompts_with_shared_prefixes, stems
+from .support import INSTALL, make_engine, make_handle, prompts_with_shared_prefixes, stems, unsupported
 
 pytest.importorskip("vllm", reason=INSTALL)
 
@@ -42,8 +42,10 @@ def test_a_bad_value_names_the_setting_and_its_values(monkeypatch):
 
 
 def layer_paths(engine) -> set[str]:
+    from pytest_kvcanary.adapters.vllm.versions import layer_isa
+
     layers = engine.llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    return {layers[name].isa for name in engine._kv_caches}
+    return {layer_isa(layers[name]) for name in engine._kv_caches}
 
 
 def run_clean_and_faulty(engine, real_data: str) -> None:
@@ -95,6 +97,8 @@ def test_readable_runs_vec_where_vllm_would_run_amx(monkeypatch):
 def test_readable_runs_cpu_mla_where_vllm_would_run_amx_mla(monkeypatch):
     """vLLM's backend choice as on a CPU with AMX tiles (AMX_MLA for latent attention, which the
     adapter does not know and this CPU may not run): readable asks for CPU_MLA, which vLLM runs."""
+    if reason := unsupported("mla"):
+        pytest.skip(reason)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     engine = make_engine("mla", attention_isa="readable")
     layers = engine.llm.llm_engine.vllm_config.compilation_config.static_forward_context

@@ -11,7 +11,9 @@ import random
 import pytest
 import torch
 
-from .support import INSTALL, count_same_step_hits, make_engine, prompts_with_shared_prefixes, reference_kv, stems
+from .support import (
+    INSTALL, count_same_step_hits, make_engine, prompts_with_shared_prefixes, reference_kv, stems, unsupported,
+)
 
 pytest.importorskip("vllm", reason=INSTALL)
 
@@ -122,8 +124,7 @@ def test_the_walk_names_what_the_cached_slots_hold(engine, reference_model):
 
 def test_both_halves_are_fingerprinted_in_the_layout_vllm_keeps():
     """On vLLM's portable CPU paths K is stored dimension-major inside a block (the fingerprint
-    reads it element by element), V one contiguous run per slot. A latent (MLA) cache is one row
-    per token: one half, fingerprinted."""
+    reads it element by element), V one contiguous run per slot."""
     engine = make_engine("swa")
     for group in engine.canary_groups():
         assert group.opaque_halves == frozenset() and group.fingerprintable
@@ -132,6 +133,11 @@ def test_both_halves_are_fingerprinted_in_the_layout_vllm_keeps():
     full, swa = engine.canary_groups()
     assert swa.window == 24 - 1, "a token reads the window before it, itself excluded"
     assert len(full.k_layers) == len(swa.k_layers) == 2 * 2  # 2 layers of each kind x 2 KV heads
+
+
+def test_a_latent_cache_is_one_fingerprinted_row_per_token():
+    if reason := unsupported("mla"):
+        pytest.skip(reason)
     (latent,) = make_engine("mla", num_blocks=40).canary_groups()
     assert latent.v_layers == [] and latent.fingerprintable and not latent.opaque_halves
     assert latent.page_size == 16, "vLLM's CPU MLA backend sets 16-token blocks"

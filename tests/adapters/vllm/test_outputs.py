@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .support import INSTALL, make_engine, make_handle, prompts_with_shared_prefixes, stems
+from .support import INSTALL, attention_param, make_engine, make_handle, prompts_with_shared_prefixes, stems
 
 pytest.importorskip("vllm", reason=INSTALL)
 
@@ -44,9 +44,12 @@ def plain_vllm(model: str, settings: dict, batches: list[list[list[int]]]) -> li
     return json.loads(line[len("OUTPUTS"):])
 
 
-@pytest.mark.parametrize("attention", ["mha", "swa", "mla"])
+@pytest.mark.parametrize("attention", [attention_param(a) for a in ("mha", "swa", "mla")])
 def test_greedy_outputs_equal_vllm_without_the_canary(attention):
-    settings = {"num_blocks": 48}  # without a connector, vLLM splits the pool between its two groups on swa
+    # Without a connector vLLM splits the pool between its two groups on swa, so the two runs
+    # schedule differently; in float32 that moves no greedy choice of the random model (in
+    # bfloat16 a near tie flips on vLLM 0.26).
+    settings = {"num_blocks": 48, "dtype": "float32"}
     engine = make_engine(attention, **settings)
     handle = make_handle(engine)
     rng = random.Random(0)

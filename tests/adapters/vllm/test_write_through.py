@@ -14,7 +14,7 @@ import torch
 from kvcanary_kernels.records import GroupKind, Half
 from pytest_kvcanary.adapters.vllm.write_through import WriteThrough, rows_by_slot
 
-from .support import INSTALL, ViewRecorder, make_engine, make_handle
+from .support import INSTALL, ViewRecorder, make_engine, make_handle, unsupported
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,8 @@ class OneSlotEarly:
 def mla():
     """An MLA engine whose layers' cache write is OneSlotEarly (off until a test turns it on)."""
     pytest.importorskip("vllm", reason=INSTALL)
+    if reason := unsupported("mla"):
+        pytest.skip(reason)
     fault = OneSlotEarly()
     with pytest.MonkeyPatch.context() as mp:
         fault.patch(mp)
