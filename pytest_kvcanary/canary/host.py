@@ -172,8 +172,9 @@ class Arrival(NamedTuple):
 
 class TokenScores(NamedTuple):
     """What greedy decoding picks for one request's output without any cached KV: for output token
-    j, the best and the runner-up next token after prompt + output[:j], and how far the best's
-    logit is ahead of the runner-up's (a difference of log-probabilities is the same number)."""
+    j, the best next token after prompt + output[:j], the runner-up (or the output's own token j
+    where it is not the best and the scorer knows its logit), and how far the best's logit is
+    ahead of that token's (a difference of log-probabilities is the same number)."""
 
     best: Sequence[int]
     runner_up: Sequence[int]

@@ -273,7 +273,9 @@ class VllmEngine:
         """What greedy decoding picks after each prefix of each (prompt, output): one vLLM request per
         (prompt, output) over prompt + output[:-1] with prompt log-probabilities, which vLLM
         computes without reading its prefix cache (it caches the blocks it computes, as any
-        request's). Log-probability differences are logit differences."""
+        request's). Log-probability differences are logit differences. Where the output's token is
+        not the best, it is the one measured against (vLLM reports each prompt token's own
+        log-probability): in bfloat16 three tokens can tie within a rounding step."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -286,9 +288,13 @@ class VllmEngine:
         for i, result in zip(scored, results):
             prompt_len = len(requests[i][0])
             dists = [*result.prompt_logprobs[prompt_len:], result.outputs[0].logprobs[0]]
-            ranked = [sorted(d.items(), key=lambda item: item[1].rank)[:2] for d in dists]
-            scores[i] = TokenScores([r[0][0] for r in ranked], [r[1][0] for r in ranked],
-                                    [r[0][1].logprob - r[1][1].logprob for r in ranked])
+            best, measured = [], []
+            for token, dist in zip(requests[i][1], dists):
+                ranked = sorted(dist.items(), key=lambda item: item[1].rank)
+                best.append(ranked[0])
+                measured.append((token, dist[token]) if token != ranked[0][0] and token in dist else ranked[1])
+            scores[i] = TokenScores([b[0] for b in best], [m[0] for m in measured],
+                                    [b[1].logprob - m[1].logprob for b, m in zip(best, measured)])
         return scores
 
     def reset(self) -> None:
