@@ -74,7 +74,7 @@ def log_divergence(ring: Any, digests: torch.Tensor, rank: int, step: torch.Tens
     masked write: device work, fixed shapes). The row: slot and position -1, row the reference
     rank, stored this rank's digest, expected the reference's, at forward `step` ([1] int64)."""
     ref = reference_rank(digests)
-    mine, expected = digests[rank], digests[ref]
+    mine, expected = digests[rank], digests.gather(0, ref.reshape(1))[0]  # digests[ref] would read ref on the host
     diverged = (mine != expected).reshape(1)
     row = torch.zeros(1, ROW_WIDTH, dtype=torch.int64, device=digests.device)
     row[:, COL_REASONS] = int(Reason.RANK_DIVERGENCE)

@@ -4,7 +4,9 @@ two walks do not share."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, Reason
 from pytest_kvcanary.canary.log import decode_row
@@ -57,6 +59,31 @@ def test_a_diverged_rank_logs_one_row_naming_the_reference(make_host):
     v = decode_row(ring.rows[0].tolist(), "single")
     assert (v.reasons, v.phase, v.step, v.slot, v.position, v.row, v.peer, v.stored, v.expected) == (
         ("rank_divergence",), "TAIL", 5, -1, -1, -1, 0, 22, 11)
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails any operation that reads a tensor's value on the host (.item(), int(), indexing by a
+    tensor): inside a CUDA graph capture such a read is an error that invalidates the capture."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a host read of a device value")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_per_forward_comparison_reads_nothing_on_the_host(make_host):
+    """What after_forward runs per forward (the digest, the reference, the masked log) is
+    graph-capturable: no value goes back to the host, whichever rank diverged."""
+    host = make_host()
+    view = host.forward(BATCHES[0], pad_to=4)
+    ring = host.runtime.ring
+    with NoHostReads():
+        digest = stamp_digest(view, host.runtime.groups)
+        for rank in (0, 1, 2):
+            log_divergence(ring, torch.cat([digest, digest + 1, digest]), rank, ring.step - 1, TAIL_TAG)
+    assert int(ring.count) == 1
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():
+        int(digest)
 
 
 def _walk(*entries: tuple[int, int, int, int]) -> CacheWalk:
