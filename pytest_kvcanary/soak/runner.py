@@ -47,14 +47,16 @@ KEPT_VIOLATIONS = 50  # violations described per round
 
 def geometry(handle: SoakedHandle, arrivals: bool = True) -> Geometry:
     """The workload shape the handle's (first) engine takes (arrivals False: no request joins a
-    running batch, even where the engine could serve it)."""
+    running batch, even where the engine could serve it). The longest request also fits every
+    pool alone (an engine may hold a whole request in each; its first page is reserved)."""
     runtime = handle.sides[0].runtime
     full = runtime.groups[0].pool
+    page = full.mapping.page_size
     window = next((g.pool.window for g in runtime.groups if g.pool.kind is GroupKind.SWA), None)
     caps = runtime.capacities
-    return Geometry(page_size=full.mapping.page_size, window=window, capacity=full.num_slots - 1,
-                    max_context=caps.max_context, max_batch=caps.max_batch, contexts=handle.takes_context_keys(),
-                    serves=arrivals and handle.serves())
+    longest = min([caps.max_context] + [(g.pool.num_slots // page - 1) * page + 1 for g in runtime.groups])
+    return Geometry(page_size=page, window=window, capacity=full.num_slots - 1, max_context=longest,
+                    max_batch=caps.max_batch, contexts=handle.takes_context_keys(), serves=arrivals and handle.serves())
 
 
 class Soak:

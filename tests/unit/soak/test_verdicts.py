@@ -13,7 +13,9 @@ from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.engine.attention import PagedKV
 from pytest_kvcanary.engine.engine import Engine
 from pytest_kvcanary.handles.single import EngineHandle
+from pytest_kvcanary.soak.runner import geometry
 from pytest_kvcanary.soak.verdicts import CLEAN, DETECTED, FALSE_ALARM, MISSED
+from pytest_kvcanary.soak.workload import make_workload
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS = "triton" if DEVICE == "cuda" else "torch"
@@ -74,6 +76,21 @@ def test_pages_a_host_tier_and_retraction_under_speculation_are_clean_under_pres
     assert result.counts()[CLEAN] == 3 and result.forwards > 100, result.summary()
     tier = engine.host_tier
     assert tier.num_written_back > 0 and tier.num_loaded_back > 0 and engine.scheduler.num_retracted > 0
+
+
+def test_the_longest_request_of_a_workload_fits_the_smallest_pool():
+    """An SWA pool smaller than the FULL one, in pages: every request a pressing workload draws is
+    one the engine takes (it holds a whole request in each pool; its first page is reserved)."""
+    engine = make_reference_engine("swa", DEVICE, 0, page_size=16, num_slots=512, swa_num_slots=256)
+    handle = EngineHandle(engine, CanaryConfig(kernels=KERNELS))
+    handle.reset(0, ())
+    shape = geometry(handle)
+    assert shape.max_context == 241 < engine.config.model.max_context
+    workload = make_workload(0, 9, shape)
+    requests = [q for r in workload.rounds for q in r.requests]
+    assert max(q.prompt_len + q.max_new_tokens for q in requests) == shape.max_context
+    for q in requests:
+        engine.encode_request(workload.prompt(q), q.max_new_tokens)
 
 
 def test_a_wrong_token_table_is_a_suspected_false_alarm_shrunk_to_a_replay(monkeypatch):
