@@ -4,6 +4,7 @@
     python benchmarks/bench_transformers.py --shape llama3-8b --graphs on --batches 1 32 --runs 3
     python benchmarks/bench_transformers.py --model /path/to/checkpoint --batches 8 32
     python benchmarks/bench_transformers.py --batching async --graphs on --batches 1 32 --runs 3
+    python benchmarks/bench_transformers.py --shape llama3-8b --batches 64 128 --prefill 8x16384 --runs 3
     python benchmarks/bench_transformers.py --smoke             # tiny model, any device (checks the script)
 
 The engine is pytest-kvcanary's transformers adapter (SDPA attention, synchronous batching, or
@@ -37,6 +38,11 @@ its time moves between runs by more than the canary costs (benchmarks/RESULTS.md
 graph rows. Under async batching a step returns before the device finishes it (the host prepares
 the next batch meanwhile), so a decode step's time is the interval from its start to the next
 step's start, the pace the loop settles at.
+
+Prefill (--prefill BxP): the time to first token of B fresh prompts of P tokens submitted together
+(a generation of one new token each, from submitting to the last token read back), canary off and
+on, chunked as transformers chunks prompts into forwards of at most PREFILL_CHUNK tokens; eager, as
+engines run prefill (CUDA graphs capture decode steps). One short generation warms each up.
 """
 
 from __future__ import annotations
@@ -54,12 +60,13 @@ from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.handles.single import EngineHandle
 
 PROMPT, NEW, SWEEP = 512, 64, 16
+PREFILL_CHUNK = 8192  # tokens per prefill forward (SGLang's default chunked-prefill size on large GPUs)
 TOKENS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258)
 SHAPES = {
     "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096, **TOKENS),
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768, **TOKENS),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
                       rope_theta=500000.0, **TOKENS),
 }
 SHAPE_NAMES = {"tinyllama": "random TinyLlama-1.1B shape", "llama3-8b": "random Llama-3-8B shape"}
@@ -87,7 +94,9 @@ def random_model(device: str, shape_name: str, smoke: bool) -> tuple[Any, Any]:
 def blocks(batch: int, tokens: int) -> int:
     """KV blocks of 64 tokens for `batch` requests of `tokens` each to decode as one batch (with
     one block a request fewer, transformers splits batch 32's decode steps in two, 29 + 3 requests
-    with 5.17)."""
+    with 5.17). The decode rows take 64 prompt tokens a request into each forward (2048 at least),
+    so that every request is prefilled within PROMPT / 64 forwards and the batch decodes together
+    for most of its NEW tokens."""
     return batch * (-(-tokens // 64) + 2) + 16
 
 
@@ -193,11 +202,68 @@ def measure(engine: TransformersEngine, batch: int, real_data: str, kernels: str
     return off, on, host
 
 
+def time_to_first_token(engine: TransformersEngine, batch: int, prompt: int, seed: int) -> float:
+    """Seconds from submitting `batch` fresh prompts of `prompt` tokens to each one's first token."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, 256, (batch, prompt), generator=gen).tolist()
+    synchronize(engine.device)
+    start = time.perf_counter()
+    engine.generate(prompts, max_new_tokens=1)
+    synchronize(engine.device)
+    return time.perf_counter() - start
+
+
+def measure_prefill(engine: TransformersEngine, batch: int, prompt: int, real_data: str, kernels: str,
+                    run: int) -> tuple[float, float]:
+    """One run: (off ms, on ms) to the first token, each after a short warm-up generation."""
+    chunk = min(prompt, PREFILL_CHUNK)
+    times = []
+    for on in (False, True):
+        handle = None
+        if on:
+            handle = EngineHandle(engine, CanaryConfig(real_data=real_data, sweep_interval=SWEEP, kernels=kernels))
+            handle.reset(0, ())
+        time_to_first_token(engine, 2, chunk, seed=-1 - run)
+        times.append(1e3 * time_to_first_token(engine, batch, prompt, seed=run))
+        if handle is not None:
+            handle.side.runtime.drain()
+            assert not handle.violations(), handle.violations()[:3]
+            handle.close()
+    return times[0], times[1]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill_rows(model: Any, tokenizer: Any, cells: list[str], real_datas: list[str], kernels: str, runs: int) -> None:
+    """The prefill table (see the module docstring): per cell and real_data, the median of `runs`."""
+    print("| prefill batch x prompt | real_data | canary off ms | canary on ms | cost ms | cost % | cost % min..max |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for cell in cells:
+        batch, prompt = (int(x) for x in cell.split("x"))
+        engine = TransformersEngine(model, tokenizer, page_size=64, num_blocks=blocks(batch, prompt + 1),
+                                    max_batch_tokens=min(prompt, PREFILL_CHUNK), max_requests_per_batch=batch,
+                                    max_context=prompt + 1)
+        for real_data in real_datas:
+            measured = [measure_prefill(engine, batch, prompt, real_data, kernels, run) for run in range(runs)]
+            costs = sorted(100 * (on - off) / off for off, on in measured)
+            off, on = (statistics.median(column) for column in zip(*measured))
+            print(f"| {batch}x{prompt} | {real_data} | {off:.1f} | {on:.1f} | {on - off:.1f} | "
+                  f"{statistics.median(costs):.2f}% | {costs[0]:.2f}..{costs[-1]:.2f}% |", flush=True)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a local Hugging Face checkpoint directory (default: a random model, --shape)")
     parser.add_argument("--shape", default="tinyllama", choices=sorted(SHAPES))
-    parser.add_argument("--batches", nargs="*", type=int, default=[1, 8, 32])
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 8, 32], help="decode batch sizes (none: no decode rows)")
+    parser.add_argument("--prefill", nargs="*", default=[], metavar="BxP",
+                        help="prefill cells: batch x prompt tokens (time to first token)")
     parser.add_argument("--real-data", nargs="*", default=["partial"], choices=["none", "partial", "all"])
     parser.add_argument("--graphs", default="both", choices=["on", "off", "both"])
     parser.add_argument("--batching", default="sync", choices=["sync", "async"],
@@ -210,8 +276,12 @@ def main() -> None:
     if device != "cuda" and not args.smoke:
         raise SystemExit("bench_transformers.py needs a CUDA device (or --smoke)")
     prompt, new = (24, 8) if args.smoke else (PROMPT, NEW)
+    for cell in args.prefill:
+        if len(cell.split("x")) != 2 or not all(x.isdigit() and int(x) > 0 for x in cell.split("x")):
+            parser.error(f"--prefill cells are BATCHxPROMPT with positive integers, e.g. 32x16384; got {cell!r}")
     if args.smoke:
         args.batches, args.repeats = [2], 1
+        args.prefill = args.prefill and ["2x24"]
     model, tokenizer = load(args.model, device) if args.model else random_model(device, args.shape, args.smoke)
     import transformers
 
@@ -220,16 +290,20 @@ def main() -> None:
     print(f"device: {name}  torch {torch.__version__}  transformers {transformers.__version__}  "
           f"model: {described} {model.dtype}  prompt {prompt} + {new} new tokens  {args.batching} batching  "
           f"runs {args.runs} x {args.repeats} generations")
+    kernels = "triton" if device == "cuda" else "torch"
+    if args.prefill:
+        prefill_rows(model, tokenizer, args.prefill, args.real_data, kernels, args.runs)
+    if not args.batches:
+        return
     print("| batch | cuda graphs | real_data | canary off ms/step | canary on ms/step | cost ms | cost % "
           "| cost % min..max | host us/step | host us min..max | "
           + " | ".join(f"{phase} us" for phase in PHASES) + " |")
     print("|---:|---|---|---:|---:|---:|---:|---|---:|---|" + "---:|" * len(PHASES))
     graph_modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs] if device == "cuda" else [False]
-    kernels = "triton" if device == "cuda" else "torch"
     for batch in args.batches:
         for use_cuda_graph in graph_modes:
             engine = TransformersEngine(model, tokenizer, page_size=64, num_blocks=blocks(batch, prompt + new),
-                                        max_batch_tokens=max(2048, batch), max_requests_per_batch=batch,
+                                        max_batch_tokens=max(2048, 64 * batch), max_requests_per_batch=batch,
                                         max_context=prompt + new, use_cuda_graph=use_cuda_graph,
                                         use_async_batching=args.batching == "async", canary_graphs=use_cuda_graph)
             for real_data in args.real_data:

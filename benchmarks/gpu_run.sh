@@ -6,19 +6,23 @@
 #   STEPS="tests overhead" OUT=/some/dir bash benchmarks/gpu_run.sh  # some of them
 #
 # Steps: tests (the GPU-relevant tests: kernels, runtime, graph decode, bug scenarios, and the Triton
-# fault and soak cases CPU CI leaves to this pass), kernels
-# (bench_kernels.py), overhead (bench_overhead.py), examples (the example suite under two xdist
-# workers), transformers (the example suite on the transformers engine, eager and with CUDA graphs,
-# and bench_transformers.py with CUDA graphs over the TinyLlama and Llama-3-8B shapes), async (the
-# example suite under transformers' async batching, eager and with CUDA graphs, and the TinyLlama
-# bench; the async tests run in "tests"), soak (benchmarks/soak.py over every transformers configuration,
-# on the machine's transformers and on the release whose wheel is in .whl/tf523/, all at once: SOAK_SECONDS
-# each, SOAK_SEED the first seed, SOAK_EXTRA more configurations such as reference-mha-graph). Wheels the
+# fault and soak cases CPU CI leaves to this pass), kernels (bench_kernels.py), overhead
+# (bench_overhead.py), examples (the example suite under two xdist workers), transformers (the example
+# suite on the transformers engine, eager and with CUDA graphs), tf-bench (bench_transformers.py with
+# CUDA graphs over the TinyLlama and Llama-3-8B shapes: decode at TF_BATCHES, default 1 32 64 128, and a
+# long prefill, TF_PREFILL= for none; TF_SHAPES picks shapes; one shape takes more than one call's 10
+# minutes on an H200: split it, e.g. TF_SHAPES=llama3-8b TF_BATCHES=128 TF_PREFILL=), reference (bench_reference.py: the reference engine's graph
+# decode, canary off vs on), parallel (on two GPUs: the tp=2 graph-decode and rank-divergence tests, then
+# bench_reference.py --tp 2), async (the example suite under
+# transformers' async batching, eager and with CUDA graphs, and the TinyLlama bench; the async tests run
+# in "tests"), soak (benchmarks/soak.py over every transformers configuration, on the machine's
+# transformers and on the release whose wheel is in .whl/tf523/, all at once: SOAK_SECONDS each,
+# SOAK_SEED the first seed, SOAK_EXTRA more configurations such as reference-mha-graph). Wheels the
 # machine lacks (pytest-xdist, execnet) may be placed in .whl/ beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvcanary-gpu}
-STEPS=${STEPS:-tests kernels overhead examples transformers}
+STEPS=${STEPS:-tests kernels overhead examples transformers tf-bench reference}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -70,10 +74,20 @@ if wants transformers; then
   step tf-eager 150 python3 -m pytest --kv-canary --kv-canary-engine transformers examples/ -p no:cacheprovider -q
   KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 step tf-graphs 150 python3 -m pytest --kv-canary \
     --kv-canary-engine transformers examples/ -p no:cacheprovider -q
-  for shape in tinyllama llama3-8b; do
-    step "tf-bench-$shape" 300 python3 benchmarks/bench_transformers.py --shape "$shape" --graphs on --batches 1 32 \
-      --real-data partial all --runs 3 --repeats 1
+fi
+if wants tf-bench; then  # decode B1..B128 and a long prefill per shape (prefill cells fit an 80 GB card)
+  for shape in ${TF_SHAPES:-tinyllama llama3-8b}; do
+    prefill=$([ "$shape" = tinyllama ] && echo 32x16384 || echo 8x16384)
+    step "tf-bench-$shape" "${TF_BENCH_SECONDS:-400}" python3 benchmarks/bench_transformers.py --shape "$shape" \
+      --graphs on --batches ${TF_BATCHES:-1 32 64 128} --prefill ${TF_PREFILL-$prefill} --real-data partial all \
+      --runs 3 --repeats 1
   done
+fi
+wants reference && step reference 300 python3 benchmarks/bench_reference.py --batches 1 32 --real-data partial all
+if wants parallel; then  # two GPUs: tp=2 graph decode and the divergence scenario, then its cost
+  step parallel-tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_parallel.py \
+    tests/unit/scenarios/test_rank_divergence.py
+  step parallel 400 python3 benchmarks/bench_reference.py --tp 2 --batches 1 32
 fi
 if wants async; then
   export KVCANARY_TRANSFORMERS_ASYNC_BATCHING=1
@@ -117,7 +131,7 @@ echo
 echo "| step | exit | time | result |"
 echo "|---|---|---|---|"
 cat "$summary"
-for f in kernels overhead tf-bench-tinyllama tf-bench-llama3-8b async-bench; do
+for f in kernels overhead tf-bench-tinyllama tf-bench-llama3-8b async-bench reference parallel; do
   [ -f "$OUT/$f.log" ] && { echo; echo "== $f"; grep -E '^(\||device)' "$OUT/$f.log"; }
 done
 [ -f "$OUT/soak.jsonl" ] && { echo; echo "== soak"; python3 benchmarks/soak.py --table "$OUT/soak.jsonl"; }

@@ -1,0 +1,184 @@
+"""What the canary costs a decode step of the reference engine replayed from CUDA graphs: on one
+GPU, and tensor-parallel on two (NCCL) with and without the cross-rank comparison.
+
+    python benchmarks/bench_reference.py                        # tp=1 on cuda:0, batch 1 and 32
+    python benchmarks/bench_reference.py --tp 2 --batches 1 32  # tp=2 on cuda:0 and cuda:1
+    python benchmarks/bench_reference.py --batches 8 --runs 7
+    python benchmarks/bench_reference.py --smoke [--tp 2]       # tiny shapes on the CPU (padded decode): checks the script
+
+The engine: the embedded reference engine (tp=1: in this process; tp=2: split over two rank
+processes, handles/parallel.py) with a Llama-style model in bf16 (--hidden, --layers, ...; random
+weights, 1B-class by default), decode_mode "graph": each decode step's padded batch, with the
+canary's before_forward and after_forward (tp=2: the digest and its all-gather included) captured
+in one CUDA graph per batch size and replayed. Per run, the engine prefills `batch` prompts of
+`prompt` tokens, decodes a few warm-up steps (which capture the graphs), then times `steps` decode
+steps (engine.step(): scheduling, the replay, the sampled tokens read back, end_forward's sweeps
+and log polls), synchronising the device around each.
+
+Variants, each `runs` times, interleaved: off (no hooks), canary (the engine's canary; tp=2: each
+rank's own), cross-rank (tp=2 only: each rank's canary and the comparison of the ranks' stamps,
+what a parallel test runs). Per variant: the median over runs of each run's median step time
+(tp=2: on rank 0), the spread of those run medians (min-max), the cost over off, and the same
+for the host time the canary's end_forward takes per step (sweeps and polls included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from pytest_kvcanary.config import CanaryConfig
+from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.engine.parallel.topology import Topology
+from pytest_kvcanary.handles.parallel import ParallelHandle
+from pytest_kvcanary.handles.rank import RankContext, RankSpec
+from pytest_kvcanary.handles.single import EngineHandle
+
+
+class DecodeRun:
+    """A picklable call for every rank (or the one engine): one timed run of one variant (see the
+    module docstring). Returns (step ms, end_forward us) per timed step."""
+
+    def __init__(self, variant: str, batch: int, prompt: int, warmup: int, steps: int, seed: int) -> None:
+        self.variant, self.batch, self.prompt, self.warmup, self.steps, self.seed = \
+            variant, batch, prompt, warmup, steps, seed
+
+    def __call__(self, context: RankContext) -> list[tuple[float, float]]:
+        engine = context.engines["single"]
+        side = context.handle.sides[0]
+        if not hasattr(engine, "attached_hooks"):
+            engine.attached_hooks = engine._hooks  # the runtime, or on a rank the RankCheck around it
+        hooks = {"off": None, "canary": side.runtime, "cross-rank": engine.attached_hooks}[self.variant]
+        timed = EndForwardTimer(hooks)
+        engine.set_forward_hooks(None if hooks is None else timed)
+        engine.reset()
+        side.runtime.reset()
+        vocab = engine.config.model.vocab_size
+        gen = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.batch):
+            engine.submit(torch.randint(1, vocab, (self.prompt,), generator=gen).tolist(),
+                          self.warmup + self.steps + 2)
+        while engine.scheduler.waiting:  # the prefill forwards
+            engine.step()
+        for _ in range(self.warmup):  # captures the graphs
+            engine.step()
+        times = []
+        for _ in range(self.steps):
+            synchronize(engine.device)
+            timed.seconds = 0.0
+            start = time.perf_counter()
+            engine.step()
+            synchronize(engine.device)
+            times.append((1e3 * (time.perf_counter() - start), 1e6 * timed.seconds))
+        assert len(engine.running) == self.batch, "a request finished or was retracted while timing"
+        if hooks is not None:
+            side.runtime.drain()
+            assert not side.runtime.log.violations and not side.runtime.health_problems()
+        return times
+
+
+class EndForwardTimer:
+    """Forward hooks passing every call on to `hooks`, adding up the host seconds end_forward takes."""
+
+    def __init__(self, hooks: Any) -> None:
+        self.hooks, self.seconds = hooks, 0.0
+        self.before_forward, self.kv_stored, self.after_forward = \
+            (None, None, None) if hooks is None else (hooks.before_forward, hooks.kv_stored, hooks.after_forward)
+
+    def end_forward(self, *args: Any) -> None:
+        start = time.perf_counter()
+        self.hooks.end_forward(*args)
+        self.seconds += time.perf_counter() - start
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class OneEngine:
+    """tp=1: the engine and its handle in this process, called like the ranks of a ParallelHandle."""
+
+    def __init__(self, engine: EngineConfig, canary: CanaryConfig) -> None:
+        self.engine = Engine(engine)
+        self.handle = EngineHandle(self.engine, canary)
+        self.handle.reset(0, ())
+        self.context = RankContext(0, 0, self.handle, {"single": self.engine})
+
+    def call(self, run: DecodeRun) -> list[Any]:
+        return [run(self.context)]
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--real-data", nargs="+", default=["partial"], choices=["none", "partial", "all"])
+    parser.add_argument("--sweep-interval", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
+    args = parser.parse_args()
+    if args.smoke:
+        devices, dtype, decode_mode, kernels = ("cpu",) * args.tp, torch.float32, "padded", "torch"
+        args.batches, args.prompt, args.steps, args.warmup, args.runs = [2], 8, 2, 1, 1
+        args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim, args.intermediate = 64, 2, 4, 2, 16, 128
+    else:
+        if torch.cuda.device_count() < args.tp:
+            raise SystemExit(f"bench_reference.py --tp {args.tp} needs {args.tp} CUDA devices (or --smoke)")
+        devices, dtype, decode_mode, kernels = tuple(f"cuda:{i}" for i in range(args.tp)), torch.bfloat16, \
+            "graph", "triton"
+    variants = ("off", "canary") + (("cross-rank",) if args.tp > 1 else ())
+    context = args.prompt + args.warmup + args.steps + 2
+    model = ModelConfig(vocab_size=32000, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                        num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
+                        max_context=context, dtype=dtype, seed=0)
+    name = "cpu" if args.smoke else torch.cuda.get_device_name(0)
+    print(f"tp={args.tp} on {', '.join(devices)} ({name}); decode_mode={decode_mode}; prompt {args.prompt}, "
+          f"{args.steps} timed steps x {args.runs} runs; hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
+          f"({args.kv_heads} KV) x {args.head_dim}, {dtype}; sweep_interval={args.sweep_interval}")
+    print("| batch | real_data | canary | ms per decode step (median of run medians) | spread over runs "
+          "| cost over off | cost % min..max | end_forward us per step |")
+    print("|---:|---|---|---:|---:|---:|---|---:|")
+    for batch in args.batches:
+        engine = EngineConfig(model=model, num_slots=batch * context + 1, max_running=batch,
+                              max_batch_tokens=max(context, 8192), device=devices[0], decode_mode=decode_mode)
+        for real_data in args.real_data:
+            canary = CanaryConfig(real_data=real_data, sweep_interval=args.sweep_interval, kernels=kernels)
+            ranks: Any = OneEngine(engine, canary) if args.tp == 1 else \
+                ParallelHandle(RankSpec("single", engine, canary, Topology(tp=args.tp), devices))
+            runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+            try:
+                for run in range(args.runs):
+                    for variant in variants:
+                        steps = ranks.call(DecodeRun(variant, batch, args.prompt, args.warmup, args.steps, run))[0]
+                        runs[variant].append(tuple(statistics.median(column) for column in zip(*steps)))
+            finally:
+                ranks.close()
+            off = statistics.median(ms for ms, _ in runs["off"])
+            for variant in variants:
+                step_ms = [ms for ms, _ in runs[variant]]
+                costs = sorted(100 * (ms - off_ms) / off_ms for (ms, _), (off_ms, _) in zip(runs[variant], runs["off"]))
+                m = statistics.median(step_ms)
+                print(f"| {batch} | {real_data} | {variant} | {m:.3f} | {min(step_ms):.3f}-{max(step_ms):.3f} | "
+                      f"{m - off:+.3f} ms ({100 * (m - off) / off:+.1f}%) | {costs[0]:+.1f}..{costs[-1]:+.1f}% | "
+                      f"{statistics.median(us for _, us in runs[variant]):.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
