@@ -271,23 +271,29 @@ class VllmEngine:
 
     def score_uncached(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[TokenScores]:
         """What greedy decoding picks after each prefix of each (prompt, output): one vLLM request per
-        (prompt, output) over prompt + output[:-1] with prompt log-probabilities, which vLLM
-        computes without reading its prefix cache (it caches the blocks it computes, as any
-        request's). Log-probability differences are logit differences. Where the output's token is
-        not the best, it is the one measured against (vLLM reports each prompt token's own
-        log-probability): in bfloat16 three tokens can tie within a rounding step."""
+        (prompt, output) over prompt + output with prompt log-probabilities, which vLLM computes
+        without reading its prefix cache (it caches the blocks it computes, as any request's).
+        Log-probability differences are logit differences. Where the output's token is not the
+        best, it is the one measured against (vLLM reports each prompt token's own
+        log-probability): in bfloat16 three tokens can tie within a rounding step. A request that
+        filled max_model_len leaves no room for the token vLLM generates: its last output token is
+        then scored from that token's top two, and measured against the runner-up."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         scored = [i for i, (_, output) in enumerate(requests) if output]
+        whole = {i: len(requests[i][0]) + len(requests[i][1]) < self.settings.max_model_len for i in scored}
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2, logprobs=2, ignore_eos=True)
-        inputs = [TokensPrompt(prompt_token_ids=[*map(int, requests[i][0]), *map(int, requests[i][1][:-1])])
+        inputs = [TokensPrompt(prompt_token_ids=[*map(int, requests[i][0]),
+                                                 *map(int, requests[i][1] if whole[i] else requests[i][1][:-1])])
                   for i in scored]
         results = self.llm.generate(inputs, params, use_tqdm=False) if inputs else []
         scores = [TokenScores([], [], []) for _ in requests]
         for i, result in zip(scored, results):
             prompt_len = len(requests[i][0])
-            dists = [*result.prompt_logprobs[prompt_len:], result.outputs[0].logprobs[0]]
+            dists = result.prompt_logprobs[prompt_len:]
+            if not whole[i]:
+                dists = [*dists, result.outputs[0].logprobs[0]]
             best, measured = [], []
             for token, dist in zip(requests[i][1], dists):
                 ranked = sorted(dist.items(), key=lambda item: item[1].rank)

@@ -27,3 +27,18 @@ def test_an_output_token_that_is_not_the_best_is_measured_against_the_best():
     assert swapped.runner_up[3] == other
     assert swapped.margin[3] >= clean.margin[3], "no token but the best is ahead of the runner-up"
     assert [swapped.runner_up[j] for j in (0, 1, 2)] == [clean.runner_up[j] for j in (0, 1, 2)]
+
+
+def test_the_last_output_token_is_measured_against_the_best_too():
+    """The last token's own log-probability comes from the scoring request's prompt too (vLLM's
+    generated-token log-probabilities hold only the top two and the token it picked itself)."""
+    engine = make_engine("mha")
+    greedy = engine.generate([PROMPT], 6)[0]
+    [clean] = engine.score_uncached([(PROMPT, greedy)])
+    other = next(t for t in range(1, 256) if t not in (clean.best[-1], clean.runner_up[-1]))
+    [swapped] = engine.score_uncached([(PROMPT, [*greedy[:-1], other])])
+    assert swapped.best == clean.best
+    assert swapped.runner_up[-1] == other and swapped.margin[-1] >= clean.margin[-1]
+    first = next(t for t in range(1, 256) if t not in (clean.best[0], clean.runner_up[0]))
+    [one] = engine.score_uncached([(PROMPT, [first])])  # a one-token output is all last token
+    assert one.best == [clean.best[0]] and one.runner_up == [first]
