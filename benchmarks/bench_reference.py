@@ -86,8 +86,9 @@ class EndForwardTimer:
 
     def __init__(self, hooks: Any) -> None:
         self.hooks, self.seconds = hooks, 0.0
-        self.before_forward, self.kv_stored, self.after_forward = \
-            (None, None, None) if hooks is None else (hooks.before_forward, hooks.kv_stored, hooks.after_forward)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.hooks, name)
 
     def end_forward(self, *args: Any) -> None:
         start = time.perf_counter()

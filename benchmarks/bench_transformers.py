@@ -50,7 +50,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -59,6 +59,7 @@ from pytest_kvcanary.adapters.byte_tokenizer import byte_tokenizer
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.handles.single import EngineHandle
 
+T = TypeVar("T")
 PROMPT, NEW, SWEEP = 512, 64, 16
 PREFILL_CHUNK = 8192  # tokens per prefill forward (SGLang's default chunked-prefill size on large GPUs)
 TOKENS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258)
@@ -94,9 +95,7 @@ def random_model(device: str, shape_name: str, smoke: bool) -> tuple[Any, Any]:
 def blocks(batch: int, tokens: int) -> int:
     """KV blocks of 64 tokens for `batch` requests of `tokens` each to decode as one batch (with
     one block a request fewer, transformers splits batch 32's decode steps in two, 29 + 3 requests
-    with 5.17). The decode rows take 64 prompt tokens a request into each forward (2048 at least),
-    so that every request is prefilled within PROMPT / 64 forwards and the batch decodes together
-    for most of its NEW tokens."""
+    with 5.17)."""
     return batch * (-(-tokens // 64) + 2) + 16
 
 
@@ -193,13 +192,19 @@ def measure(engine: TransformersEngine, batch: int, real_data: str, kernels: str
             repeats: int) -> tuple[float, float, dict[str, float]]:
     """One run: (off ms, on ms, canary host us by phase) per decode step."""
     off, _ = run(engine, batch, prompt, new, repeats)
+    on, host = with_canary(engine, real_data, kernels, lambda: run(engine, batch, prompt, new, repeats))
+    return off, on, host
+
+
+def with_canary(engine: TransformersEngine, real_data: str, kernels: str, work: Callable[[], T]) -> T:
+    """work()'s result with the canary attached to the engine around it; it must report nothing."""
     handle = EngineHandle(engine, CanaryConfig(real_data=real_data, sweep_interval=SWEEP, kernels=kernels))
     handle.reset(0, ())
-    on, host = run(engine, batch, prompt, new, repeats)
+    result = work()
     handle.side.runtime.drain()
     assert not handle.violations(), handle.violations()[:3]
     handle.close()
-    return off, on, host
+    return result
 
 
 def time_to_first_token(engine: TransformersEngine, batch: int, prompt: int, seed: int) -> float:
@@ -216,20 +221,11 @@ def time_to_first_token(engine: TransformersEngine, batch: int, prompt: int, see
 def measure_prefill(engine: TransformersEngine, batch: int, prompt: int, real_data: str, kernels: str,
                     run: int) -> tuple[float, float]:
     """One run: (off ms, on ms) to the first token, each after a short warm-up generation."""
-    chunk = min(prompt, PREFILL_CHUNK)
-    times = []
-    for on in (False, True):
-        handle = None
-        if on:
-            handle = EngineHandle(engine, CanaryConfig(real_data=real_data, sweep_interval=SWEEP, kernels=kernels))
-            handle.reset(0, ())
-        time_to_first_token(engine, 2, chunk, seed=-1 - run)
-        times.append(1e3 * time_to_first_token(engine, batch, prompt, seed=run))
-        if handle is not None:
-            handle.side.runtime.drain()
-            assert not handle.violations(), handle.violations()[:3]
-            handle.close()
-    return times[0], times[1]
+    def warmed_ms() -> float:
+        time_to_first_token(engine, 2, min(prompt, PREFILL_CHUNK), seed=-1 - run)
+        return 1e3 * time_to_first_token(engine, batch, prompt, seed=run)
+
+    return warmed_ms(), with_canary(engine, real_data, kernels, warmed_ms)
 
 
 def synchronize(device: torch.device) -> None:
@@ -237,12 +233,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill_rows(model: Any, tokenizer: Any, cells: list[str], real_datas: list[str], kernels: str, runs: int) -> None:
+def prefill_cell(text: str) -> tuple[int, int]:
+    """--prefill's BxP: (batch, prompt tokens)."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a cell is BATCHxPROMPT with positive integers, e.g. 32x16384; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def prefill_rows(model: Any, tokenizer: Any, cells: list[tuple[int, int]], real_datas: list[str], kernels: str,
+                 runs: int) -> None:
     """The prefill table (see the module docstring): per cell and real_data, the median of `runs`."""
     print("| prefill batch x prompt | real_data | canary off ms | canary on ms | cost ms | cost % | cost % min..max |")
     print("|---|---|---:|---:|---:|---:|---|")
-    for cell in cells:
-        batch, prompt = (int(x) for x in cell.split("x"))
+    for batch, prompt in cells:
         engine = TransformersEngine(model, tokenizer, page_size=64, num_blocks=blocks(batch, prompt + 1),
                                     max_batch_tokens=min(prompt, PREFILL_CHUNK), max_requests_per_batch=batch,
                                     max_context=prompt + 1)
@@ -262,7 +266,7 @@ def main() -> None:
     parser.add_argument("--model", help="a local Hugging Face checkpoint directory (default: a random model, --shape)")
     parser.add_argument("--shape", default="tinyllama", choices=sorted(SHAPES))
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 8, 32], help="decode batch sizes (none: no decode rows)")
-    parser.add_argument("--prefill", nargs="*", default=[], metavar="BxP",
+    parser.add_argument("--prefill", nargs="*", type=prefill_cell, default=[], metavar="BxP",
                         help="prefill cells: batch x prompt tokens (time to first token)")
     parser.add_argument("--real-data", nargs="*", default=["partial"], choices=["none", "partial", "all"])
     parser.add_argument("--graphs", default="both", choices=["on", "off", "both"])
@@ -276,12 +280,9 @@ def main() -> None:
     if device != "cuda" and not args.smoke:
         raise SystemExit("bench_transformers.py needs a CUDA device (or --smoke)")
     prompt, new = (24, 8) if args.smoke else (PROMPT, NEW)
-    for cell in args.prefill:
-        if len(cell.split("x")) != 2 or not all(x.isdigit() and int(x) > 0 for x in cell.split("x")):
-            parser.error(f"--prefill cells are BATCHxPROMPT with positive integers, e.g. 32x16384; got {cell!r}")
     if args.smoke:
         args.batches, args.repeats = [2], 1
-        args.prefill = args.prefill and ["2x24"]
+        args.prefill = args.prefill and [(2, 24)]
     model, tokenizer = load(args.model, device) if args.model else random_model(device, args.shape, args.smoke)
     import transformers
 
@@ -302,6 +303,8 @@ def main() -> None:
     graph_modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs] if device == "cuda" else [False]
     for batch in args.batches:
         for use_cuda_graph in graph_modes:
+            # 64 prompt tokens a request a forward (2048 at least): every request is prefilled within
+            # PROMPT / 64 forwards, and the batch decodes together for most of its NEW tokens
             engine = TransformersEngine(model, tokenizer, page_size=64, num_blocks=blocks(batch, prompt + new),
                                         max_batch_tokens=max(2048, 64 * batch), max_requests_per_batch=batch,
                                         max_context=prompt + new, use_cuda_graph=use_cuda_graph,
