@@ -17,7 +17,8 @@
 # transformers' async batching, eager and with CUDA graphs, and the TinyLlama bench; the async tests run
 # in "tests"), soak (benchmarks/soak.py over every transformers configuration, on the machine's
 # transformers and on the release whose wheel is in .whl/tf523/, all at once: SOAK_SECONDS each,
-# SOAK_SEED the first seed, SOAK_EXTRA more configurations such as reference-mha-graph). Wheels the
+# SOAK_SEED the first seed, SOAK_ROUNDS rounds a seed, SOAK_EXTRA more configurations such as
+# reference-mha-graph; NAME*3 runs three copies on seeds 100 apart; processes take the GPUs in turn). Wheels the
 # machine lacks (pytest-xdist, execnet) may be placed in .whl/ beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -107,24 +108,34 @@ if wants soak; then  # the workload soak, every configuration at once: it is hos
 transformers-mha-async-graphs transformers-swa-sync-eager transformers-swa-sync-graphs transformers-swa-async-eager \
 transformers-swa-async-graphs"}
   releases=${SOAK_RELEASES:-"installed 5.23"}
-  start=$SECONDS
+  gpus=$(nvidia-smi -L | wc -l)
+  start=$SECONDS n=0
+  set -f  # NAME*COPIES is no pattern
   for release in $releases; do
-    for config in $configs ${SOAK_EXTRA:-}; do
+    for entry in $configs ${SOAK_EXTRA:-}; do  # NAME or NAME*COPIES: copies run seeds 100 apart
+      config=${entry%%\**} copies=1
+      [ "$config" != "$entry" ] && copies=${entry#*\*}
       [ "$release" != installed ] && [[ $config != transformers-* ]] && continue
       path=$([ "$release" = installed ] || echo /tmp/tf523)
-      PYTHONPATH=$path${PYTHONPATH:+:$PYTHONPATH} timeout $((${SOAK_SECONDS:-480} + 120)) python3 benchmarks/soak.py \
-        --configs "$config" --seconds "${SOAK_SECONDS:-480}" --forwards "${SOAK_FORWARDS:-50000}" \
-        --seed "${SOAK_SEED:-0}" --json "$OUT/soak-$release-$config.jsonl" >"$OUT/soak-$release-$config.log" 2>&1 &
+      for ((copy = 0; copy < copies; copy++)); do
+        gpu=$((n % gpus)) n=$((n + 1))
+        CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$path${PYTHONPATH:+:$PYTHONPATH} \
+          timeout $((${SOAK_SECONDS:-480} + 150)) python3 benchmarks/soak.py --configs "$config" \
+          --seconds "${SOAK_SECONDS:-480}" --forwards "${SOAK_FORWARDS:-50000}" --rounds "${SOAK_ROUNDS:-30}" \
+          --seed $((${SOAK_SEED:-0} + 100 * copy)) --json "$OUT/soak-$release-$config-$copy.jsonl" \
+          >"$OUT/soak-$release-$config-$copy.log" 2>&1 &
+      done
     done
   done
+  set +f
   wait
-  for f in "$OUT"/soak-*.jsonl; do  # the release each row ran on
+  for f in "$OUT"/soak-*.jsonl; do  # the release each row ran on (a row per seed)
     release=${f#"$OUT"/soak-}; release=${release%%-*}
     sed "s/\"config\": \"/\"config\": \"$release: /" "$f"
   done >"$OUT/soak.jsonl"
   grep -h -E "replay|round [0-9]+:|Error" "$OUT"/soak-*.log >"$OUT/soak-failures.txt"
   rm -f "$OUT"/soak-installed-* "$OUT"/soak-5.*
-  printf '| soak | - | %ss | %s |\n' "$((SECONDS - start))" "$(wc -l <"$OUT/soak.jsonl") configurations" >>"$summary"
+  printf '| soak | - | %ss | %s |\n' "$((SECONDS - start))" "$n processes, $(wc -l <"$OUT/soak.jsonl") seeds" >>"$summary"
 fi
 
 echo

@@ -3,11 +3,13 @@ count (or a time limit) is reached, one row per configuration with its verdict c
 
     python benchmarks/soak.py --configs reference-mha-eager transformers-mha-sync-eager --forwards 20000
     python benchmarks/soak.py --list
+    python benchmarks/soak.py --table run1.jsonl run2.jsonl   # runs of one configuration add up
 
 Engines are built small so that the workloads press them (the radix cache evicts, the scheduler
 retracts or offloads). On a CPU the canary runs the kernels' torch references (bit-identical to the
 Triton kernels), on a GPU the Triton kernels. A configuration the machine cannot run (CUDA graphs
-on a CPU, an engine whose package is missing) is reported as skipped.
+on a CPU, an engine whose package is missing) is reported as skipped. `--json` gets one line per
+seed as it ends, so a run stopped part way keeps every seed it finished.
 """
 
 from __future__ import annotations
@@ -96,47 +98,89 @@ def _handle(engine: Any, canary: CanaryConfig) -> Any:
 
 
 def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rounds: int, seed: int,
-         real_data: str, arrivals: bool) -> dict[str, Any]:
-    """Seeds from `seed` on, `rounds` rounds each, until `forwards` forwards or `seconds` passed;
+         real_data: str, arrivals: bool, on_seed: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+    """Seeds from `seed` on, `rounds` rounds each, until `forwards` forwards or `seconds` passed; one
+    row per seed, each handed to `on_seed` as it ends (`merge` adds them up);
     arrivals: requests join running batches where the engine serves them (else generate batches)."""
     canary = CanaryConfig(real_data=real_data, sweep_interval=4, kernels="triton" if CUDA else "torch")
     handle = _handle(build(), canary)
-    row: dict[str, Any] = {"config": name + ("" if arrivals else " (batches)"),
-                           "device": torch.cuda.get_device_name() if CUDA else "cpu", "real_data": real_data, "seeds": [], "rounds": 0, "forwards": 0, "near_ties": 0,
-                           "verdicts": dict.fromkeys(VERDICTS, 0), "failures": []}
+    rows: list[dict[str, Any]] = []
     start = time.monotonic()
-    while row["forwards"] < forwards and time.monotonic() - start < seconds:
+    while sum(r["forwards"] for r in rows) < forwards and time.monotonic() - start < seconds:
+        began = time.monotonic()
         handle.reset(seed, ())
         result = handle.run_workload(seed=seed, rounds=rounds, arrivals=arrivals)
         data = result.to_json()
-        row["seeds"].append(seed)
-        row["rounds"] += data["rounds"]
-        row["forwards"] += data["forwards"]
-        row["near_ties"] += data["near_ties"]
-        for verdict, n in data["verdicts"].items():
-            row["verdicts"][verdict] += n
-        row["failures"] += [{"seed": seed, **f} for f in data["failures"]]
-        row.setdefault("untrusted_rounds", []).extend({"seed": seed, **r} for r in data["untrusted_rounds"][:4])
+        rows.append({"config": name + ("" if arrivals else " (batches)"),
+                     "device": torch.cuda.get_device_name() if CUDA else "cpu", "real_data": real_data,
+                     "seeds": [seed], "rounds": data["rounds"], "forwards": data["forwards"],
+                     "near_ties": data["near_ties"], "verdicts": {**dict.fromkeys(VERDICTS, 0), **data["verdicts"]},
+                     "failures": [{"seed": seed, **f} for f in data["failures"]],
+                     "untrusted_rounds": [{"seed": seed, **r} for r in data["untrusted_rounds"][:4]],
+                     "seconds": round(time.monotonic() - began, 1),
+                     "versions": {m: sys.modules[m].__version__ for m in ("torch", "transformers", "vllm")
+                                  if m in sys.modules}})
+        on_seed(rows[-1])
         print(f"  {name} seed {seed}: {result.summary()}", flush=True)
         for line in result.describe_failures():
             print(f"    {line}", flush=True)
         seed += 1
-    row["seconds"] = round(time.monotonic() - start, 1)
-    row["versions"] = {name: sys.modules[name].__version__ for name in ("torch", "transformers", "vllm")
-                       if name in sys.modules}
     handle.close()
-    return row
+    return rows
+
+
+def merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of one configuration and data mode added up, in first-seen order (a row per seed, or per
+    run as earlier runs wrote them; the devices and engine versions they ran on listed); a seed
+    counted twice is an error."""
+    merged: dict[tuple[str, ...], dict[str, Any]] = {}
+    for r in rows:
+        if "skipped" in r:
+            merged.setdefault((r["config"], "skipped"), r)
+            continue
+        key = (r["config"], r["real_data"])
+        if key not in merged:
+            merged[key] = {**r, "seeds": list(r["seeds"]), "verdicts": dict(r["verdicts"]),
+                           "failures": list(r["failures"]), "versions": dict(r.get("versions", {}))}
+            continue
+        m = merged[key]
+        if twice := set(m["seeds"]) & set(r["seeds"]):
+            raise ValueError(f"{r['config']}: seed {min(twice)} appears in two rows; each run needs seeds of its own")
+        m["seeds"] += r["seeds"]
+        if r["device"] not in m["device"].split(" + "):
+            m["device"] += " + " + r["device"]
+        for name, version in r.get("versions", {}).items():
+            if version not in m["versions"].get(name, "").split(" + "):
+                m["versions"][name] = m["versions"][name] + " + " + version if name in m["versions"] else version
+        for field in ("rounds", "forwards", "near_ties", "seconds"):
+            m[field] = round(m[field] + r[field], 1)
+        for verdict, n in r["verdicts"].items():
+            m["verdicts"][verdict] = m["verdicts"].get(verdict, 0) + n
+        m["failures"] += r["failures"]
+    return list(merged.values())
+
+
+def seed_ranges(seeds: list[int]) -> str:
+    """[0, 1, 2, 1000, 1001] -> '0..2, 1000..1001'."""
+    spans: list[list[int]] = []
+    for s in sorted(seeds):
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in spans) or "-"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """The rows merged (`merge`); time is the seconds of every run added up."""
     lines = ["| configuration | device | real_data | seeds | rounds | forwards | clean | engine defect | "
              "damage detected | damage missed | suspected false alarms | near ties | time |", "|" + "---|" * 13]
-    for r in rows:
+    for r in merge(rows):
         if "skipped" in r:
             lines.append(f"| {r['config']} | skipped: {r['skipped']} |" + " |" * 11)
             continue
         v = r["verdicts"]
-        seeds = f"{r['seeds'][0]}..{r['seeds'][-1]}" if r["seeds"] else "-"
+        seeds = seed_ranges(r["seeds"])
         engine = ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items() if k != "torch")
         device = f"{r['device']} ({engine})" if engine else r["device"]
         lines.append(f"| {r['config']} | {device} | {r['real_data']} | {seeds} | {r['rounds']} | {r['forwards']} | "
@@ -162,7 +206,10 @@ def main() -> int:
     parser.add_argument("--table", nargs="+", metavar="FILE", help="print the table of rows these JSON lines files hold")
     args = parser.parse_args()
     if args.table:
-        print(table([json.loads(line) for name in args.table for line in open(name) if line.strip()]))
+        try:
+            print(table([json.loads(line) for name in args.table for line in open(name) if line.strip()]))
+        except ValueError as e:
+            parser.error(f"--table: {e}")
         return 0
     if args.list:
         for name, (_, why) in configs.items():
@@ -170,20 +217,24 @@ def main() -> int:
         return 0
     if unknown := [c for c in args.configs if c not in configs]:
         parser.error(f"unknown configuration {unknown[0]!r}; --list shows them")
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def keep(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     for name in args.configs:
         build, why = configs[name]
         if why is not None:
-            rows.append({"config": name, "skipped": why})
+            keep({"config": name, "skipped": why})
             continue
         try:
-            rows.append(soak(name, build, args.forwards, args.seconds, args.rounds, args.seed, args.real_data,
-                             not args.batches))
+            soak(name, build, args.forwards, args.seconds, args.rounds, args.seed, args.real_data, not args.batches,
+                 keep)
         except ImportError as e:
-            rows.append({"config": name, "skipped": f"{type(e).__name__}: {e}"})
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(rows[-1]) + "\n")
+            keep({"config": name, "skipped": f"{type(e).__name__}: {e}"})
     print(table(rows))
     bad = sum(r["verdicts"]["damage missed"] + r["verdicts"]["suspected false alarm"] for r in rows if "verdicts" in r)
     return 1 if bad else 0
