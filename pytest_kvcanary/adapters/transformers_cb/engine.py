@@ -32,8 +32,8 @@ from .block_log import BlockLog
 from .forward_view import DerivedView, empty_tables, empty_view
 from .offload import CpuOffloadTier
 from .versions import (
-    CAUSE_RESET, DEFECT_CACHED_BLOCK_REWRITE, GroupCache, SectorLayout, UnsupportedModel, cache_layout,
-    config_options, sdpa_attention,
+    CAUSE_RESET, DEFECT_CACHED_BLOCK_REWRITE, DEFECT_SHARED_DECODE_BLOCK, GroupCache, SectorLayout, UnsupportedModel,
+    cache_layout, config_options, sdpa_attention,
 )
 
 
@@ -538,32 +538,36 @@ class TransformersEngine:
             self._staged_lanes[pair] = self._lanes_version
         if reassigned or io.total_seqlen_q != size:  # another batch, or not one token a row
             buffers.set_entries(*self._token_entries(states))
-            self._note_cached_block_writes(batch)
         else:  # a decode step of the same batch: its tokens are the ones the device sampled
             buffers.set_entries(*_NO_ENTRIES)
+        if self.layout.writes_hashed_blocks:
+            self._note_hashed_block_writes(batch)
         if buffers.spills():
             with self._on_compute_stream():
                 buffers.write_spill()
 
-    def _note_cached_block_writes(self, batch: list[Any]) -> None:
-        """The slots this forward writes in blocks transformers has hashed (cached content other
-        requests may read): an engine defect (versions.DEFECT_CACHED_BLOCK_REWRITE), noted for
-        `engine_defects`."""
+    def _note_hashed_block_writes(self, batch: list[Any]) -> None:
+        """The slots this forward writes in blocks transformers has hashed (content other requests
+        may read or adopt), noted for `engine_defects` as the engine's defect: a prompt's token
+        rewritten into a cached block (versions.DEFECT_CACHED_BLOCK_REWRITE), a generated token into
+        a block hashed before it was full (versions.DEFECT_SHARED_DECODE_BLOCK)."""
         full, page, hashed = self.groups[0], self.page_size, self.layout.hashed_ids()
-        slots: list[int] = []
+        slots: dict[str, list[int]] = {DEFECT_CACHED_BLOCK_REWRITE: [], DEFECT_SHARED_DECODE_BLOCK: []}
         for future in batch:
-            end = future.state.position_offset
+            state = future.state
+            end = state.position_offset
             start = end - future.query_length
-            blocks = self.layout.block_ids(full, future.state.request_id)
+            prompt = len(state.initial_tokens)
+            blocks = self.layout.block_ids(full, state.request_id)
             for index in range(start // page, min(-(-end // page), len(blocks))):
                 if blocks[index] in hashed:
-                    positions = range(max(start, index * page), min(end, (index + 1) * page))
-                    slots += [blocks[index] * page + p % page for p in positions]
-        if slots:
-            self._defects.append(EngineDefect(self._steps, GroupKind.FULL, tuple(slots), DEFECT_CACHED_BLOCK_REWRITE))
+                    for p in range(max(start, index * page), min(end, (index + 1) * page)):
+                        defect = DEFECT_CACHED_BLOCK_REWRITE if p < prompt else DEFECT_SHARED_DECODE_BLOCK
+                        slots[defect].append(blocks[index] * page + p % page)
+        self._defects += [EngineDefect(self._steps, GroupKind.FULL, tuple(s), name) for name, s in slots.items() if s]
 
     def engine_defects(self) -> list[EngineDefect]:
-        """The forwards since the last reset that rewrote a cached block (the engine's defect)."""
+        """The forwards since the last reset that wrote a hashed block (the engine's defects)."""
         return list(self._defects)
 
     def _assign_lanes(self, states: list[Any]) -> None:

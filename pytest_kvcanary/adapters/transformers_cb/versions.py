@@ -51,6 +51,12 @@ CAUSE_RESET = "engine reset"
 # requests read. The K/V written equals the cached one only up to rounding, so a request reading that
 # block in the same forward sees its bytes change (5.18 leaves the last page out of the match).
 DEFECT_CACHED_BLOCK_REWRITE = "a forward rewrote a cached (hashed) block"
+# transformers 5.17 under async batching: the next batch is scheduled (a block allocated for the first
+# token past such a prompt) before the last batch's update marks its blocks complete, and the update
+# hashes that new block over the one or no token it holds. An identical request at the same point
+# finds the hash and adopts the block: two running requests then decode into one block, each
+# overwriting the other's K/V (the same values only while their tokens agree).
+DEFECT_SHARED_DECODE_BLOCK = "two running requests decode into one block (hashed before it was full)"
 
 
 class UnsupportedModel(ValueError):
@@ -164,6 +170,8 @@ def block_views(base: torch.Tensor, allocator: Any) -> tuple[tuple[torch.Tensor,
 class SectorLayout:
     """transformers 5.18+: ``PagedAttentionCache.cache_allocators``."""
 
+    writes_hashed_blocks = False  # no release writes a block once it has a content hash
+
     def __init__(self, processor: Any) -> None:
         self.cache = cache = processor.cache
         names = list(cache.cache_allocators)
@@ -253,8 +261,21 @@ class _NotifyingDeque(deque):
         super().extend(blocks)
 
 
+class _HashedBlocks:
+    """5.17's hashed block ids, asked block by block: the block's hash maps back to it."""
+
+    def __init__(self, manager: Any) -> None:
+        self._blocks, self._hash_to_id = manager._id_to_block, manager._hash_to_id
+
+    def __contains__(self, block_id: object) -> bool:
+        block = self._blocks.get(block_id)
+        return block is not None and block.hash is not None and self._hash_to_id.get(block.hash) == block_id
+
+
 class BlockManagerLayout:
     """transformers 5.17: ``PagedAttentionCache.group_cache_managers`` and ``_block_manager``."""
+
+    writes_hashed_blocks = True  # DEFECT_CACHED_BLOCK_REWRITE, DEFECT_SHARED_DECODE_BLOCK
 
     def __init__(self, processor: Any) -> None:
         self.processor = processor
@@ -301,8 +322,8 @@ class BlockManagerLayout:
         return hashed, hashed - manager._init_block_ids.keys()
 
     def hashed_ids(self) -> Container[int]:
-        """The blocks with a content hash."""
-        return set(self.cache._block_manager._hash_to_id.values())
+        """The blocks with a content hash (membership in O(1): asked on every forward)."""
+        return _HashedBlocks(self.cache._block_manager)
 
     def install(self, on_free: FreeCallback, on_marked: MarkedCallback) -> None:
         self._on_free = on_free

@@ -3,7 +3,8 @@ each forward's inputs from the IO pair that forward consumed; a run is clean and
 synchronous batching generates; a decode forward fed a wrong carried-over token (the device-side
 hand-over async batching adds) is reported at the slot it wrote by that forward's TAIL: the token
 table holds the token the forward before sampled for that position. A prompt found whole in the
-prefix cache is clean too, though transformers 5.17 hashes the block after it before it is written."""
+prefix cache is clean too, though transformers 5.17 hashes the block after it before it is written; two
+such prompts at once share that block on 5.17, and the soak names it the engine's defect."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ pytest.importorskip("transformers", reason=INSTALL)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="async batching needs a CUDA device")
 
 from kvcanary_kernels.records import GroupKind  # noqa: E402
+from pytest_kvcanary.adapters.transformers_cb.versions import (  # noqa: E402
+    DEFECT_SHARED_DECODE_BLOCK, BlockManagerLayout,
+)
 from pytest_kvcanary.config import CanaryConfig  # noqa: E402
 from pytest_kvcanary.handles.single import EngineHandle  # noqa: E402
+from pytest_kvcanary.soak.verdicts import CLEAN, ENGINE_DEFECT, FALSE_ALARM  # noqa: E402
 
 PROMPTS = [[11 + i for i in range(37)], [90 + i for i in range(21)]]
 NEW_TOKENS = 12
@@ -127,3 +132,41 @@ def test_every_forward_stages_the_lane_of_each_of_its_rows_and_the_soak_replay_i
     result = handle.run_workload(replay=SHRUNK_REPLAY, shrink_trials=0)
     assert wrong == [], wrong[:3]
     assert result.trustworthy and result.forwards > 20, result.summary()
+
+
+# A round the soak found on transformers 5.17 (mha, 48 blocks of 16) and shrank to 3 requests: one
+# prompt of three whole pages, sent three times (two at once, one a wave later).
+SHARED_BLOCK_REPLAY = "1014/2:4.16+1043604.32*35@1/:4.16+1043604.32*17@0;4.16+1043604.32*35@0"
+
+
+def test_two_identical_prompts_decoding_into_one_block_are_named_the_engine_defect_on_5_17():
+    """Under async batching 5.17 hashes the block after a prompt matched in full before it is written,
+    and the identical request at the same point adopts it: both decode into it. The writes are
+    noted as the engine's defect in every forward (same-batch decode steps included), so the round
+    is an engine defect, not a suspected false alarm; 5.18+ keeps the blocks apart: clean."""
+    engine = make_engine("mha", num_blocks=48, max_batch_tokens=256, max_requests_per_batch=8, max_context=512,
+                         use_async_batching=True)
+    handle = EngineHandle(engine, CanaryConfig(real_data="partial", kernels="triton"))
+    handle.reset(0, ())
+    shared = []  # (step, block) a block two running requests' tables both hold, each written that forward
+    map_batch, full = engine._map_batch, engine.groups[0]
+
+    def checked(pair):
+        map_batch(pair)
+        owners = {}
+        for future in engine._batch_io().requests_in_batch:
+            blocks = engine.layout.block_ids(full, future.state.request_id)
+            written = blocks[(future.state.position_offset - 1) // engine.page_size]
+            if owners.setdefault(written, future.state.request_id) != future.state.request_id:
+                shared.append((engine._steps, written))
+
+    engine._map_batch = checked
+    result = handle.run_workload(replay=SHARED_BLOCK_REPLAY, shrink_trials=0)
+    counts = result.counts()
+    if not isinstance(engine.layout, BlockManagerLayout):  # 5.18+
+        assert shared == [] and counts[CLEAN] == len(result.rounds) and handle.violations() == []
+        return
+    assert shared, "two requests write one block in one forward (transformers' own block tables say so)"
+    assert counts[FALSE_ALARM] == 0 and counts[ENGINE_DEFECT] >= 1, result.summary()
+    assert DEFECT_SHARED_DECODE_BLOCK in result.engine_defects(), result.engine_defects()
+    assert result.trustworthy

@@ -3,9 +3,15 @@ a prompt of a whole number of pages in full and recomputes its last token into t
 block, a cached block another request may be reading. The bytes there change (by rounding only), the
 canary reports it at RECHECK in the forward that rewrote it, and the adapter names the write
 (EngineDefect), so the workload soak calls the round an engine defect, not a false alarm. From 5.18
-the last page stays out of the match: the same workload writes no cached block."""
+the last page stays out of the match: the same workload writes no cached block.
+
+Under async batching 5.17 also hands the block after such a prompt to two identical requests at once
+(the soak's replay of it runs on a GPU, tests/adapters/transformers/test_async_batching.py); shown
+here on transformers' own cache, in the order async batching calls it."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +21,7 @@ from .support import INSTALL, KERNELS, make_engine
 pytest.importorskip("transformers", reason=INSTALL)
 
 from pytest_kvcanary.adapters.transformers_cb.versions import (  # noqa: E402
-    DEFECT_CACHED_BLOCK_REWRITE, BlockManagerLayout,
+    DEFECT_CACHED_BLOCK_REWRITE, DEFECT_SHARED_DECODE_BLOCK, BlockManagerLayout,
 )
 from pytest_kvcanary.config import CanaryConfig  # noqa: E402
 from pytest_kvcanary.handles.single import EngineHandle  # noqa: E402
@@ -63,3 +69,37 @@ def test_a_prompt_matched_in_full_rewrites_the_last_cached_block_on_5_17_only():
         (step, "RECHECK", half, ("verify_real_kv_hash",), slot) for half in ("K", "V")}
     assert result.counts()[ENGINE_DEFECT] == 1 and result.engine_defects() == {DEFECT_CACHED_BLOCK_REWRITE: 2}
     assert result.trustworthy
+
+
+def test_async_batching_order_on_5_17_gives_two_identical_requests_one_block_to_decode_into():
+    """5.17's cache, called as async batching calls it: the next forward's block is allocated before
+    the last forward's update marks blocks complete. A prompt of two whole pages matched in full
+    recomputes its last token (one block completed, says the scheduler), and the update hashes the
+    block after it, which holds one generated token. The identical request adopts it: both tables
+    end in one block, and the adapter notes both requests' next writes there as the defect."""
+    engine = make_engine("mha", num_blocks=48, max_batch_tokens=256, max_context=512)
+    if not isinstance(engine.layout, BlockManagerLayout):
+        pytest.skip("transformers 5.18+ leaves the last page out of a prefix match")
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    page, full = engine.page_size, engine.groups[0]
+    prompt = list(range(3, 3 + 2 * page))
+    engine.generate([prompt], max_new_tokens=2)  # its two pages are hashed in the prefix cache
+    cache = engine.processor.cache
+    states = [RequestState(request_id=name, initial_tokens=list(prompt)) for name in ("a", "b")]
+    for state in states:
+        assert cache.search_prefix_match(state.request_id, prompt) == 2 * page  # matched in full
+        cache.allocate_blocks(1, state.request_id, 2)  # the next forward's block, before the update
+        state.generated_tokens = [7]  # what the recompute of the last prompt token sampled
+        state.position_offset = 2 * page
+        cache.mark_shareable_blocks_as_complete(state, 1)
+    tables = [engine.layout.block_ids(full, state.request_id) for state in states]
+    assert tables[0] == tables[1] and len(tables[0]) == 3, tables  # one block for both to decode into
+
+    decode = [SimpleNamespace(state=state, query_length=1) for state in states]  # both write position 32
+    for state in states:
+        state.position_offset = 2 * page + 1
+    engine._defects.clear()
+    engine._note_hashed_block_writes(decode)
+    slot = tables[0][2] * page
+    assert [(d.name, d.slots) for d in engine.engine_defects()] == [(DEFECT_SHARED_DECODE_BLOCK, (slot, slot))]

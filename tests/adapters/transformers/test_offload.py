@@ -12,7 +12,9 @@ import torch
 
 from .support import INSTALL, KERNELS, make_engine, prompts_with_shared_prefixes, stems
 
-pytest.importorskip("transformers", reason=INSTALL)
+transformers = pytest.importorskip("transformers", reason=INSTALL)
+pytestmark = pytest.mark.skipif(tuple(map(int, transformers.__version__.split(".")[:2])) < (5, 18),
+                                reason="transformers 5.17 keeps no CPU swap pool (the adapter refuses cpu_offload_space)")
 
 from pytest_kvcanary.canary.host_records import HostRecords  # noqa: E402
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec  # noqa: E402
