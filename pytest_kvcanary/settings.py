@@ -118,10 +118,11 @@ OPTIONS = (
             "run the stock workload soak on this workload (the replay a soak failure printed) instead of "
             "a seeded one"),
     _Option("kv_canary_tp", "--kv-canary-tp", "N", "1", _integer(1),
-            "tensor-parallel ranks of the reference engine each test runs on (a kv_parallel marker sets "
-            "it per test; this option, given on the command line, wins)"),
+            "tensor-parallel ranks of the engine each test runs on, reference or transformers (a "
+            "kv_parallel marker sets it per test; this option, given on the command line, wins)"),
     _Option("kv_canary_pp", "--kv-canary-pp", "N", "1", _integer(1),
-            "pipeline-parallel stages of the reference engine each test runs on (as --kv-canary-tp)"),
+            "pipeline-parallel stages of the reference engine each test runs on (as --kv-canary-tp; 1 on "
+            "transformers)"),
     _Option("kv_canary_vllm_attention_isa", "--kv-canary-vllm-attention-isa", "ISA", "",
             _unset_or(_one_of(*VLLM_ATTENTION_ISAS)),
             "vllm engine: the instruction-set path of vLLM's CPU attention, which decides its KV layout: "

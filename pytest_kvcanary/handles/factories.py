@@ -5,7 +5,7 @@ loaded only when named and needing its optional package), else to the first
 `pytest_kvcanary_make_engine` hook implementation that knows the name. A prefill/decode pair
 (kv_pd) comes from the built-in reference pair or a `pytest_kvcanary_make_pd_pair` hook. A parallel
 engine (kv_parallel) comes from a built-in engine's shard factory: the reference engine splits
-tensor and pipeline parallel.
+tensor and pipeline parallel, transformers tensor parallel only.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ BUILTIN_ENGINES = {
                          "pytest_kvcanary.handles.checkpoints:reference_problem",
                          "pytest_kvcanary.adapters.reference:reference_shards", ("tp", "pp")),
     "transformers": Builtin("pytest_kvcanary.adapters.transformers_cb:make_transformers_engine", "transformers",
-                            "pytest_kvcanary.handles.checkpoints:transformers_problem"),
+                            "pytest_kvcanary.handles.checkpoints:transformers_problem",
+                            "pytest_kvcanary.adapters.transformers_cb:transformers_shards", ("tp",)),
     "vllm": Builtin("pytest_kvcanary.adapters.vllm:make_vllm_engine", "vllm",
                     "pytest_kvcanary.handles.checkpoints:any_checkpoint_problem"),
 }
