@@ -24,7 +24,8 @@ import pytest
 
 from .canary.seam import UnsupportedAttention
 from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
-from .handles.factories import NoParallelEngine, NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine
+from .handles.factories import (NoParallelEngine, NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine,
+                                 parallel_problem)
 from .handles.pool import EngineKey, EnginePool, WatchedHandle
 from .plugin_support import markers
 from .plugin_support.interrupts import Interrupts, mend_traceback
@@ -309,9 +310,9 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     if not canary.enabled:
         pytest.skip("kv-canary is off for this test: its kv_canary marker sets mode='off'")
     model = str(settings.model) if settings.model else None
-    if tp * pp > 1 and settings.engine != "reference":
-        pytest.skip(f"kv_parallel runs the reference engine only; engine {settings.engine!r} has no parallel "
-                    "engine here")
+    if problem := parallel_problem(settings.engine, tp, pp):
+        field, why = problem
+        pytest.skip(f"kv_parallel({field}=...) {why}")
     key = EngineKey(kind, canary, attention, _devices(request.config, kind, tp * pp), settings.engine, model, tp, pp)
     pool: EnginePool = request.getfixturevalue("_kv_engines")
     serial, handle = _checkout(pool, key, settings.seed)

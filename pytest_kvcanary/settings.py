@@ -17,7 +17,7 @@ import pytest
 
 from .adapters.vllm.isa import CHOICES as VLLM_ATTENTION_ISAS, ENV as VLLM_ATTENTION_ISA_ENV
 from .config import CANARY_MODES, REAL_DATA_MODES, CanaryConfig
-from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem
+from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem, parallel_problem
 from .gpu import AUTO, DEVICE_SETTINGS, count_gpus
 from .soak.workload import Workload
 
@@ -118,10 +118,11 @@ OPTIONS = (
             "run the stock workload soak on this workload (the replay a soak failure printed) instead of "
             "a seeded one"),
     _Option("kv_canary_tp", "--kv-canary-tp", "N", "1", _integer(1),
-            "tensor-parallel ranks of the reference engine each test runs on (a kv_parallel marker sets "
-            "it per test; this option, given on the command line, wins)"),
+            "tensor-parallel ranks of the engine each test runs on, reference or transformers (a "
+            "kv_parallel marker sets it per test; this option, given on the command line, wins)"),
     _Option("kv_canary_pp", "--kv-canary-pp", "N", "1", _integer(1),
-            "pipeline-parallel stages of the reference engine each test runs on (as --kv-canary-tp)"),
+            "pipeline-parallel stages of the reference engine each test runs on (as --kv-canary-tp; 1 on "
+            "transformers)"),
     _Option("kv_canary_vllm_attention_isa", "--kv-canary-vllm-attention-isa", "ISA", "",
             _unset_or(_one_of(*VLLM_ATTENTION_ISAS)),
             "vllm engine: the instruction-set path of vLLM's CPU attention, which decides its KV layout: "
@@ -299,15 +300,17 @@ def check_engine(settings: Settings, sources: dict[str, str], raw: dict[str, str
 
 
 def check_parallel(settings: Settings, sources: dict[str, str], raw: dict[str, str]) -> None:
-    """A parallel engine the run asks for (--kv-canary-tp / --kv-canary-pp or their ini keys) is
-    the reference engine's, and on GPUs there is one per rank (NCCL refuses two ranks on one GPU)."""
+    """A parallel engine the run asks for (--kv-canary-tp / --kv-canary-pp or their ini keys) is one
+    the run's engine has (factories.parallel_problem), and on GPUs there is one per rank (NCCL
+    refuses two ranks on one GPU)."""
     ranks = settings.tp * settings.pp
     if ranks == 1:
         return
+    if problem := parallel_problem(settings.engine, settings.tp, settings.pp):
+        field, why = problem
+        name = f"kv_canary_{field}"
+        raise _usage(sources[name], str(raw[name]), why)
     name = "kv_canary_tp" if settings.tp > 1 else "kv_canary_pp"
-    if settings.engine != "reference":
-        raise _usage(sources[name], str(raw[name]), f"needs the reference engine (only it runs parallel here); "
-                     f"the run's engine is {settings.engine!r}")
     if settings.device != "cpu" and 0 < (gpus := count_gpus()) < ranks:
         raise _usage(sources[name], str(raw[name]), f"needs {ranks} GPUs (tp x pp ranks, one GPU each: NCCL refuses two "
                      f"ranks on one GPU), {gpus} visible; --kv-canary-device=cpu runs the ranks on the CPU")

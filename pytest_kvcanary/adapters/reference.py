@@ -6,6 +6,7 @@ from typing import Any
 
 from ..engine.config import EngineConfig, ModelConfig
 from ..engine.engine import Engine
+from ..engine.parallel.shard import ReferenceShards
 from ..engine.weights import read_config
 
 
@@ -31,3 +32,9 @@ def make_reference_engine(attention: str, device: str, seed: int, model: str | N
                           ) -> Engine:
     """The engine of `reference_config` (the same options)."""
     return Engine(reference_config(attention, device, seed, model, **options))
+
+
+def reference_shards(attention: str, seed: int, model: str | None = None) -> ReferenceShards:
+    """The engine of `reference_config` split over a parallel engine's ranks (each rank's device
+    replaces the config's)."""
+    return ReferenceShards(reference_config(attention, "cpu", seed, model))

@@ -3,7 +3,9 @@
 `--kv-canary-engine NAME` resolves to a built-in factory (reference; transformers and vllm, each
 loaded only when named and needing its optional package), else to the first
 `pytest_kvcanary_make_engine` hook implementation that knows the name. A prefill/decode pair
-(kv_pd) comes from the built-in reference pair or a `pytest_kvcanary_make_pd_pair` hook.
+(kv_pd) comes from the built-in reference pair or a `pytest_kvcanary_make_pd_pair` hook. A parallel
+engine (kv_parallel) comes from a built-in engine's shard factory: the reference engine splits
+tensor and pipeline parallel, transformers tensor parallel only.
 """
 
 from __future__ import annotations
@@ -23,13 +25,19 @@ class Builtin(NamedTuple):
     factory: str  # "module:function" with the signature (attention, device, seed, model)
     package: str | None  # the optional package it drives, installed with the extra of that name
     model_check: str  # "module:function" (path) -> why a --kv-canary-model directory cannot serve, or None
+    # "module:function" (attention, seed, model) -> the ShardFactory of a parallel engine (handles.rank),
+    # and the kv_parallel fields it splits over (tp, pp); None and () when it runs in one process only
+    shards: str | None = None
+    splits: tuple[str, ...] = ()
 
 
 BUILTIN_ENGINES = {
     "reference": Builtin("pytest_kvcanary.adapters.reference:make_reference_engine", None,
-                         "pytest_kvcanary.handles.checkpoints:reference_problem"),
+                         "pytest_kvcanary.handles.checkpoints:reference_problem",
+                         "pytest_kvcanary.adapters.reference:reference_shards", ("tp", "pp")),
     "transformers": Builtin("pytest_kvcanary.adapters.transformers_cb:make_transformers_engine", "transformers",
-                            "pytest_kvcanary.handles.checkpoints:transformers_problem"),
+                            "pytest_kvcanary.handles.checkpoints:transformers_problem",
+                            "pytest_kvcanary.adapters.transformers_cb:transformers_shards", ("tp",)),
     "vllm": Builtin("pytest_kvcanary.adapters.vllm:make_vllm_engine", "vllm",
                     "pytest_kvcanary.handles.checkpoints:any_checkpoint_problem"),
 }
@@ -48,8 +56,8 @@ class NoPrefillDecodePair(LookupError):
 
 
 class NoParallelEngine(LookupError):
-    """The engine has no tensor/pipeline-parallel form here (only the reference engine has one);
-    kv_parallel tests skip with this message."""
+    """The engine has no parallel form of that shape here (see parallel_problem); kv_parallel tests
+    skip with this message."""
 
 
 # How to install each engine's package, run in a clone of the project: the commands the docs give
@@ -71,6 +79,38 @@ def engine_problem(name: str) -> str | None:
     if builtin is None or builtin.package is None or importlib.util.find_spec(builtin.package) is not None:
         return None
     return f"needs the {builtin.package} package, which is not installed: {install_hint(builtin.package)}"
+
+
+def parallel_problem(name: str, tp: int, pp: int) -> tuple[str, str] | None:
+    """Why engine `name` cannot run as tp x pp ranks here, as (the field at fault, "tp" or "pp";
+    what it must be), or None (also for one rank)."""
+    builtin = BUILTIN_ENGINES.get(name)
+    splits = () if builtin is None else builtin.splits
+    for field, value in (("tp", tp), ("pp", pp)):
+        if value > 1 and field not in splits:
+            if not splits:
+                return field, (f"needs an engine that runs parallel here: {', '.join(parallel_engines())}; "
+                               f"engine {name!r} runs in one process only")
+            return field, f"must be 1 with engine {name!r}: it runs parallel over {' and '.join(splits)} only"
+    return None
+
+
+def parallel_engines() -> list[str]:
+    """The built-in engines that run parallel, each with what it splits over."""
+    return [f"{name} ({' x '.join(b.splits)})" for name, b in BUILTIN_ENGINES.items() if b.splits]
+
+
+def make_shards(name: str, attention: str, seed: int, model: str | None) -> Any:
+    """The ShardFactory (handles.rank) of the built-in engine `name`. Raises NoParallelEngine when
+    it has none, UnknownEngine when its package is missing, and what the engine's model raises
+    (UnsupportedAttention for an attention kind it lacks)."""
+    builtin = BUILTIN_ENGINES.get(name)
+    if builtin is None or builtin.shards is None:
+        raise NoParallelEngine(f"kv_parallel runs {', '.join(parallel_engines())}; engine {name!r} has no parallel "
+                               "engine here")
+    if problem := engine_problem(name):
+        raise UnknownEngine(f"engine {name!r} {problem}")
+    return _load(builtin.shards)(attention, seed, model)
 
 
 def model_problem(name: str, model: Path) -> str | None:

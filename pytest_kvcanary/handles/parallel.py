@@ -1,5 +1,6 @@
-"""ParallelHandle: a parallel reference engine, one process per rank (handles.rank), each with its
-own canary; what kv_engine and kv_pd hand a test under kv_parallel.
+"""ParallelHandle: a parallel engine (the reference engine's, or transformers' tensor parallel), one
+process per rank (handles.rank), each with its own canary; what kv_engine and kv_pd hand a test
+under kv_parallel.
 
 RankProcesses starts the ranks (the spawn method: fresh interpreters, safe with CUDA), holds the
 TCPStore they meet at (on a port the OS picks, held until close), talks to rank 0 over a pipe and
@@ -19,13 +20,13 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch.distributed as dist
 
-from ..adapters.reference import reference_config
 from ..canary.log import KvCanaryViolationError
 from ..canary.violation import Violation
 from ..config import CanaryConfig, PerturbSpec
 from ..engine.parallel.topology import Topology
 from ..perturb.ledger import Injection
 from . import rank
+from .factories import NoPrefillDecodePair, make_shards
 from .rank import RankContext, RankReport, RankSpec
 from .sided import RequestSender
 
@@ -200,8 +201,13 @@ def _unsupported(perturbs: tuple[PerturbSpec, ...], context: RankContext) -> str
 
 
 def start_parallel(kind: str, topology: Topology, *, canary: CanaryConfig, attention: str, devices: Sequence[str],
-                   seed: int, model: str | None) -> ParallelHandle:
-    """The reference engine of `reference_config` split over topology's ranks, rank r on
-    devices[r] (one device: every rank on it, as on a CPU)."""
+                   seed: int, model: str | None, engine_name: str = "reference") -> ParallelHandle:
+    """The built-in engine `engine_name` split over topology's ranks (factories.make_shards), rank r
+    on devices[r] (one device: every rank on it, as on a CPU). Raises what make_shards raises, and
+    NoPrefillDecodePair for kind "pd" of an engine without pairs."""
+    shards = make_shards(engine_name, attention, seed, model)
+    if kind == "pd" and not shards.pairs:
+        raise NoPrefillDecodePair(f"kv_pd under kv_parallel needs prefill/decode pairs of engine {engine_name!r}, "
+                                  "and it has none (the reference engine has)")
     devices = tuple(devices) * topology.world if len(devices) == 1 else tuple(devices)
-    return ParallelHandle(RankSpec(kind, reference_config(attention, "cpu", seed, model), canary, topology, devices))
+    return ParallelHandle(RankSpec(kind, shards, canary, topology, devices))

@@ -1,9 +1,9 @@
-"""One rank of a parallel reference engine, in a process of its own (`parallel.RankProcesses`
-starts them).
+"""One rank of a parallel engine, in a process of its own (`parallel.RankProcesses` starts them).
 
     main(spec, rank, port, conn, parent)
         joins the process groups through the TCPStore the launcher holds on `port`, builds this
-        rank's engine (both engines of a prefill/decode pair for kind "pd") and a handle over it
+        rank's engine with spec.engine, a ShardFactory (both engines of a prefill/decode pair for
+        kind "pd"), and a handle over it
         (handles.single / handles.pd: the canary, the fault injector, the ledger), each side's
         canary wrapped in a RankCheck, runs spec.setup, then serves commands:
             rank 0 receives each from the launcher's pipe (a generate's requests checked first,
@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,10 @@ import torch.distributed as dist
 from ..canary.ranks import RankCheck
 from ..canary.violation import Violation
 from ..config import CanaryConfig
+from ..canary.seam import EngineUnderTest
 from ..engine.config import EngineConfig
-from ..engine.engine import Engine
 from ..engine.parallel.groups import RankGroups
-from ..engine.parallel.shard import shard_engine
+from ..engine.parallel.shard import ReferenceShards
 from ..engine.parallel.topology import Topology
 from ..engine.pd import PDPair
 from ..perturb.ledger import Injection
@@ -59,19 +59,35 @@ class RankContext:
     rank: int
     stage: int
     handle: SidedHandle
-    engines: dict[str, Engine]
+    engines: dict[str, EngineUnderTest]
+
+
+class ShardFactory(Protocol):
+    """What builds each rank's engine of a parallel engine. Picklable: it crosses into every rank's
+    process. pairs: whether it builds prefill/decode pairs (kind "pd")."""
+
+    pairs: bool
+
+    def check(self, topology: Topology) -> None:
+        """ValueError, naming what does not split, unless the engine runs on this topology (called
+        in the launcher, before any rank starts)."""
+
+    def build(self, groups: RankGroups, device: str) -> EngineUnderTest:
+        """This rank's engine on `device`, holding its shard (in the rank's process, once the
+        process groups exist; every rank calls it in the same order)."""
 
 
 @dataclass(frozen=True)
 class RankSpec:
-    """kind: "single" or "pd" (both sides on every rank); engine: the whole model's engine
-    configuration (each rank takes its shard; its device is replaced by the rank's); canary: as
-    the test asked (ranks log; raise mode is the launcher's handle's business); devices: one per
-    rank; setup: called in every rank once its handle is built (a picklable function; tests patch
-    one rank's engine there); timeout_s: how long a rank waits for its peers inside a forward."""
+    """kind: "single" or "pd" (both sides on every rank); engine: what builds each rank's engine
+    (an EngineConfig stands for the reference engine's, ReferenceShards(config): each rank takes
+    its shard of that model); canary: as the test asked (ranks log; raise mode is the launcher's
+    handle's business); devices: one per rank; setup: called in every rank once its handle is
+    built (a picklable function; tests patch one rank's engine there); timeout_s: how long a rank
+    waits for its peers inside a forward."""
 
     kind: str
-    engine: EngineConfig
+    engine: ShardFactory | EngineConfig
     canary: CanaryConfig
     topology: Topology
     devices: tuple[str, ...]
@@ -83,7 +99,11 @@ class RankSpec:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
         if len(self.devices) != self.topology.world:
             raise ValueError(f"devices must name one device per rank ({self.topology.world}); got {self.devices!r}")
-        self.topology.check(self.engine)
+        if isinstance(self.engine, EngineConfig):
+            object.__setattr__(self, "engine", ReferenceShards(self.engine))
+        if self.kind == "pd" and not self.engine.pairs:
+            raise ValueError(f"kind 'pd' needs prefill/decode pairs; {type(self.engine).__name__} builds none")
+        self.engine.check(self.topology)
 
 
 class RankReport(NamedTuple):
@@ -135,10 +155,10 @@ class RankServer:
         self.spec, self.groups, self.rank = spec, groups, groups.rank
         canary = replace(spec.canary, mode="log")
         if spec.kind == "single":
-            engines = {"single": shard_engine(spec.engine, groups, device)}
+            engines = {"single": spec.engine.build(groups, device)}
             self.handle: SidedHandle = EngineHandle(engines["single"], canary)
         else:
-            engines = {side: shard_engine(spec.engine, groups, device) for side in ("prefill", "decode")}
+            engines = {side: spec.engine.build(groups, device) for side in ("prefill", "decode")}
             self.handle = PDHandle(PDPair(engines["prefill"], engines["decode"]), canary)
         world = spec.topology.world
         for side in self.handle.sides:

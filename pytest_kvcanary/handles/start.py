@@ -9,7 +9,7 @@ from typing import Any
 
 from ..config import CanaryConfig
 from ..engine.parallel.topology import Topology
-from .factories import NoParallelEngine, make_engine, make_pd_pair
+from .factories import NoParallelEngine, make_engine, make_pd_pair, parallel_problem
 from .pd import PDHandle
 from .sided import RequestSender
 from .single import EngineHandle
@@ -29,18 +29,18 @@ def start_engine(kind: str, *, canary: CanaryConfig, attention: str, device: str
                  pluginmanager: Any | None = None, parallel: tuple[int, int] | None = None) -> RequestSender:
     """A handle of this kind ("single" or "pd"), its (first) device made the current one. For pd,
     device may name two devices ("cuda:0,cuda:1"): prefill on the first, decode on the second.
-    parallel=(tp, pp): the reference engine over tp x pp rank processes (parallel.ParallelHandle),
+    parallel=(tp, pp): the built-in engine over tp x pp rank processes (parallel.ParallelHandle),
     rank r on the r-th device of `device` (one device: all of them). Raises what
-    factories.make_engine / make_pd_pair raise, and NoParallelEngine for a parallel engine
-    other than the reference one."""
+    factories.make_engine / make_pd_pair / parallel.start_parallel raise, and NoParallelEngine for
+    a parallel engine of a shape the engine does not run (factories.parallel_problem)."""
     if parallel is not None:
-        if engine_name != "reference":
-            raise NoParallelEngine(f"kv_parallel runs the reference engine only; engine {engine_name!r} has no "
-                                   "parallel engine here")
+        if problem := parallel_problem(engine_name, *parallel):
+            field, why = problem
+            raise NoParallelEngine(f"kv_parallel({field}=...) {why}")
         from .parallel import start_parallel
 
         return start_parallel(kind, Topology(*parallel), canary=canary, attention=attention,
-                              devices=device.split(","), seed=seed, model=model)
+                              devices=device.split(","), seed=seed, model=model, engine_name=engine_name)
     _make_current(device.split(",")[0])
     if kind == "single":
         return EngineHandle(make_engine(engine_name, attention, device, seed, model, pluginmanager), canary)

@@ -27,7 +27,7 @@ MARKER_LINES = (
     "several kinds parametrize the test",
     "kv_canary(**overrides): canary settings for this test (fields of CanaryConfig); "
     "command-line options win, except for mode",
-    "kv_parallel(tp=1, pp=1): run the test's reference engine with tp tensor-parallel ranks and pp pipeline "
+    "kv_parallel(tp=1, pp=1): run the test's engine with tp tensor-parallel ranks and pp pipeline "
     "stages, one process and one canary per rank; --kv-canary-tp / --kv-canary-pp on the command line win",
 )
 PARALLEL_FIELDS = ("tp", "pp")

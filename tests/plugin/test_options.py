@@ -157,8 +157,8 @@ def test_precedence_cli_marker_ini(kvtester: pytest.Pytester, args: tuple[str, .
         (["--kv-canary-tp=0"], "", "ERROR: --kv-canary-tp must be an integer >= 1; got '0'"),
         ([], "kv_canary_pp = two", "ERROR: ini option kv_canary_pp must be an integer >= 1; got 'two'"),
         (["--kv-canary", "--kv-canary-tp=2", "--kv-canary-engine=elsewhere"], "",
-         "ERROR: --kv-canary-tp needs the reference engine (only it runs parallel here); the run's engine is "
-         "'elsewhere'; got '2'"),
+         "ERROR: --kv-canary-tp needs an engine that runs parallel here: reference (tp x pp), transformers (tp); "
+         "engine 'elsewhere' runs in one process only; got '2'"),
     ],
 )
 def test_bad_values_are_usage_errors(kvtester: pytest.Pytester, args: list[str], ini: str, message: str) -> None:
@@ -380,5 +380,19 @@ def test_parallel_tests_skip_on_an_engine_without_one(kvtester: pytest.Pytester)
     """)
     result = kvtester.runpytest("--kv-canary", "--kv-canary-engine=elsewhere", "-rs")
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*kv_parallel runs the reference engine only; engine 'elsewhere' has no parallel "
-                                 "engine here*"])
+    result.stdout.fnmatch_lines(["*kv_parallel(tp=...) needs an engine that runs parallel here: reference (tp x pp), "
+                                 "transformers (tp); engine 'elsewhere' runs in one process only*"])
+
+
+@pytest.mark.parametrize(("args", "ini"), [(["--kv-canary-pp=2"], ""), ([], "kv_canary_pp = 2")])
+def test_pipeline_stages_on_transformers_are_usage_errors(kvtester: pytest.Pytester, args: list[str],
+                                                          ini: str) -> None:
+    if importlib.util.find_spec("transformers") is None:  # not imported here: an inline run may have unloaded numpy
+        pytest.skip("transformers is not installed")
+    kvtester.makepyfile("def test_a(): pass")
+    kvtester.makeini(f"[pytest]\n{ini}\n")
+    result = kvtester.runpytest_subprocess("--kv-canary", "--kv-canary-engine=transformers", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    source = "--kv-canary-pp" if args else "ini option kv_canary_pp"
+    result.stderr.fnmatch_lines([f"ERROR: {source} must be 1 with engine 'transformers': it runs parallel over tp "
+                                 "only; got '2'"])

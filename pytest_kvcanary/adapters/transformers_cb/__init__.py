@@ -8,17 +8,20 @@ transformers``). Needs the transformers package: in a clone of the project,
     batch_buffers.py  what the host stages per forward (batch size, new tokens, changed table rows)
     forward_view.py   the canary's view derived on the device from the forward's own inputs
     engine.py         TransformersEngine: the CanaryHost seam around ContinuousBatchProcessor
+    parallel.py       TensorParallelShards: the engine of each rank of a tensor-parallel engine
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from .engine import TransformersEngine
 from .model import load, random_checkpoint
+from .parallel import TensorParallelShards
 
-__all__ = ["ASYNC_BATCHING_VARIABLE", "CUDA_GRAPHS_VARIABLE", "TransformersEngine", "load", "make_transformers_engine",
-           "random_checkpoint"]
+__all__ = ["ASYNC_BATCHING_VARIABLE", "CUDA_GRAPHS_VARIABLE", "TensorParallelShards", "TransformersEngine", "load",
+           "make_transformers_engine", "random_checkpoint", "transformers_shards"]
 
 CUDA_GRAPHS_VARIABLE = "KVCANARY_TRANSFORMERS_CUDA_GRAPHS"
 ASYNC_BATCHING_VARIABLE = "KVCANARY_TRANSFORMERS_ASYNC_BATCHING"
@@ -38,7 +41,23 @@ def make_transformers_engine(attention: str, device: str, seed: int, model: str 
     layers (attention "swa"). With KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 (CUDA only) transformers
     captures its forward in CUDA graphs; with KVCANARY_TRANSFORMERS_ASYNC_BATCHING=1 (CUDA only)
     it batches asynchronously."""
-    graphs, batching = switched_on(CUDA_GRAPHS_VARIABLE), switched_on(ASYNC_BATCHING_VARIABLE)
-    path = model if model is not None else random_checkpoint(attention, seed)
-    hf_model, tokenizer = load(path, device)
-    return TransformersEngine(hf_model, tokenizer, use_cuda_graph=graphs, use_async_batching=batching)
+    hf_model, tokenizer = load(_checkpoint(attention, seed, model), device)
+    return TransformersEngine(hf_model, tokenizer, **_engine_options())
+
+
+def transformers_shards(attention: str, seed: int, model: str | None) -> TensorParallelShards:
+    """What `--kv-canary-engine transformers` runs on each rank of a tensor-parallel engine: the
+    engine make_transformers_engine builds, its model loaded as the rank's shard. The random
+    checkpoint is written here, in the launcher (a rank loads it; under an initialised process
+    group transformers would save it on rank 0 only)."""
+    return TensorParallelShards(str(_checkpoint(attention, seed, model)), tuple(_engine_options().items()))
+
+
+def _checkpoint(attention: str, seed: int, model: str | None) -> str | Path:
+    return model if model is not None else random_checkpoint(attention, seed)
+
+
+def _engine_options() -> dict[str, bool]:
+    """TransformersEngine's options the environment variables set."""
+    return dict(use_cuda_graph=switched_on(CUDA_GRAPHS_VARIABLE),
+                use_async_batching=switched_on(ASYNC_BATCHING_VARIABLE))

@@ -194,7 +194,7 @@ class TransformersEngine:
         if isinstance(prompts, str):
             raise TypeError("prompts must be a sequence of prompts (str or token ids), not one bare string")
         check_int("max_new_tokens", max_new_tokens, 1)
-        encoded = [self._encode(p, max_new_tokens) for p in prompts]
+        encoded = [self.encode_request(p, max_new_tokens) for p in prompts]
         request_ids = [self._submit(prompt, ids, max_new_tokens) for prompt, ids in zip(prompts, encoded)]
         outputs = self._run(request_ids)
         return [outputs[r] for r in request_ids]
@@ -203,7 +203,7 @@ class TransformersEngine:
         """Greedy output ids per arrival: each added once this call ran `at_forward` forwards (at
         once when nothing is left to run), cancelled `abort_after` forwards after that (keeping the
         tokens transformers had handed over); runs until every request is done or cancelled."""
-        encoded = [self._encode(list(a.prompt), a.max_new_tokens) for a in arrivals]
+        encoded = [self.encode_request(list(a.prompt), a.max_new_tokens) for a in arrivals]
         order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].at_forward)
         request_ids: list[str] = [""] * len(arrivals)
         aborts: list[tuple[int, str]] = []  # (the forward to cancel at, the request)
@@ -644,7 +644,12 @@ class TransformersEngine:
         self._staged_lanes = [-1] * len(self._buffers.staging)  # the version each pair's staged lanes are of
 
     # ------------------------------------------------------------------------ bookkeeping
-    def _encode(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
+    def encode_request(self, prompt: str | Sequence[int], max_new_tokens: int, context_key: int = 0) -> list[int]:
+        """The prompt's token ids, checked as generate checks them: ValueError for an empty prompt,
+        a token outside the vocabulary, more tokens than max_context, or a context key (this
+        engine has no contexts: context_key must be 0)."""
+        if context_key != 0:
+            raise ValueError(f"engine 'transformers' has no request contexts: context_key must be 0; got {context_key}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if not ids:

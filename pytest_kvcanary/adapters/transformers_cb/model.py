@@ -40,15 +40,30 @@ def random_checkpoint(attention: str, seed: int) -> Path:
     return write_random_checkpoint(random_model_config(attention), f"kvcanary-{attention}", seed)
 
 
-def load(path: str | Path, device: str) -> tuple[Any, Any]:
+def load(path: str | Path, device: str, tensor_parallel: int = 1) -> tuple[Any, Any]:
     """(model, tokenizer) from a local checkpoint directory, the model in eval mode on `device`
-    with SDPA attention (what continuous batching runs on any device)."""
+    with SDPA attention (what continuous batching runs on any device). tensor_parallel > 1: this
+    process's shard of the model split over that many ranks by the model's own tensor-parallel
+    plan (transformers' DistributedConfig; needs an initialised default process group of that
+    many ranks, every rank calling it, and the accelerate package); `device` must then be the one
+    transformers puts the rank on (LOCAL_RANK's)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"--kv-canary-model must be a local Hugging Face checkpoint directory (with config.json); "
                          f"got {str(path)!r}")
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="auto", attn_implementation="sdpa")
+    options: dict[str, Any] = {}
+    if tensor_parallel > 1:
+        from transformers.distributed import DistributedConfig
+
+        options["distributed_config"] = DistributedConfig(tp_size=tensor_parallel)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="auto", attn_implementation="sdpa",
+                                                 **options)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model.to(device).eval(), tokenizer
+    if tensor_parallel == 1:
+        model = model.to(device)
+    elif model.device != torch.device(device):
+        raise ValueError(f"transformers put this rank's shard on {model.device}, not on {device}")
+    return model.eval(), tokenizer

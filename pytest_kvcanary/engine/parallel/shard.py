@@ -11,7 +11,7 @@ stage's final hidden states are broadcast down the column, so every rank samples
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from ..engine import Engine
 from ..model import CausalLM
 from ..weights import load_weights
 from .groups import RankGroups
+from .topology import Topology
 
 # Sharded by output rows (dim 0) and by input columns (dim 1), head-major: a chunk is whole heads.
 ROW_SHARDED = ("q_proj", "k_proj", "v_proj", "kv_b_proj", "gate_proj", "up_proj")
@@ -91,3 +92,18 @@ def shard_engine(config: EngineConfig, groups: RankGroups, device: str) -> Engin
         load_weights(full, config.checkpoint)
     model = ShardedCausalLM(full, groups)
     return Engine(replace(config, model=model.cfg, checkpoint=None, device=device), model=model)
+
+
+@dataclass(frozen=True)
+class ReferenceShards:
+    """The reference engine of `config` split over a parallel engine's ranks (handles.rank's
+    ShardFactory): each rank builds its shard_engine; pairs of them make prefill/decode pairs."""
+
+    config: EngineConfig
+    pairs: bool = True
+
+    def check(self, topology: Topology) -> None:
+        topology.check(self.config)
+
+    def build(self, groups: RankGroups, device: str) -> Engine:
+        return shard_engine(self.config, groups, device)
