@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from ..canary.ranks import RankCheck
+from ..canary.seam import EngineUnderTest
 from ..canary.violation import Violation
 from ..config import CanaryConfig
-from ..canary.seam import EngineUnderTest
 from ..engine.config import EngineConfig
 from ..engine.parallel.groups import RankGroups
 from ..engine.parallel.shard import ReferenceShards
