@@ -33,6 +33,7 @@ import torch
 
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.engine.parallel.shard import ReferenceShards
 from pytest_kvcanary.engine.parallel.topology import Topology
 from pytest_kvcanary.handles.parallel import ParallelHandle
 from pytest_kvcanary.handles.rank import RankContext, RankSpec
@@ -162,7 +163,7 @@ def main() -> None:
         for real_data in args.real_data:
             canary = CanaryConfig(real_data=real_data, sweep_interval=args.sweep_interval, kernels=kernels)
             ranks: Any = OneEngine(engine, canary) if args.tp == 1 else \
-                ParallelHandle(RankSpec("single", engine, canary, Topology(tp=args.tp), devices))
+                ParallelHandle(RankSpec("single", ReferenceShards(engine), canary, Topology(tp=args.tp), devices))
             runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
             try:
                 for run in range(args.runs):

@@ -37,9 +37,7 @@ from ..canary.ranks import RankCheck
 from ..canary.seam import EngineUnderTest
 from ..canary.violation import Violation
 from ..config import CanaryConfig
-from ..engine.config import EngineConfig
 from ..engine.parallel.groups import RankGroups
-from ..engine.parallel.shard import ReferenceShards
 from ..engine.parallel.topology import Topology
 from ..engine.pd import PDPair
 from ..perturb.ledger import Injection
@@ -80,14 +78,14 @@ class ShardFactory(Protocol):
 @dataclass(frozen=True)
 class RankSpec:
     """kind: "single" or "pd" (both sides on every rank); engine: what builds each rank's engine
-    (an EngineConfig stands for the reference engine's, ReferenceShards(config): each rank takes
-    its shard of that model); canary: as the test asked (ranks log; raise mode is the launcher's
-    handle's business); devices: one per rank; setup: called in every rank once its handle is
-    built (a picklable function; tests patch one rank's engine there); timeout_s: how long a rank
-    waits for its peers inside a forward."""
+    (the reference engine's: ReferenceShards(config), each rank its shard of that model); canary:
+    as the test asked (ranks log; raise mode is the launcher's handle's business); devices: one
+    per rank; setup: called in every rank once its handle is built (a picklable function; tests
+    patch one rank's engine there); timeout_s: how long a rank waits for its peers inside a
+    forward."""
 
     kind: str
-    engine: ShardFactory | EngineConfig
+    engine: ShardFactory
     canary: CanaryConfig
     topology: Topology
     devices: tuple[str, ...]
@@ -99,8 +97,6 @@ class RankSpec:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
         if len(self.devices) != self.topology.world:
             raise ValueError(f"devices must name one device per rank ({self.topology.world}); got {self.devices!r}")
-        if isinstance(self.engine, EngineConfig):
-            object.__setattr__(self, "engine", ReferenceShards(self.engine))
         if self.kind == "pd" and not self.engine.pairs:
             raise ValueError(f"kind 'pd' needs prefill/decode pairs; {type(self.engine).__name__} builds none")
         self.engine.check(self.topology)

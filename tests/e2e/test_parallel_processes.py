@@ -20,13 +20,15 @@ import threading
 
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.engine import EngineConfig, ModelConfig
+from pytest_kvcanary.engine.parallel.shard import ReferenceShards
 from pytest_kvcanary.engine.parallel.topology import Topology
 from pytest_kvcanary.handles.parallel import ParallelHandle
 from pytest_kvcanary.handles.rank import RankSpec
 
 def start():
     engine = EngineConfig(model=ModelConfig(max_context=32), num_slots=64, max_batch_tokens=32)
-    return ParallelHandle(RankSpec("single", engine, CanaryConfig(kernels="torch"), Topology(tp=2), ("cpu", "cpu")))
+    return ParallelHandle(RankSpec("single", ReferenceShards(engine), CanaryConfig(kernels="torch"), Topology(tp=2),
+                                   ("cpu", "cpu")))
 
 def fail_on_rank_1(context):
     if context.rank == 1:

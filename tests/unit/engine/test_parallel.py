@@ -14,6 +14,7 @@ import torch
 
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.engine.parallel.shard import ReferenceShards
 from pytest_kvcanary.engine.parallel.topology import Topology
 from pytest_kvcanary.handles.parallel import ParallelHandle
 from pytest_kvcanary.handles.rank import RankContext, RankSpec
@@ -42,7 +43,7 @@ def test_ranks_compute_what_one_process_does(tp, pp, attention, random_prompts):
     single = Engine(config)
     expected = single.generate(prompts, 10)
     assert single.scheduler.num_retracted and single.radix_cache.num_evicted
-    spec = RankSpec("single", config, CanaryConfig(kernels="torch", real_data="all", sweep_interval=2),
+    spec = RankSpec("single", ReferenceShards(config), CanaryConfig(kernels="torch", real_data="all", sweep_interval=2),
                     Topology(tp, pp), ("cpu",) * (tp * pp))
     handle = ParallelHandle(spec)
     try:
@@ -69,7 +70,7 @@ def test_tensor_parallel_graph_decode_on_two_gpus(random_prompts):
     config = _config("mha", device="cuda:0", decode_mode="graph")
     prompts = random_prompts(5, 6)
     expected = Engine(config).generate(prompts, 12)
-    handle = ParallelHandle(RankSpec("single", config, CanaryConfig(sweep_interval=3), Topology(tp=2),
+    handle = ParallelHandle(RankSpec("single", ReferenceShards(config), CanaryConfig(sweep_interval=3), Topology(tp=2),
                                      ("cuda:0", "cuda:1")))
     try:
         handle.reset(0, ())
@@ -97,6 +98,6 @@ def test_bad_topologies_and_specs_are_refused():
     with pytest.raises(ValueError, match="tp must be an integer >= 1; got 0"):
         Topology(tp=0)
     with pytest.raises(ValueError, match=r"devices must name one device per rank \(2\)"):
-        RankSpec("single", _config("mha"), CanaryConfig(), Topology(tp=2), ("cpu",))
+        RankSpec("single", ReferenceShards(_config("mha")), CanaryConfig(), Topology(tp=2), ("cpu",))
     with pytest.raises(ValueError, match="kind must be one of single, pd; got 'pair'"):
-        RankSpec("pair", _config("mha"), CanaryConfig(), Topology(tp=2), ("cpu", "cpu"))
+        RankSpec("pair", ReferenceShards(_config("mha")), CanaryConfig(), Topology(tp=2), ("cpu", "cpu"))

@@ -26,6 +26,7 @@ import torch
 
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.engine.parallel.shard import ReferenceShards
 from pytest_kvcanary.engine.parallel.topology import Topology
 from pytest_kvcanary.engine.radix_cache import InsertResult, RadixCache
 from pytest_kvcanary.engine.request import Request
@@ -97,7 +98,7 @@ def single_process_outputs() -> list[list[list[int]]]:
 @pytest.fixture
 def tp2() -> Any:
     """A tp=2 engine on the CPU, the canary on each rank (sweeping after every forward), recording."""
-    spec = RankSpec("single", ENGINE, CanaryConfig(kernels=KERNELS, real_data="all", sweep_interval=1),
+    spec = RankSpec("single", ReferenceShards(ENGINE), CanaryConfig(kernels=KERNELS, real_data="all", sweep_interval=1),
                     Topology(tp=2), ("cpu", "cpu") if DEVICE == "cpu" else ("cuda:0", "cuda:1"), setup=record)
     handle = ParallelHandle(spec)
     handle.reset(0, ())
