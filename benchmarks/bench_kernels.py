@@ -11,8 +11,8 @@ The batch is every live slot once, as rows of --seq-len positions mapped through
 in a random order (a fragmented pool): a per-token table (page 1) or a block table (page > 1).
 verify_view reads every row's whole prefix (a HEAD with a huge batch) and checks position, chain,
 token (a token table) and, in partial/all mode, the fingerprint; stamp_view writes the same
-positions as one extend per row (two launches: records, then one serial chain lane per row, so
-its time grows with --seq-len).
+positions as one extend per row (two launches: the records, and the chain, one program per row
+scanning its entries a tile at a time).
 
 Bytes counted per position are the distinct bytes a launch must move: the table entry (its
 element size / page size), the record fields read or written (8 bytes each; the predecessor's

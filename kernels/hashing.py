@@ -1,9 +1,12 @@
 """splitmix64 and the record chain hash, three ways: Triton (uint64), torch (int64), Python int.
 
-``mix`` is the splitmix64 finalizer; ``mix3(a, b, c)`` folds three values in order
-(``h = mix(a); h = mix(h ^ b); h = mix(h ^ c)``). A record passes ``mix3(prev_hash, token,
-position)`` to its successor; a chain head (position 0) of a request with context key c holds
-``head_hash(c) = mix(ANCHOR ^ c)`` (c = 0: no context, ``mix(ANCHOR)``).
+``mix`` is the splitmix64 finalizer. A record passes ``link(prev_hash, token, position) =
+prev_hash * LINK + mix(mix(token ^ LINK_KEY) ^ position)`` (wrapping) to its successor; a chain head
+(position 0) of a request with context key c holds ``head_hash(c) = mix(ANCHOR ^ c)`` (c = 0: no
+context, ``mix(ANCHOR)``). The link is affine in prev_hash with an odd multiplier, so a run of links
+composes into one affine map (``compose``) and a row's chain is a prefix scan, not a serial loop;
+the term of each entry is a full mix of its token and position, and ``LINK_INVERSE`` undoes the
+multiplier.
 
 Hashes are uint64 values; tensors hold their int64 bit pattern. ``to_signed`` converts a Python
 uint64 to that pattern.
@@ -20,6 +23,9 @@ from .records import ANCHOR
 _U64 = (1 << 64) - 1
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
+LINK = 0x5851F42D4C957F2D  # odd: x -> x * LINK is a bijection modulo 2**64
+LINK_INVERSE = pow(LINK, -1, 1 << 64)
+LINK_KEY = 0x6B76636861696E21
 
 
 def to_signed(value: int) -> int:
@@ -42,8 +48,10 @@ def mix_int(x: int) -> int:
     return x
 
 
-def mix3_int(a: int, b: int, c: int) -> int:
-    return mix_int(mix_int(mix_int(a) ^ (b & _U64)) ^ (c & _U64))
+def link_int(prev_hash: int, token: int, position: int) -> int:
+    """The prev_hash a record (prev_hash, token, position) passes to its successor (uint64)."""
+    term = mix_int(mix_int((token & _U64) ^ LINK_KEY) ^ (position & _U64))
+    return ((prev_hash & _U64) * LINK + term) & _U64
 
 
 def head_hash_int(context_key: int = 0) -> int:
@@ -60,6 +68,8 @@ CHAIN_HEAD_HASH = to_signed(CHAIN_HEAD_HASH_U64)
 
 _M1_I64 = to_signed(_M1)
 _M2_I64 = to_signed(_M2)
+_LINK_I64 = to_signed(LINK)
+_LINK_KEY_I64 = to_signed(LINK_KEY)
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -76,8 +86,9 @@ def mix_torch(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def mix3_torch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    return mix_torch(mix_torch(mix_torch(a) ^ b) ^ c)
+def link_torch(prev_hash: torch.Tensor, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """``link`` on int64 tensors."""
+    return prev_hash * _LINK_I64 + mix_torch(mix_torch(token ^ _LINK_KEY_I64) ^ position)
 
 
 def head_hash_torch(context_keys: torch.Tensor) -> torch.Tensor:
@@ -88,6 +99,9 @@ def head_hash_torch(context_keys: torch.Tensor) -> torch.Tensor:
 # ---- Triton (uint64 inside kernels) -------------------------------------------------------
 
 ANCHOR_JIT = tl.constexpr(ANCHOR)
+LINK_JIT = tl.constexpr(LINK)
+LINK_INVERSE_JIT = tl.constexpr(LINK_INVERSE)
+LINK_KEY_JIT = tl.constexpr(LINK_KEY)
 
 
 @triton.jit
@@ -112,9 +126,22 @@ def mix(x):
 
 
 @triton.jit
-def mix3(a, b, c):
-    """mix3 on uint64 values."""
-    return mix(mix(mix(a) ^ b) ^ c)
+def link_term(token, position):
+    """uint64 term an entry (token, position) adds to the chain: ``link(h, t, p) = h * LINK + term``."""
+    return mix(mix(token ^ LINK_KEY_JIT) ^ position)
+
+
+@triton.jit
+def link(prev_hash, token, position):
+    """``link`` on uint64 values."""
+    return prev_hash * LINK_JIT + link_term(token, position)
+
+
+@triton.jit
+def compose(m1, a1, m2, a2):
+    """Two affine maps of the chain in order, ``h -> (h * m1 + a1) * m2 + a2``, as one (m, a):
+    associative, the combine of a chain's prefix scan."""
+    return m1 * m2, a1 * m2 + a2
 
 
 @triton.jit

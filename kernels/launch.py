@@ -159,13 +159,21 @@ def check_view_launch(records: torch.Tensor, sources: Sequence[RealKvSource], ma
 
 
 def check_stamp_launch(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping,
-                       view: ForwardView, ring: ViolationRing, tag: int, written_hashes: torch.Tensor | None) -> None:
-    """Everything stamp_view reads, written_hashes included; raises ValueError naming the argument."""
+                       view: ForwardView, ring: ViolationRing, tag: int,
+                       written_source_hashes: torch.Tensor | None) -> None:
+    """Everything stamp_view reads, written_source_hashes included; raises ValueError naming the argument."""
     check_view_launch(records, sources, mapping, view, ring, tag)
-    if written_hashes is not None:
-        check_vector("written_hashes", written_hashes, records.device, view.input_ids.shape[0])
-        if not sources:
-            raise ValueError("written_hashes needs >= 1 source (with none, every fingerprint is 0); got 0 sources")
+    if written_source_hashes is None:
+        return
+    name, t, n_tokens = "written_source_hashes", written_source_hashes, view.input_ids.shape[0]
+    if not sources:
+        raise ValueError(f"{name} needs >= 1 source (with none, every fingerprint is 0); got 0 sources")
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be a 2-D int64 tensor with contiguous rows; got {_desc(t)}")
+    if t.device != records.device:
+        raise ValueError(f"{name} is on {t.device}; records are on {records.device}")
+    if t.shape[0] != len(sources) or t.shape[1] < n_tokens:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({len(sources)} sources, >= {n_tokens} tokens)")
 
 
 def rows_source(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, sample_offset: int = 0,

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from . import records as R
-from .hashing import as_u64, mix3
+from .hashing import as_u64, link
 
 WIDTH = tl.constexpr(R.RECORD_WIDTH)
 TOKEN = tl.constexpr(R.FIELD_TOKEN)
@@ -22,9 +22,9 @@ def field_ptrs(records, slots, FIELD: tl.constexpr):
 
 @triton.jit
 def successor_hash(records, slots, mask):
-    """uint64 ``mix3(prev_hash, token, position)`` of the records at ``slots``: the prev_hash their
+    """uint64 ``link(prev_hash, token, position)`` of the records at ``slots``: the prev_hash their
     successors must hold. Lanes off ``mask`` are not read (their value is meaningless)."""
     prev_hash = tl.load(field_ptrs(records, slots, PREV_HASH), mask=mask, other=0)
     token = tl.load(field_ptrs(records, slots, TOKEN), mask=mask, other=0)
     position = tl.load(field_ptrs(records, slots, POSITION), mask=mask, other=0)
-    return mix3(as_u64(prev_hash), as_u64(token), as_u64(position))
+    return link(as_u64(prev_hash), as_u64(token), as_u64(position))

@@ -15,7 +15,7 @@ import torch
 
 from .checks import check_int
 from .inputs import ForwardView, SlotMapping, VerifyEntries
-from .hashing import head_hash_int, head_hash_torch, mix3_int, mix3_torch, mix_torch, to_signed
+from .hashing import head_hash_int, head_hash_torch, link_int, link_torch, mix_torch, to_signed
 from .launch import (
     Tiling, check_common, check_entries, check_stamp_launch, check_vector, check_view_launch,
     rows_source,
@@ -74,9 +74,9 @@ def fingerprint_ref(sources: Sequence[RealKvSource], slots: torch.Tensor) -> tor
 
 
 def successor_hash_ref(records: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``mix3(prev_hash, token, position)`` of the records at ``slots``."""
+    """``link(prev_hash, token, position)`` of the records at ``slots``."""
     rec = records[slots]
-    return mix3_torch(rec[:, FIELD_PREV_HASH], rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION])
+    return link_torch(rec[:, FIELD_PREV_HASH], rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION])
 
 
 def source_hash_rows_ref(rows: torch.Tensor, read_bytes: int, out: torch.Tensor,
@@ -230,9 +230,9 @@ def _real_kv_check(sources: Sequence[RealKvSource], slots: torch.Tensor, stored:
 
 def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
                    ring: ViolationRing, tag: int, *, check_tokens: bool, check_write_inputs: bool,
-                   written_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
+                   written_source_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
     """Reference of ``stamp_view``."""
-    check_stamp_launch(records, sources, mapping, view, ring, tag, written_hashes)
+    check_stamp_launch(records, sources, mapping, view, ring, tag, written_source_hashes)
     n_tokens = view.input_ids.shape[0]
     extend = view.extend_lens.clamp(0, n_tokens)
     _append(ring, tag, {Reason.VIEW_OUT_OF_RANGE: (view.extend_lens != extend, view.extend_lens,
@@ -257,8 +257,10 @@ def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mappi
     records[slots, FIELD_PREV_HASH] = prev_hashes
     records[slots, FIELD_REAL_KV_HASH] = fingerprint
     checks: Checks = {}
-    if written_hashes is not None:
-        written = written_hashes[token_index]
+    if written_source_hashes is not None:
+        written = torch.zeros_like(token_index)
+        for source_hashes in written_source_hashes:
+            written = mix_torch(written ^ source_hashes[token_index])
         checks[Reason.WRITE_REAL_KV_HASH] = (fingerprint != written, fingerprint, written)
     if check_write_inputs:
         checks[Reason.WRITE_POSITION] = (written_positions != positions, written_positions, positions)
@@ -280,13 +282,13 @@ def _chain_ref(records: torch.Tensor, mapping: SlotMapping, view: ForwardView, b
         if p > 0:
             at = torch.tensor([row, p - 1], device=records.device)
             rec = records[map_slot_ref(mapping, at[:1], at[1:], records.shape[0])][0].tolist()
-            chains.append(mix3_int(rec[FIELD_PREV_HASH], rec[FIELD_TOKEN], rec[FIELD_POSITION]))
+            chains.append(link_int(rec[FIELD_PREV_HASH], rec[FIELD_TOKEN], rec[FIELD_POSITION]))
         else:
             chains.append(head_hash_int(c))
     values = []
     for row_b, token, position in zip(b.tolist(), tokens.tolist(), positions.tolist()):
         values.append(to_signed(chains[row_b]))
-        chains[row_b] = mix3_int(chains[row_b], token, position)
+        chains[row_b] = link_int(chains[row_b], token, position)
     return torch.tensor(values, dtype=torch.int64, device=records.device)
 
 

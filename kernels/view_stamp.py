@@ -11,9 +11,10 @@ import triton.language as tl
 from . import records as R
 from .inputs import ForwardView, SlotMapping
 from .fingerprint import slot_fingerprint
-from .hashing import as_i64, as_u64, head_hash, mix3
+from .hashing import LINK_INVERSE_JIT, LINK_JIT, as_i64, as_u64, compose, head_hash, link_term, mix
 from .launch import (
-    Tiling, batch_lanes, cdiv, check_stamp_launch, input_args, optional_ptr, ring_args, row_grid, view_kernel_args,
+    Tiling, batch_lanes, cdiv, check_stamp_launch, input_args, next_power_of_2, optional_ptr, ring_args, row_grid,
+    view_kernel_args,
 )
 from .lookup import known_token, map_slot
 from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
@@ -32,7 +33,6 @@ def _clamped(extend, n_tokens):
     """A row's extend as stamped: within [0, n_tokens] (one outside is reported)."""
     return tl.minimum(tl.maximum(extend, 0), n_tokens)
 _UNKNOWN = tl.constexpr(R.UNKNOWN)
-_CHAIN_LANES = 32  # batch rows per chain program (one warp)
 
 
 @triton.jit
@@ -46,10 +46,20 @@ def _first_stamped(extend, MAP: tl.constexpr):
 
 
 @triton.jit
+def _written_fingerprint(written_ptr, stride, token_index, live, N_WRITTEN: tl.constexpr):
+    """int64 fingerprint of what the forward computed for each token: its per-source row hashes
+    (row s of ``written``) folded as a slot's sources fold, ``acc = mix(acc ^ h)``."""
+    acc = tl.zeros(token_index.shape, tl.uint64)
+    for s in tl.static_range(N_WRITTEN):
+        acc = mix(acc ^ as_u64(tl.load(written_ptr + s * stride + token_index, mask=live, other=0)))
+    return as_i64(acc)
+
+
+@triton.jit
 def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, input_ids,
-                          positions_ptr, n_tokens, written_ptr, ring, tag, READS: tl.constexpr,
+                          positions_ptr, n_tokens, written_ptr, written_stride, ring, tag, READS: tl.constexpr,
                           MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
-                          CHECK_WRITE: tl.constexpr, HAS_WRITTEN: tl.constexpr, BATCH: tl.constexpr,
+                          CHECK_WRITE: tl.constexpr, N_WRITTEN: tl.constexpr, BATCH: tl.constexpr,
                           BLOCK: tl.constexpr):
     """Token, position and fingerprint of each written slot's record (not PREV_HASH), and the
     write checks. Program (b, j) stamps tiles j, j + J, ... of batch row b's extend."""
@@ -84,10 +94,10 @@ def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_pt
         if len(READS) > 0:
             fingerprint = as_i64(slot_fingerprint(sources, READS, slots, live)[0])
         tl.store(field_ptrs(records, slots, REAL_KV_HASH), fingerprint, mask=live)
-        if CHECK_WRITE or HAS_WRITTEN:
+        if CHECK_WRITE or N_WRITTEN > 0:
             reasons, stored, expected = zeros, zeros, zeros
-            if HAS_WRITTEN:
-                written = tl.load(written_ptr + token_index, mask=live, other=0)
+            if N_WRITTEN > 0:
+                written = _written_fingerprint(written_ptr, written_stride, token_index, live, N_WRITTEN)
                 reasons, stored, expected = note_failure(live & (fingerprint != written), _WRITE_REAL_KV,
                                                          fingerprint, written, reasons, stored, expected)
             if CHECK_WRITE:
@@ -102,73 +112,55 @@ def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_pt
 
 
 @triton.jit
-def _chain_entry(mapping, MAP: tl.constexpr, inputs, lanes, j):
-    """(slot, token, position, stamped) of each lane's entry j; slot 0 past the lane's extend;
-    stamped: j >= the lane's first stamped entry. inputs: (input_ids, positions, n_tokens);
-    lanes: (rows, prefix_lens, extend_lens, token starts, first stamped entries)."""
-    input_ids, positions_ptr, n_tokens = inputs
-    rows, prefix, extend, starts, first = lanes
-    on = (j < extend) & (starts + j < n_tokens)
-    slots = map_slot(mapping, MAP, rows, prefix + j, on)
-    tokens = tl.load(input_ids + starts + j, mask=on, other=0)
-    positions = tl.load(positions_ptr + starts + j, mask=on, other=0)
-    return slots, tokens, positions, j >= first
-
-
-@triton.jit
-def _chain_step(records, chain, slots, tokens, positions, stamped):
-    """Stores the running hash as the prev_hash of each lane's stamped slot and folds every
-    written entry in (stamped or overwritten later in the forward)."""
-    written = slots != 0
-    tl.store(field_ptrs(records, slots, PREV_HASH), as_i64(chain), mask=written & stamped)
-    return tl.where(written, mix3(chain, as_u64(tokens), as_u64(positions)), chain)
-
-
-@triton.jit
 def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
-                        MAP: tl.constexpr, HAS_CONTEXT: tl.constexpr, BATCH: tl.constexpr, LANES: tl.constexpr):
-    """One lane per batch row: run its prev_hash chain serially and store each stamped slot's
-    prev_hash (the PREV_HASH field only). Launched with one warp per program: each step's
-    accesses are scattered, so fewer rows per multiprocessor means shorter steps."""
-    mine = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
-    in_batch = mine < n_batch
+                        MAP: tl.constexpr, HAS_CONTEXT: tl.constexpr, BATCH: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b: batch row b's prev_hash chain, a tile of BLOCK entries at a time, each tile one
+    prefix scan of the entries' links (``compose``) applied to the running hash; stores each
+    stamped slot's prev_hash (the PREV_HASH field only)."""
+    b = tl.program_id(0)
+    in_batch = b < n_batch
+    input_ids, positions_ptr, n_tokens = inputs
     batch = tl.arange(0, BATCH)
-    _, _, n_tokens = inputs
-    extend_all = _clamped(tl.load(extend_ptr + batch, mask=batch < n_batch, other=0), n_tokens)
-    starts = tl.sum(tl.where(batch[None, :] < mine[:, None], extend_all[None, :], 0), axis=1)
-    rows = tl.load(rows_ptr + mine, mask=in_batch, other=0)
-    prefix = tl.load(prefix_ptr + mine, mask=in_batch, other=0)
-    extend = _clamped(tl.load(extend_ptr + mine, mask=in_batch, other=0), n_tokens)
-    lanes = (rows, prefix, extend, starts, _first_stamped(extend, MAP))
-    context = tl.zeros([LANES], tl.int64)
+    start = tl.sum(_clamped(tl.load(extend_ptr + batch, mask=batch < b, other=0), n_tokens), axis=0)
+    row = tl.load(rows_ptr + b, mask=in_batch, other=0)
+    prefix = tl.load(prefix_ptr + b, mask=in_batch, other=0)
+    extend = _clamped(tl.load(extend_ptr + b, mask=in_batch, other=0), n_tokens)
+    first = _first_stamped(extend, MAP)
+    context = tl.full([], 0, tl.int64)
     if HAS_CONTEXT:
-        context = tl.load(context_ptr + mine, mask=in_batch, other=0)
+        context = tl.load(context_ptr + b, mask=in_batch, other=0)
     seeded = in_batch & (prefix > 0)
-    seed_slots = map_slot(mapping, MAP, rows, prefix - 1, seeded)
-    chain = tl.where(seeded, successor_hash(records, seed_slots, seeded), head_hash(context))
-    # The chain is latency-bound: four entries are hashed while the next four load.
-    slots0, tokens0, positions0, stamped0 = _chain_entry(mapping, MAP, inputs, lanes, 0)
-    slots1, tokens1, positions1, stamped1 = _chain_entry(mapping, MAP, inputs, lanes, 1)
-    slots2, tokens2, positions2, stamped2 = _chain_entry(mapping, MAP, inputs, lanes, 2)
-    slots3, tokens3, positions3, stamped3 = _chain_entry(mapping, MAP, inputs, lanes, 3)
-    for j in range(0, tl.max(extend, axis=0), 4):
-        slots4, tokens4, positions4, stamped4 = _chain_entry(mapping, MAP, inputs, lanes, j + 4)
-        slots5, tokens5, positions5, stamped5 = _chain_entry(mapping, MAP, inputs, lanes, j + 5)
-        slots6, tokens6, positions6, stamped6 = _chain_entry(mapping, MAP, inputs, lanes, j + 6)
-        slots7, tokens7, positions7, stamped7 = _chain_entry(mapping, MAP, inputs, lanes, j + 7)
-        chain = _chain_step(records, chain, slots0, tokens0, positions0, stamped0)
-        chain = _chain_step(records, chain, slots1, tokens1, positions1, stamped1)
-        chain = _chain_step(records, chain, slots2, tokens2, positions2, stamped2)
-        chain = _chain_step(records, chain, slots3, tokens3, positions3, stamped3)
-        slots0, tokens0, positions0, stamped0 = slots4, tokens4, positions4, stamped4
-        slots1, tokens1, positions1, stamped1 = slots5, tokens5, positions5, stamped5
-        slots2, tokens2, positions2, stamped2 = slots6, tokens6, positions6, stamped6
-        slots3, tokens3, positions3, stamped3 = slots7, tokens7, positions7, stamped7
+    seed_slot = map_slot(mapping, MAP, row, prefix - 1, seeded)
+    chain = tl.where(seeded, successor_hash(records, seed_slot, seeded), head_hash(context))
+    offs = tl.arange(0, BLOCK)
+    last = offs == BLOCK - 1
+    for t in range(0, tl.cdiv(extend, BLOCK)):
+        j = t * BLOCK + offs
+        slots = map_slot(mapping, MAP, row, prefix + j, (j < extend) & (start + j < n_tokens))
+        written = slots != 0  # every entry with a slot links, stamped or overwritten later in the forward
+        token = as_u64(tl.load(input_ids + start + j, mask=written, other=0))
+        position = as_u64(tl.load(positions_ptr + start + j, mask=written, other=0))
+        term = tl.where(written, link_term(token, position), 0)
+        multiplier = tl.where(written, LINK_JIT, 1).to(tl.uint64)
+        scale, shift = tl.associative_scan((multiplier, term), 0, compose)
+        linked = chain * scale + shift  # the running hash after each entry
+        before = (linked - term) * LINK_INVERSE_JIT
+        tl.store(field_ptrs(records, slots, PREV_HASH), as_i64(before), mask=written & (j >= first))
+        chain = tl.sum(tl.where(last, linked, 0), axis=0)
+
+
+CHAIN_MAX_BLOCK = 1024
+
+
+def chain_block(n_tokens: int, n_batch: int) -> int:
+    """Entries per tile of the chain's scan: a row's mean share of the tokens rounded up to a power
+    of two, within [16, CHAIN_MAX_BLOCK] (a longer row takes more tiles)."""
+    return min(CHAIN_MAX_BLOCK, max(16, next_power_of_2(cdiv(n_tokens, max(n_batch, 1)))))
 
 
 def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
                ring: ViolationRing, tag: int, *, check_tokens: bool, check_write_inputs: bool,
-               written_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
+               written_source_hashes: torch.Tensor | None = None, tiling: Tiling | None = None) -> None:
     """Write ``(token, position, prev_hash, fingerprint)`` into the record of every slot the
     forward wrote: for batch row b and j in [0, extend_lens[b]) (an extend outside [0, T] is
     clamped there and reported once, view_out_of_range: slot 0, position prefix_lens[b], stored
@@ -187,31 +179,35 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
 
     One ring row (slot, position p, row rows[b]) per stamped entry failing a check: with
     check_write_inputs, positions[t] != p (write_position) and, with check_tokens and a token
-    table, a known token != input_ids[t] (write_token); with written_hashes ([T] int64, what the
-    forward computed), the fingerprint != written_hashes[t] (write_real_kv_hash). The write-input
+    table, a known token != input_ids[t] (write_token); with written_source_hashes ([len(sources),
+    >= T] int64: row s holds source s's hash of what the forward computed for each token, as
+    ``source_hash_rows`` writes it), the fingerprint != their fold ``acc = mix(acc ^ h)`` over the
+    rows, what the slot would fingerprint as had it kept the forward's bytes (write_real_kv_hash). The write-input
     checks compare what the forward consumed (view.input_ids / positions, the tensors its model
     read) with the engine's bookkeeping: write_position with p = prefix_lens[b] + j, the position
     whose slot the entry wrote (stored: positions[t], expected: p); write_token with the token
     table's token at (rows[b], p) (stored: input_ids[t], expected: the table's).
 
     Counts the call once in ring.kernel_runs[tag] and the stamped slots in ring.slot_runs[tag].
-    Two launches, graph-safe, grids from the batch and token capacities only: one over batch
-    rows that writes prev_hash (one lane each; its steps are serial, so its time grows with the
-    longest extend; it reads the seed records first), then one over (batch rows, programs per
-    row) that writes the rest (bandwidth-bound).
+    Two launches, graph-safe, grids from the batch and token capacities only: one program per
+    batch row that writes prev_hash (a prefix scan of the row's links per tile of
+    ``chain_block(T, B)`` entries; it reads the seed record first), then one over (batch rows,
+    programs per row) that writes the rest (bandwidth-bound).
     """
-    check_stamp_launch(records, sources, mapping, view, ring, tag, written_hashes)
+    check_stamp_launch(records, sources, mapping, view, ring, tag, written_source_hashes)
     a = view_kernel_args(records, sources, mapping, view, tiling)
     inputs, lanes = input_args(view), batch_lanes(view)
     n_batch, n_tokens = a.batch[-1], inputs[-1]
     if n_batch:
-        _stamp_chain_kernel[(cdiv(n_batch, _CHAIN_LANES),)](
+        block = chain_block(n_tokens, n_batch)
+        _stamp_chain_kernel[(n_batch,)](
             records, a.mapping, inputs, *a.batch, a.context,
-            MAP=a.map_consts, HAS_CONTEXT=a.has_context, BATCH=lanes, LANES=_CHAIN_LANES, num_warps=1,
+            MAP=a.map_consts, HAS_CONTEXT=a.has_context, BATCH=lanes, BLOCK=block, num_warps=min(4, block // 32) or 1,
         )
+    written = optional_ptr(written_source_hashes, records)
     _stamp_records_kernel[row_grid(n_batch, n_tokens, a.tiling.block, records.device)](
-        records, a.sources, a.mapping, a.tokens, *a.batch, *inputs, optional_ptr(written_hashes, records),
+        records, a.sources, a.mapping, a.tokens, *a.batch, *inputs, written, written.stride(0),
         ring_args(ring), tag, READS=a.reads, MAP=a.map_consts, HAS_TOKENS=a.has_tokens and check_tokens,
-        CHECK_WRITE=check_write_inputs, HAS_WRITTEN=written_hashes is not None, BATCH=lanes,
+        CHECK_WRITE=check_write_inputs, N_WRITTEN=0 if written_source_hashes is None else len(sources), BATCH=lanes,
         BLOCK=a.tiling.block, num_warps=a.tiling.num_warps,
     )

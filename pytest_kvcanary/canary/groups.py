@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary_kernels import (
-    MAX_SOURCES, RealDataMode, RealKvSource, SlotMapping, group_slot_ref, layer_source, mapping_slot_ref, mix_torch,
+    MAX_SOURCES, RealDataMode, RealKvSource, SlotMapping, group_slot_ref, layer_source, mapping_slot_ref,
 )
 from kvcanary_kernels.records import FIELD_REAL_KV_HASH, RECORD_WIDTH, GroupKind, Half
 
@@ -31,24 +31,18 @@ class HalfState:
     records: torch.Tensor  # [num_slots, RECORD_WIDTH] int64
     sources: tuple[RealKvSource, ...]
     source_layers: tuple[int, ...]  # layer index of each source
-    stored_hashes: torch.Tensor  # [len(sources), max_tokens] int64, filled by kv_stored
+    stored_hashes: torch.Tensor  # [len(sources), max_tokens] int64: each source's row hashes, filled by kv_stored
     stored: set[int]  # sources whose rows this forward handed over
     # [num_slots] int64: the last source's hash of each slot HEAD read, which RECHECK compares
     # with (None without RECHECK or sources)
     read_hashes: torch.Tensor | None
 
-    def written_fingerprints(self, n_tokens: int) -> torch.Tensor | None:
-        """The fingerprints of what the forward computed for its first n_tokens tokens, once every
-        source layer was handed over this forward; None otherwise. Forgets them (the next forward
-        starts over)."""
+    def take_stored_hashes(self) -> torch.Tensor | None:
+        """``stored_hashes`` once every source layer was handed over this forward (stamp_view's
+        written_source_hashes), None otherwise. Forgets the hand-overs (the next forward starts over)."""
         complete = bool(self.sources) and len(self.stored) == len(self.sources)
         self.stored.clear()
-        if not complete:
-            return None
-        acc = torch.zeros_like(self.stored_hashes[0, :n_tokens])
-        for row in self.stored_hashes[:, :n_tokens]:
-            acc = mix_torch(acc ^ row)
-        return acc
+        return self.stored_hashes if complete else None
 
 
 @dataclass

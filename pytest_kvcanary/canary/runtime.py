@@ -129,7 +129,6 @@ class CanaryRuntime:
                 continue
             i = state.source_layers.index(layer)
             out = state.stored_hashes[i]
-            out.zero_()
             src = state.sources[i]
             offset, stride = src.row_read()  # the stored read, over the rows as the forward computed them
             with self._on_device():
@@ -156,7 +155,7 @@ class CanaryRuntime:
                     state.records, state.sources, group.mapping, group_view, self.ring,
                     launch_tag(Phase.TAIL, half, group.pool.kind),
                     check_tokens=self.config.check_tokens, check_write_inputs=self.config.check_write_inputs,
-                    written_hashes=state.written_fingerprints(view.input_ids.shape[0]),
+                    written_source_hashes=state.take_stored_hashes(),
                 )
 
     def end_forward(self, device_work: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:

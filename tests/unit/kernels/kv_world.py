@@ -217,6 +217,11 @@ class World:
     def fingerprints(self, slots: list[int]) -> torch.Tensor:
         return K.fingerprint_ref(self.sources, i64(slots))
 
+    def source_hashes(self, slots: list[int]) -> torch.Tensor:
+        """``[sources, len(slots)]``: each source's hash of each slot (what source_hash_rows
+        computes for rows holding those slots' bytes)."""
+        return torch.stack([K.source_hash_ref(s, i64(slots)) for s in self.sources])
+
     # ---- forwards --------------------------------------------------------------------------
 
     def forward(self, batch: list[tuple[Request, int]], pad_rows: int = 0, pad_tokens: int = 0,
@@ -290,10 +295,10 @@ class World:
                            sentinel=sentinel, after_forward=after_forward, read_hashes=self.read_hashes)
 
     def stamp(self, view: K.ForwardView, tag: int = 1, check_tokens: bool = True, check_write_inputs: bool = True,
-              written_hashes: torch.Tensor | None = None) -> list[Row]:
+              written_source_hashes: torch.Tensor | None = None) -> list[Row]:
         return self.launch(K.stamp_view, K.stamp_view_ref, self.sources, self.mapping, view, self.ring, tag,
                            check_tokens=check_tokens, check_write_inputs=check_write_inputs,
-                           written_hashes=written_hashes)
+                           written_source_hashes=written_source_hashes)
 
     def sweep(self, entries: K.VerifyEntries, tag: int = 4, check_tokens: bool = True) -> list[Row]:
         return self.launch(K.verify_records, K.verify_records_ref, entries, self.sources, self.ring, tag,

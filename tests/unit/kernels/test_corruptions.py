@@ -228,11 +228,14 @@ def test_write_real_kv_hash(stamped):
     c = w.add_request(LEN)
     fwd = w.forward([(c, LEN)], pad_tokens=2)
     written = w.write(fwd)
-    hashes = torch.cat([w.fingerprints(written), i64([5, 6])])  # padding tokens: anything
+    computed = w.source_hashes(written)
+    padding = torch.full((computed.shape[0], 2), 5, dtype=torch.int64, device=computed.device)  # anything
+    computed = torch.cat([computed, padding], dim=1)
+    expected = w.fingerprints([written[3]])[0]
     w.kv_bytes(0, written[3])[7] ^= 0x02
-    rows = w.stamp(fwd.view, written_hashes=hashes, check_write_inputs=False)
+    rows = w.stamp(fwd.view, written_source_hashes=computed, check_write_inputs=False)
     assert _found(rows) == {(written[3], 3, Reason.WRITE_REAL_KV_HASH)}
-    assert (rows[0][COL_STORED], rows[0][COL_EXPECTED]) == (w.fingerprints([written[3]])[0], hashes[3])
+    assert (rows[0][COL_STORED], rows[0][COL_EXPECTED]) == (w.fingerprints([written[3]])[0], expected)
 
 
 def test_a_mapping_hole_in_a_written_range_is_skipped(world_factory):

@@ -1,4 +1,4 @@
-"""splitmix64 in its three forms, and the real-KV fingerprint's sensitivity."""
+"""splitmix64 and the chain link in their three forms, and the real-KV fingerprint's sensitivity."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import triton
 import triton.language as tl
 
 import kvcanary_kernels as K
-from kvcanary_kernels.hashing import CHAIN_HEAD_HASH_U64, as_i64, as_u64, head_hash, head_hash_torch, mix, mix3
+from kvcanary_kernels.hashing import CHAIN_HEAD_HASH_U64, as_i64, as_u64, head_hash, head_hash_torch, link, mix
 from kvcanary_kernels.records import ANCHOR, Reason
 
 
 @triton.jit
-def _mix_kernel(x_ptr, out_ptr, out3_ptr, n, BLOCK: tl.constexpr):
+def _mix_kernel(x_ptr, out_ptr, link_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     m = offs < n
     x = as_u64(tl.load(x_ptr + offs, mask=m))
     tl.store(out_ptr + offs, as_i64(mix(x)), mask=m)
-    tl.store(out3_ptr + offs, as_i64(mix3(x, x + 1, x * 3)), mask=m)
+    tl.store(link_ptr + offs, as_i64(link(x, x + 1, x * 3)), mask=m)
 
 
 def _edge_and_random(seed: int, device: torch.device) -> torch.Tensor:
@@ -57,13 +57,33 @@ def test_mix_int_torch_and_triton_agree(device):
     x = _edge_and_random(seed=7, device=device)
     u = [v & (2**64 - 1) for v in x.tolist()]
     want = [K.to_signed(K.mix_int(v)) for v in u]
-    want3 = [K.to_signed(K.mix3_int(v, v + 1, v * 3)) for v in u]
+    want_link = [K.to_signed(K.link_int(v, v + 1, v * 3)) for v in u]
     assert K.mix_torch(x).tolist() == want
-    assert K.mix3_torch(x, x + 1, x * 3).tolist() == want3
-    out, out3 = torch.empty_like(x), torch.empty_like(x)
-    _mix_kernel[(1,)](x, out, out3, x.numel(), BLOCK=64)
+    assert K.link_torch(x, x + 1, x * 3).tolist() == want_link
+    out, out_link = torch.empty_like(x), torch.empty_like(x)
+    _mix_kernel[(1,)](x, out, out_link, x.numel(), BLOCK=64)
     assert out.tolist() == want
-    assert out3.tolist() == want3
+    assert out_link.tolist() == want_link
+
+
+def test_links_compose_and_the_multiplier_inverts():
+    """What the chain kernel's prefix scan relies on: a run of links is one affine map of the
+    running hash (composed in order), and LINK_INVERSE takes an entry's term back out."""
+    from kvcanary_kernels.hashing import LINK, LINK_INVERSE
+
+    u64 = (1 << 64) - 1
+    gen = torch.Generator().manual_seed(11)
+    entries = torch.randint(0, 2**40, (12, 2), generator=gen).tolist()
+    start = 0x1234_5678_9ABC_DEF0
+    serial, m, a = start, 1, 0
+    for token, position in entries:
+        term = K.link_int(0, token, position)
+        serial = K.link_int(serial, token, position)
+        m, a = (m * LINK) & u64, (a * LINK + term) & u64
+        assert (start * m + a) & u64 == serial
+    assert (LINK * LINK_INVERSE) & u64 == 1
+    h = K.link_int(start, 7, 3)
+    assert ((h - K.link_int(0, 7, 3)) * LINK_INVERSE) & u64 == start
 
 
 def _flip_pool(word_bytes: int, variants: list[torch.Tensor], device) -> tuple[K.RealKvSource, torch.Tensor]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvcanary_kernels as K
+from kvcanary_kernels import view_stamp
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, PREV_SKIP, UNKNOWN, Reason
 
 from kv_world import Forward, World, i64
@@ -55,14 +56,15 @@ CASES = [
 ]
 
 
-def _written_hashes(w: World, fwd: Forward, written: list[int]) -> torch.Tensor:
-    """What the forward computed for each token (write-through): the written slots' fingerprints,
-    a few of them wrong, and anything for padding tokens."""
-    hashes = torch.randint(-(2**62), 2**62, (fwd.view.input_ids.shape[0],), generator=w.gen)
-    hashes[: len(written)] = w.fingerprints(written).cpu()
+def _written_source_hashes(w: World, fwd: Forward, written: list[int]) -> torch.Tensor:
+    """What the forward computed for each token (write-through), per source: the written slots'
+    source hashes, a few of them wrong, anything for padding tokens, and spare columns past them."""
+    n_tokens = fwd.view.input_ids.shape[0]
+    hashes = torch.randint(-(2**62), 2**62, (len(w.sources), n_tokens + w.randint(0, 3)), generator=w.gen)
+    hashes[:, : len(written)] = w.source_hashes(written).cpu()
     for _ in range(w.randint(0, 2)):
         if written:
-            hashes[w.randint(0, len(written))] ^= 1
+            hashes[w.randint(0, len(w.sources)), w.randint(0, len(written))] ^= 1
     return hashes.to(w.device)
 
 
@@ -98,9 +100,9 @@ def _forward(w: World, batch, window: int, tokens_known: bool, sentinel: bool) -
     written = w.write(fwd)
     _damage_inside_the_forward(w, fwd)
     view = _corrupt_write_inputs(w, fwd.view)
-    hashes = _written_hashes(w, fwd, written) if w.sources and w.randint(0, 2) else None
+    hashes = _written_source_hashes(w, fwd, written) if w.sources and w.randint(0, 2) else None
     rows += w.stamp(view, tag=2, check_tokens=bool(w.randint(0, 4)), check_write_inputs=bool(w.randint(0, 4)),
-                    written_hashes=hashes)
+                    written_source_hashes=hashes)
     rows += w.verify(fwd.view, tag=12, window=window, check_tokens=bool(w.randint(0, 2)), sentinel=sentinel,
                      after_forward=True)
     w.commit(fwd)
@@ -252,3 +254,11 @@ def test_lengths_outside_what_the_kernels_check_are_clamped_and_reported_as_the_
         assert sorted(r[4] for r in rows if r[0] == out_of_range) == [-3, w.max_context + 5, 1 << 40]
     rows = w.stamp(bad)
     assert sorted(r[6] for r in rows if r[0] == out_of_range) == [-1, 1 << 40]
+
+
+@pytest.mark.parametrize("mapping, layout, tiling, seed, read_hashes", CASES[::3])
+def test_chains_scanned_over_several_tiles_match_reference(world_factory, monkeypatch, mapping, layout, tiling,
+                                                           seed, read_hashes):
+    """TAIL's chain carried from one scan tile to the next: tiles of 16 entries, rows of up to 64."""
+    monkeypatch.setattr(view_stamp, "CHAIN_MAX_BLOCK", 16)
+    test_view_kernels_match_reference(world_factory, mapping, layout, tiling, seed, read_hashes)

@@ -203,11 +203,16 @@ def test_bad_view_options_raise_naming_the_option(world, impl):
         VERIFY[impl](**args, window=0, max_context=64, check_tokens=True, sentinel=False,
                      read_hashes=i64([0] * 255))
     n_tokens = args["view"].input_ids.shape[0]
-    with pytest.raises(ValueError, match=f"written_hashes has length {n_tokens + 1}; expected {n_tokens}"):
-        STAMP[impl](**args, check_tokens=True, check_write_inputs=True, written_hashes=i64([0] * (n_tokens + 1)))
-    with pytest.raises(ValueError, match="written_hashes needs >= 1 source"):
+    n_sources = len(args["sources"])
+    extra_row = torch.zeros(n_sources + 1, n_tokens, dtype=torch.int64, device=world.device)
+    with pytest.raises(ValueError, match=rf"written_source_hashes has shape \({n_sources + 1}, {n_tokens}\); "
+                                         rf"expected \({n_sources} sources, >= {n_tokens} tokens\)"):
+        STAMP[impl](**args, check_tokens=True, check_write_inputs=True, written_source_hashes=extra_row)
+    with pytest.raises(ValueError, match="written_source_hashes must be a 2-D int64 tensor"):
+        STAMP[impl](**args, check_tokens=True, check_write_inputs=True, written_source_hashes=i64([0] * n_tokens))
+    with pytest.raises(ValueError, match="written_source_hashes needs >= 1 source"):
         STAMP[impl](**args | dict(sources=[]), check_tokens=True, check_write_inputs=True,
-                    written_hashes=i64([0] * n_tokens))
+                    written_source_hashes=torch.zeros(1, n_tokens, dtype=torch.int64, device=world.device))
 
 
 @pytest.mark.parametrize("impl", list(SWEEP))
