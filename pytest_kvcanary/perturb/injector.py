@@ -53,8 +53,10 @@ class FaultInjector:
 
     def _on_free(self, kind: GroupKind, slots: torch.Tensor, cause: str) -> None:
         """Called before the engine drops the slots (in the group's mapping space: an SWA slot is
-        still mapped from its FULL slot, so one whose SWA slot moved frees nothing there)."""
-        self._escape(self.runtime.group(kind), slots, cause)
+        still mapped from its FULL slot, so one whose SWA slot moved frees nothing there). Reads
+        the slots (a device sync) only while the ledger follows damage in that group."""
+        if self.ledger.follows_frees(self.side, kind):
+            self._escape(self.runtime.group(kind), slots, cause)
 
     def _escape(self, group: GroupState, full_slots: torch.Tensor, cause: str) -> None:
         slots = group.to_group_slots(full_slots.to(group.device, torch.int64))

@@ -144,6 +144,12 @@ class Ledger:
             if hit is not None:
                 inj.status, inj.cause, inj.detected_by = "detected", "", hit
 
+    def follows_frees(self, side: str, group: GroupKind) -> bool:
+        """Whether a free of a side's pool group slots can change an injection's account (`escape`
+        would look at it): a free elsewhere needs no look at its slots."""
+        return any(inj.group == group.label and inj.mode != "req_to_token" and inj.status != "escaped"
+                   and any(p.side == side and p not in inj.gone for p in inj.places) for inj in self.injections)
+
     def escape(self, side: str, group: GroupKind, slots: set[int], cause: str, step: int) -> None:
         """These slots of a side's pool group lost their data at that side's forward `step`
         (freed or overwritten). Injections whose every copy is gone escaped, unless `match`

@@ -691,8 +691,8 @@ class TransformersEngine:
             self.block_log.forget(blocks)
         if self._free_listeners:
             offsets = torch.arange(self.page_size, dtype=torch.int64)
+            # CPU slots: a copy to the device here would wait for the device's queue at every free
             slots = (torch.tensor(blocks, dtype=torch.int64).reshape(-1, 1) * self.page_size + offsets).flatten()
-            slots = slots.to(self.device)
             for listener in self._free_listeners:
                 listener(kind, slots, cause)
 

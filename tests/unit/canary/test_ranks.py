@@ -50,11 +50,11 @@ def test_the_reference_is_the_majority_and_the_lowest_rank_on_a_tie():
 def test_a_diverged_rank_logs_one_row_naming_the_reference(make_host):
     host = make_host()
     ring = host.runtime.ring
-    digests = torch.tensor([11, 22, 11])
+    digests, step = torch.tensor([11, 22, 11], device=ring.rows.device), torch.tensor([5], device=ring.rows.device)
     for rank in (0, 2):
-        log_divergence(ring, digests, rank, torch.tensor([5]), TAIL_TAG)
+        log_divergence(ring, digests, rank, step, TAIL_TAG)
     assert int(ring.count) == 0
-    log_divergence(ring, digests, 1, torch.tensor([5]), TAIL_TAG)
+    log_divergence(ring, digests, 1, step, TAIL_TAG)
     assert int(ring.count) == 1
     v = decode_row(ring.rows[0].tolist(), "single")
     assert (v.reasons, v.phase, v.step, v.slot, v.position, v.row, v.peer, v.stored, v.expected) == (

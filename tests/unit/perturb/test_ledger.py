@@ -48,6 +48,32 @@ def test_a_violation_after_the_free_is_about_the_slot_s_next_owner():
     assert (inj.status, inj.cause) == ("escaped", "evicted from the radix cache")
 
 
+def test_frees_are_followed_only_where_live_damage_can_escape():
+    """A free is worth reading (a device sync) only in a group and side with damage escape() would
+    still account for: none before an injection, none in another group or side, none once every
+    copy is gone; a mapping fault (req_to_token) holds no damaged slot."""
+    ledger = Ledger()
+    assert not ledger.follows_frees("single", GroupKind.FULL)
+    ledger.record(remap())
+    assert not ledger.follows_frees("single", GroupKind.FULL)
+    ledger.record(flip(group="swa"))
+    assert ledger.follows_frees("single", GroupKind.SWA)
+    assert not ledger.follows_frees("single", GroupKind.FULL) and not ledger.follows_frees("decode", GroupKind.SWA)
+    ledger.escape("single", GroupKind.SWA, {10}, "request released", step=5)
+    assert not ledger.follows_frees("single", GroupKind.SWA)
+
+
+def test_a_free_with_no_damage_in_its_group_reads_no_slot(monkeypatch):
+    """The fault injector hears every free: with nothing injected it must not look at the slots
+    (reading device slots on the host waits for the device's whole queue, at every free)."""
+    injector = make_handle("mha").side.injector
+    monkeypatch.setattr(injector, "_escape", lambda *args: pytest.fail("a free with no damage was read"))
+    injector._on_free(GroupKind.FULL, torch.tensor([5, 6, 7]), "request released")
+    injector.ledger.record(flip(slot=6))
+    with pytest.raises(pytest.fail.Exception, match="was read"):
+        injector._on_free(GroupKind.FULL, torch.tensor([5, 6, 7]), "request released")
+
+
 def test_escape_counts_only_its_group_and_side():
     ledger = Ledger()
     ledger.record(inj := flip(group="swa"))
