@@ -158,6 +158,7 @@ class TransformersEngine:
         self._row_owners: RowOwners[str] = RowOwners()  # request ids
         self._prompts: dict[str, str] = {}
         self._defects: list[EngineDefect] = []  # the engine's own defects seen since the last reset
+        self._hashed_writers: set[str] = set()  # requests that may write a hashed block (5.17)
 
     # ----------------------------------------------------------------------------- CanaryHost
     def canary_groups(self) -> Sequence[PoolGroup]:
@@ -319,6 +320,7 @@ class TransformersEngine:
         self._row_owners.clear()
         self._prompts.clear()
         self._defects.clear()
+        self._hashed_writers.clear()
 
     def request_at(self, row: int, step: int) -> tuple[str, str] | None:
         """The request (id, prompt text) that held lane `row` at forward `step` since the last
@@ -541,29 +543,41 @@ class TransformersEngine:
         else:  # a decode step of the same batch: its tokens are the ones the device sampled
             buffers.set_entries(*_NO_ENTRIES)
         if self.layout.writes_hashed_blocks:
-            self._note_hashed_block_writes(batch)
+            self._note_hashed_block_writes(batch, every_row=reassigned or io.total_seqlen_q != size)
         if buffers.spills():
             with self._on_compute_stream():
                 buffers.write_spill()
 
-    def _note_hashed_block_writes(self, batch: list[Any]) -> None:
+    def _note_hashed_block_writes(self, batch: list[Any], *, every_row: bool) -> None:
         """The slots this forward writes in blocks transformers has hashed (content other requests
         may read or adopt), noted for `engine_defects` as the engine's defect: a prompt's token
         rewritten into a cached block (versions.DEFECT_CACHED_BLOCK_REWRITE), a generated token into
-        a block hashed before it was full (versions.DEFECT_SHARED_DECODE_BLOCK)."""
+        a block hashed before it was full (versions.DEFECT_SHARED_DECODE_BLOCK). every_row: look at
+        every row (another batch, or rows of more than one token); else (a decode step of the same
+        batch) only at the requests that may write a hashed block: seen writing one, or marked with
+        a hashed block at or past their next write (`_on_marked`)."""
+        if not every_row and not self._hashed_writers:
+            return
+        rows = batch if every_row else [f for f in batch if f.state.request_id in self._hashed_writers]
         full, page, hashed = self.groups[0], self.page_size, self.layout.hashed_ids()
         slots: dict[str, list[int]] = {DEFECT_CACHED_BLOCK_REWRITE: [], DEFECT_SHARED_DECODE_BLOCK: []}
-        for future in batch:
+        for future in rows:
             state = future.state
             end = state.position_offset
             start = end - future.query_length
             prompt = len(state.initial_tokens)
             blocks = self.layout.block_ids(full, state.request_id)
+            wrote = False
             for index in range(start // page, min(-(-end // page), len(blocks))):
                 if blocks[index] in hashed:
+                    wrote = True
                     for p in range(max(start, index * page), min(end, (index + 1) * page)):
                         defect = DEFECT_CACHED_BLOCK_REWRITE if p < prompt else DEFECT_SHARED_DECODE_BLOCK
                         slots[defect].append(blocks[index] * page + p % page)
+            if wrote:
+                self._hashed_writers.add(state.request_id)
+            else:
+                self._hashed_writers.discard(state.request_id)
         self._defects += [EngineDefect(self._steps, GroupKind.FULL, tuple(s), name) for name, s in slots.items() if s]
 
     def engine_defects(self) -> list[EngineDefect]:
@@ -697,9 +711,12 @@ class TransformersEngine:
                 listener(kind, slots, cause)
 
     def _on_marked(self, state: Any) -> None:
-        full = self.groups[0]
-        self.block_log.note(self.layout.block_ids(full, state.request_id),
-                            state.initial_tokens + state.generated_tokens, self.layout.hashed_ids())
+        full, hashed = self.groups[0], self.layout.hashed_ids()
+        blocks, tokens = self.layout.block_ids(full, state.request_id), state.initial_tokens + state.generated_tokens
+        self.block_log.note(blocks, tokens, hashed)
+        next_write = max(len(tokens) - 1, 0)  # the last token's KV is written by the next forward
+        if self.layout.writes_hashed_blocks and any(b in hashed for b in blocks[next_write // self.page_size:]):
+            self._hashed_writers.add(state.request_id)
 
     def _collect(self) -> dict[str, list[int]]:
         queue = self.manager.output_router.output_queue
