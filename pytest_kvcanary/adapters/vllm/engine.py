@@ -34,7 +34,8 @@ from .connector import CONFIG_KEY, registry
 from .isa import attention_isa, check_attention_isa, default_attention_isa, latent_backend
 from .layout import half_views, probe, probe_latent, probe_paged
 from .platform import (
-    CUDA_BACKENDS, check_device, check_graph_mode, default_attention_backend, default_cuda_graphs, engine_arguments,
+    CUDA_BACKENDS, check_device, check_graph_mode, check_model_runner, default_attention_backend, default_cuda_graphs,
+    engine_arguments, engine_environment,
 )
 from .versions import layer_isa, unbound_kv_cache_manager
 from .write_through import WriteThrough, rows_by_slot
@@ -92,6 +93,7 @@ class VllmEngine:
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's two sides share this process
         self.settings = s = settings if settings is not None else VllmSettings()
+        os.environ.update(engine_environment(s.device))
         self.book = BlockBook(self._freed)
         self.forwards = 0
         self._hooks: ForwardHooks | None = None
@@ -118,6 +120,7 @@ class VllmEngine:
             self.book.bind(manager)
         self.block_size = bs = self.llm.llm_engine.vllm_config.cache_config.block_size  # vLLM may change it
         self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        check_model_runner(self._runner)
         self.device = dev = torch.device(s.device)
         # The CUDA-graph mode vLLM runs (NONE on CPU); a mode the canary cannot follow is refused.
         self.graph_mode = "NONE" if s.device == "cpu" else check_graph_mode(self.llm.llm_engine.vllm_config,
@@ -452,8 +455,6 @@ class VllmEngine:
         windows = {layers[n].sliding_window for n in names} - {None}
         if len(windows) > 1:
             raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
-        # Full-attention slot -> sliding-window slot: refilled before every forward and walk with
-        # the hybrid manager; without it sliding-window layers use the full-attention slots themselves.
         self._to_window = self._window_map(num_slots)
         groups = []
         for kind, window in [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]:

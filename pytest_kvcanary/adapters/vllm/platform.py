@@ -12,6 +12,9 @@ answers what differs between releases).
   write-through) and the model's Python call (the canary's pre-hook) run eagerly at every step.
   vLLM's own default (FULL_AND_PIECEWISE) replays full decode graphs without calling the model's
   Python forward: the canary could not see those forwards, so a FULL mode is refused.
+- Model runner: the adapter reads the V1 model runner's persistent batch (``input_batch``); vLLM
+  0.26's CUDA build picks its V2 runner (``vllm.v1.worker.gpu``) for a dense model unless
+  ``VLLM_USE_V2_MODEL_RUNNER=0``, which the adapter sets on CUDA (the CPU build runs V1).
 - Memory: a KV budget (``kv_cache_memory_bytes``) keeps the CPU worker from reserving a share of
   the machine's memory; on a GPU a low ``gpu_memory_utilization`` lets several engines share one
   process (vLLM only checks that much memory is free at start-up).
@@ -77,6 +80,19 @@ def engine_arguments(device: str, cuda_graphs: bool, attention_backend: str | No
     if attention_backend is not None:
         out["attention_backend"] = attention_backend
     return out
+
+
+def engine_environment(device: str) -> dict[str, str]:
+    """Environment variables vLLM must see before the LLM is built on this device."""
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if device == "cuda" else {}
+
+
+def check_model_runner(runner: Any) -> None:
+    """Raise RuntimeError unless `runner` keeps the V1 persistent batch the adapter reads."""
+    if not hasattr(runner, "input_batch"):
+        raise RuntimeError(f"vLLM runs {type(runner).__module__}.{type(runner).__name__}, which keeps no persistent "
+                           "batch (input_batch) for the canary to read: the adapter needs the V1 model runner "
+                           "(VLLM_USE_V2_MODEL_RUNNER=0, which it sets on CUDA)")
 
 
 def graph_mode(vllm_config: Any) -> str:

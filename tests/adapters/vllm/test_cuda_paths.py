@@ -180,6 +180,16 @@ def test_platform_arguments():
         platform.check_device("cuda:1")
 
 
+def test_on_cuda_the_adapter_asks_for_the_model_runner_it_reads():
+    """vLLM 0.26's CUDA build runs a dense model on its V2 model runner by default, which keeps no
+    persistent batch: the adapter asks for V1 there, and refuses a runner without one, naming it."""
+    assert platform.engine_environment("cuda") == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert platform.engine_environment("cpu") == {}
+    platform.check_model_runner(SimpleNamespace(input_batch=object()))
+    with pytest.raises(RuntimeError, match="SimpleNamespace, which keeps no persistent batch"):
+        platform.check_model_runner(SimpleNamespace())
+
+
 def test_cuda_graphs_setting(monkeypatch):
     monkeypatch.setenv(platform.CUDA_GRAPHS_ENV, "1")
     assert platform.default_cuda_graphs() is True
