@@ -1,10 +1,11 @@
-"""vLLM (its CPU build) behind the canary seam, through vLLM's KV-connector interface.
+"""vLLM (its CPU and CUDA builds) behind the canary seam, through vLLM's KV-connector interface.
 
 `make_vllm_engine` is what ``--kv-canary-engine vllm`` builds. Modules: engine.py (the
 EngineUnderTest over an in-process ``LLM``), connector.py (the KV connector vLLM loads),
 forward_inputs.py (what vLLM's model runner hands a forward, which the canary's view is made of),
 blocks.py (the scheduler-side account of what each block holds), layout.py (where a slot's bytes
-lie in vLLM's CPU cache), isa.py (which CPU attention path, and so which layout, vLLM runs),
+lie in vLLM's CPU cache), isa.py (which CPU attention path, and so which layout, vLLM runs), platform.py (CPU build vs
+CUDA build: device, backends, CUDA graphs),
 write_through.py (what each layer's cache write was handed, for TAIL), checkpoint.py (the default
 seeded random model), versions.py (what differs between the vLLM releases it supports).
 """
@@ -21,14 +22,18 @@ def make_vllm_engine(attention: str, device: str, seed: int, model: str | None) 
     """An in-process vLLM LLM on `model` (a local Hugging Face checkpoint directory, which decides
     the attention kinds) or, by default, on a seeded random model of this attention kind ("mha";
     "swa": sliding-window layers alternating with full ones; "mla", latent attention, from vLLM
-    0.28 on). vLLM's CPU build runs on the CPU only."""
-    if device != "cpu":
-        raise ValueError(f"the vLLM adapter drives vLLM's CPU build: device must be cpu; got {device!r}")
+    0.28 on, CPU build only). device: cpu (vLLM's CPU build) or cuda / cuda:0 (its CUDA build;
+    KVCANARY_VLLM_CUDA_GRAPHS=1 runs it in PIECEWISE CUDA graphs, platform.py)."""
     from ...canary.seam import UnsupportedAttention
     from .checkpoint import random_checkpoint
-    from .engine import VllmEngine
+    from .engine import VllmEngine, VllmSettings
+    from .platform import check_device
     from .versions import no_latent_attention
 
-    if model is None and attention == "mla" and (reason := no_latent_attention()):
-        raise UnsupportedAttention(f"engine 'vllm' has no attention kind 'mla' here: {reason}")
-    return VllmEngine(model if model is not None else random_checkpoint(attention, seed), seed)
+    where = check_device(device)
+    if model is None and attention == "mla":
+        reason = no_latent_attention() if where == "cpu" else "the adapter knows no CUDA MLA backend's cache yet"
+        if reason:
+            raise UnsupportedAttention(f"engine 'vllm' has no attention kind 'mla' here: {reason}")
+    checkpoint = model if model is not None else random_checkpoint(attention, seed)
+    return VllmEngine(checkpoint, seed, VllmSettings(device=where))

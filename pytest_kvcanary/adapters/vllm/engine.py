@@ -1,4 +1,4 @@
-"""VllmEngine: an in-process vLLM ``LLM`` (the CPU build) as an EngineUnderTest.
+"""VllmEngine: an in-process vLLM ``LLM`` (its CPU or CUDA build) as an EngineUnderTest.
 
 The canary reaches vLLM through vLLM's KV-connector interface (connector.py: the step's scheduled
 requests, frees, the prefix cache) and a forward pre-hook on its model (forward_inputs.py: what
@@ -14,6 +14,7 @@ docs/vllm.md says how each part is wired and what is and is not guarded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -31,7 +32,11 @@ from . import forward_inputs
 from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
 from .isa import attention_isa, check_attention_isa, default_attention_isa, latent_backend
-from .layout import half_views, probe, probe_latent
+from .layout import half_views, probe, probe_latent, probe_paged
+from .platform import (
+    CUDA_BACKENDS, check_device, check_graph_mode, check_model_runner, default_attention_backend, default_cuda_graphs,
+    engine_arguments, engine_environment,
+)
 from .versions import layer_isa, unbound_kv_cache_manager
 from .write_through import WriteThrough, rows_by_slot
 
@@ -44,7 +49,10 @@ class VllmSettings:
     vLLM's hybrid KV cache manager draws both from one pool); dtype as vLLM's ``dtype`` argument. attention_isa: the
     instruction-set path of vLLM's CPU attention, which decides its KV layout (isa.py: readable,
     vllm, amx, vec, vec16; default the environment variable KVCANARY_VLLM_ATTENTION_ISA, else
-    readable)."""
+    readable). device: cpu (vLLM's CPU build) or cuda (its CUDA build, platform.py); cuda_graphs
+    (CUDA only; default KVCANARY_VLLM_CUDA_GRAPHS): PIECEWISE CUDA graphs instead of eager;
+    attention_backend (CUDA only; default KVCANARY_VLLM_ATTENTION_BACKEND): FLASH_ATTN or
+    FLASHINFER, None for vLLM's choice."""
 
     block_size: int = 32
     max_num_seqs: int = 8
@@ -54,19 +62,25 @@ class VllmSettings:
     prefix_caching: bool = True
     dtype: str = "auto"
     attention_isa: str = field(default_factory=default_attention_isa)
+    device: str = "cpu"
+    cuda_graphs: bool = field(default_factory=default_cuda_graphs)
+    attention_backend: str | None = field(default_factory=default_attention_backend)
 
     def __post_init__(self) -> None:
         check_attention_isa(self.attention_isa)
+        object.__setattr__(self, "device", check_device(self.device))
 
     def llm_arguments(self, model: str | Path, seed: int) -> dict[str, Any]:
         """vLLM ``LLM(...)`` keyword arguments for this model, without the canary's connector."""
-        return dict(model=str(model), tokenizer=str(model), seed=seed, dtype=self.dtype, enforce_eager=True,
+        # The pool is num_blocks; a KV budget (any that fits in memory) keeps vLLM's CPU worker from
+        # reserving a fraction of the machine's memory instead (platform.py).
+        platform = engine_arguments(self.device, self.cuda_graphs, self.attention_backend)
+        latent = latent_backend(self.attention_isa) if self.device == "cpu" else {}
+        return dict(model=str(model), tokenizer=str(model), seed=seed, dtype=self.dtype,
                     async_scheduling=False, block_size=self.block_size, max_model_len=self.max_model_len,
                     max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                     num_gpu_blocks_override=self.num_blocks, enable_prefix_caching=self.prefix_caching,
-                    # The pool is num_blocks; a KV budget (any that fits in memory) keeps vLLM's CPU
-                    # worker from reserving a fraction of the machine's memory instead.
-                    kv_cache_memory_bytes=1 << 26, disable_log_stats=False, **latent_backend(self.attention_isa))
+                    disable_log_stats=False, **platform, **latent)
 
 
 class VllmEngine:
@@ -79,6 +93,7 @@ class VllmEngine:
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's two sides share this process
         self.settings = s = settings if settings is not None else VllmSettings()
+        os.environ.update(engine_environment(s.device))
         self.book = BlockBook(self._freed)
         self.forwards = 0
         self._hooks: ForwardHooks | None = None
@@ -89,11 +104,12 @@ class VllmEngine:
         self._inputs: forward_inputs.ForwardInputs | None = None  # what the forward under way consumes
         self._steps: list[list[int]] = []  # per forward since the last reset: the book id of each row
         self._write_through = WriteThrough(self._kv_stored)
+        self.layout = None  # the CUDA cache layout found (layout.PagedLayout), None on CPU
         key = uuid.uuid4().hex
         registry.add(key, self)
         registry.building = self
         try:
-            with attention_isa(s.attention_isa):
+            with attention_isa(s.attention_isa) if s.device == "cpu" else contextlib.nullcontext():
                 self.llm = LLM(**s.llm_arguments(model, seed), kv_transfer_config={
                     "kv_connector": "CanaryConnector", "kv_role": "kv_both",
                     "kv_connector_module_path": "pytest_kvcanary.adapters.vllm.connector",
@@ -103,13 +119,18 @@ class VllmEngine:
         if (manager := unbound_kv_cache_manager(self.llm)) is not None:
             self.book.bind(manager)
         self.block_size = bs = self.llm.llm_engine.vllm_config.cache_config.block_size  # vLLM may change it
-        self._table = torch.zeros(s.max_num_seqs, -(-s.max_model_len // bs), dtype=torch.int64)
-        self._token_table = torch.full((s.max_num_seqs, s.max_model_len), -1, dtype=torch.int64)
         self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        check_model_runner(self._runner)
+        self.device = dev = torch.device(s.device)
+        # The CUDA-graph mode vLLM runs (NONE on CPU); a mode the canary cannot follow is refused.
+        self.graph_mode = "NONE" if s.device == "cpu" else check_graph_mode(self.llm.llm_engine.vllm_config,
+                                                                             self._runner.model)
+        self._table = torch.zeros(s.max_num_seqs, -(-s.max_model_len // bs), dtype=torch.int64, device=dev)
+        self._token_table = torch.full((s.max_num_seqs, s.max_model_len), -1, dtype=torch.int64, device=dev)
         kv_groups = self._runner.kv_cache_config.kv_cache_groups
         self._group_layers = [group.layer_names[0] for group in kv_groups]  # a layer per vLLM KV cache group
         self._full_group = self.book.full_group
-        self._window_pairs = torch.zeros(0, 2, dtype=torch.int64)  # the last forward's rows' (full, window) blocks
+        self._window_pairs = torch.zeros(0, 2, dtype=torch.int64, device=dev)  # the last forward's rows' (full, window) blocks
         self._groups = self._pool_groups()
         self._runner.model.register_forward_pre_hook(self._model_called, with_kwargs=True)
 
@@ -142,23 +163,25 @@ class VllmEngine:
              ) -> tuple[ForwardView, torch.Tensor | None]:
         """The view of the forward and, per view token, its row in vLLM's batch (write-through's
         index; None when it cannot be told). vLLM's CPU build keeps its inputs on the host: reading
-        their values here costs no device sync."""
-        n = len(rows)
+        their values here costs no device sync; on CUDA, reading the prefix lengths waits for the
+        step's input preparation (one sync a forward)."""
+        n, dev = len(rows), self.device
         full = inputs.block_tables[self._full_group]
         width = min(full.shape[1], self._table.shape[1])
         self._table[:n, :width].copy_(full[:, :width])
         self._table[:n, width:] = 0
+        tokens = torch.full((n, self._token_table.shape[1]), -1, dtype=torch.int64)
         for b, row in enumerate(rows):
-            self._token_table[b, :len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.int64)
-            self._token_table[b, len(row.tokens):] = -1
+            tokens[b, :len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.int64)
+        self._token_table[:n].copy_(tokens)
         qsl = inputs.query_start_loc.to(torch.int64)
         extend = qsl[1:] - qsl[:-1]
         prefix = inputs.seq_lens.to(torch.int64) - extend
-        view = ForwardView(rows=torch.arange(n, dtype=torch.int64), prefix_lens=prefix, extend_lens=extend,
-                           input_ids=inputs.input_ids.to(torch.int64), positions=inputs.positions.to(torch.int64),
-                           token_table=self._token_table)
+        view = ForwardView(rows=torch.arange(n, dtype=torch.int64, device=dev), prefix_lens=prefix,
+                           extend_lens=extend, input_ids=inputs.input_ids.to(torch.int64),
+                           positions=inputs.positions.to(torch.int64), token_table=self._token_table)
         if all(p <= row.first for p, row in zip(prefix.tolist(), rows)):
-            return view, torch.arange(int(qsl[-1]))
+            return view, torch.arange(int(qsl[-1]), device=dev)
         return self._with_shared(view, inputs, rows)
 
     def _with_shared(self, view: ForwardView, inputs: forward_inputs.ForwardInputs, rows: list[RowPlan]
@@ -167,18 +190,21 @@ class VllmEngine:
         itself too (blocks.py: the canary can verify them only once that row wrote them), with
         the tokens the scheduler holds; their write-through rows are the other row's."""
         bs, ends, prefixes = self.block_size, view.extend_lens.cumsum(0).tolist(), view.prefix_lens.tolist()
+        dev = self.device
         ids, positions, index, shared = [], [], [], []
         for b, row in enumerate(rows):
-            span, own = torch.arange(row.first, prefixes[b]), slice(ends[b] - int(view.extend_lens[b]), ends[b])
-            ids += [torch.tensor(row.tokens[row.first:prefixes[b]], dtype=torch.int64), view.input_ids[own]]
+            span = torch.arange(row.first, prefixes[b], device=dev)
+            own = slice(ends[b] - int(view.extend_lens[b]), ends[b])
+            ids += [torch.tensor(row.tokens[row.first:prefixes[b]], dtype=torch.int64, device=dev), view.input_ids[own]]
             positions += [span, view.positions[own]]
-            index += [torch.full((span.numel(),), -1), torch.arange(own.start, own.stop)]
+            index += [torch.full((span.numel(),), -1, device=dev), torch.arange(own.start, own.stop, device=dev)]
             shared.append(self._table[b, span // bs] * bs + span % bs)
         by_slot = rows_by_slot(inputs.slot_mappings[self._full_group], torch.cat(shared))
         order = torch.cat(index)
         if by_slot is not None:
             order[order < 0] = by_slot
-        firsts = torch.minimum(torch.tensor([row.first for row in rows], dtype=torch.int64), view.prefix_lens)
+        firsts = torch.minimum(torch.tensor([row.first for row in rows], dtype=torch.int64, device=dev),
+                               view.prefix_lens)
         view = ForwardView(rows=view.rows, prefix_lens=firsts, extend_lens=view.extend_lens + view.prefix_lens - firsts,
                            input_ids=torch.cat(ids), positions=torch.cat(positions), token_table=self._token_table)
         return view, None if by_slot is None else order
@@ -191,7 +217,7 @@ class VllmEngine:
         inputs = self._inputs
         assert inputs is not None, "feed_token outside a forward"
         ends = view.extend_lens.cumsum(0)
-        b = int(torch.searchsorted(ends, torch.tensor(index), right=True))
+        b = int(torch.searchsorted(ends, torch.tensor(index, device=ends.device), right=True))
         position = int(view.prefix_lens[b]) + index - int(ends[b] - view.extend_lens[b])
         qsl = inputs.query_start_loc
         first = int(inputs.seq_lens[b]) - int(qsl[b + 1] - qsl[b])  # the first position row b computes
@@ -205,6 +231,10 @@ class VllmEngine:
         """The forward wrote its K/V: RECHECK and TAIL, then the host side of the forward."""
         view, self._view = self._view, None
         self._inputs = None
+        if view is None and self._plan is not None:
+            self._plan = None
+            raise RuntimeError(f"vLLM ran a forward without calling its model in Python (CUDA graph mode "
+                               f"{self.graph_mode}): the canary's pre-hook saw nothing of it")
         assert view is not None, "wait_for_save without a bound step"
         self._write_through.end_forward()
         self.forwards += 1
@@ -363,7 +393,7 @@ class VllmEngine:
         full = inputs.block_tables[self._full_group].to(torch.int64)
         twin = inputs.block_tables[self.book.window_groups[0]].to(torch.int64)
         width = min(full.shape[1], twin.shape[1])
-        index = torch.arange(width)
+        index = torch.arange(width, device=full.device)
         # Entries past a row's last block are never read: they may still name a block of the
         # request that held the row before (vLLM 0.26's persistent batch keeps them).
         ends = -(-(prefix_lens + view.extend_lens) // bs)
@@ -380,7 +410,8 @@ class VllmEngine:
         mapped = set(own[:, 0].tolist()) | {f for f, _ in cached}
         unmapped = sorted({f for b, (start, end) in enumerate(zip((prefix_lens // bs).tolist(), ends.tolist()))
                            for f in full[b, start:min(end, width)].tolist() if f != 0 and f not in mapped})
-        self._window_pairs = torch.cat([own, torch.tensor(unmapped, dtype=torch.int64)[:, None].expand(-1, 2)])
+        unmapped_pairs = torch.tensor(unmapped, dtype=torch.int64, device=own.device)[:, None].expand(-1, 2)
+        self._window_pairs = torch.cat([own, unmapped_pairs])
         self._map_window(cached)
 
     def _map_window(self, cached: list[tuple[int, int]]) -> None:
@@ -388,8 +419,9 @@ class VllmEngine:
         the last forward's rows' pairs (which the forward reads; they win where both name a
         full-attention block)."""
         bs = self.block_size
-        pairs = torch.cat([torch.tensor(cached, dtype=torch.int64).reshape(-1, 2), self._window_pairs])
-        offsets = torch.arange(bs)
+        dev = self.device
+        pairs = torch.cat([torch.tensor(cached, dtype=torch.int64, device=dev).reshape(-1, 2), self._window_pairs])
+        offsets = torch.arange(bs, device=dev)
         self._to_window.zero_()
         self._to_window[(pairs[:, :1] * bs + offsets).flatten()] = (pairs[:, 1:] * bs + offsets).flatten()
 
@@ -409,9 +441,12 @@ class VllmEngine:
                 self._write_through.wrap_latent(layers[name], GroupKind.FULL, i)
             return [PoolGroup(GroupKind.FULL, latent, [], num_slots, SlotMapping(self._table, page_size=bs),
                               page_size=bs, fingerprintable=fingerprintable)]
+        if backend in CUDA_BACKENDS:
+            return self._paged_groups(layers, names)
         if backend != "CPU_ATTN":
-            raise NotImplementedError(f"the vLLM adapter knows the KV layouts of vLLM's CPU_ATTN and CPU_MLA "
-                                      f"attention backends; got {backend}")
+            raise NotImplementedError(f"the vLLM adapter knows the KV layouts of vLLM's CPU_ATTN and CPU_MLA (CPU "
+                                      f"build), {' and '.join(CUDA_BACKENDS)} (CUDA build) attention backends; "
+                                      f"got {backend}")
         orders = probe(first, cache)
         if None in orders.values():
             raise NotImplementedError(
@@ -420,9 +455,7 @@ class VllmEngine:
         windows = {layers[n].sliding_window for n in names} - {None}
         if len(windows) > 1:
             raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
-        # Full-attention slot -> sliding-window slot: refilled before every forward and walk with
-        # the hybrid manager; without it sliding-window layers use the full-attention slots themselves.
-        self._to_window = torch.zeros(num_slots, dtype=torch.int64) if self._hybrid else torch.arange(num_slots)
+        self._to_window = self._window_map(num_slots)
         groups = []
         for kind, window in [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]:
             views = half_views([self._kv_caches[n] for n in names if layers[n].sliding_window == window], orders)
@@ -439,6 +472,50 @@ class VllmEngine:
                 self._write_through.wrap(layers[name], kind, i * heads, parts)
         return groups
 
+    def _window_map(self, num_slots: int) -> torch.Tensor:
+        """Full-attention slot -> sliding-window slot: refilled before every forward and walk with
+        the hybrid manager; without it sliding-window layers use the full-attention slots themselves."""
+        if self._hybrid:
+            return torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        return torch.arange(num_slots, device=self.device)
+
+    def _paged_groups(self, layers: dict[str, Any], names: list[str]) -> list[PoolGroup]:
+        """The pool groups of FLASH_ATTN / FLASHINFER layers (vLLM's CUDA build): the layout found
+        through the first layer's cache write (layout.probe_paged), each layer's halves split into
+        the views the fingerprint reads, write-through wrapped alike."""
+        first, bs = layers[names[0]], self.block_size
+        heads, head_size = first.num_kv_heads, first.head_size
+        self.layout = layout = probe_paged(first, self._kv_caches[names[0]], heads, head_size)
+        sample = layout.features(self._kv_caches[names[0]], heads, head_size)[Half.K]
+        num_blocks = self._runner.kv_cache_config.num_blocks
+        if tuple(sample.shape[:2]) != (num_blocks, bs):
+            raise NotImplementedError(f"vLLM's {first.attn_backend.get_name()} cache holds {sample.shape[0]} blocks of "
+                                      f"{sample.shape[1]} slots; its KV cache manager {num_blocks} of {bs} (kernel "
+                                      "blocks other than the manager's are not supported)")
+        num_slots = num_blocks * bs
+        windows = {layers[n].sliding_window for n in names} - {None}
+        if len(windows) > 1:
+            raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
+        self._to_window = self._window_map(num_slots)
+        groups = []
+        for kind, window in [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]:
+            halves: dict[Half, list[torch.Tensor]] = {}
+            unread: set[Half] = set()
+            for name in (n for n in names if layers[n].sliding_window == window):
+                views = layout.views(self._kv_caches[name], heads, head_size)
+                self._write_through.wrap_paged(layers[name], kind, layout,
+                                               {h: [p for p, _, _ in v] for h, v in views.items()},
+                                               {h: len(halves.get(h, [])) for h in views})
+                for half, split in views.items():
+                    halves.setdefault(half, []).extend(v for _, v, _ in split)
+                    unread |= {half} if not all(ok for _, _, ok in split) else set()
+            mapping = SlotMapping(self._table, page_size=bs, full_to_group=None if window is None else self._to_window)
+            groups.append(PoolGroup(
+                kind, halves[Half.K], halves.get(Half.V, []), num_slots, mapping, page_size=bs,
+                window=None if window is None else window - 1, fingerprintable=len(unread) < len(halves),
+                opaque_halves=frozenset(unread)))
+        return groups
+
     def _kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         if self._hooks is not None:
             self._hooks.kv_stored(kind, layer, k, v)
@@ -450,7 +527,8 @@ class VllmEngine:
         bs = self.block_size
         slots = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + torch.arange(bs)).flatten()
         spaces = {group.kind: slots if group.mapping.full_to_group is None
-                  else torch.isin(group.mapping.full_to_group, slots).nonzero().flatten() for group in self._groups}
+                  else torch.isin(group.mapping.full_to_group, slots.to(self.device)).nonzero().flatten().cpu()
+                  for group in self._groups}
         for listener in self._listeners:
             for kind, space in spaces.items():
                 listener(kind, space, cause)

@@ -17,7 +17,10 @@ the model (engine.py) reads, at that call:
   both);
 - the request id of each batch row, from the runner's persistent batch.
 
-vLLM 0.32 exposes all of them; a model fed embeddings instead of token ids (multimodal input) or
+On vLLM's CUDA build the same fields hold device tensors (FlashAttention's and FlashInfer's
+metadata carry ``query_start_loc``; the runner's ``seq_lens`` is a device buffer); with CUDA graphs
+``input_ids``, ``positions`` and the slot mappings are padded to the captured size (slot -1),
+which the view allows: tokens past the rows' extend lengths are padding. vLLM 0.26 to 0.32 expose all of them; a model fed embeddings instead of token ids (multimodal input) or
 multi-dimensional positions (M-RoPE) is refused.
 """
 
@@ -37,8 +40,8 @@ class ForwardInputs(NamedTuple):
     block_tables: tuple[torch.Tensor, ...]  # per KV cache group: [rows, blocks per request]
     slot_mappings: tuple[torch.Tensor, ...]  # per KV cache group, [tokens]: the slot each token's K/V is
     # stored in (-1: padding)
-    input_ids: torch.Tensor  # [tokens]
-    positions: torch.Tensor  # [tokens]
+    input_ids: torch.Tensor  # [tokens] (padded with CUDA graphs)
+    positions: torch.Tensor  # [tokens] (padded with CUDA graphs)
 
 
 def read(runner: Any, model_kwargs: dict[str, Any], group_layers: list[str]) -> ForwardInputs:
@@ -52,8 +55,8 @@ def read(runner: Any, model_kwargs: dict[str, Any], group_layers: list[str]) -> 
         raise NotImplementedError("the vLLM canary reads a forward's token ids and 1-D positions; this model is "
                                   "fed embeddings or multi-dimensional positions")
     context = get_forward_context()
-    qsl = context.attn_metadata[group_layers[0]].query_start_loc
-    rows = qsl.numel() - 1
+    rows = runner.input_batch.num_reqs  # the metadata may count padding requests past them (CUDA graphs)
+    qsl = context.attn_metadata[group_layers[0]].query_start_loc[:rows + 1]
     return ForwardInputs(
         request_ids=list(runner.input_batch.req_ids[:rows]),
         query_start_loc=qsl,

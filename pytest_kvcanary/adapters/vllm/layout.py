@@ -69,15 +69,22 @@ def slot_bytes(half: torch.Tensor, slot_dims: int = 1) -> SlotBytes:
     features flattened where a block's are contiguous, the view kept as it is where its slots'
     features are strided the way the fingerprint reads element by element, else split along the
     leading feature axis, recursively."""
+    split = split_views(half, slot_dims)
+    return SlotBytes([view for _, view, _ in split], all(readable for _, _, readable in split))
+
+
+def split_views(half: torch.Tensor, slot_dims: int = 1) -> list[tuple[tuple[int, ...], torch.Tensor, bool]]:
+    """`slot_bytes`' views, each with the leading feature indices it selects (its path: the view
+    holds ``half[:, *slot axes, *path]``) and whether the fingerprint reads it."""
     block_size = math.prod(half.shape[1:1 + slot_dims])
     if half[0].is_contiguous():
         runs = half.reshape(half.shape[0], block_size, -1)
-        return SlotBytes([runs], runs.shape[2] * runs.element_size() % 16 == 0)
+        return [((), runs, runs.shape[2] * runs.element_size() % 16 == 0)]
     readable = strided_read(half, block_size) is not None
     if readable or half.dim() == 2 + slot_dims:
-        return SlotBytes([half], readable)
-    parts = [slot_bytes(half.select(1 + slot_dims, i), slot_dims) for i in range(half.shape[1 + slot_dims])]
-    return SlotBytes([v for p in parts for v in p.views], all(p.readable for p in parts))
+        return [((), half, readable)]
+    return [((i, *path), view, ok) for i in range(half.shape[1 + slot_dims])
+            for path, view, ok in split_views(half.select(1 + slot_dims, i), slot_dims)]
 
 
 def slot_axes(order: Order) -> int:
@@ -164,3 +171,104 @@ def half_views(caches: list[torch.Tensor], orders: dict[Half, Order]) -> dict[Ha
         parts = [slot_bytes(cpu_attn_half(cache, half, order), slot_axes(order)) for cache in caches]
         out[half] = SlotBytes([v for p in parts for v in p.views], all(p.readable for p in parts))
     return out
+
+
+# vLLM's CUDA caches (FLASH_ATTN, FLASHINFER) ------------------------------------------------------
+
+def _pair_view(cache: torch.Tensor, shape: str, heads: int, head_size: int) -> torch.Tensor | None:
+    """`cache` read as ``[num_blocks, block_size, heads, 2 (K, V), head_size]`` under the logical
+    shape `shape` (a key of PAGED_SHAPES), or None when its shape is not that one."""
+    c, d = cache, head_size
+    if shape == "blocks, heads, block_size, 2 * head_size":  # vLLM 0.26: FlashAttention, FlashInfer
+        ok = c.dim() == 4 and c.shape[1] == heads and c.shape[3] == 2 * d
+        return c.unflatten(-1, (2, d)).permute(0, 2, 1, 3, 4) if ok else None
+    if shape == "blocks, 2, block_size, heads, head_size":  # FlashInfer NHD, earlier releases
+        ok = c.dim() == 5 and c.shape[1] == 2 and c.shape[3] == heads and c.shape[4] == d
+        return c.permute(0, 2, 3, 1, 4) if ok else None
+    if shape == "blocks, 2, heads, block_size, head_size":  # FlashInfer HND, earlier releases
+        ok = c.dim() == 5 and c.shape[1] == 2 and c.shape[2] == heads and c.shape[4] == d
+        return c.permute(0, 3, 2, 1, 4) if ok else None
+    if shape == "2, blocks, block_size, heads, head_size":  # FlashAttention, earlier releases
+        ok = c.dim() == 5 and c.shape[0] == 2 and c.shape[3] == heads and c.shape[4] == d
+        return c.permute(1, 2, 3, 0, 4) if ok else None
+    raise ValueError(f"unknown paged KV shape {shape!r}")
+
+
+# Logical cache shape -> the axis of its blocks
+PAGED_SHAPES = {"blocks, heads, block_size, 2 * head_size": 0, "blocks, 2, block_size, heads, head_size": 0,
+                "blocks, 2, heads, block_size, head_size": 0, "2, blocks, block_size, heads, head_size": 1}
+
+
+class PagedLayout(NamedTuple):
+    """Where a CUDA backend's cache write puts a layer's K and V. shape: the logical shape (a key
+    of PAGED_SHAPES). pair: each slot holds a head's K and V side by side, in runs the fingerprint
+    cannot read half by half (vLLM 0.26's ``[blocks, heads, block_size, 2 * head_size]``): the
+    canary guards the pair as one half (K, ``[num_blocks, block_size, heads, 2, head_size]``);
+    else K and V are halves of their own (``[num_blocks, block_size, heads, head_size]`` each)."""
+
+    shape: str
+    pair: bool
+
+    def features(self, cache: torch.Tensor, heads: int, head_size: int) -> dict[Half, torch.Tensor]:
+        """Per half the canary guards, `cache` as ``[num_blocks, block_size, *features]``."""
+        pair = _pair_view(cache, self.shape, heads, head_size)
+        assert pair is not None, f"a cache of shape {tuple(cache.shape)} is not {self.shape}"
+        return {Half.K: pair} if self.pair else {Half.K: pair[:, :, :, 0], Half.V: pair[:, :, :, 1]}
+
+    def token_features(self, key: torch.Tensor, value: torch.Tensor) -> dict[Half, torch.Tensor]:
+        """What a cache write handed (``key`` / ``value`` ``[tokens, heads, head_size]``) as the
+        features `features` gives a slot, per half."""
+        return {Half.K: torch.stack([key, value], dim=2)} if self.pair else {Half.K: key, Half.V: value}
+
+    def views(self, cache: torch.Tensor, heads: int, head_size: int
+              ) -> dict[Half, list[tuple[tuple[int, ...], torch.Tensor, bool]]]:
+        """Per half, the fingerprint's views of one layer (`split_views`: path, view, readable)."""
+        return {half: split_views(f) for half, f in self.features(cache, heads, head_size).items()}
+
+
+def _scratch(cache: torch.Tensor, block_axis: int, blocks: int) -> torch.Tensor:
+    """A zeroed cache like `cache` with `blocks` blocks, its axes in the same memory order."""
+    order = sorted(range(cache.dim()), key=lambda i: -cache.stride(i))
+    shape = [blocks if i == block_axis else cache.shape[i] for i in order]
+    inverse = [order.index(i) for i in range(cache.dim())]
+    return torch.zeros(shape, dtype=cache.dtype, device=cache.device).permute(inverse)
+
+
+def probe_paged(layer: Any, cache: torch.Tensor, heads: int, head_size: int) -> PagedLayout:
+    """How a FLASH_ATTN or FLASHINFER layer's cache write (``impl.do_kv_cache_update(layer, key,
+    value, kv_cache, slot_mapping)``) lays out K and V: coded tokens written through it into a
+    scratch cache (block 1; block 0 is vLLM's null block) and matched against PAGED_SHAPES.
+    Raises NotImplementedError naming the cache's shape, strides and what was seen when none
+    matches."""
+    matched = None
+    for shape, block_axis in PAGED_SHAPES.items():
+        if _pair_view(cache, shape, heads, head_size) is None:
+            continue
+        block_size = _pair_view(cache, shape, heads, head_size).shape[1]
+        scratch = _scratch(cache, block_axis, 2)
+        slots = torch.arange(block_size, dtype=torch.int64, device=cache.device) + block_size
+        written = _pair_view(scratch, shape, heads, head_size)
+        ok = True
+        for code in _codes(heads, block_size, head_size, cache.dtype):
+            tokens = code.transpose(0, 1).contiguous().to(cache.device)  # [block_size, heads, head_size]
+            for half in (0, 1):
+                scratch.zero_()
+                kv = [torch.zeros_like(tokens), torch.zeros_like(tokens)]
+                kv[half] = tokens
+                layer.impl.do_kv_cache_update(layer, kv[0], kv[1], scratch, slots)
+                landed = written[1, :, :, half].transpose(0, 1).cpu()  # [heads, block_size, head_size]
+                others = int(torch.count_nonzero(scratch)) - int(torch.count_nonzero(landed))
+                ok &= torch.equal(landed, code) and others == 0
+        if ok:
+            matched = shape
+            break
+    if matched is None:
+        raise NotImplementedError(
+            f"the cache write of {type(layer.impl).__name__} does not store K and V as any layout the adapter knows "
+            f"({', '.join(PAGED_SHAPES)}): cache shape {tuple(cache.shape)}, strides {cache.stride()}, "
+            f"{heads} KV heads x {head_size}, dtype {cache.dtype}")
+    def readable(layout: PagedLayout) -> bool:
+        return all(ok for views in layout.views(cache, heads, head_size).values() for _, _, ok in views)
+
+    halves, pair = PagedLayout(matched, pair=False), PagedLayout(matched, pair=True)
+    return pair if not readable(halves) and readable(pair) else halves

@@ -1,4 +1,5 @@
-"""Write-through for vLLM's CPU attention and its CPU MLA cache: what each layer's cache write was
+"""Write-through for vLLM's CPU attention, its CPU MLA cache and its CUDA FlashAttention and
+FlashInfer caches: what each layer's cache write was
 handed, reported to the canary in the view's token order, so TAIL checks that every written slot
 holds exactly it.
 
@@ -10,8 +11,10 @@ vLLM writes a layer's cache through its impl's ``do_kv_cache_update``:
   ``kv_c_normed`` ``[tokens, kv_lora_rank]``, ``k_pe`` ``[tokens, 1, rope_dim]``; the row it
   stores for a token is the two concatenated in the cache's dtype, reported as the latent pool's
   single half (K).
+- FLASH_ATTN, FLASHINFER (CUDA): as CPU_ATTN's, key / value padded to the batch's padded token
+  count (CUDA graphs); reported in the layout's halves and views (layout.PagedLayout).
 
-Both take tokens in the order of vLLM's input batch, ``slot_mapping`` the slot of each (-1 for
+All take tokens in the order of vLLM's input batch, ``slot_mapping`` the slot of each (-1 for
 padding). The engine hands over, per forward, each view token's row in that batch: the identity
 where the view lists the tokens the forward consumed as they are; a row that also counts slots
 another row of the step computes takes those from the row that computed them (`rows_by_slot`). A
@@ -64,6 +67,30 @@ class WriteThrough:
                     for j, chunk in enumerate(rows[index, head].chunk(n, dim=-1)):
                         k, v = (chunk.contiguous(), None) if half is Half.K else (None, chunk.contiguous())
                         self.report(kind, (first_index + head) * n + j, k, v)
+
+        impl.do_kv_cache_update = do_kv_cache_update
+
+    def wrap_paged(self, layer: Any, kind: GroupKind, layout: Any, paths: dict[Half, list[tuple[int, ...]]],
+                   first: dict[Half, int]) -> None:
+        """Report this FLASH_ATTN / FLASHINFER layer's writes (``do_kv_cache_update(layer, key,
+        value, kv_cache, slot_mapping)``, key / value padded to the batch's padded token count) as
+        group `kind`'s layers: per half of `layout` (layout.PagedLayout), the view with path
+        ``paths[half][j]`` as layer ``first[half] + j`` of that half."""
+        impl = layer.impl
+        write = impl.do_kv_cache_update
+
+        def do_kv_cache_update(layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            stored = write(layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
+            if (index := self._rows(slot_mapping)) is None:
+                return stored
+            for half, rows in layout.token_features(key[index], value[index]).items():
+                rows = rows.to(kv_cache.dtype)
+                for j, path in enumerate(paths[half]):
+                    run = rows[(slice(None), *path)].reshape(rows.shape[0], -1).contiguous()
+                    k, v = (run, None) if half is Half.K else (None, run)
+                    self.report(kind, first[half] + j, k, v)
+            return stored
 
         impl.do_kv_cache_update = do_kv_cache_update
 

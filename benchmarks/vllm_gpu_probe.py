@@ -1,0 +1,106 @@
+"""One GPU run that says as much as it can about the vLLM adapter on vLLM's CUDA build.
+
+    python benchmarks/vllm_gpu_probe.py                      # eager, then PIECEWISE graphs, FLASH_ATTN
+    python benchmarks/vllm_gpu_probe.py --backends FLASH_ATTN FLASHINFER --modes eager graphs
+
+Per (backend, mode) stage it starts the adapter's engine as the plugin does (the seeded random
+``mha`` model; FLASHINFER gets a head size of 64, which its kernels need), prints vLLM's version,
+the backend and graph mode vLLM settled on, the layout found (layout.PagedLayout), each pool
+group's views (shape, strides, readable), runs a clean workload with the canary (real_data all,
+Triton kernels) and prints its stats and violations, then a workload with a flipped byte of a slot
+a request reads (real_kv_used), which must be reported. Every stage's exception is printed with its
+full traceback and the run goes on; the exit status is the number of failed stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import traceback
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _checkpoint(backend: str):
+    from pytest_kvcanary.adapters.random_checkpoint import write_random_checkpoint
+    from pytest_kvcanary.adapters.vllm.checkpoint import random_checkpoint, random_model_config
+
+    if backend != "FLASHINFER":
+        return random_checkpoint("mha", 0)
+    import torch
+
+    config = random_model_config("mha")
+    config.head_dim, config.hidden_size = 64, 256
+    return write_random_checkpoint(config, "kvcanary-vllm-mha-hd64", 0, torch.bfloat16)
+
+
+def stage(backend: str, mode: str) -> bool:
+    import torch
+    import vllm
+
+    from pytest_kvcanary.adapters.vllm.engine import VllmEngine, VllmSettings
+    from pytest_kvcanary.config import CanaryConfig, PerturbSpec
+    from pytest_kvcanary.handles.single import EngineHandle
+
+    print(f"\n=== {backend} {mode}: vLLM {vllm.__version__}, torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name(0)}", flush=True)
+    settings = VllmSettings(device="cuda", cuda_graphs=mode == "graphs", attention_backend=backend)
+    engine = VllmEngine(_checkpoint(backend), 0, settings)
+    first = next(iter(engine.llm.llm_engine.vllm_config.compilation_config.static_forward_context.values()))
+    print(f"backend {first.attn_backend.get_name()}, graph mode {engine.graph_mode}, layout {engine.layout}")
+    for group in engine.canary_groups():
+        print(f"group {group.kind.name}: {group.num_slots} slots, fingerprintable {group.fingerprintable}, "
+              f"opaque {sorted(h.name for h in group.opaque_halves)}")
+        for half, views in (("K", group.k_layers), ("V", group.v_layers)):
+            for v in views[:2]:
+                print(f"  {half} view {tuple(v.shape)} strides {v.stride()} {v.dtype}")
+            print(f"  {half}: {len(views)} views")
+    ok = True
+    config = CanaryConfig(mode="log", real_data="all", sweep_interval=2)
+    handle = EngineHandle(engine, config)
+    handle.reset(0, ())
+    rng = random.Random(0)
+    stem = [rng.randrange(256) for _ in range(70)]
+    prompts = [stem + [rng.randrange(256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+    handle.generate(prompts, 8)
+    handle.generate(prompts[:3], 8)  # prefix-cache hits
+    print(f"clean: forwards {engine.forwards}, stats {handle.stats()}")
+    violations = handle.violations()
+    for v in violations[:10]:
+        print(f"  violation {v}")
+    ok &= not violations
+    handle.reset(1, (PerturbSpec("real_kv_used", warmup_steps=1),))
+    firsts = [[rng.randrange(256) for _ in range(rng.randrange(40, 90))] for _ in range(3)]
+    handle.generate(firsts, 4)
+    handle.generate([p + [rng.randrange(256) for _ in range(10)] for p in firsts], 6)
+    seen = handle.violations()
+    print(f"real_kv_used: injections {handle.injections()}, violations {len(seen)}")
+    for v in seen[:5]:
+        print(f"  violation {v}")
+    ok &= bool(seen)
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", nargs="+", default=["FLASH_ATTN"])
+    parser.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"])
+    args = parser.parse_args()
+    failed = 0
+    for backend in args.backends:
+        for mode in args.modes:
+            try:
+                good = stage(backend, mode)
+                print(f"=== {backend} {mode}: {'OK' if good else 'FAILED (see above)'}", flush=True)
+                failed += not good
+            except BaseException:  # noqa: BLE001 - every stage reports and the run goes on
+                traceback.print_exc()
+                print(f"=== {backend} {mode}: ERROR", flush=True)
+                failed += 1
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
