@@ -452,17 +452,12 @@ class VllmEngine:
             raise NotImplementedError(
                 f"vLLM's CPU attention runs its {layer_isa(first)!r} path here, whose KV layout the adapter does not know "
                 f"(orders found: {orders}); attention_isa='readable' (the default) runs a path it knows")
-        windows = {layers[n].sliding_window for n in names} - {None}
-        if len(windows) > 1:
-            raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
-        self._to_window = self._window_map(num_slots)
         groups = []
-        for kind, window in [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]:
+        for kind, window in self._kinds(layers, names, num_slots):
             views = half_views([self._kv_caches[n] for n in names if layers[n].sliding_window == window], orders)
             opaque = frozenset(h for h, v in views.items() if not v.readable)
-            mapping = SlotMapping(self._table, page_size=bs, full_to_group=None if window is None else self._to_window)
             groups.append(PoolGroup(
-                kind, views[Half.K].views, views[Half.V].views, num_slots, mapping, page_size=bs,
+                kind, views[Half.K].views, views[Half.V].views, num_slots, self._group_mapping(window), page_size=bs,
                 window=None if window is None else window - 1, fingerprintable=len(opaque) < len(views),
                 opaque_halves=opaque))
             heads = cache.shape[1]
@@ -472,12 +467,24 @@ class VllmEngine:
                 self._write_through.wrap(layers[name], kind, i * heads, parts)
         return groups
 
-    def _window_map(self, num_slots: int) -> torch.Tensor:
-        """Full-attention slot -> sliding-window slot: refilled before every forward and walk with
-        the hybrid manager; without it sliding-window layers use the full-attention slots themselves."""
+    def _kinds(self, layers: dict[str, Any], names: list[str], num_slots: int) -> list[tuple[GroupKind, int | None]]:
+        """(group kind, sliding window or None) of each pool group these layers make: FULL, then SWA
+        for a model with a sliding window (one at most). Sets up the full-to-window slot map: refilled
+        before every forward and walk with the hybrid manager; without it sliding-window layers use
+        the full-attention slots themselves."""
+        windows = {layers[n].sliding_window for n in names} - {None}
+        if len(windows) > 1:
+            raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
         if self._hybrid:
-            return torch.zeros(num_slots, dtype=torch.int64, device=self.device)
-        return torch.arange(num_slots, device=self.device)
+            self._to_window = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        else:
+            self._to_window = torch.arange(num_slots, device=self.device)
+        return [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]
+
+    def _group_mapping(self, window: int | None) -> SlotMapping:
+        """The slot mapping of the FULL group (window None) or of the sliding-window one."""
+        return SlotMapping(self._table, page_size=self.block_size,
+                           full_to_group=None if window is None else self._to_window)
 
     def _paged_groups(self, layers: dict[str, Any], names: list[str]) -> list[PoolGroup]:
         """The pool groups of FLASH_ATTN / FLASHINFER layers (vLLM's CUDA build): the layout found
@@ -493,12 +500,8 @@ class VllmEngine:
                                       f"{sample.shape[1]} slots; its KV cache manager {num_blocks} of {bs} (kernel "
                                       "blocks other than the manager's are not supported)")
         num_slots = num_blocks * bs
-        windows = {layers[n].sliding_window for n in names} - {None}
-        if len(windows) > 1:
-            raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
-        self._to_window = self._window_map(num_slots)
         groups = []
-        for kind, window in [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]:
+        for kind, window in self._kinds(layers, names, num_slots):
             halves: dict[Half, list[torch.Tensor]] = {}
             unread: set[Half] = set()
             for name in (n for n in names if layers[n].sliding_window == window):
@@ -509,9 +512,8 @@ class VllmEngine:
                 for half, split in views.items():
                     halves.setdefault(half, []).extend(v for _, v, _ in split)
                     unread |= {half} if not all(ok for _, _, ok in split) else set()
-            mapping = SlotMapping(self._table, page_size=bs, full_to_group=None if window is None else self._to_window)
             groups.append(PoolGroup(
-                kind, halves[Half.K], halves.get(Half.V, []), num_slots, mapping, page_size=bs,
+                kind, halves[Half.K], halves.get(Half.V, []), num_slots, self._group_mapping(window), page_size=bs,
                 window=None if window is None else window - 1, fingerprintable=len(unread) < len(halves),
                 opaque_halves=frozenset(unread)))
         return groups
