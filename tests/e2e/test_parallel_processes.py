@@ -16,6 +16,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs Linux (pidfd_open, /proc)")
 
 START = """
+import os
 import threading
 
 from pytest_kvcanary.config import CanaryConfig
@@ -35,7 +36,7 @@ def fail_on_rank_1(context):
         raise RuntimeError("rank 1 gave up")
 
 def busy(context):
-    print(f"rank {context.rank} busy", flush=True)
+    os.write(1, f"rank {context.rank} busy\\n".encode())  # one write: the ranks share the pipe
     threading.Event().wait()
 
 if __name__ == "__main__":
