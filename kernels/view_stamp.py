@@ -46,6 +46,19 @@ def _first_stamped(extend, MAP: tl.constexpr):
 
 
 @triton.jit
+def _batch_row(b, rows_ptr, prefix_ptr, extend_ptr, n_batch, n_tokens, BATCH: tl.constexpr):
+    """Batch row b as stamped: (its first token's index, row, prefix_len, extend_len as given,
+    extend_len clamped); zeros past n_batch."""
+    in_batch = b < n_batch
+    lanes = tl.arange(0, BATCH)
+    start = tl.sum(_clamped(tl.load(extend_ptr + lanes, mask=lanes < b, other=0), n_tokens), axis=0)
+    row = tl.load(rows_ptr + b, mask=in_batch, other=0)
+    prefix = tl.load(prefix_ptr + b, mask=in_batch, other=0)
+    given = tl.load(extend_ptr + b, mask=in_batch, other=0)
+    return start, row, prefix, given, _clamped(given, n_tokens)
+
+
+@triton.jit
 def _written_fingerprint(written_ptr, stride, token_index, live, N_WRITTEN: tl.constexpr):
     """int64 fingerprint of what the forward computed for each token: its per-source row hashes
     (row s of ``written``) folded as a slot's sources fold, ``acc = mix(acc ^ h)``."""
@@ -64,14 +77,8 @@ def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_pt
     """Token, position and fingerprint of each written slot's record (not PREV_HASH), and the
     write checks. Program (b, j) stamps tiles j, j + J, ... of batch row b's extend."""
     count_launch(ring, tag)
-    b = tl.program_id(0)
-    in_batch = b < n_batch
-    lanes = tl.arange(0, BATCH)
-    token_start = tl.sum(_clamped(tl.load(extend_ptr + lanes, mask=lanes < b, other=0), n_tokens), axis=0)
-    row = tl.load(rows_ptr + b, mask=in_batch, other=0)
-    prefix = tl.load(prefix_ptr + b, mask=in_batch, other=0)
-    given = tl.load(extend_ptr + b, mask=in_batch, other=0)
-    extend = _clamped(given, n_tokens)
+    token_start, row, prefix, given, extend = _batch_row(tl.program_id(0), rows_ptr, prefix_ptr, extend_ptr, n_batch,
+                                                         n_tokens, BATCH)
     first = _first_stamped(extend, MAP)
     offs = tl.arange(0, BLOCK)
     zeros = tl.zeros([BLOCK], tl.int64)
@@ -120,11 +127,7 @@ def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_p
     b = tl.program_id(0)
     in_batch = b < n_batch
     input_ids, positions_ptr, n_tokens = inputs
-    batch = tl.arange(0, BATCH)
-    start = tl.sum(_clamped(tl.load(extend_ptr + batch, mask=batch < b, other=0), n_tokens), axis=0)
-    row = tl.load(rows_ptr + b, mask=in_batch, other=0)
-    prefix = tl.load(prefix_ptr + b, mask=in_batch, other=0)
-    extend = _clamped(tl.load(extend_ptr + b, mask=in_batch, other=0), n_tokens)
+    start, row, prefix, _, extend = _batch_row(b, rows_ptr, prefix_ptr, extend_ptr, n_batch, n_tokens, BATCH)
     first = _first_stamped(extend, MAP)
     context = tl.full([], 0, tl.int64)
     if HAS_CONTEXT:

@@ -9,7 +9,7 @@ may still be read), "escaped" (every copy of the damage was freed or overwritten
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 from kvcanary_kernels.records import GroupKind
 
@@ -128,11 +128,15 @@ class Ledger:
     def record(self, injection: Injection) -> None:
         self.injections.append(injection)
 
+    def _slot_damage(self, group: GroupKind) -> Iterator[Injection]:
+        """The injections whose damage sits in slots of this pool group (all but req_to_token, whose
+        damage is the mapping itself)."""
+        return (inj for inj in self.injections if inj.group == group.label and inj.mode != "req_to_token")
+
     def damaged(self, side: str, group: GroupKind) -> set[int]:
         """Slots of a side's pool group that hold damage (flipped bytes, a swapped token's KV) not yet
         freed or overwritten."""
-        return {p.slot for inj in self.injections if inj.group == group.label and inj.mode != "req_to_token"
-                for p in inj.places if p.side == side and p not in inj.gone}
+        return {p.slot for inj in self._slot_damage(group) for p in inj.places if p.side == side and p not in inj.gone}
 
     def match(self, violations: list[Violation]) -> None:
         """Mark every injection a violation names as detected (first matching violation wins),
@@ -147,17 +151,16 @@ class Ledger:
     def follows_frees(self, side: str, group: GroupKind) -> bool:
         """Whether a free of a side's pool group slots can change an injection's account (`escape`
         would look at it): a free elsewhere needs no look at its slots."""
-        return any(inj.group == group.label and inj.mode != "req_to_token" and inj.status != "escaped"
-                   and any(p.side == side and p not in inj.gone for p in inj.places) for inj in self.injections)
+        return any(inj.status != "escaped" and any(p.side == side and p not in inj.gone for p in inj.places)
+                   for inj in self._slot_damage(group))
 
     def escape(self, side: str, group: GroupKind, slots: set[int], cause: str, step: int) -> None:
         """These slots of a side's pool group lost their data at that side's forward `step`
         (freed or overwritten). Injections whose every copy is gone escaped, unless `match`
         later finds a violation from before. A next_token_swap's slot written by the forward it was
         injected in holds its damage: that write is no loss."""
-        for inj in self.injections:
-            if inj.group != group.label or inj.mode == "req_to_token" or inj.status == "escaped" \
-                    or (inj.mode == "next_token_swap" and (inj.side, inj.step) == (side, step)):
+        for inj in self._slot_damage(group):
+            if inj.status == "escaped" or (inj.mode == "next_token_swap" and (inj.side, inj.step) == (side, step)):
                 continue
             for p in inj.places:
                 if p.side == side and p.slot in slots:
