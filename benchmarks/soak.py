@@ -57,7 +57,8 @@ def _vllm(attention: str) -> Any:
     from pytest_kvcanary.adapters.vllm.checkpoint import random_checkpoint
     from pytest_kvcanary.adapters.vllm.engine import VllmEngine, VllmSettings
 
-    return VllmEngine(random_checkpoint(attention, 0), 0, VllmSettings(num_blocks=24 if attention == "mha" else 34))
+    settings = VllmSettings(num_blocks=24 if attention == "mha" else 34, device="cuda" if CUDA else "cpu")
+    return VllmEngine(random_checkpoint(attention, 0), 0, settings)
 
 
 def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:

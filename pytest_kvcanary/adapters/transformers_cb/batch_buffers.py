@@ -8,9 +8,11 @@ samples go into the token table on the device (``put_tokens``), at the position 
 next.
 
 Token entries are fixed-size (max_tokens): unused ones go to a scratch row past the view's rows,
-so applying them is one fixed-shape scatter. A forward that adds more (a request starting on a
-cached prefix adds its whole sequence) has the rest written by the host before the forward
-(``write_spill``). With async batching the host fills one pair's buffer while the device may still
+so applying them is one fixed-shape scatter. The host hands them over as runs (a lane, its first
+position, the tokens from there on), so a run costs the host a few list operations and the tokens
+one conversion to numpy, whatever its length. A forward that adds more (a request starting on a
+cached prefix adds its whole sequence) has the rest written before the forward, as are the rows
+of lanes handed to another request, set to UNKNOWN (``write_direct``). With async batching the host fills one pair's buffer while the device may still
 run the other pair's forward. A pair's buffer is refilled only once the forward that last read it
 is over, which the engine's loop guarantees without a wait: it refills a buffer only after
 update_batch has read that forward's tokens (synchronous batching: the forward just before; async
@@ -31,7 +33,8 @@ from ...canary.host import Capacities
 class BatchBuffers:
     """batch ``[1]``, sampled ``[1]``, lanes ``[max_batch]``, token_table ``[lanes, max_context]``
     (device); per forward: ``select`` the pair, fill its staging buffer (``set_batch``,
-    ``set_lanes``, ``set_entries``) and, when it ``spills``, ``write_spill``; then, in the forward,
+    ``set_lanes``, ``clear_lanes``, ``set_entries``) and, when it ``has_direct_writes``, ``write_direct``
+    (eager, before the forward); then, in the forward,
     ``upload`` and ``apply_tokens``, and once it sampled, ``put_tokens``."""
 
     def __init__(self, capacities: Capacities, lanes: int, device: torch.device, pairs: int) -> None:
@@ -60,7 +63,8 @@ class BatchBuffers:
         self._pair = 0  # the pair whose staging buffer is filled now
         self._entries = [0] * pairs  # token entries each staging buffer holds
         self._sizes = [(0, 0)] * pairs  # the batch size and sampled count each staging buffer holds
-        self._spill: list[Sequence[int]] | None = None  # this forward's entries past max_tokens
+        self._spill: np.ndarray | None = None  # this forward's entries past max_tokens, [3, n]
+        self._cleared: Sequence[int] = ()  # the lanes to clear before this forward
 
     def select(self, pair: int) -> None:
         """Fill pair `pair`'s staging buffer next (the forward that last read it is over)."""
@@ -82,36 +86,58 @@ class BatchBuffers:
         """Batch row r's request holds lane lanes[r]."""
         self.host["lanes"][0, :len(lanes)] = lanes
 
-    def set_entries(self, rows: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
-        """This forward's new token-table entries."""
-        n, held = len(rows), self._entries[self._pair]
+    def clear_lanes(self, lanes: Sequence[int]) -> None:
+        """Every position of these lanes UNKNOWN before this forward's entries (lanes handed to
+        another request: no position of it may be checked against its previous request's tokens)."""
+        self._cleared = lanes
+
+    def set_entries(self, lanes: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                    tokens: Sequence[int]) -> None:
+        """This forward's new token-table entries, in runs: run i puts the next counts[i] of
+        `tokens` at positions starts[i], starts[i] + 1, ... of lane lanes[i]."""
+        n, held = len(tokens), self._entries[self._pair]
         self._spill = None
         if n == held == 0:  # none, as in the forward before
             return
         entries = self.host["tokens"]
-        m = n
-        if n > entries.shape[1]:
-            m = entries.shape[1]
-            self._spill = [rows[m:], positions[m:], tokens[m:]]
-            rows, positions, tokens = rows[:m], positions[:m], tokens[:m]
-        entries[:, :m] = rows, positions, tokens  # one conversion of the three lists
+        m = min(n, entries.shape[1])
+        if n:
+            run_counts = np.asarray(counts, dtype=np.int64)
+            firsts = np.cumsum(run_counts) - run_counts  # each run's first entry
+            table = np.empty((3, n), dtype=np.int64)
+            table[0] = np.repeat(np.asarray(lanes, dtype=np.int64), run_counts)
+            table[1] = np.arange(n) + np.repeat(np.asarray(starts, dtype=np.int64) - firsts, run_counts)
+            table[2] = tokens  # the one conversion of a list as long as the entries
+            entries[:, :m] = table[:, :m]
+            if m < n:
+                self._spill = table[:, m:]
         if m < held:
             entries[0, m:held] = self.scratch_row
         self._entries[self._pair] = m
 
-    def spills(self) -> bool:
-        """Whether this forward's entries overflow the fixed-size part."""
-        return self._spill is not None
+    def has_direct_writes(self) -> bool:
+        """Whether this forward needs ``write_direct``: lanes to clear, or entries past the
+        fixed-size part."""
+        return bool(self._cleared) or self._spill is not None
 
-    def write_spill(self) -> None:
-        """Write the entries past the fixed-size part into the token table (device work, eager).
-        The copy goes through pinned memory: a pageable one would wait for the forward the device
-        still runs (async batching) before the host could go on."""
-        spill = torch.from_numpy(np.stack(self._spill).astype(np.int64))
+    def write_direct(self) -> None:
+        """Clear the lanes handed over, then write the entries past the fixed-size part into the
+        token table (device work, eager, before the forward). Host data goes through pinned
+        memory: a pageable copy would wait for the forward the device still runs (async
+        batching) before the host could go on."""
+        if self._cleared:
+            self._table.index_fill_(0, self._to_device(np.asarray(self._cleared, dtype=np.int64)), UNKNOWN)
+            self._cleared = ()
+        if self._spill is not None:
+            rows, positions, tokens = self._to_device(self._spill)
+            self._table.index_put_((rows, positions), tokens)
+            self._spill = None
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(array)
         if self._table.is_cuda:
-            spill = spill.pin_memory()
-        rows, positions, tokens = spill.to(self._table.device, non_blocking=True)
-        self._table.index_put_((rows, positions), tokens)
+            host = host.pin_memory()
+        return host.to(self._table.device, non_blocking=True)
 
     def upload(self) -> None:
         """Copy the selected pair's staging buffer to the device (device work; a copy node when

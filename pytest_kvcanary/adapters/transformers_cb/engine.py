@@ -37,7 +37,7 @@ from .versions import (
 )
 
 
-_NO_ENTRIES: tuple[list[int], list[int], list[int]] = ([], [], [])
+_NO_ENTRIES: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
 _STATE = operator.attrgetter("state")  # a FutureRequestState's RequestState
 
 
@@ -539,14 +539,16 @@ class TransformersEngine:
             buffers.set_lanes(self._row_lanes[:self._rows_mapped])
             self._staged_lanes[pair] = self._lanes_version
         if reassigned or io.total_seqlen_q != size:  # another batch, or not one token a row
-            buffers.set_entries(*self._token_entries(states))
+            cleared, *entries = self._token_entries(states)
+            buffers.clear_lanes(cleared)
+            buffers.set_entries(*entries)
         else:  # a decode step of the same batch: its tokens are the ones the device sampled
             buffers.set_entries(*_NO_ENTRIES)
         if self.layout.writes_hashed_blocks:
             self._note_hashed_block_writes(batch, every_row=reassigned or io.total_seqlen_q != size)
-        if buffers.spills():
+        if buffers.has_direct_writes():
             with self._on_compute_stream():
-                buffers.write_spill()
+                buffers.write_direct()
 
     def _note_hashed_block_writes(self, batch: list[Any], *, every_row: bool) -> None:
         """The slots this forward writes in blocks transformers has hashed (content other requests
@@ -613,35 +615,37 @@ class TransformersEngine:
         self._rows_mapped = len(states)
         self._lanes_version += 1
 
-    def _token_entries(self, states: list[Any]) -> tuple[list[int], list[int], list[int]]:
-        """(lanes, positions, tokens) of the token-table entries this forward adds: per row the
-        positions its request advanced past since its lane last heard of it whose token the host
-        has (the others are left to the tokens the device sampled, and sent once the host has
-        them). A lane that changed hands gets its whole row: its request's sequence, then UNKNOWN
-        to max_context (no position of its request may be checked against the tokens of the lane's
-        previous request). Plain lists: numpy's per-call cost on a few entries a row is most of the
-        work."""
-        known, context, row_lanes = self._row_known, self.capacities.max_context, self._row_lanes
+    def _token_entries(self, states: list[Any]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """(cleared, lanes, starts, counts, tokens): the lanes to clear and the token-table entries
+        this forward adds, a run a row (BatchBuffers.set_entries): the positions its request
+        advanced past since its lane last heard of it whose token the host has (the others are
+        left to the tokens the device sampled, and sent once the host has them). A lane that
+        changed hands is cleared first (UNKNOWN everywhere: no position of its request may be
+        checked against the tokens of the lane's previous request)."""
+        known, row_lanes = self._row_known, self._row_lanes
+        cleared: list[int] = []
         lanes: list[int] = []
-        positions: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
         tokens: list[int] = []
         for row, state in enumerate(states):
             length, start = state.position_offset, known[row]  # advanced past this forward's tokens
             if length <= start:
                 continue
-            # positions [start, have), or [0, max_context) in a lane just handed over
             generated, n = state.generated_tokens, len(state.initial_tokens)
-            have = min(length, n + len(generated))
+            have = min(length, n + len(generated))  # positions [start, have)
             known[row] = have
-            end = have if start else context
-            lanes += [row_lanes[row]] * (end - start)
-            positions += range(start, end)
+            if not start:
+                cleared.append(row_lanes[row])
+            if have <= start:
+                continue
+            lanes.append(row_lanes[row])
+            starts.append(start)
+            counts.append(have - start)
             if start < n:
                 tokens += state.initial_tokens[start:have]
             tokens += generated[max(start - n, 0):max(have - n, 0)]
-            if end > have:
-                tokens += [UNKNOWN] * (end - have)
-        return lanes, positions, tokens
+        return cleared, lanes, starts, counts, tokens
 
     def _clear_lanes(self) -> None:
         """Forget what every lane and batch row holds: the next forward re-sends each lane it uses."""

@@ -202,17 +202,25 @@ def test_the_block_tables_are_those_the_forward_reads_through(attention):
 
 
 class LaneRecorder(Passive):
-    """Records, per forward, each request's batch row and lane, and every token-table entry sent."""
+    """Records, per forward, each request's batch row and lane, every token-table entry sent and
+    every lane cleared."""
 
     def __init__(self, engine) -> None:
-        self.rows, self.lanes, self.sent = {}, {}, []
-        set_entries = engine._buffers.set_entries
+        self.rows, self.lanes, self.sent, self.cleared = {}, {}, [], []
+        buffers = engine._buffers
+        set_entries, clear_lanes = buffers.set_entries, buffers.clear_lanes
 
-        def recording(lanes, positions, tokens) -> None:
-            self.sent += zip(list(lanes), list(positions), list(tokens))
-            set_entries(lanes, positions, tokens)
+        def recording(lanes, starts, counts, tokens) -> None:
+            runs = [(lane, start + i) for lane, start, count in zip(lanes, starts, counts) for i in range(count)]
+            assert len(runs) == len(tokens)
+            self.sent += [(lane, position, token) for (lane, position), token in zip(runs, tokens)]
+            set_entries(lanes, starts, counts, tokens)
 
-        engine._buffers.set_entries = recording
+        def clearing(lanes) -> None:
+            self.cleared += lanes
+            clear_lanes(lanes)
+
+        buffers.set_entries, buffers.clear_lanes = recording, clearing
         self.engine = engine
 
     def before_forward(self, view) -> None:
@@ -240,8 +248,8 @@ def test_a_request_keeps_its_lane_as_it_moves_between_batch_rows_and_sends_each_
         [lane] = recorder.lanes[request]
         assert {(lane, position) for position in range(len(prompt))} <= set(tokens)
     assert len(tokens) < sum(len(p) + 6 - 1 for p in prompts)
-    # A lane's first forward sends its whole row (UNKNOWN past the request's tokens), once.
-    assert len({(lane, position) for lane, position, _ in recorder.sent}) == 4 * engine.capacities.max_context
+    # A lane is cleared once, in its request's first forward (UNKNOWN past the request's tokens).
+    assert sorted(recorder.cleared) == sorted(lane for lanes in recorder.lanes.values() for lane in lanes)
 
 
 def test_lanes_handed_to_later_requests_map_what_transformers_computed():
