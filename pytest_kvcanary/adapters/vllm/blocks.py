@@ -210,12 +210,15 @@ class BlockBook:
                     continue
                 prev = parent.block_id * bs + bs - 1
             count = min(len(content.tokens), (block.block_hash_num_tokens or bs) - content.index * bs)
-            for j in range(count):
-                cols[0].append(block_id * bs + j)
-                cols[1].append(content.index * bs + j)
-                cols[2].append(prev if j == 0 else block_id * bs + j - 1)
-                cols[3].append(content.tokens[j])
-                cols[4].append(block.ref_cnt > 0)
+            if count <= 0:
+                continue
+            first, position = block_id * bs, content.index * bs
+            cols[0] += range(first, first + count)
+            cols[1] += range(position, position + count)
+            cols[2].append(prev)
+            cols[2] += range(first, first + count - 1)
+            cols[3] += content.tokens[:count]
+            cols[4] += [block.ref_cnt > 0] * count
         slots, positions, prev_slots, tokens = (torch.tensor(c, dtype=torch.int64) for c in cols[:4])
         return CacheWalk(slots, positions, prev_slots, tokens, torch.tensor(cols[4], dtype=torch.bool))
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from kvcanary_kernels.records import GroupKind, Half
@@ -170,10 +171,10 @@ class VllmEngine:
         width = min(full.shape[1], self._table.shape[1])
         self._table[:n, :width].copy_(full[:, :width])
         self._table[:n, width:] = 0
-        tokens = torch.full((n, self._token_table.shape[1]), -1, dtype=torch.int64)
-        for b, row in enumerate(rows):
-            tokens[b, :len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.int64)
-        self._token_table[:n].copy_(tokens)
+        tokens = np.full((n, self._token_table.shape[1]), -1, dtype=np.int64)
+        for b, row in enumerate(rows):  # a list into numpy: no tensor a row
+            tokens[b, :len(row.tokens)] = row.tokens
+        self._token_table[:n].copy_(torch.from_numpy(tokens))
         qsl = inputs.query_start_loc.to(torch.int64)
         extend = qsl[1:] - qsl[:-1]
         prefix = inputs.seq_lens.to(torch.int64) - extend
