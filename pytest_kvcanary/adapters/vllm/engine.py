@@ -42,6 +42,16 @@ from .versions import layer_isa, unbound_kv_cache_manager
 from .write_through import WriteThrough, rows_by_slot
 
 
+def last_pair_per_block(pairs: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """(full, window) block pairs [N, 2], in order, keeping for each full-attention block only the
+    last pair that names it: an index_put_ with repeated indices leaves which value lands
+    undefined on CUDA (the CPU's happens to be the last)."""
+    order = torch.arange(pairs.shape[0], device=pairs.device)
+    last = torch.full((num_blocks,), -1, dtype=torch.int64, device=pairs.device)
+    last.scatter_reduce_(0, pairs[:, 0], order, reduce="amax")
+    return pairs[last[pairs[:, 0]] == order]
+
+
 @dataclass(frozen=True)
 class VllmSettings:
     """The LLM the adapter starts. block_size: what it asks for (vLLM's CPU attention needs a
@@ -422,6 +432,7 @@ class VllmEngine:
         bs = self.block_size
         dev = self.device
         pairs = torch.cat([torch.tensor(cached, dtype=torch.int64, device=dev).reshape(-1, 2), self._window_pairs])
+        pairs = last_pair_per_block(pairs, self._to_window.numel() // bs)
         offsets = torch.arange(bs, device=dev)
         self._to_window.zero_()
         self._to_window[(pairs[:, :1] * bs + offsets).flatten()] = (pairs[:, 1:] * bs + offsets).flatten()

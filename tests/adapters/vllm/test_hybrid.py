@@ -18,6 +18,7 @@ from .support import (
 pytest.importorskip("vllm", reason=INSTALL)
 
 from kvcanary_kernels.records import GroupKind  # noqa: E402
+from pytest_kvcanary.adapters.vllm.engine import last_pair_per_block  # noqa: E402
 from pytest_kvcanary.config import PerturbSpec  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_group_id  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager  # noqa: E402
@@ -187,3 +188,17 @@ def test_a_fault_in_a_block_that_left_the_window_escapes_with_that_cause():
             assert inj.status in ("detected", "escaped"), inj
             causes.add(inj.cause)
     assert "left the sliding window" in causes
+
+
+def test_the_window_map_takes_one_pair_per_full_block_the_last_naming_it():
+    # The prefix cache's pair for a full-attention block, then a running row's for the same block
+    # (it reads there): one index_put_ gets each full block once, so no device picks for it.
+    assert last_pair_per_block(torch.tensor([[7, 3], [2, 9], [7, 5], [4, 4], [2, 1]]), 10).tolist() == \
+        [[7, 5], [4, 4], [2, 1]]
+    rng = random.Random(0)
+    for _ in range(20):
+        pairs = [(rng.randrange(12), rng.randrange(40)) for _ in range(rng.randrange(1, 30))]
+        kept = last_pair_per_block(torch.tensor(pairs), 12).tolist()
+        assert [f for f, _ in kept] == sorted({f for f, _ in pairs}, key=lambda f: max(i for i, p in enumerate(pairs)
+                                                                                          if p[0] == f))
+        assert dict(map(tuple, kept)) == dict(pairs)  # the last pair naming each full block
