@@ -10,6 +10,16 @@ group's views (shape, strides, readable), runs a clean workload with the canary 
 Triton kernels) and prints its stats and violations, then a workload with a flipped byte of a slot
 a request reads (real_kv_used), which must be reported. Every stage's exception is printed with its
 full traceback and the run goes on; the exit status is the number of failed stages.
+
+    python benchmarks/vllm_gpu_probe.py --replay 'REPLAY' [--attention swa] [--seed 2]
+
+runs a soak failure's replay instead (the ``swa`` model by default, eagerly; on vLLM's CPU build
+without a GPU) and, for every
+violation, prints what the adapter and vLLM hold for its slot: vLLM's block sizes and prefix-hash
+granularity, the full-attention slots the full-to-window map sends there, the book's content and
+vLLM's hash, ref count and hashed tokens of those blocks and of the window block, and the (full,
+window) pairs naming them (the prefix cache's and the last forward's rows'). Exit status 1 when the
+replay's round is not clean.
 """
 
 from __future__ import annotations
@@ -83,11 +93,62 @@ def stage(backend: str, mode: str) -> bool:
     return ok
 
 
+def describe_block(engine, block_id: int) -> str:
+    """What the book and vLLM's pool hold for one block."""
+    block, content = engine.book.pool.blocks[block_id], engine.book._contents.get(block_id)
+    book = "no content" if content is None else (f"group {content.group} index {content.index} "
+                                                 f"{len(content.tokens)} tokens {list(content.tokens[:6])}...")
+    return (f"block {block_id}: ref {block.ref_cnt} hash {'none' if block.block_hash is None else 'set'} "
+            f"hashed tokens {block.block_hash_num_tokens}; book: {book}")
+
+
+def replay(text: str, attention: str, seed: int) -> bool:
+    """Run a soak failure's replay (on CUDA where there is one, else vLLM's CPU build) and dump, per
+    violation, the slot's blocks and pairs."""
+    import torch
+
+    from pytest_kvcanary.adapters.vllm.checkpoint import random_checkpoint
+    from pytest_kvcanary.adapters.vllm.engine import VllmEngine, VllmSettings
+    from pytest_kvcanary.config import CanaryConfig
+    from pytest_kvcanary.handles.single import EngineHandle
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = VllmEngine(random_checkpoint(attention, 0), 0,
+                        VllmSettings(num_blocks=24 if attention == "mha" else 34, device=device))
+    manager = engine.book.manager
+    print(f"block sizes {[g.kv_cache_spec.block_size for g in manager.kv_cache_config.kv_cache_groups]}, "
+          f"hash block size {engine.book.pool.hash_block_size}, window groups {engine.book.window_groups}")
+    kernels = "triton" if device == "cuda" else "torch"
+    handle = EngineHandle(engine, CanaryConfig(real_data="partial", sweep_interval=4, kernels=kernels))
+    handle.reset(seed, ())
+    found = handle.run_workload(seed=seed, rounds=1, replay=text, shrink_trials=0)
+    print(found.summary())
+    for line in found.describe_failures():
+        print(f"  {line}")
+    bs, to_window = engine.block_size, engine._to_window.cpu()
+    cached, own = engine.book.window_pairs(), engine._window_pairs.tolist()
+    for v in handle.violations()[:12]:
+        print(f"violation {v.describe()}")
+        if v.group != "SWA":
+            continue
+        fulls = sorted({int(s) // bs for s in (to_window == v.slot).nonzero().flatten().tolist()})
+        print(f"  window {describe_block(engine, v.slot // bs)}")
+        for full in fulls:
+            print(f"  full {describe_block(engine, full)}")
+            print(f"    cached pairs {[p for p in cached if p[0] == full]}, rows' pairs {[p for p in own if p[0] == full]}")
+    return not handle.violations()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", nargs="+", default=["FLASH_ATTN"])
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"])
+    parser.add_argument("--replay", help="a soak failure's replay text: run it and dump its violations' slots")
+    parser.add_argument("--attention", default="swa", choices=["mha", "swa"], help="the replay's model")
+    parser.add_argument("--seed", type=int, default=2, help="the replay's seed")
     args = parser.parse_args()
+    if args.replay is not None:
+        return int(not replay(args.replay, args.attention, args.seed))
     failed = 0
     for backend in args.backends:
         for mode in args.modes:
