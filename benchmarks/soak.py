@@ -90,6 +90,12 @@ def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
     return configs
 
 
+def soak_canary(real_data: str) -> CanaryConfig:
+    """The canary every soak runs: a sweep every 4 forwards, the Triton kernels on a GPU, their
+    torch references on a CPU."""
+    return CanaryConfig(real_data=real_data, sweep_interval=4, kernels="triton" if CUDA else "torch")
+
+
 def _handle(engine: Any, canary: CanaryConfig) -> Any:
     if isinstance(engine, tuple):
         from pytest_kvcanary.engine.pd import PDPair
@@ -103,8 +109,7 @@ def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rou
     """Seeds from `seed` on, `rounds` rounds each, until `forwards` forwards or `seconds` passed; one
     row per seed, each handed to `on_seed` as it ends (`merge` adds them up);
     arrivals: requests join running batches where the engine serves them (else generate batches)."""
-    canary = CanaryConfig(real_data=real_data, sweep_interval=4, kernels="triton" if CUDA else "torch")
-    handle = _handle(build(), canary)
+    handle = _handle(build(), soak_canary(real_data))
     rows: list[dict[str, Any]] = []
     start = time.monotonic()
     while sum(r["forwards"] for r in rows) < forwards and time.monotonic() - start < seconds:

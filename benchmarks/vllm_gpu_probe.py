@@ -11,10 +11,10 @@ Triton kernels) and prints its stats and violations, then a workload with a flip
 a request reads (real_kv_used), which must be reported. Every stage's exception is printed with its
 full traceback and the run goes on; the exit status is the number of failed stages.
 
-    python benchmarks/vllm_gpu_probe.py --replay 'REPLAY' [--attention swa] [--seed 2]
+    python benchmarks/vllm_gpu_probe.py --replay 'REPLAY' [--config vllm-swa] [--seed 2]
 
-runs a soak failure's replay instead (the ``swa`` model by default, eagerly; on vLLM's CPU build
-without a GPU) and, for every
+runs a soak failure's replay instead, on the soak's engine of that configuration (benchmarks/soak.py:
+eager; vLLM's CPU build without a GPU) and, for every
 violation, prints what the adapter and vLLM hold for its slot: vLLM's block sizes and prefix-hash
 granularity, the full-attention slots the full-to-window map sends there, the book's content and
 vLLM's hash, ref count and hashed tokens of those blocks and of the window block, and the (full,
@@ -102,24 +102,21 @@ def describe_block(engine, block_id: int) -> str:
             f"hashed tokens {block.block_hash_num_tokens}; book: {book}")
 
 
-def replay(text: str, attention: str, seed: int) -> bool:
-    """Run a soak failure's replay (on CUDA where there is one, else vLLM's CPU build) and dump, per
-    violation, the slot's blocks and pairs."""
-    import torch
+def replay(text: str, config: str, seed: int) -> bool:
+    """Run a soak failure's replay on the soak's configuration `config` (soak.py: CUDA where there
+    is one, else vLLM's CPU build) and dump, per violation, the slot's blocks and pairs."""
+    from soak import configurations, soak_canary
 
-    from pytest_kvcanary.adapters.vllm.checkpoint import random_checkpoint
-    from pytest_kvcanary.adapters.vllm.engine import VllmEngine, VllmSettings
-    from pytest_kvcanary.config import CanaryConfig
     from pytest_kvcanary.handles.single import EngineHandle
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = VllmEngine(random_checkpoint(attention, 0), 0,
-                        VllmSettings(num_blocks=24 if attention == "mha" else 34, device=device))
+    build, why = configurations()[config]
+    if why is not None:
+        raise SystemExit(f"{config} cannot run here: {why}")
+    engine = build()
     manager = engine.book.manager
     print(f"block sizes {[g.kv_cache_spec.block_size for g in manager.kv_cache_config.kv_cache_groups]}, "
           f"hash block size {engine.book.pool.hash_block_size}, window groups {engine.book.window_groups}")
-    kernels = "triton" if device == "cuda" else "torch"
-    handle = EngineHandle(engine, CanaryConfig(real_data="partial", sweep_interval=4, kernels=kernels))
+    handle = EngineHandle(engine, soak_canary("partial"))
     handle.reset(seed, ())
     found = handle.run_workload(seed=seed, rounds=1, replay=text, shrink_trials=0)
     print(found.summary())
@@ -144,11 +141,12 @@ def main() -> int:
     parser.add_argument("--backends", nargs="+", default=["FLASH_ATTN"])
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"])
     parser.add_argument("--replay", help="a soak failure's replay text: run it and dump its violations' slots")
-    parser.add_argument("--attention", default="swa", choices=["mha", "swa"], help="the replay's model")
+    parser.add_argument("--config", default="vllm-swa", choices=["vllm-mha", "vllm-swa"],
+                        help="the soak configuration the replay came from")
     parser.add_argument("--seed", type=int, default=2, help="the replay's seed")
     args = parser.parse_args()
     if args.replay is not None:
-        return int(not replay(args.replay, args.attention, args.seed))
+        return int(not replay(args.replay, args.config, args.seed))
     failed = 0
     for backend in args.backends:
         for mode in args.modes:

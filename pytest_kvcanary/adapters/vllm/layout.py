@@ -242,9 +242,10 @@ def probe_paged(layer: Any, cache: torch.Tensor, heads: int, head_size: int) -> 
     matches."""
     matched = None
     for shape, block_axis in PAGED_SHAPES.items():
-        if _pair_view(cache, shape, heads, head_size) is None:
+        view = _pair_view(cache, shape, heads, head_size)
+        if view is None:
             continue
-        block_size = _pair_view(cache, shape, heads, head_size).shape[1]
+        block_size = view.shape[1]
         scratch = _scratch(cache, block_axis, 2)
         slots = torch.arange(block_size, dtype=torch.int64, device=cache.device) + block_size
         written = _pair_view(scratch, shape, heads, head_size)
@@ -267,6 +268,7 @@ def probe_paged(layer: Any, cache: torch.Tensor, heads: int, head_size: int) -> 
             f"the cache write of {type(layer.impl).__name__} does not store K and V as any layout the adapter knows "
             f"({', '.join(PAGED_SHAPES)}): cache shape {tuple(cache.shape)}, strides {cache.stride()}, "
             f"{heads} KV heads x {head_size}, dtype {cache.dtype}")
+
     def readable(layout: PagedLayout) -> bool:
         return all(ok for views in layout.views(cache, heads, head_size).values() for _, _, ok in views)
 
