@@ -192,15 +192,15 @@ def measure(engine: TransformersEngine, batch: int, real_data: str, kernels: str
             repeats: int) -> tuple[float, float, dict[str, float]]:
     """One run: (off ms, on ms, canary host us by phase) per decode step."""
     off, _ = run(engine, batch, prompt, new, repeats)
-    on, host = with_canary(engine, real_data, kernels, lambda: run(engine, batch, prompt, new, repeats))
+    on, host = with_canary(engine, real_data, kernels, lambda _: run(engine, batch, prompt, new, repeats))
     return off, on, host
 
 
-def with_canary(engine: TransformersEngine, real_data: str, kernels: str, work: Callable[[], T]) -> T:
-    """work()'s result with the canary attached to the engine around it; it must report nothing."""
+def with_canary(engine: TransformersEngine, real_data: str, kernels: str, work: Callable[[EngineHandle], T]) -> T:
+    """work(handle)'s result with the canary attached to the engine around it; it must report nothing."""
     handle = EngineHandle(engine, CanaryConfig(real_data=real_data, sweep_interval=SWEEP, kernels=kernels))
     handle.reset(0, ())
-    result = work()
+    result = work(handle)
     handle.side.runtime.drain()
     assert not handle.violations(), handle.violations()[:3]
     handle.close()
@@ -220,12 +220,16 @@ def time_to_first_token(engine: TransformersEngine, batch: int, prompt: int, see
 
 def measure_prefill(engine: TransformersEngine, batch: int, prompt: int, real_data: str, kernels: str,
                     run: int) -> tuple[float, float]:
-    """One run: (off ms, on ms) to the first token, each after a short warm-up generation."""
-    def warmed_ms() -> float:
+    """One run: (off ms, on ms) to the first token, each after a short warm-up generation; with the
+    canary, the warm-up ends with a sweep (its first one plans, compiles and captures: once an
+    engine, not once a prefill)."""
+    def warmed_ms(handle: EngineHandle | None) -> float:
         time_to_first_token(engine, 2, min(prompt, PREFILL_CHUNK), seed=-1 - run)
+        if handle is not None:
+            handle.side.runtime.sweep()
         return 1e3 * time_to_first_token(engine, batch, prompt, seed=run)
 
-    return warmed_ms(), with_canary(engine, real_data, kernels, warmed_ms)
+    return warmed_ms(None), with_canary(engine, real_data, kernels, warmed_ms)
 
 
 def synchronize(device: torch.device) -> None:

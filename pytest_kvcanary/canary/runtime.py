@@ -19,6 +19,7 @@ from .host_records import HostRecords
 from .seam import CanaryHost, ForwardView, optional
 from .log import ViolationLog
 from .plans import SweepPlan
+from .replay import LaunchReplay, buffers_key, view_tensors
 from .violation import Violation
 
 
@@ -94,6 +95,7 @@ class CanaryRuntime:
         full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
         self._walk_tag = launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind)  # a malformed walk's rows
         self._one_device = self.device.type != "cuda" or torch.cuda.device_count() == 1
+        self._replay = LaunchReplay(self.device, self.device.type == "cuda" and config.kernels == "triton")
         self.observers: list[ForwardObserver] = []
         self.on_end_forward: list[Callable[[], None]] = []
 
@@ -119,7 +121,7 @@ class CanaryRuntime:
             for observer in self.observers:
                 observer.before_forward(view)
         with self._on_device():
-            self._verify_view(view, Phase.HEAD)
+            self._replay.run((Phase.HEAD, self._buffers_key(view)), lambda: self._verify_view(view, Phase.HEAD))
 
     def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         group = self.group(kind)
@@ -132,7 +134,7 @@ class CanaryRuntime:
             src = state.sources[i]
             offset, stride = src.row_read()  # the stored read, over the rows as the forward computed them
             with self._on_device():
-                self.kernels.source_hash_rows(rows, src.read_bytes, out[:rows.shape[0]],
+                self.kernels.source_hash_rows(rows.contiguous(), src.read_bytes, out[:rows.shape[0]],
                                               sample_offset=offset, sample_stride=stride)
             state.stored.add(i)
 
@@ -146,8 +148,16 @@ class CanaryRuntime:
         self.log.note_forward()
 
     def _recheck_and_stamp(self, view: ForwardView) -> None:
+        written = [state.take_stored_hashes() for group in self.groups for state in group.halves.values()]
+        key = (Phase.TAIL, self._buffers_key(view), tuple(w is None for w in written))
+        self._replay.run(key, lambda: self._launch_recheck_and_stamp(view, written))
+
+    def _launch_recheck_and_stamp(self, view: ForwardView, written: list[torch.Tensor | None]) -> None:
+        """RECHECK, then TAIL; ``written``: each half's write-through hashes (None: not handed
+        over this forward), in the order of the groups and their halves."""
         if self.config.recheck:
             self._verify_view(view, Phase.RECHECK)
+        hashes = iter(written)
         for group in self.groups:
             group_view = view.for_group(group.pool.kind)
             for half, state in group.halves.items():
@@ -155,8 +165,13 @@ class CanaryRuntime:
                     state.records, state.sources, group.mapping, group_view, self.ring,
                     launch_tag(Phase.TAIL, half, group.pool.kind),
                     check_tokens=self.config.check_tokens, check_write_inputs=self.config.check_write_inputs,
-                    written_source_hashes=state.take_stored_hashes(),
+                    written_source_hashes=next(hashes),
                 )
+
+    def _buffers_key(self, view: ForwardView) -> tuple:
+        """The buffers a view launch takes that the runtime does not own (replay.py)."""
+        return buffers_key(view_tensors(view) + [t for g in self.groups
+                                                 for t in (g.mapping.table, g.mapping.full_to_group)])
 
     def end_forward(self, device_work: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
         self.forwards += 1

@@ -163,7 +163,8 @@ class ForwardHooks(Protocol):
         """Optional write-through, inside the forward at the KV-store point of ``layer`` (an index
         into the group's k_layers for k, into its v_layers for v): the K and V rows the forward computed for its
         tokens (either may be None: that half is not reported here), shaped ``[T, ...]`` in view
-        token order. TAIL then checks each written slot holds exactly that.
+        token order, any strides (only the layers the canary samples are copied, and only when
+        not contiguous past dim 0). TAIL then checks each written slot holds exactly that.
         Device work only."""
 
     def after_forward(self, view: ForwardView) -> None:

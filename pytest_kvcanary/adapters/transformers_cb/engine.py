@@ -484,7 +484,7 @@ class TransformersEngine:
             if report is not None and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 bound = signature.bind(*args, **kwargs).arguments
                 kind, index = targets[bound["layer_idx"]]
-                k, v = (bound[name][0].transpose(0, 1).contiguous() for name in ("key_states", "value_states"))
+                k, v = (bound[name][0].transpose(0, 1) for name in ("key_states", "value_states"))
                 report(kind, index, k, v)
             return update(*args, **kwargs)
 

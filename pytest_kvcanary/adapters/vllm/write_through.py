@@ -65,7 +65,7 @@ class WriteThrough:
                 for half, rows in ((Half.K, key), (Half.V, value)):
                     n = parts[half]
                     for j, chunk in enumerate(rows[index, head].chunk(n, dim=-1)):
-                        k, v = (chunk.contiguous(), None) if half is Half.K else (None, chunk.contiguous())
+                        k, v = (chunk, None) if half is Half.K else (None, chunk)
                         self.report(kind, (first_index + head) * n + j, k, v)
 
         impl.do_kv_cache_update = do_kv_cache_update
