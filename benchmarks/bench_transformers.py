@@ -42,7 +42,8 @@ step's start, the pace the loop settles at.
 Prefill (--prefill BxP): the time to first token of B fresh prompts of P tokens submitted together
 (a generation of one new token each, from submitting to the last token read back), canary off and
 on, chunked as transformers chunks prompts into forwards of at most PREFILL_CHUNK tokens; eager, as
-engines run prefill (CUDA graphs capture decode steps). One short generation warms each up.
+engines run prefill (CUDA graphs capture decode steps). One short generation warms each up, then,
+with the canary, one sweep (the first plans, compiles and captures: once an engine).
 """
 
 from __future__ import annotations
@@ -220,9 +221,7 @@ def time_to_first_token(engine: TransformersEngine, batch: int, prompt: int, see
 
 def measure_prefill(engine: TransformersEngine, batch: int, prompt: int, real_data: str, kernels: str,
                     run: int) -> tuple[float, float]:
-    """One run: (off ms, on ms) to the first token, each after a short warm-up generation; with the
-    canary, the warm-up ends with a sweep (its first one plans, compiles and captures: once an
-    engine, not once a prefill)."""
+    """One run: (off ms, on ms) to the first token, each after its warm-up (the module docstring)."""
     def warmed_ms(handle: EngineHandle | None) -> float:
         time_to_first_token(engine, 2, min(prompt, PREFILL_CHUNK), seed=-1 - run)
         if handle is not None:
