@@ -87,7 +87,7 @@ class WriteThrough:
             for half, rows in layout.token_features(key[index], value[index]).items():
                 rows = rows.to(kv_cache.dtype)
                 for j, path in enumerate(paths[half]):
-                    run = rows[(slice(None), *path)].reshape(rows.shape[0], -1).contiguous()
+                    run = rows[(slice(None), *path)].reshape(rows.shape[0], -1)
                     k, v = (run, None) if half is Half.K else (None, run)
                     self.report(kind, first[half] + j, k, v)
             return stored
