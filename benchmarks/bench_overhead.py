@@ -12,7 +12,7 @@ alias the first (the canary never reads them, and the floor below counts them an
 
 Per cell: the canary's cost per decode step, before_forward + after_forward + end_forward, as
 median device time over the steps (eager: CUDA events around the Python calls, whose launches the
-runtime replays from graphs of its own once they repeat, canary/replay.py; graph: the two
+runtime replays from graphs of its own once they repeat, launch_replay.py; graph: the two
 device halves captured in one CUDA graph and replayed, end_forward between replays), and the host
 time per forward (the calls, or the replay and end_forward, with no synchronisation inside). The step's physical floor is the time to
 read the weights (16.06 GB) and the step's KV (batch x context x 32 layers x 2 halves x 2 KiB) at

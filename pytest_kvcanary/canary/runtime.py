@@ -13,14 +13,23 @@ import kvcanary_kernels as K
 from kvcanary_kernels.records import GroupKind, Half, Phase, launch_tag
 
 from ..config import CanaryConfig
+from ..launch_replay import LaunchReplay, buffers_key
 from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .host_records import HostRecords
 from .seam import CanaryHost, ForwardView, optional
 from .log import ViolationLog
 from .plans import SweepPlan
-from .replay import LaunchReplay, buffers_key, view_tensors
 from .violation import Violation
+
+
+def view_tensors(view: ForwardView) -> list[torch.Tensor | None]:
+    """Every tensor of a view, its groups' inputs included, in a fixed order."""
+    tensors = [view.rows, view.prefix_lens, view.extend_lens, view.input_ids, view.positions,
+               view.token_table, view.context_keys]
+    for kind in sorted(view.group_inputs or ()):
+        tensors.extend(view.group_inputs[kind])
+    return tensors
 
 
 class ForwardObserver(Protocol):
@@ -169,7 +178,7 @@ class CanaryRuntime:
                 )
 
     def _buffers_key(self, view: ForwardView) -> tuple:
-        """The buffers a view launch takes that the runtime does not own (replay.py)."""
+        """The buffers a view launch takes that the runtime does not own (launch_replay.py)."""
         return buffers_key(view_tensors(view) + [t for g in self.groups
                                                  for t in (g.mapping.table, g.mapping.full_to_group)])
 

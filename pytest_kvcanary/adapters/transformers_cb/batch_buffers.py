@@ -104,12 +104,13 @@ class BatchBuffers:
         if n:
             run_counts = np.asarray(counts, dtype=np.int64)
             firsts = np.cumsum(run_counts) - run_counts  # each run's first entry
-            table = np.empty((3, n), dtype=np.int64)
+            table = entries[:, :n] if n == m else np.empty((3, n), dtype=np.int64)  # written in place if it fits
             table[0] = np.repeat(np.asarray(lanes, dtype=np.int64), run_counts)
-            table[1] = np.arange(n) + np.repeat(np.asarray(starts, dtype=np.int64) - firsts, run_counts)
-            table[2] = tokens  # the one conversion of a list as long as the entries
-            entries[:, :m] = table[:, :m]
+            table[1] = np.repeat(np.asarray(starts, dtype=np.int64) - firsts, run_counts)
+            table[1] += np.arange(n)
+            table[2] = np.fromiter(tokens, dtype=np.int64, count=n)  # the one conversion of a list as long as the entries
             if m < n:
+                entries[:, :m] = table[:, :m]
                 self._spill = table[:, m:]
         if m < held:
             entries[0, m:held] = self.scratch_row

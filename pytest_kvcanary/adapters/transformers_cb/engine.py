@@ -27,6 +27,7 @@ from kvcanary_kernels.records import UNKNOWN, GroupKind
 
 from ...canary.seam import (Arrival, CacheWalk, Capacities, EngineDefect, ForwardHooks, FreeListener, PagedWalk,
                             PoolGroup, RowOwners, SlotMapping, TokenScores)
+from ...launch_replay import LaunchReplay, buffers_key
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .forward_view import DerivedView, empty_tables, empty_view
@@ -130,6 +131,7 @@ class TransformersEngine:
         self._clear_lanes()
 
         self._hooks: ForwardHooks | None = None
+        self._view_staging = LaunchReplay(self.device, self.device.type == "cuda")
         self._stream_events = (torch.cuda.Event(), torch.cuda.Event()) if self.device.type == "cuda" else ()
         self._canary_graphs = canary_graphs
         self._use_cuda_graph = use_cuda_graph
@@ -448,13 +450,20 @@ class TransformersEngine:
         if inputs.get("block_table") is not None:
             raise UnsupportedModel("transformers runs this batch on its block-table decode path (flash attention "
                                    "with a KV cache); the canary reads the read and write indices of the SDPA path")
+        reads, writes = inputs["read_index"], inputs["write_index"]
+        self._view_staging.run((pair, buffers_key([*reads, *writes])), lambda: self._stage_view(pair, reads, writes))
+        self._head_pair = pair
+        hooks.before_forward(self._view)
+
+    def _stage_view(self, pair: int, read_index: Sequence[torch.Tensor], write_index: Sequence[torch.Tensor]) -> None:
+        """The staged buffer uploaded and its token entries applied, the view derived and its inputs
+        copied (device work only, the same launches for the same pair and index buffers: an eager
+        forward's are replayed from a CUDA graph once they repeat, launch_replay.py)."""
         self._buffers.upload()
         self._buffers.apply_tokens()
         derived = self._derived[pair]
-        derived.derive(inputs["read_index"], inputs["write_index"])
+        derived.derive(read_index, write_index)
         derived.copy_inputs()
-        self._head_pair = pair
-        hooks.before_forward(self._view)
 
     def feed_token(self, view: Any, index: int, token: int) -> None:
         """The forward about to run embeds `token` at view token `index` (optional CanaryHost extra,

@@ -1,12 +1,14 @@
-"""LaunchReplay: the canary's per-forward launches replayed from a CUDA graph when they repeat.
+"""LaunchReplay: a fixed sequence of device launches replayed from a CUDA graph when it repeats.
 
-An eager forward's HEAD and TAIL launch the same kernels on the same buffers forward after forward:
-an engine refills its view and mapping in place, and the kernels' grids and arguments follow from
-the buffers' addresses and shapes only (kvcanary_kernels.launch). Launching them costs the host
-hundreds of microseconds a forward (argument checks and Triton's launcher, several launches); a
-graph replay costs one launch. A key names every buffer the launches take that the runtime does not
-own (its address, shape, strides and dtype): the same key means the same launches, so a graph
-captured for a key replays them exactly, whatever the buffers hold now.
+Around an eager forward, the canary's HEAD and TAIL (the runtime) and an adapter's staging of the
+canary's view (the transformers adapter) launch the same kernels on the same buffers forward after
+forward: the buffers are refilled in place, and the launches' grids and arguments follow from the
+buffers' addresses and shapes only. Launching them costs the host tens to hundreds of microseconds
+a forward (argument checks, Triton's launcher, torch's dispatch, several launches); a graph replay
+costs one launch. A key names every buffer the launches take that their caller does not own (its
+address, shape, strides and dtype, ``buffers_key``): the same key means the same launches, so a
+graph captured for a key replays them exactly, whatever the buffers hold now. The launches must not
+synchronise with the host or depend on what the buffers hold.
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from .seam import ForwardView
-
 KEPT_GRAPHS = 8  # graphs kept (least recently replayed dropped first)
-MAX_CAPTURES = 32  # captures in a runtime's life: an engine whose buffers keep moving stays eager
+MAX_CAPTURES = 32  # captures in a replay's life: launches whose buffers keep moving stay eager
 
 
 def buffers_key(tensors: Iterable[torch.Tensor | None]) -> tuple:
@@ -27,19 +27,10 @@ def buffers_key(tensors: Iterable[torch.Tensor | None]) -> tuple:
     return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
 
 
-def view_tensors(view: ForwardView) -> list[torch.Tensor | None]:
-    """Every tensor of a view, its groups' inputs included, in a fixed order."""
-    tensors = [view.rows, view.prefix_lens, view.extend_lens, view.input_ids, view.positions,
-               view.token_table, view.context_keys]
-    for kind in sorted(view.group_inputs or ()):
-        tensors.extend(view.group_inputs[kind])
-    return tensors
-
-
 class LaunchReplay:
     """Runs a launch function for a key: eagerly the first time the key comes, eagerly and then
-    captured in a CUDA graph the second time, replayed from that graph after. Disabled (always
-    eager) off CUDA or with the torch kernels; eager while a CUDA graph is being captured (an
+    captured in a CUDA graph the second time, replayed from that graph after. Disabled: always
+    eager (its owner disables it off CUDA); eager while a CUDA graph is being captured (an
     engine's own graph then holds the launches)."""
 
     def __init__(self, device: torch.device, enabled: bool) -> None:
@@ -71,8 +62,9 @@ class LaunchReplay:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
-        # Not torch.cuda.graph: it synchronises the device and collects garbage first, for
-        # allocations inside the capture; these launches allocate nothing.
+        # Not torch.cuda.graph: it synchronises the device and collects garbage first, to free
+        # memory for the capture. What the launches allocate while captured (temporaries) comes
+        # from the graph's own memory pool, which capture_begin makes and the graph keeps.
         with torch.cuda.stream(self._stream):
             graph.capture_begin(capture_error_mode="thread_local")  # records; runs nothing
             try:
