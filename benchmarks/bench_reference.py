@@ -18,8 +18,10 @@ and log polls), synchronising the device around each.
 Variants, each `runs` times, interleaved: off (no hooks), canary (the engine's canary; tp=2: each
 rank's own), cross-rank (tp=2 only: each rank's canary and the comparison of the ranks' stamps,
 what a parallel test runs). Per variant: the median over runs of each run's median step time
-(tp=2: on rank 0), the spread of those run medians (min-max), the cost over off, and the same
-for the host time the canary's end_forward takes per step (sweeps and polls included).
+(tp=2: on rank 0) and the spread of those run medians (min-max); the cost over off, paired: each
+run against the off run just before it (the host's pace drifts between runs by more than the
+canary costs a step), the median of those differences and their spread; and the median host
+time the canary's end_forward takes per step (sweeps and polls included).
 """
 
 from __future__ import annotations
@@ -172,13 +174,15 @@ def main() -> None:
                         runs[variant].append(tuple(statistics.median(column) for column in zip(*steps)))
             finally:
                 ranks.close()
-            off = statistics.median(ms for ms, _ in runs["off"])
             for variant in variants:
                 step_ms = [ms for ms, _ in runs[variant]]
-                costs = sorted(100 * (ms - off_ms) / off_ms for (ms, _), (off_ms, _) in zip(runs[variant], runs["off"]))
-                m = statistics.median(step_ms)
-                print(f"| {batch} | {real_data} | {variant} | {m:.3f} | {min(step_ms):.3f}-{max(step_ms):.3f} | "
-                      f"{m - off:+.3f} ms ({100 * (m - off) / off:+.1f}%) | {costs[0]:+.1f}..{costs[-1]:+.1f}% | "
+                paired = [(ms - off_ms, 100 * (ms - off_ms) / off_ms)
+                          for (ms, _), (off_ms, _) in zip(runs[variant], runs["off"])]
+                costs = sorted(percent for _, percent in paired)
+                print(f"| {batch} | {real_data} | {variant} | {statistics.median(step_ms):.3f} | "
+                      f"{min(step_ms):.3f}-{max(step_ms):.3f} | "
+                      f"{statistics.median(ms for ms, _ in paired):+.3f} ms ({statistics.median(costs):+.1f}%) | "
+                      f"{costs[0]:+.1f}..{costs[-1]:+.1f}% | "
                       f"{statistics.median(us for _, us in runs[variant]):.0f} |", flush=True)
 
 
