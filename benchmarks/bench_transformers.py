@@ -43,7 +43,9 @@ Prefill (--prefill BxP): the time to first token of B fresh prompts of P tokens 
 (a generation of one new token each, from submitting to the last token read back), canary off and
 on, chunked as transformers chunks prompts into forwards of at most PREFILL_CHUNK tokens; eager, as
 engines run prefill (CUDA graphs capture decode steps). One short generation warms each up, then,
-with the canary, one sweep (the first plans, compiles and captures: once an engine).
+with the canary, one sweep (the first plans, compiles and captures: once an engine). A run measures
+off then on, the next on then off (a drift over the runs lands on both sides); the cost is paired:
+the median over runs of each run's on minus its off (ms and %), with the spread of the %.
 """
 
 from __future__ import annotations
@@ -221,13 +223,19 @@ def time_to_first_token(engine: TransformersEngine, batch: int, prompt: int, see
 
 def measure_prefill(engine: TransformersEngine, batch: int, prompt: int, real_data: str, kernels: str,
                     run: int) -> tuple[float, float]:
-    """One run: (off ms, on ms) to the first token, each after its warm-up (the module docstring)."""
+    """One run: (off ms, on ms) to the first token, each after its warm-up (the module docstring);
+    even runs measure off first, odd runs on first."""
     def warmed_ms(handle: EngineHandle | None) -> float:
+        if handle is None:  # an empty cache, as the handle's reset leaves it (the sides' prompts are the same)
+            engine.reset()
         time_to_first_token(engine, 2, min(prompt, PREFILL_CHUNK), seed=-1 - run)
         if handle is not None:
             handle.side.runtime.sweep()
         return 1e3 * time_to_first_token(engine, batch, prompt, seed=run)
 
+    if run % 2:
+        on = with_canary(engine, real_data, kernels, warmed_ms)
+        return warmed_ms(None), on
     return warmed_ms(None), with_canary(engine, real_data, kernels, warmed_ms)
 
 
@@ -257,7 +265,8 @@ def prefill_rows(model: Any, tokenizer: Any, cells: list[tuple[int, int]], real_
             measured = [measure_prefill(engine, batch, prompt, real_data, kernels, run) for run in range(runs)]
             costs = sorted(100 * (on - off) / off for off, on in measured)
             off, on = (statistics.median(column) for column in zip(*measured))
-            print(f"| {batch}x{prompt} | {real_data} | {off:.1f} | {on:.1f} | {on - off:.1f} | "
+            paired_ms = statistics.median(on_ms - off_ms for off_ms, on_ms in measured)
+            print(f"| {batch}x{prompt} | {real_data} | {off:.1f} | {on:.1f} | {paired_ms:.1f} | "
                   f"{statistics.median(costs):.2f}% | {costs[0]:.2f}..{costs[-1]:.2f}% |", flush=True)
         del engine
         if torch.cuda.is_available():
