@@ -13,10 +13,10 @@ import kvcanary_kernels as K
 from kvcanary_kernels.records import GroupKind, Half, Phase, launch_tag
 
 from ..config import CanaryConfig
-from ..launch_replay import LaunchReplay, buffers_key
 from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .host_records import HostRecords
+from .launch_replay import LaunchReplay, buffers_key
 from .seam import CanaryHost, ForwardView, optional
 from .log import ViolationLog
 from .plans import SweepPlan

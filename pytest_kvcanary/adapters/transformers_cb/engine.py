@@ -25,9 +25,9 @@ import torch
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import UNKNOWN, GroupKind
 
+from ...canary.launch_replay import LaunchReplay, buffers_key
 from ...canary.seam import (Arrival, CacheWalk, Capacities, EngineDefect, ForwardHooks, FreeListener, PagedWalk,
                             PoolGroup, RowOwners, SlotMapping, TokenScores)
-from ...launch_replay import LaunchReplay, buffers_key
 from .batch_buffers import BatchBuffers
 from .block_log import BlockLog
 from .forward_view import DerivedView, empty_tables, empty_view

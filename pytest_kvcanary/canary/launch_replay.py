@@ -8,7 +8,8 @@ a forward (argument checks, Triton's launcher, torch's dispatch, several launche
 costs one launch. A key names every buffer the launches take that their caller does not own (its
 address, shape, strides and dtype, ``buffers_key``): the same key means the same launches, so a
 graph captured for a key replays them exactly, whatever the buffers hold now. The launches must not
-synchronise with the host or depend on what the buffers hold.
+synchronise with the host or depend on what the buffers hold. It holds no canary state (an adapter
+uses it beside the seam, for its own launches).
 """
 
 from __future__ import annotations
