@@ -484,7 +484,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         try:
             config.stash[_RESULTS].write_json(settings.report, settings.to_json())
         except OSError as e:
-            config.stash[_RESULTS].report_error = f"{e.strerror or e}: {e.filename or settings.report}"
+            config.stash[_RESULTS].report_error = (f"{e.strerror}: {e.filename or settings.report}" if e.strerror
+                                                   else str(e))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -10,6 +10,8 @@ each engine served, so the summary, the JSON report and the per-test numbers alw
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
@@ -24,6 +26,29 @@ INJECTION_FIELDS = ("mode", "side", "group", "slot", "position", "row", "half", 
 # Per-side counters of an engine: summed over its tests (each test's counters start at its reset).
 COUNTERS = ("forwards", "protected_tokens", "sweeps", "violations", "rows", "dropped")
 SHOWN_COUNTERS = COUNTERS[:4]
+
+
+def report_target(path: Path) -> Path:
+    """Where a report for `path` is written: the path itself, or the file a symlink at it points
+    to (followed to the end; a dangling link's target is created). OSError for a link loop."""
+    try:
+        return Path(os.path.realpath(path, strict=False))
+    except RuntimeError as e:  # a symlink loop, on Pythons that raise it so
+        raise OSError(f"symlink loop ({e})") from None
+
+
+def special_file(path: Path) -> str | None:
+    """What `path` is when it exists and is neither a regular file nor a directory ("a FIFO",
+    "a character device", ...), else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
 
 
 def _count(n: int, noun: str) -> str:
@@ -334,9 +359,15 @@ class RunResults:
         return lines
 
     def write_json(self, path: Path, config: dict[str, Any]) -> None:
-        """Write the report atomically (a temporary file renamed over it): an interrupt never
-        leaves half a report. Raises OSError when the path cannot be written."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write the report atomically (a temporary file beside it renamed over it): an interrupt
+        never leaves half a report. A symlink is followed (its target gets the report). Raises
+        OSError, naming `path`, when the path cannot be written or is not a regular file or a new
+        path (a device, FIFO or directory is never replaced)."""
+        target = report_target(path)
+        if target.is_dir() or (kind := special_file(target)) is not None:
+            what = "a directory" if target.is_dir() else kind
+            raise OSError(f"{target} is {what}; a report is written to a regular file or a new path only")
+        target.parent.mkdir(parents=True, exist_ok=True)
         document = {
             "config": config,
             "run": {"interrupted": self.interrupted, "crashed_workers": self.crashed_workers},
@@ -345,6 +376,9 @@ class RunResults:
             "soak": self.soak_totals(),
             "workers": self.worker_devices(),
         }
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(json.dumps(document, indent=2) + "\n")
-        partial.replace(path)
+        partial = target.with_name(f".{target.name}.partial")
+        try:
+            partial.write_text(json.dumps(document, indent=2) + "\n")
+            partial.replace(target)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(target)) from None

@@ -19,6 +19,7 @@ from .adapters.vllm.isa import CHOICES as VLLM_ATTENTION_ISAS, ENV as VLLM_ATTEN
 from .config import CANARY_MODES, REAL_DATA_MODES, CanaryConfig
 from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem, parallel_problem
 from .gpu import AUTO, DEVICE_SETTINGS, count_gpus
+from .report import report_target, special_file
 from .soak.workload import Workload
 
 
@@ -242,7 +243,8 @@ def _usage(source: str, raw: str, problem: str) -> pytest.UsageError:
 
 
 def _writable_dir(directory: Path) -> str | None:
-    """Why files cannot be created in `directory` (created first when missing), or None."""
+    """Why files cannot be created in `directory` (created first when missing), or None. The
+    reason names the directory, not the probe file made in it."""
     existing = next(p for p in (directory, *directory.parents) if p.exists())
     if not existing.is_dir():
         return f"{existing} is not a directory"
@@ -251,15 +253,25 @@ def _writable_dir(directory: Path) -> str | None:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
-        return f"{e.strerror or e}: {e.filename or directory}"
+        return f"{e.strerror or e}: {directory}"
     return None
 
 
 def _writable_file(path: Path) -> str | None:
-    """Why `path` cannot be written (nothing is created but missing parent directories), or None."""
-    if path.is_dir():
-        return "is a directory"
-    return _writable_dir(path.parent)
+    """Why a report cannot be written to `path` (nothing is created but missing parent
+    directories), or None. A symlink is followed: the report goes to its target. Only a regular
+    file or a new path takes a report; a device, FIFO, socket or directory is refused (the
+    report is renamed into place, which would replace the node)."""
+    try:
+        target = report_target(path)
+    except OSError as e:
+        return f"{e.strerror or e}: {path}"
+    shown = f"{path} -> {target}" if target != path.absolute() else str(path)
+    if target.is_dir():
+        return "is a directory" if shown == str(path) else f"{shown} is a directory"
+    if (kind := special_file(target)) is not None:
+        return f"{shown} is {kind}; a report is written to a regular file or a new path only"
+    return _writable_dir(target.parent)
 
 
 def check_paths(settings: Settings, sources: dict[str, str], raw: dict[str, str]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import stat
+from pathlib import Path
 
 import pytest
 
@@ -396,3 +398,69 @@ def test_pipeline_stages_on_transformers_are_usage_errors(kvtester: pytest.Pytes
     source = "--kv-canary-pp" if args else "ini option kv_canary_pp"
     result.stderr.fnmatch_lines([f"ERROR: {source} must be 1 with engine 'transformers': it runs parallel over tp "
                                  "only; got '2'"])
+
+
+def test_a_report_path_that_is_a_fifo_is_refused_and_left_as_it_is(kvtester: pytest.Pytester) -> None:
+    """The report is renamed into place: over a FIFO (or a device: never tested on a real one) it
+    would replace the node with a regular file. It is a usage error naming the path instead."""
+    kvtester.makepyfile("def test_a(): print('RAN')")
+    fifo = kvtester.path / "fifo"
+    os.mkfifo(fifo)
+    result = kvtester.runpytest_subprocess("-s", "--kv-canary-report=fifo")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.errlines if line.strip()] == [
+        f"ERROR: --kv-canary-report must be a writable file path ({fifo} is a FIFO; a report is written to a "
+        "regular file or a new path only); got 'fifo'"]
+    assert "RAN" not in result.stdout.str() and stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
+def test_a_symlinked_report_path_is_followed_to_its_target(kvtester: pytest.Pytester) -> None:
+    """The link stays a link; its target (a regular file, or a new path) gets the report. A link
+    to a FIFO is refused like the FIFO."""
+    kvtester.makepyfile("def test_a(): pass")
+    (kvtester.path / "reports").mkdir()
+    link = kvtester.path / "kv.json"
+    link.symlink_to(kvtester.path / "reports" / "kv.json")  # dangling: the run creates the target
+    kvtester.runpytest("--kv-canary-report=kv.json").assert_outcomes(passed=1)
+    assert link.is_symlink() and "tests" in json.loads((kvtester.path / "reports" / "kv.json").read_text())
+    kvtester.runpytest("--kv-canary-report=kv.json").assert_outcomes(passed=1)  # over the old report
+    assert link.is_symlink() and (kvtester.path / "reports" / "kv.json").is_file()
+
+    os.mkfifo(kvtester.path / "fifo")
+    (kvtester.path / "to-fifo").symlink_to(kvtester.path / "fifo")
+    result = kvtester.runpytest_subprocess("--kv-canary-report=to-fifo")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --kv-canary-report must be a writable file path ({kvtester.path}/to-fifo -> "
+                                 f"{kvtester.path}/fifo is a FIFO; *); got 'to-fifo'"])
+    assert stat.S_ISFIFO((kvtester.path / "fifo").lstat().st_mode)
+
+
+def test_a_report_path_that_became_a_fifo_during_the_run_is_not_replaced(tmp_path: Path) -> None:
+    """The write checks again: what became a FIFO since start-up is refused, not replaced."""
+    from pytest_kvcanary.report import RunResults
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "fifo")
+    for name in ("fifo", "link"):
+        with pytest.raises(OSError, match=f"^{tmp_path}/fifo is a FIFO; a report is written to a regular file"):
+            RunResults().write_json(tmp_path / name, {})
+    assert stat.S_ISFIFO((tmp_path / "fifo").lstat().st_mode) and (tmp_path / "link").is_symlink()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_a_read_only_report_directory_is_named_not_a_probe_file(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("def test_a(): pass")
+    locked = kvtester.mkdir("locked")
+    locked.chmod(0o500)
+    try:
+        result = kvtester.runpytest_subprocess("--kv-canary", "--kv-canary-report=locked/kv.json",
+                                               "--kv-canary-lock-dir=locked/locks")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        assert [line for line in result.errlines if line.strip()] == [
+            f"ERROR: --kv-canary-report must be a writable file path (Permission denied: {locked}); "
+            "got 'locked/kv.json'"]
+        result = kvtester.runpytest_subprocess("--kv-canary", "--kv-canary-lock-dir=locked")
+        result.stderr.fnmatch_lines([f"ERROR: --kv-canary-lock-dir must be a writable directory (Permission denied: "
+                                     f"{locked}); got 'locked'"])
+    finally:
+        locked.chmod(0o700)
