@@ -197,10 +197,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             config.stash[_LEASES].try_primary()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        for message in markers.ignored(item):
-            item.warn(markers.KvMarkerWarning(message))
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> Any:
+    """Warn about kv markers that do nothing (markers.ignored) as each test is collected: inside
+    its module's collection, where `-W error` makes the warning that module's collection error
+    (as pytest's own unknown-marker warning), not an internal error."""
+    made = yield
+    for item in made if isinstance(made, list) else [made]:
+        if isinstance(item, pytest.Item):
+            for message in markers.ignored(item):
+                item.warn(markers.KvMarkerWarning(message))
+    return made
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

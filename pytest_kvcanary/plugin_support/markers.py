@@ -40,6 +40,7 @@ MARKER_FIXTURES = {
     "kv_perturb": _ENGINE_FIXTURES,
     "kv_canary": _ENGINE_FIXTURES,
     "kv_attention": (*_ENGINE_FIXTURES, "kv_attention_kind"),
+    "kv_parallel": _ENGINE_FIXTURES,
 }
 
 

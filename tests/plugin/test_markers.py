@@ -251,3 +251,36 @@ def test_an_unused_cache_fault_with_the_sweep_off_is_a_marker_error(kvtester: py
     result = kvtester.runpytest("--kv-canary", "--kv-canary-sweep-interval=0")
     result.assert_outcomes(errors=2)
     result.stdout.fnmatch_lines(["*ERROR at setup of test_sweeps*", message])
+
+
+@pytest.mark.parametrize("how", [["-W", "error"], ["-W", "error::pytest_kvcanary.plugin_support.markers.KvMarkerWarning"]])
+def test_a_marker_warning_under_w_error_is_one_collection_error(kvtester: pytest.Pytester, how: list[str]) -> None:
+    """As pytest's own unknown-marker warning: the module fails to collect, with the warning's
+    message and no INTERNALERROR; the other modules run."""
+    kvtester.makepyfile(test_warns="""
+        import pytest
+
+        @pytest.mark.kv_perturb("real_kv_used")
+        def test_forgot_the_engine(): pass
+    """, test_fine="def test_fine(): pass")
+    result = kvtester.runpytest("--kv-canary", *how)
+    assert result.ret == pytest.ExitCode.INTERRUPTED  # the collection error stops the run before any test
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*ERROR collecting test_warns.py*",
+                                 "*KvMarkerWarning: kv_perturb('real_kv_used') on test_warns.py::test_forgot_the_engine "
+                                 "does nothing*"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    kvtester.runpytest("--kv-canary", *how, "--continue-on-collection-errors").assert_outcomes(passed=1, errors=1)
+
+
+def test_kv_parallel_on_a_test_without_kv_fixtures_warns(kvtester: pytest.Pytester) -> None:
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_parallel(tp=2)
+        def test_forgot_the_engine(): pass
+    """)
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*KvMarkerWarning: kv_parallel(tp=2) on *::test_forgot_the_engine does nothing: the "
+                                 "test uses none of the fixtures it acts through (kv_engine, kv_pd, kv_canary)"])
