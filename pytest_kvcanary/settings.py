@@ -16,8 +16,8 @@ from typing import Any, Callable, NamedTuple
 import pytest
 
 from .adapters.vllm.isa import CHOICES as VLLM_ATTENTION_ISAS, ENV as VLLM_ATTENTION_ISA_ENV
-from .config import CANARY_MODES, REAL_DATA_MODES, CanaryConfig
-from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem, parallel_problem
+from .config import ATTENTION_KINDS, CANARY_MODES, REAL_DATA_MODES, CanaryConfig
+from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem, parallel_problem, split_problem
 from .gpu import AUTO, DEVICE_SETTINGS, count_gpus
 from .report import report_target, special_file
 from .soak.workload import Workload
@@ -314,7 +314,8 @@ def check_engine(settings: Settings, sources: dict[str, str], raw: dict[str, str
 def check_parallel(settings: Settings, sources: dict[str, str], raw: dict[str, str]) -> None:
     """A parallel engine the run asks for (--kv-canary-tp / --kv-canary-pp or their ini keys) is one
     the run's engine has (factories.parallel_problem), and on GPUs there is one per rank (NCCL
-    refuses two ranks on one GPU)."""
+    refuses two ranks on one GPU), and the engine's model splits so for the default attention kind
+    (factories.split_problem; a kind that does not split skips its tests)."""
     ranks = settings.tp * settings.pp
     if ranks == 1:
         return
@@ -323,9 +324,17 @@ def check_parallel(settings: Settings, sources: dict[str, str], raw: dict[str, s
         name = f"kv_canary_{field}"
         raise _usage(sources[name], str(raw[name]), why)
     name = "kv_canary_tp" if settings.tp > 1 else "kv_canary_pp"
+    model = str(settings.model) if settings.model else None
+    if why := split_problem(settings.engine, DEFAULT_ATTENTION, settings.tp, settings.pp, settings.seed, model):
+        name = "kv_canary_pp" if why.startswith("pp=") else name
+        raise _usage(sources[name], str(raw[name]), f"must split the {settings.engine} engine's model "
+                     f"({'--kv-canary-model' if model else 'its default'}, {DEFAULT_ATTENTION}): {why}")
     if settings.device != "cpu" and 0 < (gpus := count_gpus()) < ranks:
         raise _usage(sources[name], str(raw[name]), f"needs {ranks} GPUs (tp x pp ranks, one GPU each: NCCL refuses two "
                      f"ranks on one GPU), {gpus} visible; --kv-canary-device=cpu runs the ranks on the CPU")
+
+
+DEFAULT_ATTENTION = ATTENTION_KINDS[0]
 
 
 def split_bare_flag(args: list[str]) -> list[str]:

@@ -14,17 +14,32 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from ..canary.seam import UnsupportedAttention
 from .config import ModelConfig
 from .model import CausalLM
 
 MODEL_TYPES = ("llama", "qwen2")
 
 
+def _dtype(hf: dict[str, Any]) -> torch.dtype:
+    """The dtype config.json names (torch_dtype, else dtype; float32 without either)."""
+    key = "torch_dtype" if hf.get("torch_dtype") else "dtype"
+    name = hf.get(key) or "float32"
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"config.json {key} must name a torch dtype (float32, float16, bfloat16); got {name!r}")
+    return dtype
+
+
 def read_config(path: str | Path, **overrides: Any) -> ModelConfig:
-    """The ModelConfig of the checkpoint at path; overrides (ModelConfig fields) win."""
+    """The ModelConfig of the checkpoint at path; overrides (ModelConfig fields) win.
+    UnsupportedAttention for attention="mla": a Llama / Qwen2 checkpoint has no latent attention."""
     hf = json.loads((Path(path) / "config.json").read_text())
     if hf.get("model_type") not in MODEL_TYPES:
         raise ValueError(f"config.json model_type must be one of {', '.join(MODEL_TYPES)}; got {hf.get('model_type')!r}")
+    if overrides.get("attention") == "mla":
+        raise UnsupportedAttention(f"engine 'reference' runs the {hf['model_type']} checkpoint {str(path)!r} as mha or "
+                                   "swa only: it has no mla (latent attention) tensors")
     if hf.get("rope_scaling"):
         raise ValueError(f"config.json rope_scaling is not supported; got {hf['rope_scaling']!r}")
     if hf.get("hidden_act", "silu") != "silu":
@@ -43,7 +58,7 @@ def read_config(path: str | Path, **overrides: Any) -> ModelConfig:
         max_context=hf.get("max_position_embeddings", ModelConfig.max_context),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         qkv_bias=hf.get("attention_bias", hf["model_type"] == "qwen2"),
-        dtype=getattr(torch, hf.get("torch_dtype") or hf.get("dtype") or "float32", None),
+        dtype=_dtype(hf),
     )
     return ModelConfig(**{**fields, **overrides})
 
@@ -57,6 +72,11 @@ def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         raise ValueError("has no *.safetensors file")
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
+        try:
+            with open(f, "rb"):  # safetensors reports an unreadable file as a missing one
+                pass
+        except OSError as e:
+            raise ValueError(f"has a {f.name} that cannot be read ({e.strerror or e})") from None
         try:
             with safe_open(str(f), framework="numpy") as st:
                 shapes.update((name, tuple(st.get_slice(name).get_shape())) for name in st.keys())

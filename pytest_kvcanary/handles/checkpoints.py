@@ -15,11 +15,17 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 def _config(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(config.json as a dict, None), or (None, why it cannot serve)."""
     config = path / "config.json"
+    if config.is_dir():
+        return None, "has a config.json that is a directory, not a file"
     if not config.is_file():
         return None, "has no config.json"
     try:
-        hf = json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = config.read_bytes()
+    except OSError as e:
+        return None, f"has a config.json that cannot be read ({e.strerror or e})"
+    try:
+        hf = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         return None, f"has a config.json that is not valid JSON ({e})"
     if not isinstance(hf, dict):
         return None, "has a config.json that is not a JSON object"

@@ -95,6 +95,25 @@ def parallel_problem(name: str, tp: int, pp: int) -> tuple[str, str] | None:
     return None
 
 
+def split_problem(name: str, attention: str, tp: int, pp: int, seed: int, model: str | None) -> str | None:
+    """Why the model of built-in engine `name` (its default, or the checkpoint `model`) cannot be
+    split over tp x pp ranks for this attention kind: what its shard factory's check says ("tp=3
+    must divide model.num_heads (4): ..."), or None (also for an engine or kind it does not run:
+    parallel_problem and the engine say so)."""
+    if tp * pp == 1 or parallel_problem(name, tp, pp) or engine_problem(name):
+        return None
+    from ..canary.seam import UnsupportedAttention
+    from ..engine.parallel.topology import Topology
+
+    try:
+        make_shards(name, attention, seed, model).check(Topology(tp, pp))
+    except UnsupportedAttention:
+        return None
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def parallel_engines() -> list[str]:
     """The built-in engines that run parallel, each with what it splits over."""
     return [f"{name} ({' x '.join(b.splits)})" for name, b in BUILTIN_ENGINES.items() if b.splits]

@@ -26,7 +26,7 @@ from ..config import CanaryConfig, PerturbSpec
 from ..engine.parallel.topology import Topology
 from ..perturb.ledger import Injection
 from . import rank
-from .factories import NoPrefillDecodePair, make_shards
+from .factories import NoParallelEngine, NoPrefillDecodePair, make_shards
 from .rank import RankContext, RankReport, RankSpec
 from .sided import RequestSender
 
@@ -203,9 +203,15 @@ def _unsupported(perturbs: tuple[PerturbSpec, ...], context: RankContext) -> str
 def start_parallel(kind: str, topology: Topology, *, canary: CanaryConfig, attention: str, devices: Sequence[str],
                    seed: int, model: str | None, engine_name: str = "reference") -> ParallelHandle:
     """The built-in engine `engine_name` split over topology's ranks (factories.make_shards), rank r
-    on devices[r] (one device: every rank on it, as on a CPU). Raises what make_shards raises, and
+    on devices[r] (one device: every rank on it, as on a CPU). Raises what make_shards raises,
+    NoParallelEngine when the model does not split over topology (the shard factory's check), and
     NoPrefillDecodePair for kind "pd" of an engine without pairs."""
     shards = make_shards(engine_name, attention, seed, model)
+    try:
+        shards.check(topology)
+    except ValueError as e:  # the model does not split so: the test skips (plugin), saying why
+        raise NoParallelEngine(f"kv_parallel(tp={topology.tp}, pp={topology.pp}): engine {engine_name!r} on "
+                               f"{attention} cannot split its model so: {e}") from None
     if kind == "pd" and not shards.pairs:
         raise NoPrefillDecodePair(f"kv_pd under kv_parallel needs prefill/decode pairs of engine {engine_name!r}, "
                                   "and it has none (the reference engine has)")

@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch  # noqa: F401  # loaded before any inline run: a parallel run's start-up check imports it
 
 from pytest_kvcanary.settings import split_bare_flag
 
@@ -358,7 +359,7 @@ def test_unmarked(kv_engine):
     "args, expected",
     [
         ((), ["ENGINE 2 2 cpu", "ENGINE 2 1 cpu"]),  # the marker's pp over the ini's, the ini's tp
-        (("--kv-canary-tp=4", "--kv-canary-pp=1"), ["ENGINE 4 1 cpu", "ENGINE 4 1 cpu"]),  # command line over both
+        (("--kv-canary-tp=1", "--kv-canary-pp=4"), ["ENGINE 1 4 cpu", "ENGINE 1 4 cpu"]),  # command line over both
     ],
     ids=["marker-over-ini", "cli-over-marker"],
 )
@@ -464,3 +465,46 @@ def test_a_read_only_report_directory_is_named_not_a_probe_file(kvtester: pytest
                                      f"{locked}); got 'locked'"])
     finally:
         locked.chmod(0o700)
+
+
+@pytest.mark.parametrize(("args", "ini", "source", "value", "why"), [
+    (["--kv-canary-tp=3"], "", "--kv-canary-tp", "3", "tp=3 must divide model.num_heads (4)"),
+    (["--kv-canary-tp=8"], "", "--kv-canary-tp", "8", "tp=8 must divide model.num_heads (4)"),
+    (["--kv-canary-pp=3"], "", "--kv-canary-pp", "3", "pp=3 must divide model.num_layers (4)"),
+    ([], "kv_canary_tp = 3", "ini option kv_canary_tp", "3", "tp=3 must divide model.num_heads (4)"),
+], ids=["tp3", "tp8", "pp3", "ini-tp3"])
+def test_a_split_the_model_cannot_take_is_a_usage_error(kvtester: pytest.Pytester, args: list[str], ini: str,
+                                                        source: str, value: str, why: str) -> None:
+    """From the command line or the ini file, before any test: not a traceback in every test."""
+    kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
+    kvtester.makeini(f"[pytest]\n{ini}\n")
+    result = kvtester.runpytest_subprocess("-s", "--kv-canary", "--kv-canary-device=cpu", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.errlines if line.strip()] == [
+        f"ERROR: {source} must split the reference engine's model (its default, mha): {why}: each "
+        f"{'rank holds an equal share' if why.startswith('tp') else 'stage holds equal layers'}; got '{value}'"]
+    assert "RAN" not in result.stdout.str() and "Traceback" not in result.stderr.str()
+
+
+def test_a_marker_split_the_model_cannot_take_skips_naming_it(realtester: pytest.Pytester) -> None:
+    """kv_parallel asks per test: a split the model (or its attention kind) cannot take skips the
+    test, naming the split and the model's numbers, before any rank starts."""
+    realtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_parallel(tp=3)
+        def test_three_ranks(kv_engine): pass
+
+        @pytest.mark.kv_attention("swa")
+        @pytest.mark.kv_parallel(pp=4)
+        def test_four_stages_on_swa(kv_engine): pass
+    """)
+    result = realtester.runpytest_subprocess("--kv-canary", "--kv-canary-device=cpu", "-rs")
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines_random([
+        "SKIPPED * kv_parallel(tp=3, pp=1): engine 'reference' on mha cannot split its model so: tp=3 must divide "
+        "model.num_heads (4): each rank holds an equal share",
+        "SKIPPED * kv_parallel(tp=1, pp=4): engine 'reference' on swa cannot split its model so: pp=4 must leave each "
+        "stage a multiple of model.full_every (2) layers on swa; got 1 layers per stage",
+    ])
+    assert "Traceback" not in result.stdout.str()

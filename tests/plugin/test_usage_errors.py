@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+from pathlib import Path
 
+import numpy  # noqa: F401  # loaded before any inline run (which would unload it: numpy loads once a process)
 import pytest
+import torch  # noqa: F401  # likewise: a start-up check of a run may import it
 
 LLAMA = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
          "intermediate_size": 16, "vocab_size": 300}
@@ -17,6 +21,10 @@ CHECKPOINTS = [
      "has model_type 'gpt2', which the engine does not support (llama, qwen2)"),
     ({"config.json": json.dumps(LLAMA)}, "reference", "has no weights (*.safetensors or pytorch_model*.bin)"),
     ({}, "reference", "has no config.json"),
+    ({"config.json/": ""}, "reference", "has a config.json that is a directory, not a file"),
+    ({"config.json": json.dumps({**LLAMA, "torch_dtype": "float33"}), "model.safetensors": ""}, "reference",
+     "has a config.json the engine cannot read (config.json torch_dtype must name a torch dtype (float32, float16, "
+     "bfloat16); got 'float33')"),
     ({"config.json": "[1, 2]"}, "transformers", "has a config.json that is not a JSON object"),
     ({"config.json": json.dumps({**LLAMA, "model_type": "no-such-type"}), "model.safetensors": ""}, "transformers",
      "has model_type 'no-such-type', which the engine does not support (the types it knows)"),
@@ -46,7 +54,10 @@ def test_a_model_directory_the_engine_cannot_load(kvtester: pytest.Pytester, fil
     kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
     ckpt = kvtester.mkdir("ckpt")
     for name, text in files.items():
-        (ckpt / name).write_text(text)
+        if name.endswith("/"):
+            (ckpt / name).mkdir()
+        else:
+            (ckpt / name).write_text(text)
     result = kvtester.runpytest_subprocess("-s", "--kv-canary", f"--kv-canary-engine={engine}",
                                            "--kv-canary-model=ckpt")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -115,3 +126,48 @@ def test_nothing_is_checked_when_the_canary_is_off(kvtester: pytest.Pytester) ->
     kvtester.makepyfile("def test_a(): pass")
     kvtester.mkdir("ckpt")
     kvtester.runpytest("--kv-canary-device=cuda", "--kv-canary-model=ckpt").assert_outcomes(passed=1)
+
+
+def _llama_checkpoint(path: Path) -> Path:
+    from pytest_kvcanary.engine.config import ModelConfig
+    from pytest_kvcanary.engine.model import CausalLM
+    from pytest_kvcanary.engine.weights import save_checkpoint
+
+    save_checkpoint(CausalLM(ModelConfig(num_layers=2, hidden=32, intermediate=64)), path)
+    return path
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files at mode 000")
+@pytest.mark.parametrize("name, problem", [
+    ("config.json", "has a config.json that cannot be read (Permission denied)"),
+    ("model.safetensors", "has a model.safetensors that cannot be read (Permission denied)"),
+])
+def test_an_unreadable_checkpoint_file_is_named_as_unreadable(kvtester: pytest.Pytester, name: str,
+                                                              problem: str) -> None:
+    """Not "No such file or directory" nor "not valid JSON": what is wrong is the file's mode."""
+    kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
+    ckpt = _llama_checkpoint(kvtester.path / "ckpt")
+    (ckpt / name).chmod(0)
+    result = kvtester.runpytest_subprocess("-s", "--kv-canary", "--kv-canary-model=ckpt")
+    _one_usage_error(result, f"ERROR: --kv-canary-model must be a checkpoint the reference engine can load: the "
+                             f"directory {problem}; got 'ckpt'")
+
+
+def test_mla_on_a_llama_checkpoint_skips(kvtester: pytest.Pytester) -> None:
+    """The reference engine runs a Llama checkpoint as mha or swa: an mla test skips saying so,
+    instead of a load error in every test; the mha test runs."""
+    kvtester.makeconftest("")  # the real harness
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_attention("mla")
+        def test_latent(kv_engine): pass
+
+        def test_full(kv_engine): pass
+    """)
+    _llama_checkpoint(kvtester.path / "ckpt")
+    result = kvtester.runpytest_subprocess("--kv-canary", "--kv-canary-device=cpu", "--kv-canary-model=ckpt", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * engine 'reference' runs the llama checkpoint '*ckpt' as mha or swa only: it "
+                                 "has no mla (latent attention) tensors"])
+    assert "Traceback" not in result.stdout.str()
