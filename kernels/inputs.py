@@ -88,6 +88,20 @@ class GroupInputs(NamedTuple):
     positions: torch.Tensor
 
 
+class StateInputs(NamedTuple):
+    """A forward's recurrent-state slots (a hybrid model's STATE group), per batch row: int64 [B]
+    on the engine's device, the very tensors the forward's state layers consume for their reads and
+    writes. slots: the slot whose state the row's forward starts from (the state after the row's
+    prefix_len tokens) and writes back (after prefix_len + extend_len); 0 in a padded row.
+    checkpoint_slots: a slot the forward also writes with the row's state after checkpoint_lens
+    tokens (prefix_len < checkpoint_len <= prefix_len + extend_len; 0: none), which the prefix
+    cache then owns."""
+
+    slots: torch.Tensor
+    checkpoint_slots: torch.Tensor
+    checkpoint_lens: torch.Tensor
+
+
 @dataclass(frozen=True)
 class ForwardView:
     """One forward as the canary sees it: int64 tensors on the engine's device, fixed shapes.
@@ -124,6 +138,7 @@ class ForwardView:
     token_table: torch.Tensor | None = None
     context_keys: torch.Tensor | None = None
     group_inputs: Mapping[GroupKind, GroupInputs] | None = None
+    state: StateInputs | None = None
 
     def for_group(self, kind: GroupKind) -> ForwardView:
         """The view as the kernels read it for one group: fed by what that group's writer consumed
@@ -132,7 +147,7 @@ class ForwardView:
         if own is None:
             return self
         return ForwardView(self.rows, self.prefix_lens, self.extend_lens, own.input_ids, own.positions,
-                           self.token_table, self.context_keys)
+                           self.token_table, self.context_keys, state=self.state)
 
 
 class VerifyEntries(NamedTuple):

@@ -96,6 +96,17 @@ def check_common(records: torch.Tensor, sources: Sequence[RealKvSource], ring: V
     split_tag(tag)
 
 
+def check_prev_records(records: torch.Tensor, prev_records: torch.Tensor | None) -> torch.Tensor:
+    """The records a launch's prev_slots index: ``prev_records`` (checked: records on the same
+    device) or, when None, ``records`` itself."""
+    if prev_records is None:
+        return records
+    check_records(prev_records)
+    if prev_records.device != records.device:
+        raise ValueError(f"prev_records is on {prev_records.device}; records are on {records.device}")
+    return prev_records
+
+
 def check_vector(name: str, t: object, device: torch.device, length: int | None = None) -> None:
     """``t`` is a contiguous 1-D int64 tensor on ``device`` (of ``length``, when given)."""
     if not isinstance(t, torch.Tensor):

@@ -95,10 +95,11 @@ class GroupKind(IntEnum):
     FULL = 0
     SWA = 1
     DRAFT = 2  # a speculative-decoding draft model's own KV pool
+    STATE = 3  # a hybrid model's recurrent state: one slot per running request or cached checkpoint
 
     @property
     def label(self) -> str:
-        """The name reports, markers and the terminal use ("full", "swa", "draft")."""
+        """The name reports, markers and the terminal use ("full", "swa", "draft", "state")."""
         return self.name.lower()
 
     @classmethod

@@ -17,7 +17,7 @@ from .checks import check_int
 from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .hashing import head_hash_int, head_hash_torch, link_int, link_torch, mix_torch, to_signed
 from .launch import (
-    Tiling, check_common, check_entries, check_stamp_launch, check_vector, check_view_launch,
+    Tiling, check_common, check_entries, check_prev_records, check_stamp_launch, check_vector, check_view_launch,
     rows_source,
 )
 from .records import (
@@ -149,14 +149,15 @@ def _batch_entries(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: Sequence[RealKvSource],
                        ring: ViolationRing, tag: int, check_tokens: bool = True,
-                       tiling: Tiling | None = None) -> None:
+                       tiling: Tiling | None = None, *, prev_records: torch.Tensor | None = None) -> None:
     """Reference of ``verify_records``."""
     check_common(records, sources, ring, tag)
     check_entries(entries, records.device)
+    prev_records = check_prev_records(records, prev_records)
     e = VerifyEntries(*(t[entries.slots != 0] for t in entries))
     rec = records[e.slots]
     has_prev = e.prev_slots >= 0
-    expected_prev = torch.where(has_prev, successor_hash_ref(records, e.prev_slots.clamp(min=0)),
+    expected_prev = torch.where(has_prev, successor_hash_ref(prev_records, e.prev_slots.clamp(min=0)),
                                 head_hash_torch(e.context_keys))
     checks = _record_checks(rec, e.positions, expected_prev, e.prev_slots != PREV_SKIP,
                             _real_kv_check(sources, e.slots, rec[:, FIELD_REAL_KV_HASH], e.slots != 0, None,
@@ -165,6 +166,25 @@ def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: S
         checks[Reason.VERIFY_TOKEN] = _token_check(rec, e.tokens)
     _count(ring, tag, e.slots.shape[0])
     _append(ring, tag, checks, e.slots, e.positions, e.rows)
+
+
+def stamp_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: Sequence[RealKvSource],
+                      ring: ViolationRing, tag: int, tiling: Tiling | None = None, *,
+                      prev_records: torch.Tensor | None = None) -> None:
+    """Reference of ``stamp_records``."""
+    check_common(records, sources, ring, tag)
+    check_entries(entries, records.device)
+    prev_records = check_prev_records(records, prev_records)
+    e = VerifyEntries(*(t[entries.slots != 0] for t in entries))
+    has_prev = e.prev_slots >= 0
+    prev = e.prev_slots.clamp(min=0)
+    prev_tokens = torch.where(has_prev, prev_records[prev, FIELD_TOKEN], UNKNOWN)
+    records[e.slots, FIELD_TOKEN] = torch.where(e.tokens == UNKNOWN, prev_tokens, e.tokens)
+    records[e.slots, FIELD_POSITION] = e.positions
+    records[e.slots, FIELD_PREV_HASH] = torch.where(has_prev, successor_hash_ref(prev_records, prev),
+                                                    head_hash_torch(e.context_keys))
+    records[e.slots, FIELD_REAL_KV_HASH] = fingerprint_ref(sources, e.slots)
+    _count(ring, tag, e.slots.shape[0])
 
 
 def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,

@@ -12,7 +12,7 @@ from . import records as R
 from .inputs import VerifyEntries
 from .hashing import as_i64, head_hash
 from .launch import (
-    Tiling, cdiv, check_common, check_entries, check_tiling, default_tiling, ring_args, source_args,
+    Tiling, cdiv, check_common, check_entries, check_prev_records, check_tiling, default_tiling, ring_args, source_args,
 )
 from .record_access import successor_hash
 from .record_checks import READ_HASHES_OFF, check_records
@@ -26,7 +26,7 @@ _UNKNOWN = tl.constexpr(R.UNKNOWN)
 
 
 @triton.jit
-def _verify_kernel(records, sources, entries, n_entries, ring, tag, READS: tl.constexpr,
+def _verify_kernel(records, prev_records, sources, entries, n_entries, ring, tag, READS: tl.constexpr,
                    CHECK_TOKENS: tl.constexpr, BLOCK: tl.constexpr):
     slots_ptr, positions_ptr, prev_slots_ptr, tokens_ptr, rows_ptr, context_ptr = entries
     count_launch(ring, tag)
@@ -40,7 +40,7 @@ def _verify_kernel(records, sources, entries, n_entries, ring, tag, READS: tl.co
     has_prev = live & (prev_slots >= 0)
     head = live & (prev_slots == _PREV_CHAIN_HEAD)
     context = tl.load(context_ptr + offs, mask=head, other=0)
-    expected_prev_hash = as_i64(tl.where(has_prev, successor_hash(records, prev_slots, has_prev),
+    expected_prev_hash = as_i64(tl.where(has_prev, successor_hash(prev_records, prev_slots, has_prev),
                                          head_hash(context)))
     tokens = tl.zeros([BLOCK], tl.int64) + _UNKNOWN
     if CHECK_TOKENS:
@@ -56,8 +56,10 @@ def _verify_kernel(records, sources, entries, n_entries, ring, tag, READS: tl.co
 
 def verify_records(records: torch.Tensor, entries: VerifyEntries, sources: Sequence[RealKvSource],
                    ring: ViolationRing, tag: int, check_tokens: bool = True,
-                   tiling: Tiling | None = None) -> None:
+                   tiling: Tiling | None = None, *, prev_records: torch.Tensor | None = None) -> None:
     """Check each entry's record (slot 0 skipped) and append one ring row per failing entry.
+    prev_records: the records prev_slots index (default: ``records``; a state group's entries
+    name the FULL slot of a state's last token).
 
     Reasons: stored position != expected (verify_position); stored prev_hash !=
     ``head_hash(context_keys[i])`` for prev_slot -1 or != the successor hash of the record at
@@ -70,10 +72,11 @@ def verify_records(records: torch.Tensor, entries: VerifyEntries, sources: Seque
     """
     check_common(records, sources, ring, tag)
     check_entries(entries, records.device)
+    prev_records = check_prev_records(records, prev_records)
     tiling = tiling or default_tiling(sources)
     check_tiling(tiling)
     src, reads = source_args(sources, tiling.chunk)
     n = entries.slots.shape[0]
     grid = (max(1, cdiv(n, tiling.block)),)
-    _verify_kernel[grid](records, src, tuple(entries), n, ring_args(ring), tag, READS=reads,
+    _verify_kernel[grid](records, prev_records, src, tuple(entries), n, ring_args(ring), tag, READS=reads,
                          CHECK_TOKENS=check_tokens, BLOCK=tiling.block, num_warps=tiling.num_warps)

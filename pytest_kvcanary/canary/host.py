@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from kvcanary_kernels.checks import check_int
 # The kernels' input types are the seam's: one definition, read by the kernels as they are.
-from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping
+from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping, StateInputs
 from kvcanary_kernels.records import GroupKind, Half
 
-__all__ = ["Arrival", "CacheWalk", "Capacities", "EngineDefect", "ForwardView", "GroupInputs", "HostPool", "PagedWalk",
-           "PoolGroup", "SlotMapping", "TokenScores", "copy_runs", "page_entries"]
+__all__ = ["Arrival", "CacheWalk", "Capacities", "CheckpointWalk", "EngineDefect", "ForwardView", "GroupInputs",
+           "HostPool", "PagedWalk", "PoolGroup", "SlotMapping", "StateInputs", "TokenScores", "copy_runs",
+           "page_entries"]
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +30,10 @@ if TYPE_CHECKING:
 class PoolGroup:
     """One KV pool the canary guards.
 
-    kind: FULL or SWA. k_layers / v_layers: the per-layer buffers, each ``[num_pages, page_size,
+    kind: FULL, SWA, DRAFT, or STATE (a hybrid model's recurrent state: k_layers are its state
+    layers' buffers, each ``[num_slots, ...]`` with one request's or checkpoint's state per slot,
+    v_layers empty, no mapping: a forward names its state slots in `ForwardView.state`).
+    k_layers / v_layers: the per-layer buffers, each ``[num_pages, page_size,
     ...]`` (or ``[num_slots, ...]`` when page_size is 1), slot s at ``[s // page_size, s %
     page_size]``, or ``[num_pages, tiles, tile, ...]`` for a page kept in tiles, slot s at
     ``[s // page_size, s % page_size // tile, s % tile]``; v_layers is empty for a latent pool (one
@@ -50,7 +54,7 @@ class PoolGroup:
     k_layers: Sequence[torch.Tensor]
     v_layers: Sequence[torch.Tensor]
     num_slots: int
-    mapping: SlotMapping
+    mapping: SlotMapping | None
     page_size: int = 1
     window: int | None = None
     fingerprintable: bool = True
@@ -63,6 +67,12 @@ class PoolGroup:
             raise ValueError(f"a FULL PoolGroup takes no window; got {self.window!r}")
         if not self.k_layers:
             raise ValueError("PoolGroup.k_layers must hold at least one layer")
+        if (self.mapping is None) != (self.kind is GroupKind.STATE):
+            raise ValueError(f"PoolGroup.mapping must be {'None' if self.kind is GroupKind.STATE else 'a SlotMapping'} "
+                             f"for a {self.kind.name} group; got {type(self.mapping).__name__}")
+        if self.kind is GroupKind.STATE and (self.v_layers or self.page_size != 1 or self.window is not None):
+            raise ValueError("a STATE PoolGroup has k_layers only (one slot per row of each), page_size 1 and no "
+                             "window")
         if self.num_slots < 2:
             raise ValueError(f"PoolGroup.num_slots must be >= 2 (slot 0 is reserved); got {self.num_slots}")
 
@@ -112,6 +122,20 @@ class CacheWalk(NamedTuple):
     tokens: torch.Tensor
     locked: torch.Tensor
     context_keys: torch.Tensor | None = None
+
+
+class CheckpointWalk(NamedTuple):
+    """The recurrent-state checkpoints a prefix cache holds (a hybrid model's STATE group), int64
+    [M] each on the host, each slot once. slots: the checkpoint's state slot; lengths: how many
+    tokens of its path the state summarizes (>= 1); prev_slots: the FULL slot of its path's token
+    at lengths - 1 (the state's last token); locked: True where a live request holds the path;
+    context_keys: the path's context key (0 = none)."""
+
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    prev_slots: torch.Tensor
+    locked: torch.Tensor
+    context_keys: torch.Tensor
 
 
 class PagedWalk(NamedTuple):

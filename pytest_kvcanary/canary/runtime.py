@@ -18,6 +18,7 @@ from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .host_records import HostRecords
 from .launch_replay import LaunchReplay, buffers_key
 from .seam import CanaryHost, ForwardView, optional
+from .state import StateGuard
 from .log import ViolationLog
 from .plans import SweepPlan
 from .violation import Violation
@@ -29,6 +30,8 @@ def view_tensors(view: ForwardView) -> list[torch.Tensor | None]:
                view.token_table, view.context_keys]
     for kind in sorted(view.group_inputs or ()):
         tensors.extend(view.group_inputs[kind])
+    if view.state is not None:
+        tensors.extend(view.state)
     return tensors
 
 
@@ -54,6 +57,7 @@ class KernelSet:
         self.verify_view: Callable = getattr(K, "verify_view" + suffix)
         self.stamp_view: Callable = getattr(K, "stamp_view" + suffix)
         self.verify_records: Callable = getattr(K, "verify_records" + suffix)
+        self.stamp_records: Callable = getattr(K, "stamp_records" + suffix)
         self.source_hash_rows: Callable = getattr(K, "source_hash_rows" + suffix)
 
 
@@ -66,7 +70,8 @@ class CanaryRuntime:
     the callables in `on_end_forward` at every end_forward (replayed forwards too). In raise mode,
     end_forward (every drain_interval forwards) and drain() raise KvCanaryViolationError when new
     violations appeared. host_records: the records of the pages the engine's host tier holds (None
-    without one), moved with the bytes."""
+    without one), moved with the bytes. groups: the KV groups (FULL first); state: the STATE
+    group's canary (canary/state.py), None without one."""
 
     def __init__(
         self,
@@ -86,15 +91,20 @@ class CanaryRuntime:
         self.device = torch.device(device) if device is not None else pools[0].k_layers[0].device
         mode = K.RealDataMode(config.real_data)  # the one conversion (CanaryConfig checked it)
         self.groups = [GroupState.create(pool, mode, self.device, self.capacities, recheck=config.recheck)
-                       for pool in pools]
+                       for pool in pools if pool.kind is not GroupKind.STATE]
         for group in self.groups:
             group.seal_reserved_slot()
+        state = [GroupState.create(pool, mode, self.device, self.capacities, recheck=False)
+                 for pool in pools if pool.kind is GroupKind.STATE]
+        self.state = None if not state else StateGuard(state[0], self.groups[0], self.kernels.stamp_records,
+                                                         self.kernels.verify_records)
         tier = optional(host, "host_tier")
         self.host_records = None if tier is None else HostRecords(self.groups, tier)
         self.ring = K.ViolationRing(config.ring_capacity, self.device)
         self.log = ViolationLog(self.ring, side, config.mode, jsonl_path)
         phases = [Phase.HEAD, Phase.TAIL] + ([Phase.RECHECK] if config.recheck else [])
-        self.launches = LaunchCounter(self._tags(phases))
+        state_tags = [] if self.state is None else [self.state.tags[Phase.HEAD], self.state.tags[Phase.TAIL]]
+        self.launches = LaunchCounter(self._tags(phases) + state_tags)
         self.forwards = 0
         self.sweeps = 0
         self._sweep_plan: SweepPlan | None = None
@@ -121,7 +131,15 @@ class CanaryRuntime:
         return torch.cuda.device(self.device)
 
     def group(self, kind: GroupKind) -> GroupState:
+        """The group of that kind, the STATE group included."""
+        if kind is GroupKind.STATE and self.state is not None:
+            return self.state.group
         return next(g for g in self.groups if g.pool.kind is kind)
+
+    @property
+    def group_kinds(self) -> list[GroupKind]:
+        """Every guarded group's kind, FULL first, STATE last."""
+        return [g.pool.kind for g in self.groups] + ([] if self.state is None else [GroupKind.STATE])
 
     # ForwardHooks ---------------------------------------------------------------------------
 
@@ -130,7 +148,24 @@ class CanaryRuntime:
             for observer in self.observers:
                 observer.before_forward(view)
         with self._on_device():
-            self._replay.run((Phase.HEAD, self._buffers_key(view)), lambda: self._verify_view(view, Phase.HEAD))
+            self._replay.run((Phase.HEAD, self._buffers_key(view)), lambda: self._launch_head(view))
+
+    def _launch_head(self, view: ForwardView) -> None:
+        self._verify_view(view, Phase.HEAD)
+        if self.state is not None:
+            self.state.verify(self._state_view(view), self.ring)
+
+    def _state_view(self, view: ForwardView) -> ForwardView:
+        if view.state is None:
+            raise ValueError("ForwardView.state is None: an engine with a STATE group names each forward's state "
+                             "slots in the view (StateInputs)")
+        return view
+
+    def states_copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.state is None:
+            raise ValueError("states_copied: this engine's canary_groups() has no STATE group")
+        with self._on_device():
+            self.state.copied(src, dst)
 
     def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         group = self.group(kind)
@@ -176,6 +211,8 @@ class CanaryRuntime:
                     check_tokens=self.config.check_tokens, check_write_inputs=self.config.check_write_inputs,
                     written_source_hashes=next(hashes),
                 )
+        if self.state is not None:  # after the FULL group's TAIL: a state chains onto its last token's record
+            self.state.stamp(self._state_view(view), self.ring)
 
     def _buffers_key(self, view: ForwardView) -> tuple:
         """The buffers a view launch takes that the runtime does not own (launch_replay.py)."""
@@ -239,6 +276,11 @@ class CanaryRuntime:
                     with torch.cuda.graph(self._sweep_graph):  # captures; runs nothing
                         self._launch_sweep(plan)
         self.launches.sweep(self._sweep_tags)
+        checkpoints = None if self.state is None else optional(self.host, "checkpoint_walk")()
+        if checkpoints is not None:
+            with self._on_device(), torch.inference_mode():
+                self.state.sweep(checkpoints, self.ring)
+            self.launches.sweep([self.state.tags[Phase.SWEEP]])
         self.sweeps += 1
         return True
 
@@ -301,6 +343,8 @@ class CanaryRuntime:
         """Forget records, log and counters (the engine has flushed its caches)."""
         for group in self.groups:
             group.clear()
+        if self.state is not None:
+            self.state.clear()
         if self.host_records is not None:
             self.host_records.clear()
         self.log.clear()

@@ -8,7 +8,8 @@ docs/adapters.md walks through it.
 An adapter is an `EngineUnderTest`:
 
 1. What to guard (`CanaryHost.canary_groups`): one `PoolGroup` per KV pool, FULL first, each
-   with the `SlotMapping` that says how (row, position) finds a slot.
+   with the `SlotMapping` that says how (row, position) finds a slot; a hybrid model's recurrent
+   state is one more group, kind STATE, whose slots each forward names in `ForwardView.state`.
 2. How big a forward gets (`CanaryHost.canary_capacities`): `Capacities`.
 3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView`.
 4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk` (or a `PagedWalk`), swept between forwards;
@@ -39,7 +40,12 @@ Call order (one engine, eager or inside a CUDA graph):
                                                 drain_interval forwards (raise mode raises here);
                                                 that device work inside device_work() (optional)
 
-before_forward, kv_stored and after_forward launch device work only: no host copy, no host sync,
+    between forwards (STATE group only):
+        hooks.states_copied(src, dst)           the engine copied recurrent states (a checkpoint
+                                                saved or restored, a slot cleared from slot 0):
+                                                their records follow the bytes
+
+before_forward, kv_stored, after_forward and states_copied launch device work only: no host copy, no host sync,
 no grid that depends on data. An engine may capture them with its forward in one CUDA graph and
 replay it with the view's tensors refilled in place; end_forward is never captured.
 """
@@ -53,8 +59,8 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protoc
 from kvcanary_kernels.records import GroupKind, Half
 
 from .host import (
-    Arrival, CacheWalk, Capacities, EngineDefect, ForwardView, GroupInputs, HostPool, PagedWalk, PoolGroup, SlotMapping,
-    TokenScores, copy_runs, page_entries,
+    Arrival, CacheWalk, Capacities, CheckpointWalk, EngineDefect, ForwardView, GroupInputs, HostPool, PagedWalk,
+    PoolGroup, SlotMapping, StateInputs, TokenScores, copy_runs, page_entries,
 )
 
 if TYPE_CHECKING:
@@ -65,7 +71,7 @@ __all__ = [
     "PagedWalk", "HostPool", "FreeListener", "TransferListener", "HostTierListener", "HostTier", "ForwardHooks",
     "CanaryHost", "EngineUnderTest", "PrefillDecodePair", "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS",
     "REQUIRED_METHODS", "missing_methods", "optional", "copy_runs", "page_entries", "Arrival", "EngineDefect",
-    "TokenScores",
+    "TokenScores", "StateInputs", "CheckpointWalk",
 ]
 
 Owner = TypeVar("Owner")
@@ -151,6 +157,12 @@ class CanaryHost(Protocol):
     # can damage pages while they are there (real_kv_host).
     host_tier: HostTier | None = None
 
+    def checkpoint_walk(self) -> CheckpointWalk | None:
+        """Optional: the recurrent-state checkpoints the prefix cache holds (an engine with a STATE
+        group), which the sweep verifies with the rest of the cache; called when cache_walk is.
+        None (the default): the cache holds none."""
+        return None
+
 
 class ForwardHooks(Protocol):
     """What an engine calls around each forward, in the order of the module docstring (the
@@ -169,6 +181,14 @@ class ForwardHooks(Protocol):
 
     def after_forward(self, view: ForwardView) -> None:
         """After the forward wrote its KV, before its samples are used. Device work only."""
+
+    def states_copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The engine copied the recurrent state of STATE slots ``src`` to slots ``dst`` (int64
+        [n] on its device; a checkpoint saved or restored, or ``src`` 0: ``dst`` cleared to the
+        initial, all-zero state that reserved slot 0 holds), between forwards, once the copies are
+        launched on the stream the forwards run on. The records follow the bytes, so the HEAD of
+        the next forward that reads ``dst`` checks the state against its row's prefix. Device work
+        only."""
 
     def end_forward(self, device_work: Callable[[], ContextManager[None]] = nullcontext) -> None:
         """Once per forward, after after_forward (eager) or after the graph replay; host side. The
@@ -289,8 +309,8 @@ class UnsupportedAttention(LookupError):
     latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
-OPTIONAL_MEMBERS = ("add_free_listener", "feed_token", "host_tier", "prefix_caching", "request_at", "finished_requests",
-                    "serve", "score_uncached", "engine_defects")
+OPTIONAL_MEMBERS = ("add_free_listener", "feed_token", "host_tier", "checkpoint_walk", "prefix_caching", "request_at",
+                    "finished_requests", "serve", "score_uncached", "engine_defects")
 
 
 def _required_methods() -> tuple[str, ...]:

@@ -11,7 +11,7 @@ import torch
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import GroupKind
 
-ATTENTION_KINDS = ("mha", "swa", "mla")
+ATTENTION_KINDS = ("mha", "swa", "mla", "hybrid")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -26,7 +26,10 @@ class ModelConfig:
     num_heads), "swa" (every `full_every`-th layer full, the rest windowed) or "mla" (every layer
     full, DeepSeek-V2-style latent attention: a token's KV is one latent row of kv_lora_rank
     compressed KV plus qk_rope_head_dim rotary key, from which each head's K and V of head_dim are
-    up-projected; num_kv_heads is unused). A windowed layer's query at position p sees positions
+    up-projected; num_kv_heads is unused) or "hybrid" (every `full_every`-th layer full attention,
+    the rest a recurrent mixer, Mamba2/SSD-style: a causal convolution of conv_width over the
+    mixer's inputs and a matrix state of state_dim x state_dim per each of state_heads heads,
+    decayed per head and token; its state lives in a state pool, model.py's RecurrentMixer). A windowed layer's query at position p sees positions
     [p - window, p], so it reads the last `window` tokens of the cached prefix (SGLang's
     convention; HF's sliding_window is window + 1). qkv_bias: Qwen2-style q/k/v biases (mha, swa).
     seed: the random weights' seed."""
@@ -50,10 +53,15 @@ class ModelConfig:
     qkv_bias: bool = False
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    state_heads: int = 4
+    state_dim: int = 16
+    conv_width: int = 4
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "intermediate", "max_context", "window", "full_every", "kv_lora_rank", "qk_rope_head_dim")
+                  "intermediate", "max_context", "window", "full_every", "kv_lora_rank", "qk_rope_head_dim",
+                  "state_heads", "state_dim")
+        check_int("conv_width", self.conv_width, 2)
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}; got {self.attention!r}")
         if self.num_heads % self.num_kv_heads:
@@ -61,9 +69,10 @@ class ModelConfig:
         if self.rope_dim % 2:
             name = "qk_rope_head_dim" if self.attention == "mla" else "head_dim"
             raise ValueError(f"{name} must be even (RoPE rotates pairs); got {self.rope_dim}")
-        if self.attention == "swa" and not 2 <= self.full_every <= self.num_layers:
-            raise ValueError(f"full_every must be in [2, num_layers={self.num_layers}] for swa so both "
-                             f"full and windowed layers exist; got {self.full_every}")
+        if self.attention in ("swa", "hybrid") and not 2 <= self.full_every <= self.num_layers:
+            raise ValueError(f"full_every must be in [2, num_layers={self.num_layers}] for {self.attention} so both "
+                             f"full-attention and {'windowed' if self.attention == 'swa' else 'recurrent'} layers "
+                             f"exist; got {self.full_every}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(map(str, DTYPES))}; got {self.dtype!r}")
         row_bytes = self.latent_dim * torch.empty(0, dtype=self.dtype).element_size()
@@ -91,10 +100,16 @@ class ModelConfig:
     @property
     def layer_groups(self) -> tuple[GroupKind, ...]:
         """The pool group each layer's KV lives in."""
-        if self.attention != "swa":
+        if self.attention not in ("swa", "hybrid"):
             return (GroupKind.FULL,) * self.num_layers
-        return tuple(GroupKind.FULL if i % self.full_every == self.full_every - 1 else GroupKind.SWA
+        other = GroupKind.SWA if self.attention == "swa" else GroupKind.STATE
+        return tuple(GroupKind.FULL if i % self.full_every == self.full_every - 1 else other
                      for i in range(self.num_layers))
+
+    @property
+    def conv_channels(self) -> int:
+        """A recurrent mixer's convolved channels: its keys, queries and values, state_heads x state_dim each."""
+        return 3 * self.state_heads * self.state_dim
 
     def layer_window(self, layer: int) -> int | None:
         return self.window if self.layer_groups[layer] is GroupKind.SWA else None
@@ -118,7 +133,9 @@ class EngineConfig:
     inserts and evicts, whole pages, and num_slots / swa_num_slots / host_num_slots are multiples
     of it (page 0, slot 0's page, is reserved). host_num_slots: slots of a host-memory tier that
     pages the radix cache evicts are written back to and loaded back from on a later hit (0: none;
-    mha and mla; host_tier.py)."""
+    mha and mla; host_tier.py). num_state_slots: slots of a hybrid model's state pool, slot 0
+    included (reserved: the initial state): one per running request, the rest for the prefix
+    cache's checkpoints (state_pool.py)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     num_slots: int = 1024
@@ -132,6 +149,7 @@ class EngineConfig:
     draft_layers: int = 1
     page_size: int = 1
     host_num_slots: int = 0
+    num_state_slots: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -164,6 +182,16 @@ class EngineConfig:
         if self.host_num_slots and self.model.attention == "swa":
             raise ValueError(f"host_num_slots > 0 needs attention mha or mla (the host tier keeps no SWA pool); "
                              f"got attention={self.model.attention!r}")
+        if self.model.attention == "hybrid":
+            check_int("num_state_slots", self.num_state_slots, 2 * self.max_running + 1,
+                      f" (slot 0 is reserved; each of max_running={self.max_running} requests holds a running state "
+                      f"and may write a checkpoint)")
+            unsupported = [name for name, on in (("speculative_k", self.speculative_k), ("host_num_slots",
+                           self.host_num_slots), ("decode_mode", self.decode_mode != "eager")) if on]
+            if unsupported:
+                raise ValueError(f"attention='hybrid' runs with speculative_k=0, host_num_slots=0 and decode_mode "
+                                 f"'eager' here (its recurrent state has no rollback, host tier or decode graph yet); "
+                                 f"got {', '.join(f'{n}={getattr(self, n)!r}' for n in unsupported)}")
         if self.decode_mode == "graph" and torch.device(self.device).type != "cuda":
             raise ValueError(f"decode_mode='graph' needs a CUDA device; got device={self.device!r}")
         try:

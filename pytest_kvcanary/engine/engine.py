@@ -18,8 +18,8 @@ import torch
 from kvcanary_kernels.checks import check_int, is_int
 from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.seam import (
-    Arrival, CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup, RowOwners,
-    SlotMapping, TokenScores,
+    Arrival, CacheWalk, Capacities, CheckpointWalk, ForwardHooks, ForwardView, FreeListener, GroupInputs, PoolGroup,
+    RowOwners, SlotMapping, StateInputs, TokenScores,
 )
 
 from .attention import PagedKV
@@ -32,6 +32,8 @@ from .radix_cache import RadixCache
 from .request import Request
 from .scheduler import Batch, Scheduler
 from .speculative import Drafter
+from .state_access import PooledState
+from .state_pool import StatePool
 from .tokenizer import ByteTokenizer
 from .weights import load_weights
 
@@ -45,7 +47,8 @@ class Engine:
     (``[rows, max_context]``: the token at each position of each row's request, -1 past it),
     ``drafter`` (speculative decoding's draft model and its acceptance counts, or None; its KV
     pool is ``pools.draft``), ``host_tier`` (the host-memory tier the radix cache writes evicted
-    pages back to, or None; also the seam's optional CanaryHost.host_tier). model: what the engine
+    pages back to, or None; also the seam's optional CanaryHost.host_tier), ``states`` (a hybrid
+    model's state pool, StatePool, or None). model: what the engine
     runs, with its weights (default: a CausalLM of config.model with the checkpoint's weights; a
     parallel rank passes its shard)."""
 
@@ -62,9 +65,11 @@ class Engine:
         self.host_tier = HostTier(config, self.pools, self.device) if config.host_num_slots else None
         self.req_to_token_pool = ReqToTokenPool(config.max_running, config.model.max_context, self.device,
                                                 config.page_size)
+        self.states = (StatePool(config.num_state_slots, config.model, self.device, self.pools.free_listeners)
+                       if config.model.attention == "hybrid" else None)
         window = config.model.window if self.pools.swa is not None else None
-        self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window, self.host_tier)
-        self.scheduler = Scheduler(config, self.pools, self.req_to_token_pool, self.radix_cache)
+        self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window, self.host_tier, self.states)
+        self.scheduler = Scheduler(config, self.pools, self.req_to_token_pool, self.radix_cache, self.states)
         self.token_table = torch.full((config.max_running, config.model.max_context), -1, dtype=torch.int64,
                                       device=self.device)
         self.drafter = None if self.pools.draft is None else Drafter(
@@ -85,6 +90,8 @@ class Engine:
 
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
         self._hooks = hooks
+        if self.states is not None:
+            self.states.on_copy = None if hooks is None else hooks.states_copied
         if self._decode is not None:
             self._decode.invalidate()
 
@@ -199,6 +206,8 @@ class Engine:
         self.pools.restart()
         if self.host_tier is not None:
             self.host_tier.restart()
+        if self.states is not None:
+            self.states.restart()
         self.req_to_token_pool.restart()
         self.token_table.fill_(-1)
         self._steps = 0
@@ -228,6 +237,8 @@ class Engine:
         if draft is not None:
             groups.append(PoolGroup(GroupKind.DRAFT, draft.k_layers, draft.v_layers, draft.num_slots,
                                     SlotMapping(table, ps, full_to_group=draft.full_to_draft)))
+        if self.states is not None:
+            groups.append(PoolGroup(GroupKind.STATE, self.states.buffers, [], self.states.num_slots, None))
         return groups
 
     def canary_capacities(self) -> Capacities:
@@ -241,6 +252,10 @@ class Engine:
 
     def cache_walk(self) -> CacheWalk:
         return self.radix_cache.walk()
+
+    def checkpoint_walk(self) -> CheckpointWalk | None:
+        """The radix cache's checkpoints (a hybrid model's; optional CanaryHost extra)."""
+        return None if self.states is None else self.radix_cache.checkpoint_walk()
 
     def feed_token(self, view: ForwardView, index: int, token: int) -> None:
         """The forward about to run embeds `token` at view token `index` (optional CanaryHost
@@ -288,7 +303,10 @@ class Engine:
             run(batch, draft.input_ids, view.positions, draft.positions, contexts, on_store)
         kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
                      batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device), on_store=on_store)
-        hidden = self.model(view.input_ids, view.positions, kv, contexts)
+        states = None if self.states is None else PooledState(
+            self.states, batch.state_slots, batch.prefix_lens, batch.extend_lens, batch.checkpoint_slots,
+            batch.checkpoint_lens)
+        hidden = self.model(view.input_ids, view.positions, kv, contexts, states)
         if hooks is not None:
             hooks.after_forward(view)
         self._forwarded(hooks)
@@ -328,6 +346,10 @@ class Engine:
         draft = None
         if self.drafter is not None:  # -1: no draft forward ran there yet
             draft = {GroupKind.DRAFT: GroupInputs(input_ids, torch.full_like(positions, -1))}
+        state = None
+        if self.states is not None:  # the slots PooledState reads and writes
+            state = StateInputs(on_device(batch.state_slots), on_device(batch.checkpoint_slots),
+                                on_device(batch.checkpoint_lens))
         return ForwardView(
             rows=on_device([r.row for r in batch.reqs]),
             prefix_lens=on_device(batch.prefix_lens),
@@ -337,4 +359,5 @@ class Engine:
             token_table=self.token_table,
             context_keys=on_device([r.context_key for r in batch.reqs]),
             group_inputs=draft,
+            state=state,
         )

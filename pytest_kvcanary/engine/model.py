@@ -1,11 +1,12 @@
-"""A Llama/Qwen2-style decoder: RMSNorm, RoPE, GQA or latent (MLA) attention, SwiGLU MLP, tied or
-untied head.
+"""A Llama/Qwen2-style decoder: RMSNorm, RoPE, GQA or latent (MLA) attention or, in a hybrid
+model, a recurrent mixer (Mamba2/SSD-style) in some layers, SwiGLU MLP, tied or untied head.
 
 Module names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...), so the
 state dict is an HF checkpoint. A request's context key (an adapter id; 0 = none) adds a fixed
 offset to its token embeddings, a stand-in for a LoRA adapter: the same tokens under another context
-have other KV. Attention goes through a `KVAccess` (see attention.py): paged
-pools in the engine, none for the reference recomputation.
+have other KV. Attention goes through a `KVAccess` (see attention.py), a recurrent mixer's state
+through a `StateAccess` (see state_access.py): paged pools and a state pool in the engine, none for
+the reference recomputation.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from kvcanary_kernels.records import GroupKind
+
 from .attention import DenseKV, KVAccess
 from .config import ModelConfig
+from .state_access import DenseState, StateAccess
 
 
 class RMSNorm(nn.Module):
@@ -99,6 +103,55 @@ class LatentAttention(nn.Module):
         return self.o_proj(torch.einsum("thr,hdr->thd", out[..., :self.rank], w_uv).reshape(t, -1))
 
 
+class RecurrentMixer(nn.Module):
+    """A Mamba2/SSD-style token mixer, simplified: in_proj gives each token's convolved channels
+    (key, query and value, state_heads x state_dim each), a step size per head and an output gate;
+    a causal depthwise convolution of conv_width (conv1d) runs over the channels, then per head
+    ``S_t = a_t S_{t-1} + k_t^T v_t`` and ``y_t = q_t S_t`` with a decay ``a_t = exp(-0.1 *
+    softplus(dt_t + dt_bias) * exp(A_log))`` (keys L2-normalized). A request's state after t
+    tokens is the convolution's last conv_width - 1 inputs ``[conv_width - 1, channels]`` and S
+    ``[heads, state_dim, state_dim]`` (float32); `scan` runs a segment of tokens from a state, in
+    the closed (quadratic) form, and gives the state after it."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.heads, self.dim, self.width = layer, cfg.state_heads, cfg.state_dim, cfg.conv_width
+        self.channels = cfg.conv_channels
+        self.in_proj = nn.Linear(cfg.hidden, self.channels + self.heads + self.heads * self.dim, bias=False)
+        self.conv1d = nn.Parameter(torch.empty(self.channels, cfg.conv_width))
+        self.A_log = nn.Parameter(torch.empty(self.heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.heads))
+        self.out_proj = nn.Linear(self.heads * self.dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, states: StateAccess) -> torch.Tensor:
+        return self.out_proj(states(self, self.in_proj(x)).to(x.dtype))
+
+    def scan(self, u: torch.Tensor, conv0: torch.Tensor, s0: torch.Tensor, at: int = 0
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+        """One request's segment of T tokens (their in_proj rows u) from the state (conv0, s0):
+        the gated outputs [T, heads * state_dim] (float32), the state after the segment, and the
+        state after its first ``at`` tokens (None for at 0)."""
+        t, h, n, w = u.shape[0], self.heads, self.dim, self.width
+        xc, dt, z = u.float().split([self.channels, h, h * n], dim=-1)
+        padded = torch.cat([conv0.float(), xc])  # [w - 1 + T, channels]
+        conv = (padded.unfold(0, w, 1) * self.conv1d.float()).sum(-1)  # [T, channels]
+        k, q, v = F.silu(conv).view(t, 3, h, n).unbind(1)
+        k, q = F.normalize(k, dim=-1), q * n ** -0.5
+        decay = (-0.1 * F.softplus(dt + self.dt_bias.float()) * self.A_log.float().exp()).cumsum(0)  # [T, h]
+        causal = torch.ones(t, t, dtype=torch.bool, device=u.device).tril()[:, :, None]
+        weights = torch.where(causal, decay[:, None, :] - decay[None, :, :], -torch.inf).exp()  # [t, s, h]
+        y = torch.einsum("tsh,shm->thm", torch.einsum("thn,shn->tsh", q, k) * weights, v)
+        y = y + decay.exp()[:, :, None] * torch.einsum("thn,hnm->thm", q, s0.float())
+        gated = (y.reshape(t, h * n) * F.silu(z))
+
+        def after(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+            keep = (decay[m - 1][None, :] - decay[:m]).exp()  # [m, h]
+            s = decay[m - 1].exp()[:, None, None] * s0.float() + torch.einsum("sh,shn,shm->hnm", keep, k[:m], v[:m])
+            return padded[m:m + w - 1], s
+
+        return gated, after(t), after(at) if at else None
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -114,12 +167,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.self_attn = LatentAttention(cfg, layer) if cfg.attention == "mla" else Attention(cfg, layer)
+        if cfg.layer_groups[layer] is GroupKind.STATE:
+            self.mixer = RecurrentMixer(cfg, layer)
+        else:
+            self.self_attn = LatentAttention(cfg, layer) if cfg.attention == "mla" else Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAccess) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAccess,
+                states: StateAccess | None = None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + (self.mixer(h, states) if hasattr(self, "mixer") else self.self_attn(h, cos, sin, kv))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -134,8 +192,8 @@ class Decoder(nn.Module):
         self.register_buffer("adapter_freqs", freqs, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
-                context_keys: torch.Tensor | None = None) -> torch.Tensor:
-        return self.norm(self.run_layers(self.embed(input_ids, context_keys), positions, kv))
+                context_keys: torch.Tensor | None = None, states: StateAccess | None = None) -> torch.Tensor:
+        return self.norm(self.run_layers(self.embed(input_ids, context_keys), positions, kv, states))
 
     def embed(self, input_ids: torch.Tensor, context_keys: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states [T, hidden] the first layer reads."""
@@ -144,11 +202,12 @@ class Decoder(nn.Module):
             x = x + (0.5 * torch.sin(context_keys.float()[:, None] * self.adapter_freqs[None, :])).to(x.dtype)
         return x
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
+                   states: StateAccess | None = None) -> torch.Tensor:
         """Every decoder layer over hidden states x (a pipeline stage runs its own layers)."""
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv)
+            x = layer(x, cos, sin, kv, states)
         return x
 
 
@@ -171,9 +230,10 @@ class CausalLM(nn.Module):
         self.to(cfg.dtype).requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
-                context_keys: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the new tokens (context_keys: one per token)."""
-        return self.model(input_ids, positions, kv, context_keys)
+                context_keys: torch.Tensor | None = None, states: StateAccess | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the new tokens (context_keys: one per token; states:
+        the recurrent mixers' states, a hybrid model's)."""
+        return self.model(input_ids, positions, kv, context_keys, states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -183,4 +243,4 @@ class CausalLM(nn.Module):
         """Logits [T, vocab] of one whole sequence, recomputed with no KV cache at all."""
         positions = torch.arange(token_ids.numel(), device=token_ids.device)
         contexts = torch.full_like(positions, context_key)
-        return self.compute_logits(self(token_ids, positions, DenseKV(positions), contexts))
+        return self.compute_logits(self(token_ids, positions, DenseKV(positions), contexts, DenseState()))

@@ -17,6 +17,12 @@ page is free or owned by exactly one node (host_value). Eviction goes bottom-up,
 node's descendants are device-evicted too. A match may run on through device-evicted nodes; the
 scheduler then gives them device pages and loads their KV back (`load_back`). When host memory runs
 short, device-evicted leaves are dropped, least recently used first (their host copy freed).
+
+Hybrid models (a state pool): a node may own a checkpoint, the state slot holding the recurrent
+state after its last token (`Node.state`); a match ends at the deepest node of its path that has
+one, whose state a new request's running slot starts from. A request's checkpoint joins the tree
+when its KV is inserted (`_insert_req`); a node that leaves the tree frees its checkpoint, and
+`evict_states` drops unlocked nodes' checkpoints (their KV stays cached) when state slots run short.
 """
 
 from __future__ import annotations
@@ -28,17 +34,20 @@ from typing import Iterator, NamedTuple
 import torch
 
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
-from pytest_kvcanary.canary.seam import CacheWalk
+from pytest_kvcanary.canary.seam import CacheWalk, CheckpointWalk
 
 from .host_tier import HostTier
 from .kv_pool import KVPools, ReqToTokenPool, page_slots, slot_pages
 from .radix_node import Node
 from .request import Request
+from .state_pool import StatePool
 
 CAUSE_WRITTEN_BACK = "written back to host memory (device copy freed)"
 CAUSE_EVICTED = "evicted from the radix cache"
 CAUSE_HOST_EVICTED = "host copy evicted from host memory"
 CAUSE_HOST_DROPPED = "host copy freed: its node left the radix cache"
+CAUSE_STATE_EVICTED = "checkpoint evicted from the radix cache"
+CAUSE_STATE_DUPLICATE = "radix dedup freed the duplicate checkpoint (the cache holds one there)"
 
 
 class MatchResult(NamedTuple):
@@ -72,12 +81,14 @@ def _common_len(a: list[int], b: list[int], page_size: int) -> int:
 
 class RadixCache:
     """window: the windowed layers' window for swa models (enables tombstones), else None.
-    host_tier: where evicted pages are written back to, or None. Keys inserted are whole pages of
-    pools.page_size tokens."""
+    host_tier: where evicted pages are written back to, or None. states: a hybrid model's state
+    pool (checkpoints), or None. Keys inserted are whole pages of pools.page_size tokens."""
 
     def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, window: int | None,
-                 host_tier: HostTier | None = None) -> None:
+                 host_tier: HostTier | None = None, states: StatePool | None = None) -> None:
         self.pools, self.req_to_token, self.window, self.host_tier = pools, req_to_token, window, host_tier
+        self.states = states
+        self.num_states_evicted = 0  # checkpoints dropped by evict_states()
         self.page_size = pools.page_size
         self.roots: dict[int, Node] = {}  # context key -> its tree's root
         self.num_evicted = 0  # FULL slots freed by evict()
@@ -108,6 +119,9 @@ class RadixCache:
                 if not node.tombstone and (run >= self.window or run == depth):
                     best = j + 1
             path = path[:best]
+        if self.states is not None:  # a hybrid model reuses a prefix only where its state is cached
+            path = path[:max((j + 1 for j, node in enumerate(path) if node.state is not None), default=0)]
+            host = []
         tick = next(self._clock)
         for node in path + host:
             node.last_access = tick
@@ -235,6 +249,33 @@ class RadixCache:
         self.num_swa_evicted += freed
         return freed
 
+    def evict_states(self, n: int) -> int:
+        """Drop the checkpoints of unlocked nodes, least recently used first, until at least n
+        state slots are freed or none is left (their KV stays cached). Returns the number freed."""
+        nodes = sorted((self._lru_key(x) for x in self._nodes() if x.state is not None and not x.lock_ref),
+                       key=lambda key: key[:2])
+        freed = [node.state for *_, node in nodes[:n]]
+        for *_, node in nodes[:n]:
+            node.state = None
+        self.states.free(freed, CAUSE_STATE_EVICTED)
+        self.num_states_evicted += len(freed)
+        return len(freed)
+
+    def checkpoint_walk(self) -> CheckpointWalk:
+        """Every checkpoint the trees hold: its state slot, the tokens it summarizes, the FULL slot
+        of its last token, whether a request holds its path locked, and its context."""
+        rows: list[tuple[int, int, int, bool, int]] = []
+        stack = [(child, 0, context) for context, root in self.roots.items() for child in root.children.values()]
+        while stack:
+            node, start, context = stack.pop()
+            end = start + len(node.key)
+            if node.state is not None:
+                rows.append((node.state, end, int(node.value[-1]), node.lock_ref > 0, context))
+            stack.extend((c, end, context) for c in node.children.values())
+        columns = list(zip(*rows)) if rows else [()] * 5
+        return CheckpointWalk(*(torch.tensor(c, dtype=torch.int64) for c in columns[:3]),
+                              torch.tensor(columns[3], dtype=torch.bool), torch.tensor(columns[4], dtype=torch.int64))
+
     def walk(self) -> CacheWalk:
         """Every slot the trees hold on the device with its position, previous slot on its path
         (PREV_CHAIN_HEAD at position 0), token, whether a request holds it locked, and its context."""
@@ -263,16 +304,28 @@ class RadixCache:
                 self.pools.free(self._pages(node.value), "radix cache flushed")
             if node.host_value is not None:
                 self.host_tier.free(self._pages(node.host_value), "radix cache flushed")
+            if node.state is not None:
+                self.states.free([node.state], "radix cache flushed")
         self.roots.clear()
 
     def _insert_req(self, req: Request) -> InsertResult:
-        """Insert the request's KV tokens in whole pages; free its duplicates."""
+        """Insert the request's KV tokens in whole pages; free its duplicates. A checkpoint the
+        request's last forward wrote goes to the node ending at its length (split there), unless
+        that node has one already."""
         cached = req.kv_len - req.kv_len % self.page_size
         slots = self.req_to_token.read(req.row, 0, cached)
         res = self.insert(req.token_ids[:cached], slots, swa_from=max(req.swa_from, req.prefix_len),
                           context=req.context_key)
         self.pools.free(self._pages(slots[req.prefix_len:res.prefix_len]),
                         "radix dedup freed the duplicate's slot (its row now points at the cached copy)")
+        if req.checkpoint is not None:
+            slot, length = req.checkpoint
+            req.checkpoint = None
+            node = list(self._descend(req.token_ids[:length], req.context_key))[-1]
+            if node.state is None:
+                node.state = slot
+            else:
+                self.states.free([slot], CAUSE_STATE_DUPLICATE)
         return res
 
     def _pages(self, slots: torch.Tensor) -> torch.Tensor:
@@ -320,8 +373,12 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, int(parent.host_value[0]), parent))
 
     def _drop(self, node: Node) -> None:
-        """Take a node out of the tree, freeing the host copies of the device-evicted nodes below it."""
+        """Take a node out of the tree, freeing the host copies of the device-evicted nodes below it
+        and its checkpoint."""
         del node.parent.children[self._child_key(node.key)]
+        if node.state is not None:
+            self.states.free([node.state], CAUSE_EVICTED)
+            node.state = None
         stack = list(node.children.values())
         while stack:
             below = stack.pop()

@@ -9,7 +9,8 @@ class Node:
     """An edge of the tree: tokens (key) and their FULL slots (value; None once written back to
     the host tier and freed on the device), and their host slots when the host tier holds a copy
     (host_value). lock_ref: running requests whose cached prefix passes through here. tombstone:
-    the SWA slots of value were freed."""
+    the SWA slots of value were freed. state: a hybrid model's checkpoint, the state slot holding
+    the recurrent state after the node's last token (None: no state is cached there)."""
 
     def __init__(self, key: list[int], value: torch.Tensor | None, parent: Node | None,
                  tombstone: bool = False) -> None:
@@ -21,3 +22,4 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
         self.tombstone = tombstone
+        self.state: int | None = None

@@ -14,7 +14,9 @@ class Request:
     """While running, the request's KV is ``req_to_token[row, :kv_len]``. The first prefix_len of
     those slots belong to the radix cache and are locked through last_node; the rest are the
     request's own. Own positions below swa_from have had their SWA slots freed (slid out of the
-    window). Waiting requests hold nothing (row -1). context_key: the context the tokens are read
+    window). A hybrid model's running request holds a state slot (its recurrent state after kv_len
+    tokens) and, between a forward that wrote one and its KV's insertion into the radix cache, a
+    checkpoint (slot, length). Waiting requests hold nothing (row -1). context_key: the context the tokens are read
     in (a cache salt or adapter id; 0 = none): KV is shared only between equal contexts."""
 
     rid: int
@@ -27,6 +29,8 @@ class Request:
     prefix_len: int = 0
     swa_from: int = 0
     last_node: Node | None = None
+    state_slot: int = 0
+    checkpoint: tuple[int, int] | None = None
 
     @property
     def token_ids(self) -> list[int]:

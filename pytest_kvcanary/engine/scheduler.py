@@ -10,6 +10,12 @@ fit waits, a decode that does not fit retracts the newest running request (frees
 draft KV included, and requeues it first: it is prefilled again, its cached prefix reused).
 In a prefill/decode pair the prefill side only runs schedule_prefill, and the decode side admits
 requests with admit_transferred instead of prefilling them.
+
+A hybrid model's request also takes a state slot when it is admitted: the state of its matched
+prefix is copied there from the radix cache's checkpoint, or the slot is cleared. Its prefill
+writes a checkpoint, the state after the last page boundary before its last token, into a slot of
+its own, which the radix cache takes with the request's KV (a later request with the same prompt
+matches up to there).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from .config import EngineConfig
 from .kv_pool import KVPools, ReqToTokenPool, page_slots
 from .radix_cache import MatchResult, RadixCache
 from .request import Request
+from .state_pool import StatePool
 
 DRAFT_TOKEN = -1  # a speculative decode's input id the draft has not proposed yet
 
@@ -32,7 +39,8 @@ class Batch(NamedTuple):
     extend_lens (tokens written). input_ids / positions / out_cache_loc (FULL slots written):
     CPU int64, row-major in request order; in a speculative decode the input ids after each
     request's first are DRAFT_TOKEN until the draft proposes them. The slots are already in each
-    request's row."""
+    request's row. A hybrid model's: state_slots (each request's running state), checkpoint_slots
+    and checkpoint_lens (a checkpoint its forward writes, slot 0: none), per request; else empty."""
 
     reqs: list[Request]
     is_prefill: bool
@@ -41,12 +49,16 @@ class Batch(NamedTuple):
     input_ids: torch.Tensor
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
+    state_slots: list[int]
+    checkpoint_slots: list[int]
+    checkpoint_lens: list[int]
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pools: KVPools, req_to_token: ReqToTokenPool,
-                 radix_cache: RadixCache) -> None:
+                 radix_cache: RadixCache, states: StatePool | None = None) -> None:
         self.config, self.pools, self.req_to_token, self.radix_cache = config, pools, req_to_token, radix_cache
+        self.states = states
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # every request holding a row, in admission order
         self.num_retracted = 0
@@ -79,10 +91,12 @@ class Scheduler:
         return finished
 
     def finish(self, req: Request) -> None:
-        """The request is done here: cache its KV (the slots stay in the radix cache), free its row."""
+        """The request is done here: cache its KV (the slots stay in the radix cache), free its row
+        and state slot."""
         self.radix_cache.cache_finished_req(req)
         self.running.remove(req)
         self.req_to_token.free(req.row)
+        self._free_state(req, "a finished request's running state")
         req.row = -1
 
     def admit_transferred(self, req: Request) -> torch.Tensor | None:
@@ -136,11 +150,17 @@ class Scheduler:
             if extend > budget:
                 break
             self.radix_cache.lock(match.node)
-            pages = self._alloc(self._pages_needed(match.slots.numel(), extend))
+            checkpoint_len = self._checkpoint_len(match.slots.numel(), len(tokens))
+            states = self._alloc_states(1 + bool(checkpoint_len))
+            pages = None if states is None else self._alloc(self._pages_needed(match.slots.numel(), extend))
             if pages is None:
+                if states:
+                    self.states.free(states, "request could not be admitted")
                 self.radix_cache.unlock(match.node)
                 break
             self.waiting.popleft()
+            if self.states is not None:
+                self._start_state(req, match, states, checkpoint_len)
             req.row = self.req_to_token.alloc()
             assert req.row is not None
             req.prefix_len = req.kv_len = match.slots.numel()
@@ -151,6 +171,38 @@ class Scheduler:
             locs.append(self._slots(req, extend, pages))
             budget -= extend
         return self._batch(reqs, locs, is_prefill=True) if reqs else None
+
+    def _checkpoint_len(self, prefix: int, length: int) -> int:
+        """Where a hybrid model's prefill of positions [prefix, length) writes a checkpoint: the
+        last page boundary before its last token, if past its prefix (0: none, or not hybrid)."""
+        at = (length - 1) // self.pools.page_size * self.pools.page_size
+        return at if self.states is not None and at > prefix else 0
+
+    def _alloc_states(self, n: int) -> list[int] | None:
+        """n state slots, evicting the radix cache's checkpoints for what the free list lacks ([]
+        without a state pool)."""
+        if self.states is None:
+            return []
+        if (short := n - self.states.num_free) > 0:
+            self.radix_cache.evict_states(short)
+        return self.states.alloc(n)
+
+    def _start_state(self, req: Request, match: MatchResult, slots: list[int], checkpoint_len: int) -> None:
+        """Give an admitted request its running state slot, holding the state of its matched prefix
+        (copied from the match's checkpoint, or cleared), and the slot its prefill's checkpoint goes to."""
+        req.state_slot = slots[0]
+        if match.slots.numel():
+            self.states.copy([match.node.state], [req.state_slot])
+        else:
+            self.states.clear([req.state_slot])
+        req.checkpoint = (slots[1], checkpoint_len) if checkpoint_len else None
+
+    def _free_state(self, req: Request, cause: str) -> None:
+        """Free what state slots the request holds (a hybrid model's)."""
+        held = [s for s in (req.state_slot, req.checkpoint and req.checkpoint[0]) if s]
+        if held:
+            self.states.free(held, cause)
+        req.state_slot, req.checkpoint = 0, None
 
     def _load_back(self, match: MatchResult) -> MatchResult:
         """The match with the part only the host tier holds loaded back into device pages (the
@@ -213,8 +265,11 @@ class Scheduler:
             known = req.token_ids[req.kv_len:req.kv_len + loc.numel()]
             ids.extend(known + [DRAFT_TOKEN] * (loc.numel() - len(known)))
             positions.append(torch.arange(req.kv_len, req.kv_len + loc.numel()))
+        checkpoints = [r.checkpoint or (0, 0) for r in reqs] if self.states is not None else []
         return Batch(reqs, is_prefill, [r.kv_len for r in reqs], [loc.numel() for loc in locs],
-                     torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(locs))
+                     torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(locs),
+                     [r.state_slot for r in reqs] if self.states is not None else [],
+                     [c[0] for c in checkpoints], [c[1] for c in checkpoints])
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         """n FULL (+ SWA) pages, evicting the radix cache for what the free lists lack."""
@@ -252,4 +307,5 @@ class Scheduler:
         self.pools.free(self.req_to_token.pages(req.row, req.prefix_len, req.kv_len + written), cause)
         self.radix_cache.unlock(req.last_node)
         self.req_to_token.free(req.row)
+        self._free_state(req, cause)
         req.row, req.kv_len, req.prefix_len, req.swa_from, req.last_node = -1, 0, 0, 0, None

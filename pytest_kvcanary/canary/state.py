@@ -1,0 +1,97 @@
+"""The canary of a hybrid model's recurrent state (the STATE group): one record per state slot, a
+running request's or a cached checkpoint's, saying which prefix the state summarizes.
+
+A state slot's record reads as the record a KV slot at the state's length would chain from: token
+= the prefix's last token, position = the prefix's length (0 for the initial state), prev_hash =
+the chain hash through its last token (the successor hash of the FULL group's record of that
+token; a chain head's hash for the empty prefix), real_kv_hash = the fingerprint of the state's
+bytes. So HEAD checks a state a row will read against the row's own prefix, through the FULL
+records the row's KV carries: a state of another prefix fails the chain, of another length the
+position, and bytes changed since the stamp the fingerprint. Reserved slot 0 holds the initial
+(all-zero) state: its record is the empty prefix's, and a slot cleared for a new request copies it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kvcanary_kernels import VerifyEntries, mapping_slot_ref
+from kvcanary_kernels.hashing import head_hash_int, to_signed
+from kvcanary_kernels.records import (
+    FIELD_POSITION, FIELD_PREV_HASH, FIELD_TOKEN, PREV_CHAIN_HEAD, UNKNOWN, GroupKind, Half, Phase, launch_tag,
+)
+
+from .groups import GroupState
+from .host import CheckpointWalk, ForwardView
+
+HALF = Half.K  # a STATE group has one half
+
+
+class StateGuard:
+    """Stamps, verifies and moves the STATE group's records. full: the FULL group, whose K records
+    hold each token's chain; stamp / verify: the runtime's `stamp_records` and `verify_records`."""
+
+    def __init__(self, group: GroupState, full: GroupState, stamp: Callable, verify: Callable) -> None:
+        assert group.pool.kind is GroupKind.STATE and list(group.halves) == [HALF]
+        self.group, self.full = group, full
+        self._stamp, self._verify = stamp, verify
+        self.state = group.halves[HALF]
+        self.tags = {phase: launch_tag(phase, HALF, GroupKind.STATE) for phase in (Phase.HEAD, Phase.TAIL, Phase.SWEEP)}
+        self.seal()
+
+    @property
+    def records(self) -> torch.Tensor:
+        return self.state.records
+
+    def seal(self) -> None:
+        """Slot 0's record: the empty prefix's, with the fingerprint of the bytes slot 0 holds now
+        (the initial state)."""
+        self.group.seal_reserved_slot()
+        record = self.records[0]
+        record[FIELD_TOKEN], record[FIELD_POSITION] = UNKNOWN, 0
+        record[FIELD_PREV_HASH] = to_signed(head_hash_int(0))
+
+    def _last_token_slots(self, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The FULL slot of each row's token at lengths - 1, PREV_CHAIN_HEAD where lengths is 0."""
+        slots = mapping_slot_ref(self.full.mapping, rows, lengths - 1)
+        return torch.where(lengths > 0, slots, PREV_CHAIN_HEAD)
+
+    def _entries(self, slots: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> VerifyEntries:
+        zeros = torch.zeros_like(slots)
+        return VerifyEntries(slots, lengths, self._last_token_slots(rows, lengths), zeros + UNKNOWN, rows, zeros)
+
+    def verify(self, view: ForwardView, ring, phase: Phase = Phase.HEAD) -> None:
+        """HEAD: each row's state slot holds the state of the row's prefix (prefix_len tokens)."""
+        s = view.state
+        self._verify(self.records, self._entries(s.slots, view.prefix_lens, view.rows), self.state.sources, ring,
+                     self.tags[phase], check_tokens=False, prev_records=self.full.halves[HALF].records)
+
+    def stamp(self, view: ForwardView, ring) -> None:
+        """TAIL, after the FULL group's: each row's state slot now summarizes prefix_len +
+        extend_len tokens, each checkpoint slot its checkpoint_len."""
+        s = view.state
+        entries = self._entries(torch.cat([s.slots, s.checkpoint_slots]),
+                                torch.cat([view.prefix_lens + view.extend_lens, s.checkpoint_lens]),
+                                torch.cat([view.rows, view.rows]))
+        self._stamp(self.records, entries, self.state.sources, ring, self.tags[Phase.TAIL],
+                    prev_records=self.full.halves[HALF].records)
+
+    def copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The states of ``src`` were copied to ``dst``: so were their records."""
+        src, dst = src.to(self.records.device, torch.int64), dst.to(self.records.device, torch.int64)
+        self.records[dst] = self.records[src]
+
+    def sweep(self, walk: CheckpointWalk, ring) -> None:
+        """SWEEP: each checkpoint the cache holds summarizes its path up to its length."""
+        device = self.records.device
+        entries = VerifyEntries(*(t.to(device, torch.int64) for t in (
+            walk.slots, walk.lengths, walk.prev_slots, torch.full_like(walk.slots, UNKNOWN),
+            torch.full_like(walk.slots, -1), walk.context_keys)))
+        self._verify(self.records, entries, self.state.sources, ring, self.tags[Phase.SWEEP], check_tokens=False,
+                     prev_records=self.full.halves[HALF].records)
+
+    def clear(self) -> None:
+        self.group.clear()
+        self.seal()

@@ -1,0 +1,55 @@
+"""A recurrent mixer's state, two ways: from nothing (the reference recomputation) or from the
+engine's state pool (a forward batch).
+
+The mixer calls ``states(mixer, u)`` with its in_proj rows u [T, ...] of the forward's tokens and
+gets their gated outputs back; the access runs `RecurrentMixer.scan` over each request's tokens
+from that request's state and keeps what a cache keeps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .model import RecurrentMixer
+    from .state_pool import StatePool
+
+StateAccess = Callable[["RecurrentMixer", torch.Tensor], torch.Tensor]
+
+
+class DenseState:
+    """No cache: one whole sequence from the initial (all-zero) state. The reference the pooled
+    path matches."""
+
+    def __call__(self, mixer: RecurrentMixer, u: torch.Tensor) -> torch.Tensor:
+        conv0 = u.new_zeros(mixer.width - 1, mixer.channels, dtype=torch.float32)
+        s0 = u.new_zeros(mixer.heads, mixer.dim, mixer.dim, dtype=torch.float32)
+        return mixer.scan(u, conv0, s0)[0]
+
+
+class PooledState:
+    """One forward batch over the state pool. Per request (in batch order): its extend_len tokens
+    run from the state in its slot, which then holds the state after them; where a checkpoint slot
+    is given (not 0), it gets the state after checkpoint_len tokens of the request's sequence.
+    Nothing is checked here: a slot of another request, or one never written, is silently read,
+    which is what the canary is for."""
+
+    def __init__(self, pool: StatePool, slots: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                 checkpoint_slots: Sequence[int], checkpoint_lens: Sequence[int]) -> None:
+        self.pool = pool
+        self.seqs = list(zip(slots, prefix_lens, extend_lens, checkpoint_slots, checkpoint_lens))
+
+    def __call__(self, mixer: RecurrentMixer, u: torch.Tensor) -> torch.Tensor:
+        conv, ssm = self.pool.layer(mixer.layer)
+        outs, t = [], 0
+        for slot, prefix, extend, checkpoint, checkpoint_len in self.seqs:
+            at = checkpoint_len - prefix if checkpoint else 0
+            y, end, mid = mixer.scan(u[t:t + extend], conv[slot], ssm[slot], at)
+            conv[slot], ssm[slot] = end
+            if mid is not None:
+                conv[checkpoint], ssm[checkpoint] = mid
+            outs.append(y)
+            t += extend
+        return torch.cat(outs)
