@@ -9,11 +9,12 @@ from typing import Any, Callable, NamedTuple
 
 from ..config import CanaryConfig, PerturbSpec
 from ..report import EngineRef
+from .protocol import ArgumentError
 
 
 class WatchedHandle:
     """An engine handle watched for calls that raise: it notes when one does (the pool then
-    replaces it)."""
+    replaces it), but for an ArgumentError (the call refused its arguments; the engine did not run)."""
 
     def __init__(self, target: Any) -> None:
         self.target = target
@@ -31,6 +32,8 @@ class WatchedHandle:
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
                 return attr(*args, **kwargs)
+            except ArgumentError:  # refused before the engine ran: it is as it was
+                raise
             except BaseException:
                 self.raised = True
                 raise

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from ..config import PerturbSpec
 
 
+class ArgumentError(ValueError, TypeError):
+    """A handle's call refused its arguments before the engine ran: the engine is as it was, so
+    the pool keeps it (any other exception retires it). A ValueError and a TypeError alike."""
+
+
 @runtime_checkable
 class Handle(Protocol):
     """One engine, or a prefill/decode pair, with the canary attached and a fault ledger.
@@ -66,17 +71,17 @@ def check_prompts(prompts: Any) -> None:
     """TypeError unless `prompts` is a sequence of prompts: a bare string would run one request
     per character."""
     if isinstance(prompts, (str, bytes)):
-        raise TypeError(f"prompts must be a sequence of prompts (a list of str or of token-id lists), not one "
+        raise ArgumentError(f"prompts must be a sequence of prompts (a list of str or of token-id lists), not one "
                         f"{type(prompts).__name__}; got {prompts!r:.60}: wrap it in a list")
     if not isinstance(prompts, Sequence):
-        raise TypeError(f"prompts must be a sequence of prompts (a list of str or of token-id lists); got "
+        raise ArgumentError(f"prompts must be a sequence of prompts (a list of str or of token-id lists); got "
                         f"{type(prompts).__name__} {prompts!r:.60}")
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             continue
         ids = prompt if isinstance(prompt, Sequence) and not isinstance(prompt, bytes) else None
         if ids is None or not all(is_int(t) for t in ids):
-            raise TypeError(f"prompts[{i}] must be a str or a list of token ids (ints); got "
+            raise ArgumentError(f"prompts[{i}] must be a str or a list of token ids (ints); got "
                             f"{type(prompt).__name__} {prompt!r:.60}" +
                             (": the token ids of one prompt go in a list of their own, e.g. [[1, 2, 3]]"
                              if isinstance(prompt, int) else ""))
@@ -85,11 +90,17 @@ def check_prompts(prompts: Any) -> None:
 def check_context_keys(context_keys: Any, prompts: Sequence[Any], generate: Any, engine: str) -> None:
     """TypeError unless the engine's `generate` takes context keys and there is one int per prompt."""
     if "context_keys" not in inspect.signature(generate).parameters:
-        raise TypeError(f"context_keys: engine {engine!r} has no contexts (cache salts or adapter ids); "
+        raise ArgumentError(f"context_keys: engine {engine!r} has no contexts (cache salts or adapter ids); "
                         "leave context_keys out")
     if (not isinstance(context_keys, Sequence) or len(context_keys) != len(prompts)
             or not all(is_int(k) for k in context_keys)):
-        raise TypeError(f"context_keys must be one int per prompt ({len(prompts)}); got {context_keys!r:.60}")
+        raise ArgumentError(f"context_keys must be one int per prompt ({len(prompts)}); got {context_keys!r:.60}")
+
+
+def check_max_new_tokens(max_new_tokens: Any) -> None:
+    """ArgumentError unless max_new_tokens is an integer >= 1."""
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ArgumentError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r:.60}")
 
 
 def check_request_count(n: Any, name: str = "n") -> None:
@@ -97,6 +108,6 @@ def check_request_count(n: Any, name: str = "n") -> None:
     requests or rounds)."""
     what = "rounds" if name == "rounds" else "requests"
     if not is_int(n):
-        raise TypeError(f"{name} must be an integer >= 1 (the number of {what}); got {n!r:.60}")
+        raise ArgumentError(f"{name} must be an integer >= 1 (the number of {what}); got {n!r:.60}")
     if n < 1:
-        raise ValueError(f"{name} must be an integer >= 1 (the number of {what}); got {n}")
+        raise ArgumentError(f"{name} must be an integer >= 1 (the number of {what}); got {n}")

@@ -22,7 +22,7 @@ from ..config import CanaryConfig, PerturbSpec
 from ..perturb.fit import lacking
 from ..perturb.injector import FaultInjector
 from ..perturb.ledger import Injection, Ledger
-from .protocol import check_context_keys, check_prompts, check_request_count
+from .protocol import ArgumentError, check_context_keys, check_max_new_tokens, check_prompts, check_request_count
 
 if TYPE_CHECKING:
     from ..canary.seam import Arrival
@@ -89,6 +89,7 @@ class RequestSender:
         """Greedy output ids per prompt (a list of prompts: text or token ids). context_keys: one
         per prompt (a cache salt or adapter id, 0 = none), for engines that take them."""
         check_prompts(prompts)
+        check_max_new_tokens(max_new_tokens)
         self._prompts.extend(p if isinstance(p, str) else repr(list(p)) for p in prompts)
         generate = self._engine_generate()
         contexts = {}
@@ -137,7 +138,7 @@ class SidedHandle(RequestSender):
         return tuple(side.name for side in self.sides)
 
     def pool_groups(self) -> tuple[str, ...]:
-        return tuple(group.pool.kind.label for group in self.sides[0].runtime.groups)
+        return tuple(kind.label for kind in self.sides[0].runtime.group_kinds)
 
     def unsupported(self, perturbs: tuple[PerturbSpec, ...]) -> str | None:
         """Why a side's engine cannot run one of these faults at all (perturb.fit.lacking), or None."""
@@ -212,7 +213,7 @@ class SidedHandle(RequestSender):
         """Requests arriving while others run (EngineUnderTest.serve): output ids per arrival."""
         serve = self._engine_serve()
         if serve is None:
-            raise TypeError("this engine cannot serve requests that arrive while others run (no serve method)")
+            raise ArgumentError("this engine cannot serve requests that arrive while others run (no serve method)")
         check_prompts([a.prompt for a in arrivals])
         self._prompts.extend(repr(list(a.prompt)) for a in arrivals)
         outputs = serve(arrivals)
@@ -235,20 +236,27 @@ class SidedHandle(RequestSender):
         from ..soak.workload import Workload, make_workload
 
         if replay is not None and not isinstance(replay, str):
-            raise TypeError(f"replay must be the text a soak failure printed (a str); got {replay!r:.60}")
+            raise ArgumentError(f"replay must be the text a soak failure printed (a str); got {replay!r:.60}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise ValueError(f"seed must be an integer >= 0; got {seed!r}")
+            raise ArgumentError(f"seed must be an integer >= 0; got {seed!r}")
         check_request_count(rounds, "rounds")
         if tie_tolerance is not None and (isinstance(tie_tolerance, bool) or not isinstance(tie_tolerance, (int, float))
                                           or not tie_tolerance >= 0):
-            raise ValueError(f"tie_tolerance must be a number >= 0 (or None: by the KV's dtype); got {tie_tolerance!r}")
+            raise ArgumentError(f"tie_tolerance must be a number >= 0 (or None: by the KV's dtype); got {tie_tolerance!r}")
         if isinstance(shrink_trials, bool) or not isinstance(shrink_trials, int) or shrink_trials < 0:
-            raise ValueError(f"shrink_trials must be an integer >= 0; got {shrink_trials!r}")
+            raise ArgumentError(f"shrink_trials must be an integer >= 0; got {shrink_trials!r}")
         if not isinstance(arrivals, bool):
-            raise TypeError(f"arrivals must be True or False; got {arrivals!r}")
+            raise ArgumentError(f"arrivals must be True or False; got {arrivals!r}")
         soak = Soak(self, tie_tolerance=None if tie_tolerance is None else float(tie_tolerance), arrivals=arrivals)
-        workload = (Workload.from_text(replay) if replay is not None
-                    else make_workload(self.armed[0] if seed is None else seed, rounds, soak.geometry))
+        if replay is not None:
+            try:
+                workload = Workload.from_text(replay)
+            except ValueError as e:
+                raise ArgumentError(f"replay {replay!r:.80} is not a workload a soak prints: {e}") from None
+            if why := workload.misfit(soak.geometry):
+                raise ArgumentError(f"replay {replay!r:.80} does not fit this engine: {why}")
+        else:
+            workload = make_workload(self.armed[0] if seed is None else seed, rounds, soak.geometry)
         with self._showing_progress(soak.describe):
             result = soak.run(workload, shrink_trials)
         self.soak_results.append(result)

@@ -74,11 +74,15 @@ class Soak:
         self.score = optional(self.engine, "score_uncached")
         self._doing = "starting"
         self._done: list[RoundResult] = []
+        self._round_start: int | None = None  # the forwards count when the running round began
 
     def describe(self) -> str:
+        """Where the soak is: its round, the forwards so far (the running round's included) and
+        the verdicts of the rounds done."""
         verdicts = Counter(r.verdict for r in self._done)
         counts = ", ".join(f"{n} {v}" for v, n in verdicts.items())
-        forwards = sum(r.forwards for r in self._done)
+        running = 0 if self._round_start is None else self._forwards() - self._round_start
+        forwards = sum(r.forwards for r in self._done) + running
         return f"soak {self._doing}, {forwards} forwards" + (f": {counts}" if counts else "")
 
     @property
@@ -113,6 +117,8 @@ class Soak:
                 self._doing = f"round {index + 1}/{len(workload.rounds)}"
             seen = len(self.handle.violations())
             forwards = self._forwards()
+            if report:
+                self._round_start = forwards
             prompts = [workload.prompt(q, self.geometry.vocab) for q in rnd.requests]
             outputs = self._serve(rnd, prompts)
             scores = self._scores(rnd, prompts, outputs) if self.score is not None else None
@@ -125,6 +131,7 @@ class Soak:
             else:
                 pending.append((result, prompts, outputs, rnd))
             results.append(result)
+            self._round_start = None
         for result, prompts, outputs, rnd in pending:  # the oracle that needs the cache flushed
             self._judge_alone(result, rnd, prompts, outputs)
         if pending:

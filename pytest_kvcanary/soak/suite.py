@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_kvcanary.handles.protocol import ArgumentError
 from pytest_kvcanary.plugin import run_settings
 
 
@@ -25,7 +26,10 @@ def _kernels_for_the_device(request: pytest.FixtureRequest, kv_device: str) -> N
 def _soak(handle: object, config: pytest.Config) -> None:
     __tracebackhide__ = True
     settings = run_settings(config)
-    result = handle.run_workload(rounds=settings.soak_rounds, replay=settings.soak_replay)
+    try:
+        result = handle.run_workload(rounds=settings.soak_rounds, replay=settings.soak_replay)
+    except ArgumentError as e:  # a replay this engine cannot run (its shape was checked at start-up)
+        raise pytest.fail.Exception(f"--kv-canary-soak-replay: {e}", pytrace=False) from None
     if not result.trustworthy:  # each untrustworthy round has a failure with its replay
         replay = result.failures[0].replay
         raise AssertionError(f"{result.failure_message()}\nto rerun the smallest failing workload, add "

@@ -88,11 +88,26 @@ class Workload:
 
     @classmethod
     def from_text(cls, text: str) -> Workload:
-        """The workload `to_text` wrote; ValueError naming the part it cannot read."""
+        """The workload `to_text` wrote; ValueError naming the part it cannot read, or the round,
+        request and field that no workload has (a stem past the workload's STEMS, a wave the round
+        does not have, an empty prompt, no new tokens)."""
         seed, *rounds = text.strip().split("/")
         if not seed.isdigit():
             raise ValueError(f"a workload's text starts with its seed (digits); got {seed!r}")
-        return cls(int(seed), tuple(_parse_round(r) for r in rounds))
+        workload = cls(int(seed), tuple(_parse_round(r) for r in rounds))
+        for i, r in enumerate(workload.rounds):
+            _check_round(i, r)
+        return workload
+
+    def misfit(self, geometry: Geometry) -> str | None:
+        """Why an engine of this geometry cannot run the workload (a request longer than its
+        longest), naming the round, the request and its fields; None when it can."""
+        for i, r in enumerate(self.rounds):
+            for j, q in enumerate(r.requests):
+                if q.prompt_len + q.max_new_tokens > geometry.max_context:
+                    return (f"round {i}, request {j}: stem_len + tail_len + max_new ({q.stem_len} + {q.tail_len} + "
+                            f"{q.max_new_tokens}) exceeds the engine's longest request ({geometry.max_context} tokens)")
+        return None
 
 
 def _tokens(seed: int, n: int, high: int) -> list[int]:
@@ -109,6 +124,26 @@ def _round_text(r: Round) -> str:
         return text + (f"~{q.context}" if q.context else "") + (f"!{q.abort_after}" if q.abort_after is not None else "")
 
     return ",".join(map(str, r.gaps)) + ":" + ";".join(map(one, r.requests))
+
+
+def _check_round(index: int, r: Round) -> None:
+    if not r.requests:
+        raise ValueError(f"round {index} has no requests")
+    waves = len(r.gaps) + 1
+    for j, q in enumerate(r.requests):
+        where = f"round {index}, request {j}"
+        if not -1 <= q.stem < STEMS:
+            raise ValueError(f"{where}: stem must be -1 (none) or one of the workload's {STEMS} stems, 0 to "
+                             f"{STEMS - 1}; got {q.stem}")
+        if q.stem == -1 and q.stem_len:
+            raise ValueError(f"{where}: stem_len must be 0 without a stem (stem -1); got {q.stem_len}")
+        if q.prompt_len < 1:
+            raise ValueError(f"{where}: stem_len + tail_len must be >= 1 (a prompt); got 0")
+        if q.max_new_tokens < 1:
+            raise ValueError(f"{where}: max_new must be >= 1; got 0")
+        if q.wave >= waves:
+            raise ValueError(f"{where}: wave must be one of the round's {waves} wave(s), 0 to {waves - 1} (one more "
+                             f"than its gaps); got {q.wave}")
 
 
 def _parse_round(text: str) -> Round:

@@ -321,3 +321,27 @@ def test_seam_types_in_a_conftest_and_the_triton_kernels_on_cpu(pytester: pytest
             kv_canary.assert_violation("verify_real_kv_hash", phase="HEAD")
     """)
     pytester.runpytest_subprocess("--kv-canary").assert_outcomes(passed=1)
+
+
+def test_bad_generate_arguments_do_not_retire_a_healthy_engine(realtester: pytest.Pytester) -> None:
+    """Arguments a handle refuses before the engine runs leave the engine as it was: the next
+    test gets the same handle, and the summary has no "(replaced: raised)" line."""
+    realtester.makepyfile("""
+        import pytest
+
+        def test_bad_arguments(kv_engine):
+            for call in (lambda: kv_engine.generate("one prompt"), lambda: kv_engine.generate(["a"], 0),
+                         lambda: kv_engine.generate(["a"], max_new_tokens="2"),
+                         lambda: kv_engine.send_parallel_requests(0),
+                         lambda: kv_engine.run_workload(replay="0/0:-1.0+1.5*2@9")):
+                with pytest.raises((TypeError, ValueError)):
+                    call()
+
+        def test_next(kv_engine):
+            assert len(kv_engine.generate(["a"], 2)[0]) == 2
+    """)
+    result = realtester.runpytest("--kv-canary", "--kv-canary-report=kv.json")
+    result.assert_outcomes(passed=2)
+    assert "replaced" not in result.stdout.str()
+    report = json.loads((realtester.path / "kv.json").read_text())
+    assert [t["handle"] for t in report["tests"]] == [0, 0] and [e["retired"] for e in report["engines"]] == [None]

@@ -77,3 +77,34 @@ def test_a_bad_soak_option_is_a_usage_error(realtester: pytest.Pytester, option:
     result = realtester.runpytest("--kv-canary", *SUITE, option)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert f"ERROR: {message}" in result.stderr.lines
+
+
+@pytest.mark.parametrize(("replay", "why"), [
+    ("0/5,2:99.16+953999.10*2@2", "round 0, request 0: stem must be -1 (none) or one of the workload's 6 stems, 0 to "
+                                  "5; got 99"),
+    ("0/0:-1.0+1.5*2@9", "round 0, request 0: wave must be one of the round's 2 wave(s), 0 to 1 (one more than its "
+                         "gaps); got 9"),
+    ("0/:-1.3+1.5*2@0", "round 0, request 0: stem_len must be 0 without a stem (stem -1); got 3"),
+    ("0/:1.3+1.5*0@0", "round 0, request 0: max_new must be >= 1; got 0"),
+])
+def test_a_replay_no_workload_has_is_a_usage_error_naming_the_field(realtester: pytest.Pytester, replay: str,
+                                                                      why: str):
+    """Checked at start-up against the workload's own shapes: not an IndexError in a round, nor a
+    stem that silently stands for another."""
+    result = realtester.runpytest("--kv-canary", *SUITE, f"--kv-canary-soak-replay={replay}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.errlines if line.strip()] == [
+        f"ERROR: --kv-canary-soak-replay must be a workload as a soak failure prints it ({why}); got '{replay}'"]
+
+
+@pytest.mark.parametrize("replay", ["0/0:-1.0+1.5000*2@0", "0/0:-1.0+1.5*100000@0"])
+def test_a_replay_longer_than_the_engine_takes_fails_before_any_round_naming_the_fields(
+        realtester: pytest.Pytester, replay: str):
+    result = realtester.runpytest("--kv-canary", *SUITE, *ONE_MHA_SOAK, f"--kv-canary-soak-replay={replay}")
+    result.assert_outcomes(failed=1)
+    tail, new = replay.split("+1.")[1].split("@")[0].split("*")
+    result.stdout.fnmatch_lines([f"*--kv-canary-soak-replay: replay '{replay}' does not fit this engine: round 0, "
+                                 f"request 0: stem_len + tail_len + max_new (0 + {tail} + {new}) exceeds the engine's "
+                                 "longest request (256 tokens)"])
+    assert "Traceback" not in result.stdout.str() and "During handling" not in result.stdout.str()
+    assert "forwards=0 " in result.stdout.str(), "no round ran"
