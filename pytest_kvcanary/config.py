@@ -17,11 +17,11 @@ from kvcanary_kernels.records import GroupKind
 CANARY_MODES = ("off", "log", "raise")
 REAL_DATA_MODES = tuple(mode.value for mode in RealDataMode)
 PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward", "next_token_swap",
-                 "real_kv_host")
+                 "real_kv_host", "state_wrong_restore")
 FLIP_MODES = tuple(mode for mode in PERTURB_MODES if mode.startswith("real_kv"))  # they flip real KV bytes
 SIDES = ("prefill", "decode")
 TARGET_GROUPS = tuple(kind.label for kind in GroupKind)
-ATTENTION_KINDS = ("mha", "swa", "mla")
+ATTENTION_KINDS = ("mha", "swa", "mla", "hybrid")
 KERNELS = ("triton", "torch")
 
 

@@ -22,7 +22,7 @@ from typing import ContextManager, Sequence
 
 import torch
 
-from ..canary.seam import TransferListener
+from ..canary.seam import TransferListener, UnsupportedAttention
 from .engine import Engine
 from .kv_pool import KVPool, slot_pages
 from .request import Request
@@ -47,6 +47,9 @@ class PDPair:
     def __init__(self, prefill: Engine, decode: Engine) -> None:
         if (prefill.config.model, prefill.config.checkpoint) != (decode.config.model, decode.config.checkpoint):
             raise ValueError("a prefill/decode pair needs the same model (config and weights) on both sides")
+        if prefill.states is not None:
+            raise UnsupportedAttention("engine 'reference' has no prefill/decode pair for attention 'hybrid' yet: its "
+                                       "transfer moves KV pages and their records, not a request's recurrent state")
         self.prefill, self.decode = prefill, decode
         self._transfer_listeners: list[TransferListener] = []
 

@@ -19,6 +19,8 @@ TARGETS = {
     "real_kv_unused_cache": "a slot the prefix cache holds and no running request reads (a finished request's "
                             "prompt, while other requests run)",
     "real_kv_post_forward": "a slot a forward writes",
+    "state_wrong_restore": "a recurrent state a forward starts from past its first token (a restored checkpoint, or "
+                           "a decoding request's state) and another checkpoint, or a free state slot, to restore instead",
 }
 
 
@@ -32,6 +34,13 @@ def misfit(spec: PerturbSpec, groups: Sequence[GroupKind], *, fingerprints_real_
         return f"target_group is required: {engine} has pool groups {labels}; allowed: {labels}"
     if spec.target_group is not None and GroupKind.from_label(spec.target_group) not in groups:
         return f"target_group={spec.target_group!r} is not a pool group of {engine}; its groups: {labels}"
+    state = GroupKind.STATE.label
+    if spec.mode == "state_wrong_restore" and spec.target_group != state:
+        return (f"mode 'state_wrong_restore' damages a recurrent state: it needs target_group={state!r} (an engine "
+                f"with a STATE group: attention 'hybrid'); got target_group={spec.target_group!r}")
+    if spec.mode == "req_to_token" and spec.target_group == state:
+        return (f"mode 'req_to_token' remaps a KV mapping entry; the {state} group has no mapping (its slots come "
+                "with each forward): use 'state_wrong_restore'")
     if spec.mode in FLIP_MODES and not fingerprints_real_kv:
         return (f"mode {spec.mode!r} flips real KV bytes, which the canary fingerprints only with real_data "
                 "partial or all; got real_data='none'")

@@ -26,7 +26,8 @@ from .fit import misfit, target
 from .ledger import Injection, Ledger, Place
 from .targets import Target, cached_only_targets, feeds, read_targets, written_targets
 
-BEFORE_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "next_token_swap", "real_kv_host")
+BEFORE_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "next_token_swap", "real_kv_host",
+                "state_wrong_restore")
 
 
 class PerturbError(ValueError):
@@ -59,13 +60,14 @@ class FaultInjector:
             self._escape(self.runtime.group(kind), slots, cause)
 
     def _escape(self, group: GroupState, full_slots: torch.Tensor, cause: str) -> None:
-        slots = group.to_group_slots(full_slots.to(group.device, torch.int64))
+        slots = full_slots if group.pool.kind is GroupKind.STATE else group.to_group_slots(
+            full_slots.to(group.device, torch.int64))
         self.ledger.escape(self.side, group.pool.kind, set(slots[slots != 0].tolist()), cause,
                            self.runtime.forwards)
 
     def arm(self, specs: tuple[PerturbSpec, ...], seed: int) -> None:
         """Faults for the next run; the same specs and seed replay the same injections."""
-        kinds = [g.pool.kind for g in self.runtime.groups]
+        kinds = self.runtime.group_kinds
         fingerprints = any(g.has_sources() for g in self.runtime.groups)
         for spec in specs:
             why = misfit(spec, kinds, fingerprints_real_kv=fingerprints, engine="this engine")
@@ -80,7 +82,7 @@ class FaultInjector:
         self._restore.clear()
 
     def _group(self, spec: PerturbSpec) -> GroupState:
-        return self.runtime.group(target(spec, [g.pool.kind for g in self.runtime.groups]))
+        return self.runtime.group(target(spec, self.runtime.group_kinds))
 
     def _due(self, spec: PerturbSpec, modes: tuple[str, ...]) -> bool:
         return (spec.mode in modes and self.runtime.forwards >= spec.warmup_steps
@@ -99,6 +101,8 @@ class FaultInjector:
                 self._swap(spec, view)
             elif spec.mode == "real_kv_host":
                 self._flip_host(spec, group)
+            elif spec.mode == "state_wrong_restore":
+                self._wrong_restore(spec, group, view)
             else:
                 self._remap(spec, group, view)
 
@@ -235,6 +239,28 @@ class FaultInjector:
         space = torch.tensor([wrong * page + lp % page], dtype=torch.int64)
         slot = int(group.to_group_slots(space)[0])
         self._record(spec, group, Target(slot, int(space[0]), first, t.row), -1, None, -1)
+
+    def _wrong_restore(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:
+        """Restore one row's state (past its first token) from the wrong place, as an engine's
+        restore path would: from another checkpoint the cache holds, or, when it holds none, from
+        a free state slot (a donated slot never written for this prefix). Bytes and records move
+        together (`states_copied`), so HEAD of this forward must find the state summarizes another
+        prefix than the row's."""
+        rows = [t for t in read_targets(view, group) if t.position > 0]
+        walk = optional(self.host, "checkpoint_walk")()
+        if not rows or walk is None:
+            return
+        t = self._rng.choice(rows)
+        held = set(walk.slots.tolist()) | set(view.state.slots.tolist())
+        sources = sorted(set(walk.slots.tolist()) - {t.slot}) or sorted(set(range(1, group.pool.num_slots)) - held)
+        if not sources:
+            return
+        src = self._rng.choice(sources)
+        dst = torch.tensor([t.slot], dtype=torch.int64, device=group.device)
+        for layer in group.pool.k_layers:
+            layer[dst] = layer[src].clone()
+        self.runtime.states_copied(torch.tensor([src], dtype=torch.int64, device=group.device), dst)
+        self._record(spec, group, t, -1, None, -1)
 
     def _swap(self, spec: PerturbSpec, view: ForwardView) -> None:
         """Feed one request of this forward another token than its newest one (the last token of

@@ -25,6 +25,8 @@ DETECTING_REASONS = {
     "real_kv_host": ("verify_real_kv_hash",),
     # TAIL of the forward fed the other token, then any read of the record it stamped.
     "next_token_swap": ("write_token", "verify_token"),
+    # The state a forward starts from summarizes another prefix than its row's.
+    "state_wrong_restore": ("verify_position", "verify_chain_hash"),
 }
 
 

@@ -13,7 +13,9 @@ import torch
 
 from ..canary.groups import GroupState
 from ..canary.plans import sweep_entries
-from ..canary.seam import CanaryHost, ForwardView, PagedWalk
+from kvcanary_kernels.records import GroupKind
+
+from ..canary.seam import CanaryHost, ForwardView, PagedWalk, optional
 from ..canary.walk import paged_entries
 
 
@@ -39,20 +41,43 @@ def _targets(group: GroupState, rows: torch.Tensor, positions: torch.Tensor) -> 
     return [Target(*c) for c in zip(*cols)]
 
 
+def _state_targets(view: ForwardView, slots: torch.Tensor, lengths: torch.Tensor) -> list[Target]:
+    """(state slot, the tokens it summarizes, row) of each batch row with a slot."""
+    cols = [t.cpu() for t in (slots, slots, lengths, view.rows)]
+    keep = cols[0] != 0
+    return [Target(*c) for c in zip(*(t[keep].tolist() for t in cols))]
+
+
 def read_targets(view: ForwardView, group: GroupState) -> list[Target]:
-    """Slots this forward's HEAD verifies (and the forward reads) in this group."""
+    """Slots this forward's HEAD verifies (and the forward reads) in this group (a STATE group:
+    each row's state, at the row's prefix length)."""
+    if group.pool.kind is GroupKind.STATE:
+        return _state_targets(view, view.state.slots, view.prefix_lens)
     prefix = view.prefix_lens.cpu()
     starts = (prefix - group.window).clamp(min=0) if group.window else torch.zeros_like(prefix)
     return _targets(group, *_positions(view, starts, prefix - starts))
 
 
 def written_targets(view: ForwardView, group: GroupState) -> list[Target]:
-    """Slots this forward wrote (and TAIL just stamped) in this group."""
+    """Slots this forward wrote (and TAIL just stamped) in this group (a STATE group: each row's
+    state and checkpoint)."""
+    if group.pool.kind is GroupKind.STATE:
+        s = view.state
+        return (_state_targets(view, s.slots, view.prefix_lens + view.extend_lens)
+                + _state_targets(view, s.checkpoint_slots, s.checkpoint_lens))
     return _targets(group, *_positions(view, view.prefix_lens.cpu(), view.extend_lens.cpu()))
 
 
 def cached_only_targets(host: CanaryHost, group: GroupState) -> list[Target]:
-    """Slots held by the prefix cache and by no live request (only a sweep reads them)."""
+    """Slots held by the prefix cache and by no live request (only a sweep reads them; a STATE
+    group: the checkpoints of paths no request holds)."""
+    if group.pool.kind is GroupKind.STATE:
+        walk = optional(host, "checkpoint_walk")()
+        if walk is None:
+            return []
+        keep = ~walk.locked
+        cols = [walk.slots[keep], walk.slots[keep], walk.lengths[keep], torch.full_like(walk.slots[keep], -1)]
+        return [Target(*c) for c in zip(*(t.tolist() for t in cols))]
     walk = host.cache_walk()
     if walk is None or not group.swept_by_walk():
         return []

@@ -23,6 +23,11 @@ def random_model_config(attention: str) -> Any:
     """A tiny config: 2 Llama layers (mha), or 4 Qwen2 layers alternating sliding and full (swa)."""
     from transformers import LlamaConfig, Qwen2Config
 
+    if attention == "hybrid":
+        raise UnsupportedAttention("engine 'transformers' has no attention kind 'hybrid': the continuous-batching "
+                                   "cache of transformers 5.17 to 5.23 (generation/continuous_batching/cache.py, "
+                                   "ATTN_TYPE_TO_ALLOCATOR) pages full_attention and sliding_attention layers only; "
+                                   "a Mamba or linear-attention layer is refused as an invalid layer type")
     if attention not in ATTENTION_KINDS:
         raise UnsupportedAttention(f"engine 'transformers' has no attention kind {attention!r}; it runs "
                                    f"{', '.join(ATTENTION_KINDS)}")

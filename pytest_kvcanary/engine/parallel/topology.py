@@ -53,6 +53,8 @@ class Topology:
         periods, so each stage keeps the layer pattern), no speculative decoding, CUDA graphs
         only without pipeline stages."""
         m, tp, pp = config.model, self.tp, self.pp
+        if m.attention == "hybrid" and self.world > 1:
+            raise ValueError(f"attention 'hybrid' runs on one rank (its state pool is not sharded); got tp={tp}, pp={pp}")
         shared = [("num_heads", m.num_heads), ("intermediate", m.intermediate)]
         if m.attention != "mla":  # a latent row is replicated on every rank
             shared.append(("num_kv_heads", m.num_kv_heads))

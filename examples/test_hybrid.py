@@ -1,0 +1,79 @@
+"""Hybrid models: full-attention layers beside recurrent (Mamba-style) layers, whose state a request
+carries from token to token and the prefix cache keeps as checkpoints. The canary guards each state
+slot as a group of its own, "state": before a forward, the state a row starts from must summarize
+that row's prefix (its length and chain) and hold the bytes stamped when it was written."""
+
+import pytest
+
+SYSTEM = "You are a careful assistant; keep each answer to one short line. "
+
+
+@pytest.mark.kv_attention("hybrid")
+def test_reused_prefixes_restore_their_checkpoints_cleanly(kv_engine, kv_canary):
+    """A -> B -> A: the second A starts from the checkpoint its first run left, after B ran. Fails
+    when no checkpoint is restored (mutation: RadixCache.match_prefix ignores Node.state), or when
+    a restored state is not the prefix's."""
+    a, b = SYSTEM + "What is a state?", SYSTEM + "What is a cache?"
+    first = kv_engine.generate([a], max_new_tokens=6)
+    kv_engine.generate([b], max_new_tokens=6)
+    before = kv_canary.written_slots()
+    again = kv_engine.generate([a], max_new_tokens=6)
+    assert again == first
+    # The repeated prompt computed one token; the rest came from its checkpoint and cached KV.
+    assert kv_canary.written_slots() - before < len(a), "no checkpoint was restored"
+    kv_engine.send_parallel_requests(4, distinct_prompts=True, max_new_tokens=5)
+    kv_canary.assert_no_violation()
+
+
+@pytest.mark.kv_attention("hybrid")
+@pytest.mark.kv_perturb("real_kv_used", target_group="state", warmup_steps=1)
+def test_a_flipped_state_byte_is_caught_before_the_forward_reads_it(kv_engine, kv_canary):
+    kv_engine.send_parallel_requests(3, distinct_prompts=True, max_new_tokens=5)
+    found = kv_canary.assert_violation("verify_real_kv_hash", phase="HEAD", group="state")
+    injected = {(i.slot, i.step) for i in kv_canary.perturbations()}
+    assert {(v.slot, v.step) for v in found} & injected, "no violation names a damaged slot at its forward"
+    kv_canary.assert_perturbations_detected()
+
+
+@pytest.mark.kv_attention("hybrid")
+@pytest.mark.kv_perturb("real_kv_post_forward", target_group="state", warmup_steps=1)
+def test_a_state_damaged_after_its_stamp_is_caught(kv_engine, kv_canary):
+    """A running state is read by the next forward's HEAD; a checkpoint by the sweep or the HEAD
+    of the request that restores it."""
+    kv_engine.send_parallel_requests(3, distinct_prompts=True, max_new_tokens=5)
+    kv_canary.assert_violation("verify_real_kv_hash", group="state")
+    kv_canary.assert_perturbations_detected()
+
+
+@pytest.mark.kv_attention("hybrid")
+@pytest.mark.kv_canary(sweep_interval=1)
+@pytest.mark.kv_perturb("real_kv_unused_cache", target_group="state", warmup_steps=3)
+def test_a_damaged_idle_checkpoint_is_caught_by_the_sweep(kv_engine, kv_canary):
+    kv_engine.generate([SYSTEM + "first"], max_new_tokens=4)  # leaves a checkpoint no request holds
+    kv_engine.generate([SYSTEM + "second, longer"], max_new_tokens=6)
+    kv_canary.assert_violation("verify_real_kv_hash", phase="SWEEP", group="state")
+    kv_canary.assert_perturbations_detected()
+
+
+@pytest.mark.kv_attention("hybrid")
+@pytest.mark.kv_perturb("state_wrong_restore", target_group="state", warmup_steps=2)
+def test_a_state_restored_from_another_prefix_is_caught(kv_engine, kv_canary):
+    """The forward would start from a checkpoint of another prefix (or a slot never written for
+    this one): HEAD names the row's state slot, whose record summarizes another prefix."""
+    kv_engine.generate([SYSTEM + "one"], max_new_tokens=3)
+    kv_engine.generate([SYSTEM + "two"], max_new_tokens=3)
+    kv_engine.generate([SYSTEM + "one", SYSTEM + "two"], max_new_tokens=4)
+    found = kv_canary.violations(phase="HEAD", group="state")
+    assert found and {r for v in found for r in v.reasons} & {"verify_chain_hash", "verify_position"}
+    injected = {(i.slot, i.step) for i in kv_canary.perturbations()}
+    assert {(v.slot, v.step) for v in found} & injected, "no violation names the wrongly restored slot"
+    kv_canary.assert_perturbations_detected()
+
+
+@pytest.mark.kv_attention("hybrid")
+@pytest.mark.kv_perturb("real_kv_used", target_group="full", warmup_steps=2)
+def test_the_attention_layers_kv_is_still_guarded(kv_engine, kv_canary):
+    kv_engine.send_parallel_requests(3, distinct_prompts=True, max_new_tokens=5)
+    kv_canary.assert_violation("verify_real_kv_hash", phase="HEAD", group="full")
+    assert not kv_canary.violations(group="state")
+    kv_canary.assert_perturbations_detected()
