@@ -59,6 +59,7 @@ class Scheduler:
                  radix_cache: RadixCache, states: StatePool | None = None) -> None:
         self.config, self.pools, self.req_to_token, self.radix_cache = config, pools, req_to_token, radix_cache
         self.states = states
+        self.num_restored = 0  # requests admitted with their state copied from a checkpoint (hybrid)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # every request holding a row, in admission order
         self.num_retracted = 0
@@ -193,6 +194,7 @@ class Scheduler:
         req.state_slot = slots[0]
         if match.slots.numel():
             self.states.copy([match.node.state], [req.state_slot])
+            self.num_restored += 1
         else:
             self.states.clear([req.state_slot])
         req.checkpoint = (slots[1], checkpoint_len) if checkpoint_len else None

@@ -1,0 +1,90 @@
+"""A hybrid model (full attention beside recurrent mixers) in the reference engine: greedy outputs
+equal a no-cache recomputation while checkpoints are saved, restored and evicted, state slots are
+never leaked or held twice, and a canary on every forward stays silent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_kvcanary.canary.runtime import CanaryRuntime
+from pytest_kvcanary.config import CanaryConfig
+from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.engine.model import RecurrentMixer
+from pytest_kvcanary.engine.state_access import DenseState
+
+
+def check_state_invariants(engine: Engine) -> None:
+    """Every state slot but 0 is free, the running state of exactly one running request, or the
+    checkpoint of exactly one radix node; a running request's checkpoint is never pending between
+    forwards."""
+    held = [r.state_slot for r in engine.running]
+    assert all(r.checkpoint is None for r in engine.running), "a checkpoint left pending"
+    stack = [c for root in engine.radix_cache.roots.values() for c in root.children.values()]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.state is not None:
+            held.append(node.state)
+    assert 0 not in held and len(set(held)) == len(held), f"a state slot is held twice: {sorted(held)}"
+    assert not set(held) & set(engine.states.free_slots), "a held state slot is also free"
+    assert len(held) + engine.states.num_free == engine.states.num_slots - 1, "a state slot leaked"
+
+
+def _engine(**kw) -> Engine:
+    model = ModelConfig(attention="hybrid", max_context=128, seed=3)
+    return Engine(EngineConfig(model=model, max_batch_tokens=128, **kw))
+
+
+def test_outputs_match_a_no_cache_recomputation_under_pressure(random_prompts, assert_reference, check_invariants):
+    """Pools small enough for KV eviction, retraction and checkpoint eviction; prompts that share a
+    prefix and come back (A -> B -> A)."""
+    engine = _engine(num_slots=56, max_running=4, num_state_slots=9)
+    canary = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=1, kernels="torch"), engine)
+    engine.set_forward_hooks(canary)
+    prompts = random_prompts(4, 6)
+    prompts += [prompts[0], prompts[3], prompts[0]]
+    reqs = [engine.submit(p, 16) for p in prompts]
+    while engine.scheduler.has_work:
+        engine.step()
+        check_invariants(engine)
+        check_state_invariants(engine)
+    assert_reference(engine, prompts, [r.output_ids for r in reqs])
+    assert engine.scheduler.num_restored > 0, "no checkpoint was restored"
+    assert engine.radix_cache.num_states_evicted > 0, "no checkpoint was evicted"
+    assert engine.scheduler.num_retracted > 0 and engine.radix_cache.num_evicted > 0
+    canary.drain()
+    assert canary.log.violations == [] and canary.health_problems() == []
+    assert canary.sweeps and canary.state is not None
+
+
+def test_a_scan_in_pieces_equals_one_scan():
+    """The state after a sequence's first tokens, carried into the rest, gives the outputs and state
+    one scan of the whole sequence gives (what a checkpoint and a decode step rely on)."""
+    cfg = ModelConfig(attention="hybrid", seed=1)
+    mixer = RecurrentMixer(cfg, 0)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.3, generator=torch.Generator().manual_seed(7))
+        u = torch.randn(23, mixer.in_proj.out_features, generator=torch.Generator().manual_seed(8))
+        zeros = torch.zeros(mixer.width - 1, mixer.channels), torch.zeros(mixer.heads, mixer.dim, mixer.dim)
+        whole, end, mid = mixer.scan(u, *zeros, at=9)
+        head, head_end, _ = mixer.scan(u[:9], *zeros)
+        tail, tail_end, _ = mixer.scan(u[9:], *head_end)
+    for a, b in zip(mid, head_end):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(torch.cat([head, tail]), whole, rtol=1e-4, atol=1e-5)
+    for a, b in zip(tail_end, end):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(DenseState()(mixer, u), whole)
+
+
+@pytest.mark.parametrize("field, value", [("speculative_k", 2), ("host_num_slots", 64), ("decode_mode", "padded")])
+def test_what_hybrid_cannot_run_yet_is_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=rf"attention='hybrid'.*{field}={value!r}"):
+        EngineConfig(model=ModelConfig(attention="hybrid"), **{field: value})
+
+
+def test_a_state_pool_too_small_for_the_rows_is_refused():
+    with pytest.raises(ValueError, match=r"num_state_slots must be an integer >= 17"):
+        EngineConfig(model=ModelConfig(attention="hybrid"), max_running=8, num_state_slots=16)
