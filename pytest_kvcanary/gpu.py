@@ -70,6 +70,32 @@ def count_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def cuda_build_problem() -> str | None:
+    """Why this torch cannot drive a GPU at all (a build without CUDA or ROCm), or None. Imports
+    torch; asked only when GPUs are visible."""
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    return None
+
+
+TRUTHY = ("1", "true", "yes", "on", "y")  # what Triton reads as on in TRITON_INTERPRET
+
+
+def interpreter_problem(setting: str, env: Mapping[str, str] = os.environ,
+                        gpu_count: Callable[[], int] = count_gpus) -> str | None:
+    """Why the user's TRITON_INTERPRET cannot serve a canary under this --kv-canary-device
+    setting, or None: switched off (Triton would compile for a GPU) where the engines run on the
+    CPU."""
+    value = env.get("TRITON_INTERPRET")
+    if value is None or value.strip().lower() in TRUTHY or not runs_on_cpu(setting, gpu_count):
+        return None
+    where = "--kv-canary-device=cpu" if setting == "cpu" else "no GPU is visible"
+    return (f"TRITON_INTERPRET={value!r} makes Triton compile the canary's kernels for a GPU, and the engines run on "
+            f"the CPU here ({where}): unset TRITON_INTERPRET (the plugin then sets it to 1) or set it to 1")
+
+
 def runs_on_cpu(setting: str, gpu_count: Callable[[], int] = count_gpus) -> bool:
     """Whether engines under this --kv-canary-device setting run on the CPU (so the kernels
     must run under Triton's interpreter)."""

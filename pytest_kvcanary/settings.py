@@ -8,6 +8,7 @@ could have checked first.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,10 +16,11 @@ from typing import Any, Callable, NamedTuple
 
 import pytest
 
+from . import gpu
 from .adapters.vllm.isa import CHOICES as VLLM_ATTENTION_ISAS, ENV as VLLM_ATTENTION_ISA_ENV
 from .config import ATTENTION_KINDS, CANARY_MODES, REAL_DATA_MODES, CanaryConfig
 from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem, parallel_problem, split_problem
-from .gpu import AUTO, DEVICE_SETTINGS, count_gpus
+from .gpu import AUTO, DEVICE_SETTINGS, count_gpus, visible_gpu_count
 from .report import report_target, special_file
 from .soak.workload import Workload
 
@@ -208,6 +210,13 @@ def resolve(config: pytest.Config) -> Settings:
             raise pytest.UsageError(f"{opt.flag} must not be empty (leave the option out to keep its default); "
                                     f"got {raw!r}")
 
+    # An environment variable that stands in for an option is checked like the option.
+    isa = os.environ.get(VLLM_ATTENTION_ISA_ENV)
+    if values["kv_canary_vllm_attention_isa"] is None and isa is not None and isa not in VLLM_ATTENTION_ISAS:
+        raise pytest.UsageError(f"the environment variable {VLLM_ATTENTION_ISA_ENV} (the default of "
+                                f"--kv-canary-vllm-attention-isa) must be one of {', '.join(VLLM_ATTENTION_ISAS)}; "
+                                f"got {isa!r}")
+
     def path(name: str) -> Path | None:
         if not values[name]:
             return None
@@ -308,7 +317,21 @@ def check_engine(settings: Settings, sources: dict[str, str], raw: dict[str, str
                      f"must be a checkpoint the {settings.engine} engine can load: the directory {problem}")
     if settings.device == "cuda" and count_gpus() == 0:
         raise _usage(sources["kv_canary_device"], raw["kv_canary_device"], "asks for a GPU, and none is visible")
+    check_environment(settings)
     check_parallel(settings, sources, raw)
+
+
+def check_environment(settings: Settings) -> None:
+    """What the environment must allow when the canary is on: visible GPUs only with a torch that
+    drives them (else every test fails setting its device), and Triton's interpreter left on where
+    the engines run on the CPU."""
+    if settings.device != "cpu" and (gpus := visible_gpu_count()) and (why := gpu.cuda_build_problem()):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        source = f"CUDA_VISIBLE_DEVICES={visible!r} names" if visible is not None else "nvidia-smi lists"
+        raise pytest.UsageError(f"{source} {gpus} GPU(s), and {why}: set CUDA_VISIBLE_DEVICES= (empty) or "
+                                "--kv-canary-device=cpu to run on the CPU, or install a CUDA build of torch")
+    if why := gpu.interpreter_problem(settings.device):
+        raise pytest.UsageError(why)
 
 
 def check_parallel(settings: Settings, sources: dict[str, str], raw: dict[str, str]) -> None:

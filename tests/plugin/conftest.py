@@ -21,6 +21,15 @@ def kv_start_engine(fake_harness):
 
 def pytest_kvcanary_make_engine(name, attention, device, seed, model):
     return f"{name}:{attention}:{device}:{seed}:{model}"
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # The fake harness stands in for GPUs (CUDA_VISIBLE_DEVICES) and never touches one: the
+    # start-up check that torch can drive them does not apply.
+    from pytest_kvcanary import gpu
+    original = gpu.cuda_build_problem
+    gpu.cuda_build_problem = lambda: None
+    config.add_cleanup(lambda: setattr(gpu, "cuda_build_problem", original))
 '''
 
 

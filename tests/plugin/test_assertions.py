@@ -10,7 +10,7 @@ import pytest
 
 from pytest_kvcanary.assertions import KvCanary
 from pytest_kvcanary.canary.violation import Violation
-from pytest_kvcanary.config import PerturbSpec
+from pytest_kvcanary.config import TARGET_GROUPS, PerturbSpec
 
 PD = ("prefill", "decode")
 
@@ -83,7 +83,7 @@ def test_filters_match_case_insensitively_and_on_any_reason() -> None:
                                     "walk_slot_out_of_range, walk_too_large, walk_position_gap, "
                                     "view_out_of_range, rank_divergence; got 'verify_hash'"),
         ({"phase": "BODY"}, "phase must be one of HEAD, TAIL, SWEEP, RECHECK; got 'BODY'"),
-        ({"group": "local"}, "group must be one of full, swa, draft; got 'local'"),
+        ({"group": "local"}, f"group must be one of {', '.join(TARGET_GROUPS)}; got 'local'"),
         ({"side": "single"}, "side must be one of prefill, decode; got 'single'"),
         ({"half": "Q"}, "half must be one of K, V; got 'Q'"),
     ],

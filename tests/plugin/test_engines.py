@@ -140,16 +140,61 @@ def test_the_interpreter_is_chosen_before_any_conftest_imports_triton(
 
 
 def test_a_user_choice_of_interpreter_is_kept(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    kvtester.makeconftest("import os\nassert os.environ['TRITON_INTERPRET'] == '0'")
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    kvtester.makeconftest("import os\nassert os.environ['TRITON_INTERPRET'] == 'true'")
     kvtester.makepyfile("def test_a(): pass")
     kvtester.runpytest_subprocess("--kv-canary").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("args, where", [(["--kv-canary"], "no GPU is visible"),
+                                         (["--kv-canary", "--kv-canary-device=cpu"], "--kv-canary-device=cpu")],
+                         ids=["auto", "cpu"])
+def test_the_interpreter_switched_off_on_the_cpu_is_a_usage_error(
+        kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: list[str], where: str) -> None:
+    """Not "0 active drivers" in every test: one line saying what to change. Off with the canary
+    off, or with a GPU, it is the user's business."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
+    result = kvtester.runpytest_subprocess("-s", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.errlines if line.strip()] == [
+        f"ERROR: TRITON_INTERPRET='0' makes Triton compile the canary's kernels for a GPU, and the engines run on the "
+        f"CPU here ({where}): unset TRITON_INTERPRET (the plugin then sets it to 1) or set it to 1"]
+    assert "RAN" not in result.stdout.str()
+    kvtester.runpytest_subprocess().assert_outcomes(skipped=1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    kvtester.runpytest_subprocess("--kv-canary").assert_outcomes(passed=1)
+
+
+def test_visible_gpus_with_a_torch_built_without_cuda_are_a_usage_error(pytester: pytest.Pytester,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not an AttributeError from torch._C in every test (nor a passing --kv-canary-device=cuda
+    check): one line saying what to change. The CPU still runs."""
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("this torch is built with CUDA")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    pytester.makepyfile("def test_a(kv_device): print('RAN')")
+    for device in ("auto", "cuda"):
+        result = pytester.runpytest_subprocess("-s", "--kv-canary", f"--kv-canary-device={device}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        assert [line for line in result.errlines if line.strip()] == [
+            f"ERROR: CUDA_VISIBLE_DEVICES='0' names 1 GPU(s), and this torch ({torch.__version__}) is built without "
+            "CUDA: set CUDA_VISIBLE_DEVICES= (empty) or --kv-canary-device=cpu to run on the CPU, or install a CUDA "
+            "build of torch"]
+        assert "RAN" not in result.stdout.str()
+    pytester.runpytest_subprocess("--kv-canary", "--kv-canary-device=cpu").assert_outcomes(passed=1)
 
 
 def test_with_a_gpu_the_kernels_are_compiled(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    kvtester.makeconftest("import os\nassert 'TRITON_INTERPRET' not in os.environ")
+    kvtester.makeconftest("import os\nassert 'TRITON_INTERPRET' not in os.environ\n"
+                          "from pytest_kvcanary import gpu\n"
+                          "gpu.cuda_build_problem = lambda: None  # no GPU is touched: torch's build does not matter")
     kvtester.makepyfile("def test_a(): pass")
     kvtester.runpytest_subprocess("--kv-canary").assert_outcomes(passed=1)
 

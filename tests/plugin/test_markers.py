@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvcanary.config import ATTENTION_KINDS
+from pytest_kvcanary.config import ATTENTION_KINDS, PERTURB_MODES, TARGET_GROUPS
 from pytest_kvcanary.plugin import OFF_REASON
 
 
@@ -77,14 +77,14 @@ def test_perturb_markers_become_specs(kvtester: pytest.Pytester) -> None:
 
 BAD_MARKERS = [
     ('kv_perturb("flip_everything")',
-     "kv_perturb('flip_everything'): kv_perturb mode must be one of req_to_token, real_kv_used, "
-     "real_kv_unused_cache, real_kv_post_forward, next_token_swap, real_kv_host; got 'flip_everything'"),
+     f"kv_perturb('flip_everything'): kv_perturb mode must be one of {', '.join(PERTURB_MODES)}; got 'flip_everything'"),
     ('kv_perturb("req_to_token", probability=1)',
      "kv_perturb('req_to_token', probability=1): unknown keyword 'probability'; "
      "allowed: prob, side, target_group, warmup_steps, rank"),
     ('kv_perturb("req_to_token", prob=2)', "kv_perturb('req_to_token', prob=2): prob must be a number in [[]0, 1[]]; got 2"),
     ('kv_perturb("req_to_token", target_group="local")',
-     "kv_perturb('req_to_token', target_group='local'): target_group must be one of full, swa, draft; got 'local'"),
+     f"kv_perturb('req_to_token', target_group='local'): target_group must be one of {', '.join(TARGET_GROUPS)}; "
+     "got 'local'"),
     ("kv_perturb(prob=1.0)", "kv_perturb(prob=1.0): needs a mode; allowed modes: req_to_token, *"),
     ('kv_perturb("req_to_token", "real_kv_used")', "kv_perturb('req_to_token', 'real_kv_used'): takes one mode; *"),
     ('kv_perturb("req_to_token", side="prefill")',

@@ -508,3 +508,17 @@ def test_a_marker_split_the_model_cannot_take_skips_naming_it(realtester: pytest
         "stage a multiple of model.full_every (2) layers on swa; got 1 layers per stage",
     ])
     assert "Traceback" not in result.stdout.str()
+
+
+def test_the_attention_isa_variable_is_checked_like_its_option(kvtester: pytest.Pytester,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    kvtester.makepyfile("def test_a(): print('RAN')")
+    monkeypatch.setenv("KVCANARY_VLLM_ATTENTION_ISA", "bogus")
+    result = kvtester.runpytest_subprocess("-s")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.errlines if line.strip()] == [
+        "ERROR: the environment variable KVCANARY_VLLM_ATTENTION_ISA (the default of --kv-canary-vllm-attention-isa) "
+        "must be one of readable, vllm, amx, vec, vec16; got 'bogus'"]
+    kvtester.runpytest_subprocess("--kv-canary-vllm-attention-isa=vec").assert_outcomes(passed=1)  # the option wins
+    monkeypatch.setenv("KVCANARY_VLLM_ATTENTION_ISA", "vec16")
+    kvtester.runpytest_subprocess().assert_outcomes(passed=1)
