@@ -168,6 +168,9 @@ class KvCanary:
         test's reset count (step < N). require_distinct_prompts: fail at once when a prompt was
         sent twice since the reset, since radix dedup can let the fault escape."""
         __tracebackhide__ = True
+        if reason is None:  # violations(None) means any reason; an assertion names the one it expects
+            raise ValueError(f"reason must be one of {', '.join(REASONS)}; got None (any violation at all: "
+                             "assert kv_canary.violations())")
         if within_steps is not None:
             check_int("within_steps", within_steps, 1)
         found = self.violations(reason, phase=phase, group=group, side=side, rank=rank)

@@ -291,12 +291,16 @@ def _topology(settings: Settings, node: pytest.Item) -> tuple[int, int]:
                  for name in markers.PARALLEL_FIELDS)
 
 
-def _checkout(pool: EnginePool, key: EngineKey, seed: int) -> Any:
+def _checkout(request: pytest.FixtureRequest, pool: EnginePool, key: EngineKey, seed: int) -> Any:
+    """The handle for key. An engine name nobody builds an engine under test for (a hook that
+    returns None or something else) is the run's error, not each test's: this test errors, and
+    the run stops after it, saying why."""
     try:
         return pool.checkout(key, seed)
     except (NoPrefillDecodePair, NoParallelEngine, UnsupportedAttention) as e:
         raise pytest.skip.Exception(str(e)) from None
     except (UnknownEngine, NotAnEngineUnderTest) as e:
+        request.session.shouldstop = f"--kv-canary-engine={key.engine}: {e}"
         _fail(str(e))
 
 
@@ -322,7 +326,7 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
         pytest.skip(f"kv_parallel({field}=...) {why}")
     key = EngineKey(kind, canary, attention, _devices(request.config, kind, tp * pp), settings.engine, model, tp, pp)
     pool: EnginePool = request.getfixturevalue("_kv_engines")
-    serial, handle = _checkout(pool, key, settings.seed)
+    serial, handle = _checkout(request, pool, key, settings.seed)
     _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), canary=canary,
                   engine=f"{settings.engine}/{attention}")
     if perturbs and (why := handle.unsupported(perturbs)):

@@ -109,8 +109,8 @@ def check_perturbs_fit(node: pytest.Item, *, groups: tuple[str, ...], canary: Ca
 
 
 def attention_kinds(node: pytest.Item) -> tuple[str, ...]:
-    """The kinds of the test's one kv_attention marker (on it, its class or its module),
-    duplicates dropped; ("mha",) without one. Two markers are an error: they do not combine."""
+    """The kinds of the test's one kv_attention marker (on it, its class or its module); ("mha",)
+    without one. Two markers, or a kind named twice, are an error."""
     marks = list(node.iter_markers("kv_attention"))
     if not marks:
         return (DEFAULT_ATTENTION,)
@@ -123,7 +123,10 @@ def attention_kinds(node: pytest.Item) -> tuple[str, ...]:
     for kind in mark.args:
         if kind not in ATTENTION_KINDS:
             raise MarkerError(f"{_show(mark)}: kind must be one of {', '.join(ATTENTION_KINDS)}; got {kind!r}")
-    return tuple(dict.fromkeys(mark.args))
+    if len(set(mark.args)) < len(mark.args):
+        twice = next(kind for kind in mark.args if mark.args.count(kind) > 1)
+        raise MarkerError(f"{_show(mark)}: names {twice!r} twice; name each kind once (each runs the test once)")
+    return tuple(mark.args)
 
 
 def ignored(node: pytest.Item) -> list[str]:

@@ -255,3 +255,12 @@ def test_an_engine_of_one_rank_is_rank_0() -> None:
     assert canary.violations(rank=0) == [_violation()]
     with pytest.raises(ValueError, match="0 to 0; got 1"):
         canary.violations(rank=1)
+
+
+def test_assert_violation_needs_a_reason() -> None:
+    """None would mean "any reason" and read "expected a None violation": an error naming the
+    argument instead, whether or not violations were logged."""
+    for logged in ([], [_violation()]):
+        with pytest.raises(ValueError, match=r"^reason must be one of .*; got None \(any violation at all: assert "
+                                             r"kv_canary.violations\(\)\)$"):
+            _canary(logged=logged).assert_violation(None)

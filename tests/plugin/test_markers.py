@@ -91,6 +91,8 @@ BAD_MARKERS = [
      "kv_perturb('req_to_token', side='prefill'): side='prefill' needs the kv_pd fixture; kv_engine has one side"),
     ('kv_attention("gqa")', f"kv_attention('gqa'): kind must be one of {', '.join(ATTENTION_KINDS)}; got 'gqa'"),
     ("kv_attention()", f"kv_attention(): takes one or more kinds; allowed kinds: {', '.join(ATTENTION_KINDS)}"),
+    ('kv_attention("mha", "mha")', "kv_attention('mha', 'mha'): names 'mha' twice; name each kind once (each runs "
+                                   "the test once)"),
     ("kv_canary(ring_size=8)",
      "kv_canary(ring_size=8): unknown canary setting 'ring_size'; allowed: check_tokens, check_write_inputs, "
      "drain_interval, kernels, mode, real_data, recheck, ring_capacity, sweep_interval"),

@@ -261,6 +261,8 @@ from pytest_kvcanary.adapters.reference import make_reference_engine
 def pytest_kvcanary_make_engine(name, attention, device, seed):
     if name == "broken":
         return object()
+    if name == "text":
+        return "an engine"
     if name == "mine":
         return make_reference_engine(attention, device, seed)
 """
@@ -269,6 +271,9 @@ def pytest_kvcanary_make_engine(name, attention, device, seed):
 @pytest.mark.parametrize("name, outcome, message", [
     ("broken", {"errors": 1},
      "engine 'broken' (object) does not implement EngineUnderTest (pytest_kvcanary/canary/seam.py): missing "
+     "canary_groups, canary_capacities, cache_walk, set_forward_hooks, generate, reset"),
+    ("text", {"errors": 1},
+     "engine 'text' (str) does not implement EngineUnderTest (pytest_kvcanary/canary/seam.py): missing "
      "canary_groups, canary_capacities, cache_walk, set_forward_hooks, generate, reset"),
     ("nope", {"errors": 1},
      "no engine named 'nope': --kv-canary-engine names reference, transformers, vllm or an engine a "
@@ -279,10 +284,10 @@ def test_engines_the_harness_cannot_use_error_the_test(pytester: pytest.Pytester
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the run sets it; restored after
     pytester.makeconftest(ENGINE_HOOKS)
-    pytester.makepyfile("def test_a(kv_engine): pass")
+    pytester.makepyfile("def test_a(kv_engine): pass\ndef test_b(kv_engine): pass\ndef test_c(kv_pd): pass")
     result = pytester.runpytest("--kv-canary", f"--kv-canary-engine={name}")
-    result.assert_outcomes(**outcome)
-    result.stdout.fnmatch_lines([message])
+    result.assert_outcomes(**outcome)  # one error: the run stops after the first test, saying why
+    result.stdout.fnmatch_lines([message, f"*Interrupted: --kv-canary-engine={name}: {message}*"])
     assert "Traceback" not in result.stdout.str()
 
 
