@@ -39,6 +39,7 @@ class StateGuard:
         self._stamp, self._verify = stamp, verify
         self.state = group.halves[HALF]
         self.tags = {phase: launch_tag(phase, HALF, GroupKind.STATE) for phase in (Phase.HEAD, Phase.TAIL, Phase.SWEEP)}
+        self._restores = torch.zeros((), dtype=torch.int64, device=self.records.device)
         self.seal()
 
     @property
@@ -79,9 +80,16 @@ class StateGuard:
                     prev_records=self.full.halves[HALF].records)
 
     def copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """The states of ``src`` were copied to ``dst``: so were their records."""
+        """The states of ``src`` were copied to ``dst``: so were their records. Copies from a slot
+        other than 0 (restores of a checkpoint, saves) are counted on the device."""
         src, dst = src.to(self.records.device, torch.int64), dst.to(self.records.device, torch.int64)
         self.records[dst] = self.records[src]
+        self._restores += (src != 0).sum()
+
+    def restores(self) -> int:
+        """States copied from a slot other than 0 since the last clear (syncs): the liveness count
+        of checkpoint reuse."""
+        return int(self._restores)
 
     def sweep(self, walk: CheckpointWalk, ring) -> None:
         """SWEEP: each checkpoint the cache holds summarizes its path up to its length."""
@@ -94,4 +102,5 @@ class StateGuard:
 
     def clear(self) -> None:
         self.group.clear()
+        self._restores.zero_()
         self.seal()

@@ -36,9 +36,13 @@ def _soak(handle: object, config: pytest.Config) -> None:
                              f"--kv-canary-soak-replay='{replay}' to the replay command below")
 
 
-@pytest.mark.kv_attention("mha", "swa", "mla")
+@pytest.mark.kv_attention("mha", "swa", "mla", "hybrid")
 def test_workload_soak(kv_engine: object, pytestconfig: pytest.Config) -> None:
     _soak(kv_engine, pytestconfig)
+    state = kv_engine.sides[0].runtime.state
+    if state is not None and not state.restores():  # the liveness gate of a hybrid model's soak
+        raise AssertionError("the soak restored no recurrent-state checkpoint: its workloads never reused a cached "
+                             "prefix of this hybrid engine, so they proved nothing about its checkpoints")
 
 
 @pytest.mark.kv_attention("mha", "swa")
