@@ -45,3 +45,19 @@ def test_pytest_help_lists_the_options_without_importing_torch() -> None:
                  "--kv-canary-workers-per-gpu", "--kv-canary-lock-dir"):
         assert flag in out
     assert "KV-cache canary" in out
+
+
+def test_the_public_names_come_from_the_package_root_and_load_on_use() -> None:
+    """`from pytest_kvcanary import KvCanaryViolationError` works (raise mode's exception, which
+    a test may catch); importing the package alone loads none of them."""
+    code = ("import sys; import pytest_kvcanary as p; "
+            "assert not any(m.startswith(('pytest_kvcanary.canary', 'pytest_kvcanary.handles')) for m in sys.modules); "
+            + HEAVY_CHECK + "; "
+            "from pytest_kvcanary import KvCanaryViolationError, Violation, KvCanary, CanaryConfig, PerturbSpec, "
+            "Handle, ArgumentError, KvMarkerWarning, UnsupportedAttention; "
+            "from pytest_kvcanary.canary.log import KvCanaryViolationError as defined; "
+            "assert KvCanaryViolationError is defined and issubclass(defined, RuntimeError); "
+            "assert sorted(p.__all__) == sorted(['KvCanaryViolationError', 'Violation', 'KvCanary', 'CanaryConfig', "
+            "'PerturbSpec', 'Handle', 'ArgumentError', 'KvMarkerWarning', 'UnsupportedAttention']); "
+            "assert all(hasattr(p, n) for n in p.__all__)")
+    subprocess.run([sys.executable, "-c", code], check=True)
