@@ -35,13 +35,13 @@ DEVICE = "cuda:0" if CUDA else "cpu"
 
 
 def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 0, page_size: int = 1,
-               host_num_slots: int = 0) -> Any:
+               host_num_slots: int = 0, num_state_slots: int = 64) -> Any:
     from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
 
     model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0)
     return Engine(EngineConfig(model=model, num_slots=512, swa_num_slots=256, max_running=8, max_batch_tokens=512,
                                device=DEVICE, decode_mode=decode_mode, speculative_k=speculative_k,
-                               page_size=page_size, host_num_slots=host_num_slots))
+                               page_size=page_size, host_num_slots=host_num_slots, num_state_slots=num_state_slots))
 
 
 def _transformers(attention: str, batching: str, graphs: str) -> Any:
@@ -74,6 +74,11 @@ def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
         configs[f"reference-pd-{attention}"] = (lambda a=attention: ("pd", _reference(a), _reference(a)), None)
     for attention in ("mha", "swa", "mla"):  # pages of 16 tokens
         configs[f"reference-{attention}-pages"] = (lambda a=attention: _reference(a, page_size=16), None)
+    # A hybrid model: checkpoints in a roomy state pool, in one that evicts them (17 slots: 8 running
+    # requests, 8 checkpoints being written, one to spare), and with pages of 16 tokens.
+    configs["reference-hybrid-eager"] = (lambda: _reference("hybrid"), None)
+    configs["reference-hybrid-state-pressure"] = (lambda: _reference("hybrid", num_state_slots=17), None)
+    configs["reference-hybrid-pages"] = (lambda: _reference("hybrid", page_size=16), None)
     for attention in ("mha", "mla"):  # pages and a host-memory tier, with and without speculative decoding
         configs[f"reference-{attention}-host"] = (
             lambda a=attention: _reference(a, page_size=16, host_num_slots=1024), None)
@@ -117,6 +122,8 @@ def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rou
         handle.reset(seed, ())
         result = handle.run_workload(seed=seed, rounds=rounds, arrivals=arrivals)
         data = result.to_json()
+        state = handle.sides[0].runtime.state  # a hybrid model's liveness: checkpoints restored
+        restores = None if state is None else state.restores()
         rows.append({"config": name + ("" if arrivals else " (batches)"),
                      "device": torch.cuda.get_device_name() if CUDA else "cpu", "real_data": real_data,
                      "seeds": [seed], "rounds": data["rounds"], "forwards": data["forwards"],
@@ -124,6 +131,7 @@ def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rou
                      "failures": [{"seed": seed, **f} for f in data["failures"]],
                      "untrusted_rounds": [{"seed": seed, **r} for r in data["untrusted_rounds"][:4]],
                      "seconds": round(time.monotonic() - began, 1),
+                     **({} if restores is None else {"state_restores": restores}),
                      "versions": {m: sys.modules[m].__version__ for m in ("torch", "transformers", "vllm")
                                   if m in sys.modules}})
         on_seed(rows[-1])
@@ -160,6 +168,8 @@ def merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 m["versions"][name] = m["versions"][name] + " + " + version if name in m["versions"] else version
         for field in ("rounds", "forwards", "near_ties", "seconds"):
             m[field] = round(m[field] + r[field], 1)
+        if "state_restores" in r:
+            m["state_restores"] = m.get("state_restores", 0) + r["state_restores"]
         for verdict, n in r["verdicts"].items():
             m["verdicts"][verdict] = m["verdicts"].get(verdict, 0) + n
         m["failures"] += r["failures"]
@@ -177,13 +187,23 @@ def seed_ranges(seeds: list[int]) -> str:
     return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in spans) or "-"
 
 
+def liveness(row: dict[str, Any]) -> str:
+    """What the configuration must have exercised, as counted: a hybrid model's checkpoint restores
+    (none is a failed liveness gate); "-" where nothing is counted."""
+    if "state_restores" not in row:
+        return "-"
+    n = row["state_restores"]
+    return f"{n} checkpoint restores" if n else "FAILED: no checkpoint restored"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows merged (`merge`); time is the seconds of every run added up."""
     lines = ["| configuration | device | real_data | seeds | rounds | forwards | clean | engine defect | "
-             "damage detected | damage missed | suspected false alarms | near ties | time |", "|" + "---|" * 13]
+             "damage detected | damage missed | suspected false alarms | near ties | liveness | time |",
+             "|" + "---|" * 14]
     for r in merge(rows):
         if "skipped" in r:
-            lines.append(f"| {r['config']} | skipped: {r['skipped']} |" + " |" * 11)
+            lines.append(f"| {r['config']} | skipped: {r['skipped']} |" + " |" * 12)
             continue
         v = r["verdicts"]
         seeds = seed_ranges(r["seeds"])
@@ -192,7 +212,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['config']} | {device} | {r['real_data']} | {seeds} | {r['rounds']} | {r['forwards']} | "
                      f"{v['clean']} | {v['engine defect']} | {v['damage detected']} | {v['damage missed']} | "
                      f"{v['suspected false alarm']} | "
-                     f"{r['near_ties']} | {r['seconds']} s |")
+                     f"{r['near_ties']} | {liveness(r)} | {r['seconds']} s |")
     return "\n".join(lines)
 
 
@@ -243,7 +263,10 @@ def main() -> int:
             keep({"config": name, "skipped": f"{type(e).__name__}: {e}"})
     print(table(rows))
     bad = sum(r["verdicts"]["damage missed"] + r["verdicts"]["suspected false alarm"] for r in rows if "verdicts" in r)
-    return 1 if bad else 0
+    idle = [r["config"] for r in merge(rows) if r.get("state_restores") == 0]
+    if idle:
+        print(f"liveness gate: {', '.join(idle)} restored no checkpoint", file=sys.stderr)
+    return 1 if bad or idle else 0
 
 
 if __name__ == "__main__":
