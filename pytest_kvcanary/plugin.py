@@ -466,8 +466,17 @@ class _Collector:
         self.results = results
         self.interrupts = interrupts
 
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        self.results.running.append(nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        if nodeid in self.results.running:
+            self.results.running.remove(nodeid)
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         payload = getattr(report, "kv_canary", None)
+        if report.when == "call" and "test" not in (payload or {}):
+            self.results.unguarded += 1
         if payload is not None:
             self.results.add(payload)
         elif report.when == "???":  # xdist's report of the test a worker was running when it died

@@ -235,6 +235,8 @@ class RunResults:
         self.tests: list[ReportEntry] = []
         self._engines: dict[tuple[str, int], dict[str, Any]] = {}
         self.interrupted: str | None = None
+        self.running: list[str] = []  # the tests that had started and not finished (named if interrupted)
+        self.unguarded = 0  # tests that ran without a kv engine handle (not in `tests`)
         self.crashed_workers: list[dict[str, str]] = []
         self.report_error: str | None = None  # why the JSON report could not be written
 
@@ -304,11 +306,19 @@ class RunResults:
         guarded = [t for t in self.tests if t.outcome != "crashed"]
         violations = sum(len(t.violations) for t in self.tests)
         owned = sum(len(t.violations) for t in self.tests if t.expected)
-        two_sided = len(lines) > len(self.engines)
-        sides = f" ({len(lines)} lines: a prefill/decode handle has two sides)" if two_sided else ""
+        sides = ""
+        if len(lines) > len(self.engines):
+            why = [f"a {what} has {how}" for what, how, found in (
+                ("prefill/decode handle", "two sides", any(e["kind"] == "pd" for e in self.engines)),
+                ("parallel handle", "one per rank", any(e.get("tp", 1) * e.get("pp", 1) > 1 for e in self.engines)))
+                if found]
+            sides = f" ({len(lines)} lines: {', '.join(why) or 'a line per side'})"
         lines.append(f"{_count(len(guarded), 'guarded test')}, {_count(violations, 'violation')} "
                      f"({owned} owned by tests that injected or checked them, "
                      f"{violations - owned} unexpected), {_count(len(self.engines), 'engine handle')}{sides}")
+        if self.unguarded:
+            lines.append(f"{_count(self.unguarded, 'other test')} ran without kv_engine or kv_pd: not guarded, not "
+                         "counted above (a test that builds its own engine is one)")
         workers = self.worker_devices()
         if len(workers) > 1 or any(e.get("tp", 1) * e.get("pp", 1) > 1 for e in self.engines):
             lines.append("devices: " + "; ".join(f"{w} -> {', '.join(d)}" for w, d in sorted(workers.items())))
@@ -322,8 +332,9 @@ class RunResults:
                           violations_table(*t.violation_rows())]
         lines += self.soak_lines()
         if self.interrupted:
+            running = f"; running when it stopped: {', '.join(self.running)}" if self.running else ""
             lines.append(f"run interrupted ({self.interrupted}): results of the {_count(len(self.tests), 'test')} "
-                         "that finished")
+                         f"that finished{running}")
         for crash in self.crashed_workers:
             lines.append(f"worker {crash['worker']} died ({crash['error']}); the tests it finished are included")
         lines += [f"crashed: {t.nodeid} (its worker died while running it)"

@@ -22,7 +22,10 @@ def test_the_finished_tests_are_kept(kvtester: pytest.Pytester, stop: list[tuple
     assert report["run"]["interrupted"] == reason
     assert sorted(t["nodeid"] for t in report["tests"] if t["outcome"] == "passed") == sorted(
         f"test_{f}.py::test_finishes[{i}]" for f in ("one", "two") for i in range(3))
-    assert f"run interrupted ({reason}): results of the 6 tests that finished" in out
+    line = next(line for line in out.splitlines() if line.startswith("run interrupted"))
+    assert line.startswith(f"run interrupted ({reason}): results of the 6 tests that finished; running when it "
+                           "stopped: "), line
+    assert sorted(line.split("stopped: ")[1].split(", ")) == ["test_one.py::test_blocks", "test_two.py::test_blocks"]
     assert f"report: {kvtester.path / 'kv.json'}" in out
 
 
@@ -95,5 +98,6 @@ def test_an_interrupt_inside_an_interpreted_kernel_keeps_the_summary(kvtester: p
     result = kvtester.runpytest_subprocess("-p", "no:cacheprovider", "--kv-canary", timeout=300)
     out = result.stdout.str() + result.stderr.str()
     assert result.ret == pytest.ExitCode.INTERRUPTED, out
-    result.stdout.fnmatch_lines(["run interrupted (keyboard interrupt): results of the 0 tests that finished"])
+    result.stdout.fnmatch_lines(["run interrupted (keyboard interrupt): results of the 0 tests that finished; running "
+                                 "when it stopped: test_kernel.py::test_interrupted_inside_a_kernel"])
     assert "TypeError" not in out and "Traceback" not in out

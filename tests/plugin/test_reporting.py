@@ -243,3 +243,33 @@ def test_the_summary_and_the_json_report_name_each_workers_devices(tmp_path) -> 
     assert report["workers"] == {"gw0": ["cuda:0", "cuda:0,cuda:1"], "gw1": ["cuda:1"]}
     assert [(e["device"], e["tp"], e["pp"]) for e in report["engines"]] == [
         ("cuda:0", 1, 1), ("cuda:0,cuda:1", 2, 1), ("cuda:1", 1, 1)]
+
+
+def test_the_line_count_note_names_parallel_ranks() -> None:
+    """A parallel handle has a line per rank (its stats are keyed "<side> rank <r>"): the note on
+    lines per handle says so, not only that a prefill/decode handle has two sides."""
+    from pytest_kvcanary.report import EngineRef, ReportEntry, RunResults
+
+    results = RunResults()
+    ref = EngineRef("main", 0, "reference", "single", "mha", "cpu", {}, tp=2)
+    stats = {f"single rank {r}": {"forwards": 1} for r in range(2)}
+    results.add_test(ReportEntry.guarded("t", "passed", ref, seed=0, perturbs=[], violations=[], requests=[],
+                                         injections=[], stats=stats, expected=False, read_error=None))
+    assert results.summary_lines()[2] == ("1 guarded test, 0 violations (0 owned by tests that injected or checked "
+                                          "them, 0 unexpected), 1 engine handle (2 lines: a parallel handle has one "
+                                          "per rank)")
+
+
+def test_the_summary_says_which_tests_it_does_not_count(kvtester: pytest.Pytester) -> None:
+    """Tests that ran without kv_engine or kv_pd (examples that build their own engine among them)
+    are not guarded tests: a line says how many, so the count does not read as the run's."""
+    kvtester.makepyfile("""
+        def test_guarded(kv_engine): pass
+        def test_builds_its_own_engine(): pass
+        def test_plain(): pass
+    """)
+    result = kvtester.runpytest("--kv-canary")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["1 guarded test, 0 violations (*), 1 engine handle",
+                                 "2 other tests ran without kv_engine or kv_pd: not guarded, not counted above (a test "
+                                 "that builds its own engine is one)"])
