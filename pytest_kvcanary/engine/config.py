@@ -186,11 +186,10 @@ class EngineConfig:
             check_int("num_state_slots", self.num_state_slots, 2 * self.max_running + 1,
                       f" (slot 0 is reserved; each of max_running={self.max_running} requests holds a running state "
                       f"and may write a checkpoint)")
-            unsupported = [name for name, on in (("speculative_k", self.speculative_k), ("host_num_slots",
-                           self.host_num_slots), ("decode_mode", self.decode_mode != "eager")) if on]
+            unsupported = [name for name in ("speculative_k", "host_num_slots") if getattr(self, name)]
             if unsupported:
-                raise ValueError(f"attention='hybrid' runs with speculative_k=0, host_num_slots=0 and decode_mode "
-                                 f"'eager' here (its recurrent state has no rollback, host tier or decode graph yet); "
+                raise ValueError(f"attention='hybrid' runs with speculative_k=0 and host_num_slots=0 here (its "
+                                 f"recurrent state has no rollback or host tier yet); "
                                  f"got {', '.join(f'{n}={getattr(self, n)!r}' for n in unsupported)}")
         if self.decode_mode == "graph" and torch.device(self.device).type != "cuda":
             raise ValueError(f"decode_mode='graph' needs a CUDA device; got device={self.device!r}")

@@ -3,7 +3,7 @@
 A decode batch of n requests runs at the smallest captured size B >= n (powers of two up to
 max_running). Everything the step reads lives in static buffers refilled in place before each run:
 input ids, positions (the scheduler's, as an eager forward gets them), the rows' mapping rows and
-prefix lengths. The canary's ForwardView is those same tensors, so its write-input checks see what
+prefix lengths (a hybrid model's: their state slots). The canary's ForwardView is those same tensors, so its write-input checks see what
 the model consumed, replayed or not (padding rows: prefix 0, extend 0, writing nothing). With
 graphs, before_forward + the model + after_forward are captured at a size's first step and
 replayed from then on; end_forward runs after each. Observers of the canary (the fault injector)
@@ -18,10 +18,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView
+from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView, StateInputs
 
 from .kv_pool import KVPools, token_slots
 from .model import CausalLM
+from .state_access import PaddedDecodeState
+from .state_pool import StatePool
 
 
 class PaddedDecodeKV:
@@ -68,24 +70,27 @@ class DecodeStep:
     """The static buffers of one batch size and the step over them (captured on demand)."""
 
     def __init__(self, size: int, model: CausalLM, pools: KVPools, table: torch.Tensor,
-                 token_table: torch.Tensor, device: torch.device) -> None:
+                 token_table: torch.Tensor, device: torch.device, states: StatePool | None) -> None:
         def zeros() -> torch.Tensor:
             return torch.zeros(size, dtype=torch.int64, device=device)
 
-        self.size, self.model, self.pools, self.table = size, model, pools, table
+        self.size, self.model, self.pools, self.table, self.states = size, model, pools, table, states
+        state = None if states is None else StateInputs(zeros(), zeros(), zeros())  # a decode writes no checkpoint
         self.view = ForwardView(rows=zeros(), prefix_lens=zeros(), extend_lens=zeros(), input_ids=zeros(),
-                                positions=zeros(), token_table=token_table, context_keys=zeros())
+                                positions=zeros(), token_table=token_table, context_keys=zeros(), state=state)
         self.next_tokens = zeros()
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def fill(self, rows: list[int], prefix_lens: list[int], input_ids: list[int], positions: list[int],
-             context_keys: list[int]) -> None:
+             context_keys: list[int], state_slots: list[int]) -> None:
         pad = self.size - len(rows)
         v = self.view
-        for dst, values, fill in ((v.rows, rows, 0), (v.prefix_lens, prefix_lens, 0), (v.positions, positions, 0),
-                                  (v.input_ids, input_ids, 0), (v.context_keys, context_keys, 0),
-                                  (v.extend_lens, [1] * len(rows), 0)):
-            dst.copy_(torch.tensor(values + [fill] * pad, dtype=torch.int64), non_blocking=True)
+        filled = [(v.rows, rows), (v.prefix_lens, prefix_lens), (v.positions, positions), (v.input_ids, input_ids),
+                  (v.context_keys, context_keys), (v.extend_lens, [1] * len(rows))]
+        if v.state is not None:
+            filled.append((v.state.slots, state_slots))
+        for dst, values in filled:  # padding rows: zeros
+            dst.copy_(torch.tensor(values + [0] * pad, dtype=torch.int64), non_blocking=True)
 
     def forward(self, hooks: ForwardHooks | None) -> None:
         """before_forward, the model, after_forward, greedy tokens into next_tokens (no end_forward)."""
@@ -94,7 +99,8 @@ class DecodeStep:
             hooks.before_forward(v)
         kv = PaddedDecodeKV(self.pools, self.table, v.rows, v.prefix_lens, v.extend_lens,
                             None if hooks is None else hooks.kv_stored)
-        hidden = self.model(v.input_ids, v.positions, kv, v.context_keys)
+        states = None if self.states is None else PaddedDecodeState(self.states, v.state.slots, v.extend_lens)
+        hidden = self.model(v.input_ids, v.positions, kv, v.context_keys, states)
         if hooks is not None:
             hooks.after_forward(v)
         self.next_tokens.copy_(self.model.compute_logits(hidden).argmax(-1))
@@ -116,9 +122,9 @@ class DecodeGraphs:
     """Padded decode steps per captured size; graphs captured lazily, dropped when the hooks change."""
 
     def __init__(self, model: CausalLM, pools: KVPools, table: torch.Tensor, token_table: torch.Tensor,
-                 max_running: int, device: torch.device, use_graphs: bool) -> None:
+                 max_running: int, device: torch.device, use_graphs: bool, states: StatePool | None = None) -> None:
         sizes = [1 << i for i in range(max_running.bit_length()) if 1 << i < max_running] + [max_running]
-        self.steps = [DecodeStep(s, model, pools, table, token_table, device) for s in sizes]
+        self.steps = [DecodeStep(s, model, pools, table, token_table, device, states) for s in sizes]
         self.use_graphs = use_graphs
 
     def invalidate(self) -> None:
@@ -126,11 +132,12 @@ class DecodeGraphs:
             step.graph = None
 
     def run(self, hooks: ForwardHooks | None, rows: list[int], prefix_lens: list[int], input_ids: list[int],
-            positions: list[int], context_keys: list[int]) -> list[int]:
-        """One decode forward of len(rows) requests (one token each: input_ids, at positions);
-        returns each one's greedy next token. The caller calls hooks.end_forward() after it."""
+            positions: list[int], context_keys: list[int], state_slots: list[int]) -> list[int]:
+        """One decode forward of len(rows) requests (one token each: input_ids, at positions; a
+        hybrid model's from their state slots); returns each one's greedy next token. The caller
+        calls hooks.end_forward() after it."""
         step = next(s for s in self.steps if s.size >= len(rows))
-        step.fill(rows, prefix_lens, input_ids, positions, context_keys)
+        step.fill(rows, prefix_lens, input_ids, positions, context_keys, state_slots)
         if not self.use_graphs:
             step.forward(hooks)
         elif step.graph is None:

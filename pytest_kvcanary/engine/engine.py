@@ -82,7 +82,7 @@ class Engine:
         self._row_owners: RowOwners[Request] = RowOwners()
         self._decode = None if config.decode_mode == "eager" else DecodeGraphs(
             self.model, self.pools, self.req_to_token_pool.table, self.token_table, config.max_running,
-            self.device, use_graphs=config.decode_mode == "graph")
+            self.device, use_graphs=config.decode_mode == "graph", states=self.states)
 
     @property
     def running(self) -> list[Request]:
@@ -289,7 +289,8 @@ class Engine:
         self._note_rows(batch)
         if not batch.is_prefill and self._decode is not None:
             tokens = self._decode.run(hooks, [r.row for r in batch.reqs], batch.prefix_lens, batch.input_ids.tolist(),
-                                      batch.positions.tolist(), [r.context_key for r in batch.reqs])
+                                      batch.positions.tolist(), [r.context_key for r in batch.reqs],
+                                      batch.state_slots)
             self._forwarded(hooks)
             return [[t] for t in tokens]
         view = self._view(batch)

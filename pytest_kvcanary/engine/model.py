@@ -111,7 +111,8 @@ class RecurrentMixer(nn.Module):
     softplus(dt_t + dt_bias) * exp(A_log))`` (keys L2-normalized). A request's state after t
     tokens is the convolution's last conv_width - 1 inputs ``[conv_width - 1, channels]`` and S
     ``[heads, state_dim, state_dim]`` (float32); `scan` runs a segment of tokens from a state, in
-    the closed (quadratic) form, and gives the state after it."""
+    the closed (quadratic) form, and gives the state after it; `step` runs one token of each of a
+    batch of sequences (a decode step)."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -126,18 +127,41 @@ class RecurrentMixer(nn.Module):
     def forward(self, x: torch.Tensor, states: StateAccess) -> torch.Tensor:
         return self.out_proj(states(self, self.in_proj(x)).to(x.dtype))
 
+    def _mix(self, windows: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per token, from its convolution window [..., channels, conv_width] and step sizes [...,
+        heads]: its key (L2-normalized), query (scaled) and value, [..., heads, state_dim] each, and
+        its log decay [..., heads]."""
+        conv = (windows * self.conv1d.float()).sum(-1)
+        k, q, v = F.silu(conv).unflatten(-1, (3, self.heads, self.dim)).unbind(-3)
+        log_decay = -0.1 * F.softplus(dt + self.dt_bias.float()) * self.A_log.float().exp()
+        return F.normalize(k, dim=-1), q * self.dim ** -0.5, v, log_decay
+
+    def _split(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """in_proj rows -> the convolved channels, the step sizes and the output gate (float32)."""
+        return u.float().split([self.channels, self.heads, self.heads * self.dim], dim=-1)
+
+    def step(self, u: torch.Tensor, conv0: torch.Tensor, s0: torch.Tensor
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One token of each of B sequences (in_proj rows u [B, ...]) from their states (conv0 [B,
+        conv_width - 1, channels], s0 [B, heads, state_dim, state_dim]): the gated outputs [B, heads
+        * state_dim] and the states after the token. The same as `scan` of one token."""
+        xc, dt, z = self._split(u)
+        padded = torch.cat([conv0.float(), xc[:, None]], dim=1)  # [B, w, channels]
+        k, q, v, log_decay = self._mix(padded.transpose(1, 2), dt)
+        s = log_decay.exp()[:, :, None, None] * s0.float() + k[..., :, None] * v[..., None, :]
+        y = torch.einsum("bhn,bhnm->bhm", q, s)
+        return y.flatten(1) * F.silu(z), (padded[:, 1:], s)
+
     def scan(self, u: torch.Tensor, conv0: torch.Tensor, s0: torch.Tensor, at: int = 0
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
         """One request's segment of T tokens (their in_proj rows u) from the state (conv0, s0):
         the gated outputs [T, heads * state_dim] (float32), the state after the segment, and the
         state after its first ``at`` tokens (None for at 0)."""
         t, h, n, w = u.shape[0], self.heads, self.dim, self.width
-        xc, dt, z = u.float().split([self.channels, h, h * n], dim=-1)
+        xc, dt, z = self._split(u)
         padded = torch.cat([conv0.float(), xc])  # [w - 1 + T, channels]
-        conv = (padded.unfold(0, w, 1) * self.conv1d.float()).sum(-1)  # [T, channels]
-        k, q, v = F.silu(conv).view(t, 3, h, n).unbind(1)
-        k, q = F.normalize(k, dim=-1), q * n ** -0.5
-        decay = (-0.1 * F.softplus(dt + self.dt_bias.float()) * self.A_log.float().exp()).cumsum(0)  # [T, h]
+        k, q, v, log_decay = self._mix(padded.unfold(0, w, 1), dt)
+        decay = log_decay.cumsum(0)  # [T, h]
         causal = torch.ones(t, t, dtype=torch.bool, device=u.device).tril()[:, :, None]
         weights = torch.where(causal, decay[:, None, :] - decay[None, :, :], -torch.inf).exp()  # [t, s, h]
         y = torch.einsum("tsh,shm->thm", torch.einsum("thn,shn->tsh", q, k) * weights, v)

@@ -29,6 +29,23 @@ class DenseState:
         return mixer.scan(u, conv0, s0)[0]
 
 
+class PaddedDecodeState:
+    """One decode token per batch row over the state pool, shapes fixed by the batch size: each
+    valid row steps from the state in its slot and writes the state after it back; a padding row
+    (extend 0, slot 0) computes and writes nothing back, leaving reserved slot 0 as it was."""
+
+    def __init__(self, pool: StatePool, slots: torch.Tensor, extend_lens: torch.Tensor) -> None:
+        self.pool, self.slots, self.valid = pool, slots, extend_lens > 0
+
+    def __call__(self, mixer: RecurrentMixer, u: torch.Tensor) -> torch.Tensor:
+        conv, ssm = self.pool.layer(mixer.layer)
+        y, (new_conv, new_ssm) = mixer.step(u, conv[self.slots], ssm[self.slots])
+        keep = self.valid[:, None, None]
+        conv[self.slots] = torch.where(keep, new_conv, conv[self.slots])
+        ssm[self.slots] = torch.where(keep[..., None], new_ssm, ssm[self.slots])
+        return y
+
+
 class PooledState:
     """One forward batch over the state pool. Per request (in batch order): its extend_len tokens
     run from the state in its slot, which then holds the state after them; where a checkpoint slot

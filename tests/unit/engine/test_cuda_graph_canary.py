@@ -28,7 +28,7 @@ def _decode_until_captured(engine, prompts, max_new_tokens=12):
     return reqs
 
 
-@pytest.mark.parametrize("attention", ["mha", "swa", "mla"])
+@pytest.mark.parametrize("attention", ["mha", "swa", "mla", "hybrid"])
 def test_graph_decode_with_the_canary_equals_eager_and_stays_clean(attention, make_engine, random_prompts):
     prompts = random_prompts(5, 4)
     eager = make_engine(attention, device="cuda").generate(prompts, 10)

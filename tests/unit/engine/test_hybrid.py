@@ -36,10 +36,13 @@ def _engine(**kw) -> Engine:
     return Engine(EngineConfig(model=model, max_batch_tokens=128, **kw))
 
 
-def test_outputs_match_a_no_cache_recomputation_under_pressure(random_prompts, assert_reference, check_invariants):
+@pytest.mark.parametrize("decode_mode", ["eager", "padded"])
+def test_outputs_match_a_no_cache_recomputation_under_pressure(decode_mode, random_prompts, assert_reference,
+                                                               check_invariants):
     """Pools small enough for KV eviction, retraction and checkpoint eviction; prompts that share a
-    prefix and come back (A -> B -> A)."""
-    engine = _engine(num_slots=56, max_running=4, num_state_slots=9)
+    prefix and come back (A -> B -> A); decode steps one request at a time, or padded to fixed
+    batch sizes as a CUDA graph replays them."""
+    engine = _engine(num_slots=56, max_running=4, num_state_slots=9, decode_mode=decode_mode)
     canary = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=1, kernels="torch"), engine)
     engine.set_forward_hooks(canary)
     prompts = random_prompts(4, 6)
@@ -77,9 +80,13 @@ def test_a_scan_in_pieces_equals_one_scan():
     for a, b in zip(tail_end, end):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(DenseState()(mixer, u), whole)
+    stepped, (conv, ssm) = mixer.step(u[9:10], head_end[0][None], head_end[1][None])
+    first, after_first, _ = mixer.scan(u[9:10], *head_end)
+    torch.testing.assert_close(stepped[0], first[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close((conv[0], ssm[0]), after_first, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("field, value", [("speculative_k", 2), ("host_num_slots", 64), ("decode_mode", "padded")])
+@pytest.mark.parametrize("field, value", [("speculative_k", 2), ("host_num_slots", 64)])
 def test_what_hybrid_cannot_run_yet_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=rf"attention='hybrid'.*{field}={value!r}"):
         EngineConfig(model=ModelConfig(attention="hybrid"), **{field: value})
