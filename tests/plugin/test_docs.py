@@ -142,3 +142,100 @@ def test_ci_runs_the_documented_vllm_recipe_and_the_hints_match_the_docs() -> No
     for package, command in INSTALL.items():
         assert any(line.startswith(command) for line in _code_lines()), package
         assert command in install_hint(package)
+
+
+# ------------------------------------------------------------------ the docs against the code
+
+def _row(page: Path, start: str) -> str:
+    """The table row of `page` whose first cell starts with `start`."""
+    rows = [line for line in page.read_text().splitlines() if line.startswith(f"| `{start}")]
+    assert len(rows) == 1, f"{_name(page)}: {len(rows)} rows start with {start!r}"
+    return rows[0]
+
+
+def _bullet(page: Path, start: str) -> str:
+    """The list item of `page` that starts with `start`, its lines joined."""
+    text = page.read_text()
+    at = text.index(f"- `{start}")
+    end = re.search(r"\n(?=- |\n)", text[at + 1:])
+    return " ".join(text[at:at + 1 + (end.start() if end else len(text))].split())
+
+
+@pytest.mark.parametrize("method", ["violations", "assert_no_violation", "assert_violation"])
+def test_the_assertion_signatures_in_the_docs_are_the_code(method: str) -> None:
+    """Every filter an assertion takes is in the README's table and in writing-tests.md."""
+    import inspect
+
+    from pytest_kvcanary.assertions import KvCanary
+
+    wanted = [name for name in inspect.signature(getattr(KvCanary, method)).parameters if name != "self"]
+    for page, text in ((ROOT / "README.md", _row(ROOT / "README.md", f"{method}(").split("|")[1]),
+                       (ROOT / "docs" / "writing-tests.md", _bullet(ROOT / "docs" / "writing-tests.md", f"{method}("))):
+        signature = text[text.index("(") + 1:text.index(")")]
+        shown = [part.strip().split("=")[0] for part in signature.split(",") if part.strip() != "*"]
+        assert shown == wanted, f"{_name(page)}: {method}({', '.join(shown)}) where the code takes {wanted}"
+
+
+def test_every_canary_setting_is_in_the_kv_canary_marker_docs() -> None:
+    from dataclasses import fields
+
+    from pytest_kvcanary.config import CanaryConfig
+
+    for text in (_row(ROOT / "README.md", "kv_canary(**overrides)"),
+                 _bullet(ROOT / "docs" / "writing-tests.md", "kv_canary(**overrides)")):
+        missing = [f.name for f in fields(CanaryConfig) if f"`{f.name}`" not in text]
+        assert not missing, f"the kv_canary marker's docs lack {missing}"
+
+
+def test_the_kv_perturb_signature_and_modes_in_the_docs_are_the_code() -> None:
+    """The signature the marker registers (`pytest --markers`) is the one the docs show, and every
+    mode has its row in writing-tests.md's fault table and its words in the README."""
+    from pytest_kvcanary.config import PERTURB_MODES
+    from pytest_kvcanary.plugin_support.markers import MARKER_LINES
+
+    registered = next(line for line in MARKER_LINES if line.startswith("kv_perturb(")).split(":")[0]
+    readme = _row(ROOT / "README.md", "kv_perturb(")
+    guide = _bullet(ROOT / "docs" / "writing-tests.md", "kv_perturb(")
+    assert f"`{registered}`" in readme and f"`{registered}`" in guide
+    table = [line for line in (ROOT / "docs" / "writing-tests.md").read_text().splitlines() if line.startswith("| `")]
+    for mode in PERTURB_MODES:
+        assert any(line.startswith(f"| `{mode}` |") for line in table), f"writing-tests.md: no fault table row for {mode}"
+        assert f"`{mode}`" in readme, f"README.md: kv_perturb row lacks {mode}"
+
+
+def test_raise_modes_exception_is_named_and_exported() -> None:
+    import pytest_kvcanary
+    from pytest_kvcanary.canary.log import KvCanaryViolationError
+
+    assert pytest_kvcanary.KvCanaryViolationError is KvCanaryViolationError
+    for page in (ROOT / "README.md", ROOT / "docs" / "writing-tests.md"):
+        assert "`pytest_kvcanary.KvCanaryViolationError`" in page.read_text(), _name(page)
+
+
+def test_the_ini_keys_an_empty_value_leaves_unset_are_the_ones_running_md_names() -> None:
+    """An empty ini value is "unset" only for options whose default is unset; the others refuse it."""
+    accepting = []
+    for option in OPTIONS:
+        try:
+            option.parse("")
+        except ValueError:
+            continue
+        accepting.append(option.name)
+    text = " ".join((ROOT / "docs" / "running.md").read_text().split())
+    named = re.search(r"an empty value means unset for the options whose default is unset \(([^)]*)\)", text)
+    assert named is not None, "docs/running.md: the sentence on empty ini values"
+    assert re.findall(r"`(\w+)`", named.group(1)) == accepting
+
+
+def test_the_soak_docs_count_the_suites_soaks() -> None:
+    """docs/soak.md names the kinds the stock suite soaks, alone and over a prefill/decode pair."""
+    import pytest_kvcanary.soak.suite as suite
+
+    def kinds(test: object) -> list[str]:
+        return [list(m.args) for m in test.pytestmark if m.name == "kv_attention"][0]
+
+    single, pd = kinds(suite.test_workload_soak), kinds(suite.test_workload_soak_prefill_decode)
+    text = " ".join((ROOT / "docs" / "soak.md").read_text().split())
+    assert f"one soak per attention kind the engine has ({', '.join(f'`{k}`' for k in single)};" in text
+    assert f"one per attention kind ({', '.join(f'`{k}`' for k in pd)}) over its prefill/decode pair" in text
+    assert f"{['no', 'one', 'two', 'three', 'four', 'five', 'six', 'seven'][len(single) + len(pd)]} soaks on the reference" in text
