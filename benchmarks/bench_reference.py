@@ -4,11 +4,14 @@ GPU, and tensor-parallel on two (NCCL) with and without the cross-rank compariso
     python benchmarks/bench_reference.py                        # tp=1 on cuda:0, batch 1 and 32
     python benchmarks/bench_reference.py --tp 2 --batches 1 32  # tp=2 on cuda:0 and cuda:1
     python benchmarks/bench_reference.py --batches 8 --runs 7
+    python benchmarks/bench_reference.py --attention hybrid     # every 4th layer attention, the rest recurrent
     python benchmarks/bench_reference.py --smoke [--tp 2]       # tiny shapes on the CPU (padded decode): checks the script
 
 The engine: the embedded reference engine (tp=1: in this process; tp=2: split over two rank
 processes, handles/parallel.py) with a Llama-style model in bf16 (--hidden, --layers, ...; random
-weights, 1B-class by default), decode_mode "graph": each decode step's padded batch, with the
+weights, 1B-class by default; --attention hybrid: every --full-every-th layer full attention, the others
+a recurrent mixer of --heads state heads x --state-dim, whose states the canary's state group guards),
+decode_mode "graph": each decode step's padded batch, with the
 canary's before_forward and after_forward (tp=2: the digest and its all-gather included) captured
 in one CUDA graph per batch size and replayed. Per run, the engine prefills `batch` prompts of
 `prompt` tokens, decodes a few warm-up steps (which capture the graphs), then times `steps` decode
@@ -134,6 +137,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--attention", default="mha", choices=["mha", "hybrid"])
+    parser.add_argument("--full-every", type=int, default=4, help="hybrid: every Nth layer is full attention")
+    parser.add_argument("--state-dim", type=int, default=64, help="hybrid: a state head's key and value size")
     parser.add_argument("--real-data", nargs="+", default=["partial"], choices=["none", "partial", "all"])
     parser.add_argument("--sweep-interval", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
@@ -142,6 +148,7 @@ def main() -> None:
         devices, dtype, decode_mode, kernels = ("cpu",) * args.tp, torch.float32, "padded", "torch"
         args.batches, args.prompt, args.steps, args.warmup, args.runs = [2], 8, 2, 1, 1
         args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim, args.intermediate = 64, 2, 4, 2, 16, 128
+        args.full_every, args.state_dim = 2, 16
     else:
         if torch.cuda.device_count() < args.tp:
             raise SystemExit(f"bench_reference.py --tp {args.tp} needs {args.tp} CUDA devices (or --smoke)")
@@ -151,9 +158,12 @@ def main() -> None:
     context = args.prompt + args.warmup + args.steps + 2
     model = ModelConfig(vocab_size=32000, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
-                        max_context=context, dtype=dtype, seed=0)
+                        max_context=context, dtype=dtype, seed=0, attention=args.attention,
+                        full_every=args.full_every, state_heads=args.heads, state_dim=args.state_dim)
     name = "cpu" if args.smoke else torch.cuda.get_device_name(0)
-    print(f"tp={args.tp} on {', '.join(devices)} ({name}); decode_mode={decode_mode}; prompt {args.prompt}, "
+    print(f"tp={args.tp} on {', '.join(devices)} ({name}); attention={args.attention}"
+          + (f" (full every {args.full_every}, state {args.heads} x {args.state_dim}^2)" if args.attention == "hybrid" else "")
+          + f"; decode_mode={decode_mode}; prompt {args.prompt}, "
           f"{args.steps} timed steps x {args.runs} runs; hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
           f"({args.kv_heads} KV) x {args.head_dim}, {dtype}; sweep_interval={args.sweep_interval}")
     print("| batch | real_data | canary | ms per decode step (median of run medians) | spread over runs "
@@ -161,7 +171,8 @@ def main() -> None:
     print("|---:|---|---|---:|---:|---:|---|---:|")
     for batch in args.batches:
         engine = EngineConfig(model=model, num_slots=batch * context + 1, max_running=batch,
-                              max_batch_tokens=max(context, 8192), device=devices[0], decode_mode=decode_mode)
+                              max_batch_tokens=max(context, 8192), device=devices[0], decode_mode=decode_mode,
+                              num_state_slots=2 * batch + 1)
         for real_data in args.real_data:
             canary = CanaryConfig(real_data=real_data, sweep_interval=args.sweep_interval, kernels=kernels)
             ranks: Any = OneEngine(engine, canary) if args.tp == 1 else \

@@ -70,7 +70,7 @@ def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
                 lambda a=attention, m=mode: _reference(a, m), None if mode != "graph" or CUDA else "needs CUDA")
     for attention in ("mha", "mla"):
         configs[f"reference-{attention}-speculative"] = (lambda a=attention: _reference(a, speculative_k=3), None)
-    for attention in ("mha", "swa"):
+    for attention in ("mha", "swa", "hybrid"):
         configs[f"reference-pd-{attention}"] = (lambda a=attention: ("pd", _reference(a), _reference(a)), None)
     for attention in ("mha", "swa", "mla"):  # pages of 16 tokens
         configs[f"reference-{attention}-pages"] = (lambda a=attention: _reference(a, page_size=16), None)

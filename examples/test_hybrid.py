@@ -77,3 +77,29 @@ def test_the_attention_layers_kv_is_still_guarded(kv_engine, kv_canary):
     kv_canary.assert_violation("verify_real_kv_hash", phase="HEAD", group="full")
     assert not kv_canary.violations(group="state")
     kv_canary.assert_perturbations_detected()
+
+
+@pytest.mark.kv_attention("hybrid")
+def test_prefill_decode_moves_the_state_with_its_record(kv_pd, kv_canary):
+    """Fails when the states' records no longer travel with the states (mutation:
+    PDHandle._on_state_transfer does nothing): the decode side's first HEAD then finds each
+    transferred state's slot holding another prefix's record."""
+    kv_pd.send_parallel_requests(4, distinct_prompts=True, max_new_tokens=5)
+    kv_canary.assert_no_violation()
+
+
+@pytest.mark.kv_attention("hybrid")
+@pytest.mark.kv_perturb("real_kv_post_forward", side="prefill", target_group="state")
+def test_a_state_damaged_before_its_transfer_is_caught_on_the_decode_side(kv_pd, kv_canary):
+    """A running state damaged after the prefill stamped it travels to the decode side, whose first
+    HEAD names it there. (A fault may land in a checkpoint instead, which stays on the prefill side:
+    requests are sent until one lands in a transferred state.)"""
+    for _ in range(8):  # a prefill forward each, a fault each
+        kv_pd.send_parallel_requests(2, distinct_prompts=True, max_new_tokens=4)
+        moved = [i for i in kv_canary.perturbations() if i.moved_to]
+        if moved:
+            break
+    assert moved, "no fault landed in a transferred state"
+    found = kv_canary.assert_violation("verify_real_kv_hash", side="decode", phase="HEAD", group="state")
+    assert {v.slot for v in found} == {p.slot for i in moved for p in i.moved_to}
+    assert all(i.status == "detected" and i.detected_by.side == "decode" for i in moved)

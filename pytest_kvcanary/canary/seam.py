@@ -294,6 +294,9 @@ class PrefillDecodePair(Protocol):
     add_transfer_listener: the listener hears every transfer (the harness moves the canary
     records of the transferred slots with the KV there, so the decode side's first read
     re-verifies the whole transferred prefix).
+    Optional, for engines with a STATE group: add_state_transfer_listener(listener), where the
+    listener hears (prefill state slots, decode state slots) of every request's recurrent state
+    moved with its KV, once the copy is launched and before the decode side's next forward.
     """
 
     prefill: EngineUnderTest

@@ -91,6 +91,15 @@ class StateGuard:
         of checkpoint reuse."""
         return int(self._restores)
 
+    def export_records(self, slots: torch.Tensor) -> torch.Tensor:
+        """The records of these state slots, ``[n, RECORD_WIDTH]`` (what a transfer sends with the
+        states)."""
+        return self.records[slots.to(self.records.device, torch.int64)]
+
+    def import_records(self, slots: torch.Tensor, records: torch.Tensor) -> None:
+        """Write exported records (any device) to these state slots, before the forward that reads them."""
+        self.records[slots.to(self.records.device, torch.int64)] = records.to(self.records.device)
+
     def sweep(self, walk: CheckpointWalk, ring) -> None:
         """SWEEP: each checkpoint the cache holds summarizes its path up to its length."""
         device = self.records.device

@@ -11,6 +11,8 @@ the reference recomputation.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -19,7 +21,11 @@ from kvcanary_kernels.records import GroupKind
 
 from .attention import DenseKV, KVAccess
 from .config import ModelConfig
-from .state_access import DenseState, StateAccess
+
+# A recurrent mixer's states: called as ``states(mixer, u)`` with the mixer's in_proj rows u [T, ...]
+# of the forward's tokens, it runs the mixer over each sequence's tokens from that sequence's state,
+# keeps what a cache keeps, and returns their gated outputs [T, heads * state_dim] (state_access.py).
+StateAccess = Callable[["RecurrentMixer", torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -174,6 +180,16 @@ class RecurrentMixer(nn.Module):
             return padded[m:m + w - 1], s
 
         return gated, after(t), after(at) if at else None
+
+
+class DenseState:
+    """No cache: one whole sequence from the initial (all-zero) state. The reference the pooled
+    path (state_access.py) matches."""
+
+    def __call__(self, mixer: RecurrentMixer, u: torch.Tensor) -> torch.Tensor:
+        conv0 = u.new_zeros(mixer.width - 1, mixer.channels, dtype=torch.float32)
+        s0 = u.new_zeros(mixer.heads, mixer.dim, mixer.dim, dtype=torch.float32)
+        return mixer.scan(u, conv0, s0)[0]
 
 
 class MLP(nn.Module):

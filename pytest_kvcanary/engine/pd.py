@@ -5,6 +5,7 @@
                                    rewritten to the first copy's slots, its own freed)
     -> transfer                    snapshot the request's row, copy the prompt's KV of every
                                    layer of every pool group into slots the decode side allocated
+                                   (a hybrid model: and its recurrent state, into a state slot)
     -> prefill scheduler.finish    the prefill copy stays in the prefill radix cache
     -> decode.step ...             until max_new_tokens
 
@@ -22,7 +23,7 @@ from typing import ContextManager, Sequence
 
 import torch
 
-from ..canary.seam import TransferListener, UnsupportedAttention
+from ..canary.seam import TransferListener
 from .engine import Engine
 from .kv_pool import KVPool, slot_pages
 from .request import Request
@@ -47,16 +48,19 @@ class PDPair:
     def __init__(self, prefill: Engine, decode: Engine) -> None:
         if (prefill.config.model, prefill.config.checkpoint) != (decode.config.model, decode.config.checkpoint):
             raise ValueError("a prefill/decode pair needs the same model (config and weights) on both sides")
-        if prefill.states is not None:
-            raise UnsupportedAttention("engine 'reference' has no prefill/decode pair for attention 'hybrid' yet: its "
-                                       "transfer moves KV pages and their records, not a request's recurrent state")
         self.prefill, self.decode = prefill, decode
         self._transfer_listeners: list[TransferListener] = []
+        self._state_listeners: list[TransferListener] = []
 
     def add_transfer_listener(self, listener: TransferListener) -> None:
         """listener(prefill FULL slots, decode FULL slots) hears every transfer (a canary moves
         the slots' records there)."""
         self._transfer_listeners.append(listener)
+
+    def add_state_transfer_listener(self, listener: TransferListener) -> None:
+        """listener(prefill state slots, decode state slots) hears every transfer of a hybrid
+        model's recurrent state (a canary moves the states' records there)."""
+        self._state_listeners.append(listener)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int,
                  context_keys: Sequence[int] | None = None) -> list[list[int]]:
@@ -107,4 +111,10 @@ class PDPair:
             _copy_kv(sender.swa, receiver.swa, src_swa[resident], dst_swa)
         for listener in self._transfer_listeners:
             listener(src, dst)
+        if self.prefill.states is not None:  # the state after the prompt, which the first decode starts from
+            src_state, dst_state = (torch.tensor([s], dtype=torch.int64) for s in (req.state_slot, moved.state_slot))
+            for s, d in zip(self.prefill.states.buffers, self.decode.states.buffers, strict=True):
+                d[dst_state.to(d.device)] = s[src_state.to(s.device)].to(d.device)
+            for listener in self._state_listeners:
+                listener(src_state, dst_state)
         return moved

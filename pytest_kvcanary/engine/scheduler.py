@@ -103,13 +103,19 @@ class Scheduler:
     def admit_transferred(self, req: Request) -> torch.Tensor | None:
         """Make running a request whose KV for token_ids[:kv_len] another engine computed: a row
         and kv_len own slots (evicting the cache for what the free lists lack), written to the row,
-        none of it cached here. Returns the slots, which the caller fills before the next forward;
-        None (nothing held) when no row or memory is free."""
+        none of it cached here, and a hybrid model's state slot (req.state_slot). Returns the slots,
+        which the caller fills (and the state slot) before the next forward; None (nothing held)
+        when no row or memory is free."""
         if len(self.running) >= self.config.max_running:
             return None
-        pages = self._alloc(self._pages_needed(0, req.kv_len))
+        states = self._alloc_states(1)
+        pages = None if states is None else self._alloc(self._pages_needed(0, req.kv_len))
         if pages is None:
+            if states:
+                self.states.free(states, "transferred request could not be admitted")
             return None
+        if states:
+            req.state_slot = states[0]
         slots = page_slots(pages, self.pools.page_size)[:req.kv_len]
         req.row = self.req_to_token.alloc()
         assert req.row is not None

@@ -1,32 +1,16 @@
-"""A recurrent mixer's state, two ways: from nothing (the reference recomputation) or from the
-engine's state pool (a forward batch).
-
-The mixer calls ``states(mixer, u)`` with its in_proj rows u [T, ...] of the forward's tokens and
-gets their gated outputs back; the access runs `RecurrentMixer.scan` over each request's tokens
-from that request's state and keeps what a cache keeps.
+"""A recurrent mixer's state from the engine's state pool: a forward batch (`PooledState`) or a
+padded decode step (`PaddedDecodeState`). The no-cache reference, `DenseState`, and the access's
+contract, `StateAccess`, live with the mixer (model.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from .model import RecurrentMixer
-    from .state_pool import StatePool
-
-StateAccess = Callable[["RecurrentMixer", torch.Tensor], torch.Tensor]
-
-
-class DenseState:
-    """No cache: one whole sequence from the initial (all-zero) state. The reference the pooled
-    path matches."""
-
-    def __call__(self, mixer: RecurrentMixer, u: torch.Tensor) -> torch.Tensor:
-        conv0 = u.new_zeros(mixer.width - 1, mixer.channels, dtype=torch.float32)
-        s0 = u.new_zeros(mixer.heads, mixer.dim, mixer.dim, dtype=torch.float32)
-        return mixer.scan(u, conv0, s0)[0]
+from .model import RecurrentMixer
+from .state_pool import StatePool
 
 
 class PaddedDecodeState:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from kvcanary_kernels.records import GroupKind
+
 from ..canary.seam import PrefillDecodePair
 from ..config import CanaryConfig
 from ..perturb.ledger import Place
@@ -32,9 +34,20 @@ class PDHandle(SidedHandle):
         self.decode = Side("decode", pair.decode, canary, self.ledger)
         self.sides = [self.prefill, self.decode]
         pair.add_transfer_listener(self._on_transfer)
+        add_state_listener = getattr(pair, "add_state_transfer_listener", None)
+        if add_state_listener is not None and self.prefill.runtime.state is not None:
+            add_state_listener(self._on_state_transfer)
 
     def _engine_generate(self) -> Callable[..., list[list[int]]]:
         return self.pair.generate
+
+    def _on_state_transfer(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Send the states' records along with the states (prefill state slots src -> decode state
+        slots dst), and tell the ledger where damage in them went."""
+        sender, receiver = self.prefill.runtime.state, self.decode.runtime.state
+        receiver.import_records(dst, sender.export_records(src))
+        for s, d in zip(src.tolist(), dst.tolist()):
+            self.ledger.moved(self.prefill.name, GroupKind.STATE, s, Place(self.decode.name, d, d))
 
     def _on_transfer(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Send the records along with the KV (prefill FULL slots src -> decode FULL slots dst),

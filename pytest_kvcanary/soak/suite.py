@@ -36,15 +36,23 @@ def _soak(handle: object, config: pytest.Config) -> None:
                              f"--kv-canary-soak-replay='{replay}' to the replay command below")
 
 
-@pytest.mark.kv_attention("mha", "swa", "mla", "hybrid")
-def test_workload_soak(kv_engine: object, pytestconfig: pytest.Config) -> None:
-    _soak(kv_engine, pytestconfig)
-    state = kv_engine.sides[0].runtime.state
-    if state is not None and not state.restores():  # the liveness gate of a hybrid model's soak
+def _restored_a_checkpoint(handle: object) -> None:
+    """The liveness gate of a hybrid model's soak: its workloads must have restored a checkpoint
+    (on the side that prefills)."""
+    __tracebackhide__ = True
+    state = handle.sides[0].runtime.state
+    if state is not None and not state.restores():
         raise AssertionError("the soak restored no recurrent-state checkpoint: its workloads never reused a cached "
                              "prefix of this hybrid engine, so they proved nothing about its checkpoints")
 
 
-@pytest.mark.kv_attention("mha", "swa")
+@pytest.mark.kv_attention("mha", "swa", "mla", "hybrid")
+def test_workload_soak(kv_engine: object, pytestconfig: pytest.Config) -> None:
+    _soak(kv_engine, pytestconfig)
+    _restored_a_checkpoint(kv_engine)
+
+
+@pytest.mark.kv_attention("mha", "swa", "hybrid")
 def test_workload_soak_prefill_decode(kv_pd: object, pytestconfig: pytest.Config) -> None:
     _soak(kv_pd, pytestconfig)
+    _restored_a_checkpoint(kv_pd)

@@ -1,5 +1,6 @@
-"""The liveness gate of a hybrid model's soak: a soak whose workloads never restored a
-recurrent-state checkpoint proved nothing about the checkpoints, and fails saying so."""
+"""The liveness gate of a hybrid model's soaks (one engine, and a prefill/decode pair): a soak
+whose workloads never restored a recurrent-state checkpoint proved nothing about the checkpoints,
+and fails saying so."""
 
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ def no_prefix_reuse(monkeypatch):
 def test_a_hybrid_soak_that_restored_no_checkpoint_fails(realtester: pytest.Pytester):
     realtester.makeconftest(realtester.path.joinpath("conftest.py").read_text() + NO_PREFIX_REUSE)
     result = realtester.runpytest("--kv-canary", *SUITE, "--kv-canary-soak-rounds=2")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*the soak restored no recurrent-state checkpoint*proved nothing*"])
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*_ test_workload_soak?hybrid? _*", "E *the soak restored no recurrent-state checkpoint*",
+                                 "*_ test_workload_soak_prefill_decode?hybrid? _*",
+                                 "E *the soak restored no recurrent-state checkpoint*"])
 
 
 def test_a_hybrid_soak_that_restores_passes(realtester: pytest.Pytester):
     result = realtester.runpytest("--kv-canary", *SUITE, "--kv-canary-soak-rounds=2")
-    result.assert_outcomes(passed=1)
+    result.assert_outcomes(passed=2)

@@ -10,8 +10,7 @@ import torch
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
-from pytest_kvcanary.engine.model import RecurrentMixer
-from pytest_kvcanary.engine.state_access import DenseState
+from pytest_kvcanary.engine.model import DenseState, RecurrentMixer
 
 
 def check_state_invariants(engine: Engine) -> None:

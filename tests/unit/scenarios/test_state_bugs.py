@@ -18,10 +18,9 @@ import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.engine import Engine, Request
-from pytest_kvcanary.engine.model import RecurrentMixer
+from pytest_kvcanary.engine.model import DenseState, RecurrentMixer
 from pytest_kvcanary.engine.radix_cache import RadixCache
-from pytest_kvcanary.engine.scheduler import Batch, Scheduler
-from pytest_kvcanary.engine.state_access import DenseState
+from pytest_kvcanary.engine.scheduler import Scheduler
 
 from scenario_support import attach_canary, first_reports, make_engine, off_greedy_reference, tokens
 
