@@ -64,7 +64,7 @@ def _vllm(attention: str) -> Any:
 def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
     """name -> (a function building the handle's engine or PD pair, why this machine cannot run it)."""
     configs: dict[str, tuple[Callable[[], Any], str | None]] = {}
-    for attention in ("mha", "swa", "mla"):
+    for attention in ("mha", "swa", "mla", "hybrid"):
         for mode in ("eager", "padded", "graph"):
             configs[f"reference-{attention}-{mode}"] = (
                 lambda a=attention, m=mode: _reference(a, m), None if mode != "graph" or CUDA else "needs CUDA")
@@ -74,9 +74,8 @@ def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
         configs[f"reference-pd-{attention}"] = (lambda a=attention: ("pd", _reference(a), _reference(a)), None)
     for attention in ("mha", "swa", "mla"):  # pages of 16 tokens
         configs[f"reference-{attention}-pages"] = (lambda a=attention: _reference(a, page_size=16), None)
-    # A hybrid model: checkpoints in a roomy state pool, in one that evicts them (17 slots: 8 running
-    # requests, 8 checkpoints being written, one to spare), and with pages of 16 tokens.
-    configs["reference-hybrid-eager"] = (lambda: _reference("hybrid"), None)
+    # A hybrid model's checkpoints in a state pool that evicts them (17 slots: 8 running requests, 8
+    # checkpoints being written, one to spare), and with pages of 16 tokens.
     configs["reference-hybrid-state-pressure"] = (lambda: _reference("hybrid", num_state_slots=17), None)
     configs["reference-hybrid-pages"] = (lambda: _reference("hybrid", page_size=16), None)
     for attention in ("mha", "mla"):  # pages and a host-memory tier, with and without speculative decoding
