@@ -12,7 +12,8 @@ def test_clean_batch_has_no_violation(kv_engine, kv_canary):
 @pytest.mark.kv_attention("mha")
 def test_shared_prefixes_reuse_the_radix_cache_cleanly(kv_engine, kv_canary):
     """Fails when no prefix is reused (mutation: RadixCache.match_prefix always returns an empty
-    match), or when reusing one reads a damaged slot."""
+    match), or when reusing one reads a damaged slot. Skips on an engine without a prefix cache."""
+    kv_engine.require("prefix_cache")
     prefix = "the quick brown fox jumps over the lazy dog, twice: the quick brown fox jumps over "
     kv_engine.generate([prefix + "a cat"], max_new_tokens=5)
     before = kv_canary.written_slots()

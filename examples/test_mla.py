@@ -2,7 +2,7 @@
 
 import pytest
 
-from pytest_kvcanary.canary.seam import optional
+from pytest_kvcanary.canary.seam import capabilities_of
 
 
 @pytest.mark.kv_attention("mla")
@@ -15,7 +15,7 @@ def test_latent_pool_with_shared_prefixes_is_clean(kv_engine, kv_canary):
     kv_engine.generate([prefix + tail for tail in ("keys", "values")], max_new_tokens=5)
     # Without reuse each prompt writes a slot per token, the prefix included. (vLLM's CPU build
     # runs latent attention without a prefix cache, so there is nothing to reuse there.)
-    if optional(kv_engine.engine, "prefix_caching"):
+    if capabilities_of(kv_engine.engine).prefix_cache:
         assert kv_canary.written_slots() - before < 2 * len(prefix), "no cached prefix was reused"
     kv_engine.send_parallel_requests(4, distinct_prompts=True, max_new_tokens=5)
     kv_canary.assert_no_violation()

@@ -7,8 +7,8 @@ from typing import Sequence
 
 import torch
 
-from pytest_kvcanary.canary.seam import (Capacities, ForwardHooks, ForwardView, GroupKind, PoolGroup, SlotMapping,
-                                         UnsupportedAttention)
+from pytest_kvcanary.canary.seam import (Capabilities, Capacities, ForwardHooks, ForwardView, GroupKind, PoolGroup,
+                                         SlotMapping, UnsupportedAttention)
 
 
 class ToyEngine:
@@ -28,6 +28,10 @@ class ToyEngine:
 
     def cache_walk(self) -> None:
         return None
+
+    # What it has: the stock examples that need a prefix cache (or a walk of one) skip on it.
+    def capabilities(self) -> Capabilities:
+        return Capabilities(prefix_cache=False, cache_walk=False, concurrent=False)
 
     # What the fixtures drive.
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:

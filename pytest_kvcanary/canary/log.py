@@ -70,8 +70,10 @@ class _Snapshot(NamedTuple):
 class ViolationLog:
     """Decoded violations of one engine.
 
-    A row that repeats an earlier one in everything but the step (the same damaged slot seen again
-    by a later forward) is counted in `repeats`, not reported again. mode "log": new violations are
+    A HEAD, RECHECK or SWEEP row that repeats an earlier one in everything but the step (the same
+    damaged slot seen again by a later forward) is counted in `repeats`, not reported again (nor
+    counted in `dropped`, which counts only rows lost past the ring's capacity); a TAIL row, about
+    what its own forward wrote, is always new. mode "log": new violations are
     kept in `violations` (the plugin decides what to show); "raise": the drain that finds them
     raises KvCanaryViolationError. `jsonl_path`: each new violation is also appended there as one
     JSON line, which `read_jsonl` reads back (how an engine in another process reports).
@@ -158,7 +160,10 @@ class ViolationLog:
         self._consumed = claimed
         new = []
         for v in (decode_row(r, self.side) for r in rows):
-            key = (v.phase, v.half, v.group, v.reasons, v.slot, v.position, v.row, v.stored, v.expected)
+            # A TAIL row is about what that very forward wrote, never damage seen again: its step
+            # keeps two requests' identical writes (the same slots, one after another) apart.
+            key = (v.phase, v.half, v.group, v.reasons, v.slot, v.position, v.row, v.stored, v.expected,
+                   v.step if v.phase == "TAIL" else None)
             if key in self._keys:
                 self.repeats += 1
             else:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import nullcontext
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protocol, Sequence, TypeVar, runtime_checkable
 
 from kvcanary_kernels.records import GroupKind, Half
@@ -71,10 +72,49 @@ __all__ = [
     "PagedWalk", "HostPool", "FreeListener", "TransferListener", "HostTierListener", "HostTier", "ForwardHooks",
     "CanaryHost", "EngineUnderTest", "PrefillDecodePair", "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS",
     "REQUIRED_METHODS", "missing_methods", "optional", "copy_runs", "page_entries", "Arrival", "EngineDefect",
-    "TokenScores", "StateInputs", "CheckpointWalk",
+    "TokenScores", "StateInputs", "CheckpointWalk", "Capabilities", "capabilities_of",
 ]
 
 Owner = TypeVar("Owner")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine has, declared by its adapter (`EngineUnderTest.capabilities`): a stock
+    example, a kv_perturb mode or a soak configuration that needs something an engine lacks skips,
+    naming the field, instead of failing. The defaults are what an engine that declares nothing is
+    taken to have (`capabilities_of` derives most of them from the optional members it offers).
+
+    prefix_cache: a later request reuses the KV a finished one left (the examples that expect
+    reuse). cache_walk: `cache_walk()` lists what the cache holds (the sweep; real_kv_unused_cache).
+    concurrent: one forward may batch several requests (max_batch > 1). feed_token: `feed_token`
+    is offered (next_token_swap). host_tier: `host_tier` is offered (real_kv_host). spare_slot: slot 0 of every pool (or block 0 of a block
+    table) is a spare the engine never stores a token in; an engine without one declares False and
+    the canary refuses it at attach with what to allot instead (docs/adapters.md).
+
+    Prefill/decode and parallel ranks are declared by the hooks that build them
+    (`pytest_kvcanary_make_pd_pair`, the built-in engines' shards): kv_pd and kv_parallel skip,
+    naming the hook, where none does.
+    """
+
+    prefix_cache: bool = True
+    cache_walk: bool = True
+    concurrent: bool = True
+    feed_token: bool = False
+    host_tier: bool = False
+    spare_slot: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"Capabilities.{f.name} must be True or False; got {getattr(self, f.name)!r}")
+
+    def missing(self, *names: str) -> list[str]:
+        """The named capabilities this engine lacks, in the order given."""
+        for name in names:
+            if name not in {f.name for f in fields(self)}:
+                raise ValueError(f"no capability {name!r}; capabilities: {', '.join(f.name for f in fields(self))}")
+        return [name for name in names if not getattr(self, name)]
 
 # Called with (group, slots of that group's mapping space, cause) whenever slots stop holding their
 # data, before they are released. For a group mapped through full_to_group the slots are FULL slots.
@@ -246,6 +286,15 @@ class EngineUnderTest(CanaryHost, Protocol):
     # None: the soak generates each request alone after a reset instead, comparing outputs exactly.
     score_uncached: Callable[..., list[TokenScores]] | None = None
 
+    def capabilities(self) -> Capabilities:
+        """Optional: what the engine has (`Capabilities`). The default derives it from the optional
+        members the engine offers (`capabilities_of`): prefix_cache from `prefix_caching`,
+        cache_walk likewise, feed_token and host_tier from those members. Declare it where the
+        derivation is wrong for your engine (no cache walk, one request per forward, no spare
+        slot, a PD pair or parallel ranks), e.g. ``return replace(capabilities_of(self, derive_only=True),
+        concurrent=False)``."""
+        return capabilities_of(self, derive_only=True)
+
     # Optional. engine_defects() -> the documented defects of the engine itself the adapter saw
     # since the last reset (EngineDefect): the workload soak tells the violations they explain
     # apart from suspected false alarms. None: the adapter knows of none.
@@ -313,7 +362,7 @@ class UnsupportedAttention(LookupError):
 
 
 OPTIONAL_MEMBERS = ("add_free_listener", "feed_token", "host_tier", "checkpoint_walk", "prefix_caching", "request_at",
-                    "finished_requests", "serve", "score_uncached", "engine_defects")
+                    "finished_requests", "serve", "score_uncached", "engine_defects", "capabilities")
 
 
 def _required_methods() -> tuple[str, ...]:
@@ -340,3 +389,19 @@ def optional(engine: object, name: str) -> Any:
         return getattr(engine, name)
     default = inspect.getattr_static(EngineUnderTest, name)
     return default.__get__(engine) if inspect.isfunction(default) else default
+
+
+def capabilities_of(engine: object, *, derive_only: bool = False) -> Capabilities:
+    """The engine's `Capabilities`: what its `capabilities()` declares, else (or with derive_only)
+    what its optional members imply. A declaration that is not a Capabilities is an adapter bug,
+    raised as a TypeError naming the engine."""
+    declared = getattr(engine, "capabilities", None)
+    if not derive_only and callable(declared):
+        caps = declared()
+        if not isinstance(caps, Capabilities):
+            raise TypeError(f"{type(engine).__name__}.capabilities() must return a Capabilities; got {caps!r}")
+        return caps
+    prefix = bool(optional(engine, "prefix_caching"))
+    return Capabilities(prefix_cache=prefix, cache_walk=prefix,
+                        feed_token=optional(engine, "feed_token") is not None,
+                        host_tier=optional(engine, "host_tier") is not None)

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
 
 from ..canary.runtime import CanaryRuntime
-from ..canary.seam import EngineDefect, EngineUnderTest, optional
+from ..canary.seam import EngineDefect, EngineUnderTest, capabilities_of, optional
 from ..canary.violation import Violation
 from ..config import CanaryConfig, PerturbSpec
 from ..perturb.fit import lacking
@@ -140,11 +140,25 @@ class SidedHandle(RequestSender):
     def pool_groups(self) -> tuple[str, ...]:
         return tuple(kind.label for kind in self.sides[0].runtime.group_kinds)
 
+    def require(self, *capabilities: str) -> None:
+        """Skip the calling test where a side's engine lacks one of these capabilities (fields of
+        the seam's `Capabilities`, as its adapter declares them), naming the capability and the
+        engine: what a stock example that needs, say, a prefix cache calls first."""
+        for side in self.sides:
+            if missing := capabilities_of(side.engine).missing(*capabilities):
+                import pytest
+
+                pytest.skip(f"needs an engine with {' and '.join(missing)}; the {side.name} engine "
+                            f"({type(side.engine).__name__}) declares {', '.join(f'{m}=False' for m in missing)} "
+                            f"(EngineUnderTest.capabilities)")
+
     def unsupported(self, perturbs: tuple[PerturbSpec, ...]) -> str | None:
         """Why a side's engine cannot run one of these faults at all (perturb.fit.lacking), or None."""
         for spec in perturbs:
             for side in self.sides:
-                why = lacking(spec, side.engine, f"the {side.name} engine") if spec.side in (None, side.name) else None
+                why = (lacking(spec, side.engine, f"the {side.name} engine", [g.pool for g in side.runtime.groups],
+                               side.runtime.capacities.max_context)
+                       if spec.side in (None, side.name) else None)
                 if why:
                     return why
         return None

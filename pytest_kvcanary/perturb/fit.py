@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from kvcanary_kernels.records import GroupKind
 
-from ..canary.seam import optional
+from ..canary.seam import capabilities_of
 from ..config import FLIP_MODES, PerturbSpec
 
 # What a slot must be for each mode to damage it (a slot already damaged never is).
@@ -47,16 +47,34 @@ def misfit(spec: PerturbSpec, groups: Sequence[GroupKind], *, fingerprints_real_
     return None
 
 
-def lacking(spec: PerturbSpec, engine: Any, name: str) -> str | None:
+# The capability (a Capabilities field) each mode needs, and what it is for.
+NEEDS = {
+    "next_token_swap": ("feed_token", "an engine that can feed a forward another token (CanaryHost.feed_token)"),
+    "real_kv_host": ("host_tier", "an engine with a host-memory tier (CanaryHost.host_tier)"),
+    "real_kv_unused_cache": ("cache_walk", "an engine whose prefix cache the sweep can walk (CanaryHost.cache_walk)"),
+}
+
+
+def lacking(spec: PerturbSpec, engine: Any, name: str, groups: Sequence[Any] = (), max_context: int | None = None
+            ) -> str | None:
     """Why engine `name` (an EngineUnderTest) cannot run `spec`'s mode at all, or None: a mode
-    that needs an optional member of the seam the engine does not offer. A test asking for it
-    skips with this reason."""
-    if spec.mode == "next_token_swap" and optional(engine, "feed_token") is None:
-        return (f"kv_perturb('next_token_swap') needs an engine that can feed a forward another token "
-                f"(CanaryHost.feed_token); {name} ({type(engine).__name__}) has none")
-    if spec.mode == "real_kv_host" and optional(engine, "host_tier") is None:
-        return (f"kv_perturb('real_kv_host') needs an engine with a host-memory tier (CanaryHost.host_tier); "
-                f"{name} ({type(engine).__name__}) has none")
+    that needs a capability the engine does not declare (`Capabilities`, read through
+    `capabilities_of`), or req_to_token on a block table where a request's whole context fits in
+    one block (groups: the engine's PoolGroups, max_context: its Capacities'; no mapping entry is
+    then read without being written). A test asking for it skips with this reason."""
+    caps = capabilities_of(engine)
+    if spec.mode in NEEDS:
+        field, what = NEEDS[spec.mode]
+        if not getattr(caps, field):
+            return (f"kv_perturb({spec.mode!r}) needs {what}; {name} ({type(engine).__name__}) has none "
+                    f"(capability {field}=False)")
+    if spec.mode == "req_to_token":
+        full = next((g for g in groups if g.kind is GroupKind.FULL), None)
+        page = full.mapping.page_size if full is not None else 1
+        if page > 1 and max_context is not None and max_context <= page:
+            return (f"kv_perturb('req_to_token') needs a mapping entry a forward reads and does not write; {name} "
+                    f"({type(engine).__name__}) maps each request through one block of page_size={page} "
+                    f">= max_context={max_context}, so every entry a forward reads it also writes")
     return None
 
 
