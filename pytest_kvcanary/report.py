@@ -351,8 +351,9 @@ class RunResults:
         for _, s in soaks:
             for verdict, n in s["verdicts"].items():
                 verdicts[verdict] = verdicts.get(verdict, 0) + n
+        oracles = list(dict.fromkeys(s.get("oracle", "") for _, s in soaks if s.get("oracle")))
         return {"soaks": len(soaks), "rounds": sum(s["rounds"] for _, s in soaks),
-                "forwards": sum(s["forwards"] for _, s in soaks), "verdicts": verdicts,
+                "forwards": sum(s["forwards"] for _, s in soaks), "verdicts": verdicts, "oracles": oracles,
                 "failures": [{"nodeid": nodeid, **f} for nodeid, s in soaks for f in s["failures"]]}
 
     def soak_lines(self) -> list[str]:
@@ -363,6 +364,7 @@ class RunResults:
         counts = ", ".join(f"{n} {verdict}" for verdict, n in totals["verdicts"].items() if n)
         lines = [f"workload soak: {_count(totals['soaks'], 'soak')}, {totals['rounds']} rounds, "
                  f"{totals['forwards']} forwards: {counts or 'no rounds'}"]
+        lines += [f"  oracle: {oracle}" for oracle in totals["oracles"]]
         for f in totals["failures"]:
             again = "" if f["reproduced"] else ", did not reproduce after a reset"
             lines.append(f"  {f['nodeid']} round {f['round']}: {f['verdict']} ({f['requests']} requests{again}); "

@@ -39,6 +39,13 @@ class Side:
     def __init__(self, name: str, engine: EngineUnderTest, canary: CanaryConfig, ledger: Ledger) -> None:
         self.name = name
         self.engine = engine
+        if not capabilities_of(engine).spare_slot:
+            raise ValueError(
+                f"the {name} engine ({type(engine).__name__}) declares spare_slot=False: the canary keeps slot 0 of "
+                "each pool (block 0 of a block table) as a sentinel that never holds a token, and reads a mapping "
+                "entry 0 as 'not resident'. Allot one more slot (a page, or a batch row of a [batch, ...] cache) than "
+                "the engine serves from, never store a token there, and number the served ones from 1 "
+                "(docs/adapters.md#no-spare-slot)")
         self.runtime = CanaryRuntime(canary, engine, side=name)
         self.injector = FaultInjector(engine, self.runtime, name, ledger)
         self.runtime.observers.append(self.injector)
@@ -117,6 +124,11 @@ class RequestSender:
         raise NotImplementedError
 
 
+# The counters a reset inside a test (the soak's) keeps for the test's summary line: what the engine
+# did. Violations, rows and drops stay the log's own, as the test's assertions see them.
+KEPT_COUNTERS = ("forwards", "protected_tokens", "sweeps")
+
+
 class SidedHandle(RequestSender):
     """What single and PD handles share (see protocol.Handle for the contract): the requests sent,
     the ledger, results read from the sides, the workload soak. progress: what makes the line a
@@ -132,6 +144,7 @@ class SidedHandle(RequestSender):
         self.armed: tuple[int, tuple[PerturbSpec, ...]] = (0, ())  # the last reset's seed and faults
         self.soak_results: list[SoakResult] = []  # the soaks run since the last reset
         self._showing = False  # a progress line is up (one at a time: the outermost work's)
+        self._kept_counts: dict[str, dict[str, int]] = {}  # per side: counts a reset inside the test kept
 
     @property
     def side_names(self) -> tuple[str, ...]:
@@ -163,8 +176,15 @@ class SidedHandle(RequestSender):
                     return why
         return None
 
-    def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
-        """Flush caches, clear log, ledger and counters, restart step numbering, arm this test's faults."""
+    def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...], *, keep_counts: bool = False) -> None:
+        """Flush caches, clear log, ledger and counters, restart step numbering, arm this test's faults.
+        keep_counts: a reset inside a test (the soak's oracle and shrinking): the forwards, tokens and
+        sweeps counted so far still count in `stats`, the test's summary line."""
+        for side in self.sides:
+            kept = self._kept_counts.setdefault(side.name, dict.fromkeys(KEPT_COUNTERS, 0))
+            stats = side.runtime.stats()
+            for name in KEPT_COUNTERS:
+                kept[name] = kept[name] + getattr(stats, name) if keep_counts else 0
         self.ledger.clear()
         self._restart(seed)
         self.armed = (seed, perturbs)
@@ -303,8 +323,14 @@ class SidedHandle(RequestSender):
         return None if side is None else side.request_label(violation.row, violation.step)
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        return {side.name: {**asdict(side.runtime.stats()), "device": str(side.runtime.device)}
-                for side in self.sides}
+        """Per side, the runtime's counters since the test began (a reset inside it keeps its counts)."""
+        found = {}
+        for side in self.sides:
+            stats = {**asdict(side.runtime.stats()), "device": str(side.runtime.device)}
+            for name, n in self._kept_counts.get(side.name, {}).items():
+                stats[name] += n
+            found[side.name] = stats
+        return found
 
     def healthy(self) -> bool:
         return all(not side.runtime.health_problems() for side in self.sides)

@@ -15,7 +15,7 @@ from collections import Counter
 from itertools import accumulate
 from typing import Any, Protocol, Sequence
 
-from ..canary.seam import Arrival, EngineDefect, GroupKind, TokenScores, optional
+from ..canary.seam import Arrival, EngineDefect, GroupKind, TokenScores, capabilities_of, optional
 from .verdicts import (UNTRUSTWORTHY, Damage, Failure, RoundResult, SoakResult, exact_damage, scored_damage,
                        verdict_of)
 from .workload import Geometry, Round, Workload, subsets
@@ -28,7 +28,7 @@ class SoakedHandle(Protocol):
     sides: Sequence[Any]
     armed: tuple[int, tuple[Any, ...]]
 
-    def reset(self, seed: int, perturbs: tuple[Any, ...]) -> None: ...
+    def reset(self, seed: int, perturbs: tuple[Any, ...], *, keep_counts: bool = False) -> None: ...
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **contexts: Any) -> list[list[int]]: ...
     def serve(self, arrivals: Sequence[Arrival]) -> list[list[int]]: ...
     def serves(self) -> bool: ...
@@ -87,9 +87,25 @@ class Soak:
 
     @property
     def oracle(self) -> str:
-        return ("score_uncached (greedy without cached KV, near ties within "
-                f"{self.tie_tolerance:g} not damage)" if self.score is not None
-                else "each request generated alone after a reset, compared exactly")
+        """How outputs are checked, and what that proves on this engine."""
+        if self.score is not None:
+            return ("score_uncached (greedy without cached KV, near ties within "
+                    f"{self.tie_tolerance:g} not damage)")
+        return "each request generated alone after a reset, compared exactly: " + self.alone_proves()
+
+    def alone_proves(self) -> str:
+        """What the default oracle (each request run alone on a flushed engine) can prove here:
+        that an output does not depend on what else shared the engine, which only means something
+        where requests share forwards (concurrent) or reuse cached KV (prefix_cache)."""
+        caps = capabilities_of(self.engine)
+        shared = [name for name in ("concurrent", "prefix_cache") if getattr(caps, name)]
+        if shared:
+            return (f"proves outputs do not depend on what else ran ({' and '.join(shared)}); not that a "
+                    "request computed alone is right (offer score_uncached for that)")
+        return ("proves nothing on this engine beyond repeatability: it runs each request alone without a "
+                "prefix cache (concurrent=False, prefix_cache=False), so the oracle repeats the very run; "
+                "the canary's checks are the soak's evidence (offer score_uncached for an oracle that "
+                "recomputes without cached KV)")
 
     # ------------------------------------------------------------------------------- running
     def run(self, workload: Workload, shrink_trials: int) -> SoakResult:
@@ -135,7 +151,7 @@ class Soak:
         for result, prompts, outputs, rnd in pending:  # the oracle that needs the cache flushed
             self._judge_alone(result, rnd, prompts, outputs)
         if pending:
-            self.handle.reset(*self.handle.armed)
+            self.handle.reset(*self.handle.armed, keep_counts=True)
         return results
 
     def _forwards(self) -> int:
@@ -214,7 +230,7 @@ class Soak:
     # ---------------------------------------------------------------------------- shrinking
     def _fails(self, workload: Workload, verdict: str) -> bool:
         """Whether the workload, run from a reset, ends in a round of this verdict."""
-        self.handle.reset(*self.handle.armed)
+        self.handle.reset(*self.handle.armed, keep_counts=True)
         return self._rounds(workload)[-1].verdict == verdict
 
     def _shrink(self, workload: Workload, verdict: str, index: int, trials_left: int) -> Failure:
@@ -237,4 +253,4 @@ class Soak:
                         break
             return Failure(index, verdict, workload.to_text(), workload.size, reproduced=True)
         finally:
-            self.handle.reset(*self.handle.armed)
+            self.handle.reset(*self.handle.armed, keep_counts=True)
