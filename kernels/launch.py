@@ -143,6 +143,19 @@ def check_mapping(mapping: SlotMapping, device: torch.device) -> None:
         raise ValueError(f"SlotMapping.full_to_group is on {f2g.device}; records are on {device}")
 
 
+def check_state_launch(records: torch.Tensor, sources: Sequence[RealKvSource], full_records: torch.Tensor,
+                       full_mapping: SlotMapping, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                       extend: torch.Tensor | None, ring: ViolationRing, tag: int) -> None:
+    """Everything a state launch reads; raises ValueError naming the argument and value."""
+    check_common(records, sources, ring, tag)
+    check_prev_records(records, full_records)
+    check_mapping(full_mapping, records.device)
+    check_vector("rows", rows, records.device)
+    for name, t in (("slots", slots), ("lengths", lengths), ("extend", extend)):
+        if t is not None:
+            check_vector(name, t, records.device, rows.shape[0])
+
+
 def check_view(view: ForwardView, device: torch.device) -> None:
     if not isinstance(view, ForwardView):
         raise ValueError(f"view must be a ForwardView; got {type(view).__name__}")

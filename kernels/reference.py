@@ -17,7 +17,7 @@ from .checks import check_int
 from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .hashing import head_hash_int, head_hash_torch, link_int, link_torch, mix_torch, to_signed
 from .launch import (
-    Tiling, check_common, check_entries, check_prev_records, check_stamp_launch, check_vector, check_view_launch,
+    Tiling, check_common, check_entries, check_prev_records, check_stamp_launch, check_state_launch, check_vector, check_view_launch,
     rows_source,
 )
 from .records import (
@@ -168,23 +168,33 @@ def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: S
     _append(ring, tag, checks, e.slots, e.positions, e.rows)
 
 
-def stamp_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: Sequence[RealKvSource],
-                      ring: ViolationRing, tag: int, tiling: Tiling | None = None, *,
-                      prev_records: torch.Tensor | None = None) -> None:
-    """Reference of ``stamp_records``."""
-    check_common(records, sources, ring, tag)
-    check_entries(entries, records.device)
-    prev_records = check_prev_records(records, prev_records)
-    e = VerifyEntries(*(t[entries.slots != 0] for t in entries))
-    has_prev = e.prev_slots >= 0
-    prev = e.prev_slots.clamp(min=0)
-    prev_tokens = torch.where(has_prev, prev_records[prev, FIELD_TOKEN], UNKNOWN)
-    records[e.slots, FIELD_TOKEN] = torch.where(e.tokens == UNKNOWN, prev_tokens, e.tokens)
-    records[e.slots, FIELD_POSITION] = e.positions
-    records[e.slots, FIELD_PREV_HASH] = torch.where(has_prev, successor_hash_ref(prev_records, prev),
-                                                    head_hash_torch(e.context_keys))
-    records[e.slots, FIELD_REAL_KV_HASH] = fingerprint_ref(sources, e.slots)
-    _count(ring, tag, e.slots.shape[0])
+def state_launch_ref(records: torch.Tensor, sources: Sequence[RealKvSource], full_records: torch.Tensor,
+                     full_mapping: SlotMapping, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                     ring: ViolationRing, tag: int, *, stamp: bool, extend: torch.Tensor | None = None,
+                     tiling: Tiling | None = None) -> None:
+    """Reference of ``state_launch``: its entries spelled out, then checked as ``verify_records``
+    checks entries whose predecessors live in the FULL records, or stamped."""
+    check_state_launch(records, sources, full_records, full_mapping, rows, slots, lengths, extend, ring, tag)
+    keep = slots != 0
+    rows, slots, lengths = rows[keep], slots[keep], lengths[keep]
+    if extend is not None:
+        lengths = lengths + extend[keep]
+    has_prev = lengths > 0
+    prev = mapping_slot_ref(full_mapping, rows, lengths - 1)
+    prev = group_slot_ref(full_mapping, prev, full_records.shape[0])
+    expected_prev = torch.where(has_prev, successor_hash_ref(full_records, prev), head_hash_torch(torch.zeros_like(prev)))
+    _count(ring, tag, slots.shape[0])
+    if stamp:
+        records[slots, FIELD_TOKEN] = torch.where(has_prev, full_records[prev, FIELD_TOKEN], UNKNOWN)
+        records[slots, FIELD_POSITION] = lengths
+        records[slots, FIELD_PREV_HASH] = expected_prev
+        records[slots, FIELD_REAL_KV_HASH] = fingerprint_ref(sources, slots)
+        return
+    rec = records[slots]
+    checks = _record_checks(rec, lengths, expected_prev, torch.ones_like(has_prev),
+                            _real_kv_check(sources, slots, rec[:, FIELD_REAL_KV_HASH], slots != 0, None, False,
+                                           Reason.VERIFY_REAL_KV_HASH))
+    _append(ring, tag, checks, slots, lengths, rows)
 
 
 def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,

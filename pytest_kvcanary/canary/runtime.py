@@ -57,7 +57,7 @@ class KernelSet:
         self.verify_view: Callable = getattr(K, "verify_view" + suffix)
         self.stamp_view: Callable = getattr(K, "stamp_view" + suffix)
         self.verify_records: Callable = getattr(K, "verify_records" + suffix)
-        self.stamp_records: Callable = getattr(K, "stamp_records" + suffix)
+        self.state_launch: Callable = getattr(K, "state_launch" + suffix)
         self.source_hash_rows: Callable = getattr(K, "source_hash_rows" + suffix)
 
 
@@ -96,14 +96,14 @@ class CanaryRuntime:
             group.seal_reserved_slot()
         state = [GroupState.create(pool, mode, self.device, self.capacities, recheck=False)
                  for pool in pools if pool.kind is GroupKind.STATE]
-        self.state = None if not state else StateGuard(state[0], self.groups[0], self.kernels.stamp_records,
+        self.state = None if not state else StateGuard(state[0], self.groups[0], self.kernels.state_launch,
                                                          self.kernels.verify_records)
         tier = optional(host, "host_tier")
         self.host_records = None if tier is None else HostRecords(self.groups, tier)
         self.ring = K.ViolationRing(config.ring_capacity, self.device)
         self.log = ViolationLog(self.ring, side, config.mode, jsonl_path)
         phases = [Phase.HEAD, Phase.TAIL] + ([Phase.RECHECK] if config.recheck else [])
-        state_tags = [] if self.state is None else [self.state.tags[Phase.HEAD], self.state.tags[Phase.TAIL]]
+        state_tags = [] if self.state is None else self.state.per_forward_tags()
         self.launches = LaunchCounter(self._tags(phases) + state_tags)
         self.forwards = 0
         self.sweeps = 0

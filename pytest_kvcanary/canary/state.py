@@ -17,11 +17,9 @@ from typing import Callable
 
 import torch
 
-from kvcanary_kernels import VerifyEntries, mapping_slot_ref
+from kvcanary_kernels import VerifyEntries
 from kvcanary_kernels.hashing import head_hash_int, to_signed
-from kvcanary_kernels.records import (
-    FIELD_POSITION, FIELD_PREV_HASH, FIELD_TOKEN, PREV_CHAIN_HEAD, UNKNOWN, GroupKind, Half, Phase, launch_tag,
-)
+from kvcanary_kernels.records import FIELD_POSITION, FIELD_PREV_HASH, FIELD_TOKEN, UNKNOWN, GroupKind, Half, Phase, launch_tag
 
 from .groups import GroupState
 from .host import CheckpointWalk, ForwardView
@@ -31,12 +29,13 @@ HALF = Half.K  # a STATE group has one half
 
 class StateGuard:
     """Stamps, verifies and moves the STATE group's records. full: the FULL group, whose K records
-    hold each token's chain; stamp / verify: the runtime's `stamp_records` and `verify_records`."""
+    hold each token's chain and whose mapping finds them; launch: the runtime's `state_launch`
+    (HEAD and TAIL of a view's rows); verify: its `verify_records` (the sweep's checkpoints)."""
 
-    def __init__(self, group: GroupState, full: GroupState, stamp: Callable, verify: Callable) -> None:
+    def __init__(self, group: GroupState, full: GroupState, launch: Callable, verify: Callable) -> None:
         assert group.pool.kind is GroupKind.STATE and list(group.halves) == [HALF]
         self.group, self.full = group, full
-        self._stamp, self._verify = stamp, verify
+        self._launch, self._verify = launch, verify
         self.state = group.halves[HALF]
         self.tags = {phase: launch_tag(phase, HALF, GroupKind.STATE) for phase in (Phase.HEAD, Phase.TAIL, Phase.SWEEP)}
         self._restores = torch.zeros((), dtype=torch.int64, device=self.records.device)
@@ -46,6 +45,10 @@ class StateGuard:
     def records(self) -> torch.Tensor:
         return self.state.records
 
+    def per_forward_tags(self) -> list[int]:
+        """The launches each forward makes: one HEAD, two TAILs (running states, checkpoints)."""
+        return [self.tags[Phase.HEAD], self.tags[Phase.TAIL], self.tags[Phase.TAIL]]
+
     def seal(self) -> None:
         """Slot 0's record: the empty prefix's, with the fingerprint of the bytes slot 0 holds now
         (the initial state)."""
@@ -54,30 +57,22 @@ class StateGuard:
         record[FIELD_TOKEN], record[FIELD_POSITION] = UNKNOWN, 0
         record[FIELD_PREV_HASH] = to_signed(head_hash_int(0))
 
-    def _last_token_slots(self, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The FULL slot of each row's token at lengths - 1, PREV_CHAIN_HEAD where lengths is 0."""
-        slots = mapping_slot_ref(self.full.mapping, rows, lengths - 1)
-        return torch.where(lengths > 0, slots, PREV_CHAIN_HEAD)
+    def _run(self, view: ForwardView, ring, phase: Phase, slots: torch.Tensor, lengths: torch.Tensor,
+             extend: torch.Tensor | None = None) -> None:
+        full = self.full
+        self._launch(self.records, self.state.sources, full.halves[HALF].records, full.mapping, view.rows, slots,
+                     lengths, ring, self.tags[phase], stamp=phase is Phase.TAIL, extend=extend)
 
-    def _entries(self, slots: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> VerifyEntries:
-        zeros = torch.zeros_like(slots)
-        return VerifyEntries(slots, lengths, self._last_token_slots(rows, lengths), zeros + UNKNOWN, rows, zeros)
-
-    def verify(self, view: ForwardView, ring, phase: Phase = Phase.HEAD) -> None:
+    def verify(self, view: ForwardView, ring) -> None:
         """HEAD: each row's state slot holds the state of the row's prefix (prefix_len tokens)."""
-        s = view.state
-        self._verify(self.records, self._entries(s.slots, view.prefix_lens, view.rows), self.state.sources, ring,
-                     self.tags[phase], check_tokens=False, prev_records=self.full.halves[HALF].records)
+        self._run(view, ring, Phase.HEAD, view.state.slots, view.prefix_lens)
 
     def stamp(self, view: ForwardView, ring) -> None:
         """TAIL, after the FULL group's: each row's state slot now summarizes prefix_len +
         extend_len tokens, each checkpoint slot its checkpoint_len."""
         s = view.state
-        entries = self._entries(torch.cat([s.slots, s.checkpoint_slots]),
-                                torch.cat([view.prefix_lens + view.extend_lens, s.checkpoint_lens]),
-                                torch.cat([view.rows, view.rows]))
-        self._stamp(self.records, entries, self.state.sources, ring, self.tags[Phase.TAIL],
-                    prev_records=self.full.halves[HALF].records)
+        self._run(view, ring, Phase.TAIL, s.slots, view.prefix_lens, view.extend_lens)
+        self._run(view, ring, Phase.TAIL, s.checkpoint_slots, s.checkpoint_lens)
 
     def copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The states of ``src`` were copied to ``dst``: so were their records. Copies from a slot

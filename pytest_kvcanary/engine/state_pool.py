@@ -36,6 +36,9 @@ class StatePool:
         w, c, h, n = model.conv_width, model.conv_channels, model.state_heads, model.state_dim
         self.conv = [torch.zeros(num_slots, w - 1, c, device=device) for _ in layers]
         self.ssm = [torch.zeros(num_slots, h, n, n, device=device) for _ in layers]
+        # Each ssm buffer as [num_slots, heads, state_dim ** 2]: one run of bytes per head, so a
+        # partial fingerprint samples each head (the canary reads buffers by their last dimension).
+        self._buffers = [b for pair in zip(self.conv, (s.flatten(2) for s in self.ssm)) for b in pair]
         self.free_slots = list(range(1, num_slots))
         self._is_free = [False] + [True] * (num_slots - 1)
         self.free_listeners = free_listeners
@@ -43,8 +46,9 @@ class StatePool:
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """Every buffer, layer by layer (conv, then ssm): what the canary guards."""
-        return [b for pair in zip(self.conv, self.ssm) for b in pair]
+        """Every buffer, layer by layer (conv, then ssm with a head's matrix flattened), the same
+        objects for the pool's life: what the canary guards."""
+        return self._buffers
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The conv and ssm buffers of model layer `layer` (a recurrent one)."""
