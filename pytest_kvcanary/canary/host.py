@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 class PoolGroup:
     """One KV pool the canary guards.
 
+    page_size is the buffers' layout, not the mapping's block size (a block table may map into flat
+    ``[num_slots, ...]`` buffers): leave it out and it is read from them, ``num_slots //
+    k_layers[0].shape[0]`` (1 for flat buffers, the block size for ``[num_pages, page_size, ...]``).
+
     kind: FULL, SWA, DRAFT, or STATE (a hybrid model's recurrent state: k_layers are its state
     layers' buffers, each ``[num_slots, ...]`` with one request's or checkpoint's state per slot,
     v_layers empty, no mapping: a forward names its state slots in `ForwardView.state`).
@@ -55,7 +59,7 @@ class PoolGroup:
     v_layers: Sequence[torch.Tensor]
     num_slots: int
     mapping: SlotMapping | None
-    page_size: int = 1
+    page_size: int | None = None
     window: int | None = None
     fingerprintable: bool = True
     opaque_halves: frozenset[Half] = frozenset()
@@ -67,6 +71,15 @@ class PoolGroup:
             raise ValueError(f"a FULL PoolGroup takes no window; got {self.window!r}")
         if not self.k_layers:
             raise ValueError("PoolGroup.k_layers must hold at least one layer")
+        if self.page_size is None:
+            rows = self.k_layers[0].shape[0]
+            if rows >= self.num_slots:  # flat buffers: a slot per row (spare rows past num_slots allowed)
+                rows = self.num_slots
+            if rows < 1 or self.num_slots % rows:
+                raise ValueError(f"PoolGroup: num_slots={self.num_slots} is not a whole number of slots per row of "
+                                 f"k_layers[0] (shape {tuple(self.k_layers[0].shape)}); give page_size, the slots "
+                                 f"each row of the buffers holds")
+            object.__setattr__(self, "page_size", self.num_slots // rows)
         if (self.mapping is None) != (self.kind is GroupKind.STATE):
             raise ValueError(f"PoolGroup.mapping must be {'None' if self.kind is GroupKind.STATE else 'a SlotMapping'} "
                              f"for a {self.kind.name} group; got {type(self.mapping).__name__}")

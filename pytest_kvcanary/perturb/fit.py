@@ -47,7 +47,7 @@ def misfit(spec: PerturbSpec, groups: Sequence[GroupKind], *, fingerprints_real_
     return None
 
 
-# The capability (a Capabilities field) each mode needs, and what it is for.
+# The capability (a Capabilities field, named as the seam's member that offers it) each mode needs.
 NEEDS = {
     "next_token_swap": ("feed_token", "an engine that can feed a forward another token (CanaryHost.feed_token)"),
     "real_kv_host": ("host_tier", "an engine with a host-memory tier (CanaryHost.host_tier)"),
@@ -66,8 +66,7 @@ def lacking(spec: PerturbSpec, engine: Any, name: str, groups: Sequence[Any] = (
     if spec.mode in NEEDS:
         field, what = NEEDS[spec.mode]
         if not getattr(caps, field):
-            return (f"kv_perturb({spec.mode!r}) needs {what}; {name} ({type(engine).__name__}) has none "
-                    f"(capability {field}=False)")
+            return f"kv_perturb({spec.mode!r}) needs {what}; {name} ({type(engine).__name__}) has none"
     if spec.mode == "req_to_token":
         full = next((g for g in groups if g.kind is GroupKind.FULL), None)
         page = full.mapping.page_size if full is not None else 1
