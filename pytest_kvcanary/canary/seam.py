@@ -188,7 +188,8 @@ class CanaryHost(Protocol):
     # (before HEAD, eager forwards only), make the forward about to run embed `token` at view token
     # `index` (the last token of its batch row) instead of the one it was to be fed: write it where
     # the forward will read it, and into view.input_ids when they are a copy already made. The
-    # fault injector's next_token_swap uses it; None: that mode cannot run on this engine.
+    # fault injector's next_token_swap uses it, on forwards whose view has a token_table (the token
+    # the engine believes each position holds); None: that mode cannot run on this engine.
     feed_token: Callable[[ForwardView, int, int], None] | None = None
 
     # Optional. host_tier: the engine's host-memory tier, when it has one. The runtime then keeps
