@@ -193,8 +193,12 @@ def layer_source(layer: torch.Tensor, page_size: int, mode: RealDataMode, share:
     if not layer[0].is_contiguous():
         source = strided_read(layer, page_size, mode)
         if source is None:
-            raise ValueError(f"a layer of shape {tuple(layer.shape)} and strides {layer.stride()} is neither one "
-                             f"run per slot nor a layout strided_read reads")
+            raise ValueError(
+                f"a K/V buffer of shape {tuple(layer.shape)} and strides {layer.stride()} (page_size={page_size}) "
+                "keeps a slot's features neither in one run nor evenly spaced, so the fingerprint cannot read them "
+                "(a transposed head-major cache, [pages, page_size, heads, head_dim] over [pages, heads, page_size, "
+                "head_dim], is one). Hand one buffer per KV head (buffer[:, :, h]: each slot's head_dim in one "
+                "run), or declare the group fingerprintable=False (real_data none)")
         return source
     per_page = layer[0].numel() * layer.element_size()
     if per_page % page_size:

@@ -83,11 +83,29 @@ class PoolGroup:
         if (self.mapping is None) != (self.kind is GroupKind.STATE):
             raise ValueError(f"PoolGroup.mapping must be {'None' if self.kind is GroupKind.STATE else 'a SlotMapping'} "
                              f"for a {self.kind.name} group; got {type(self.mapping).__name__}")
+        if self.kind is not GroupKind.STATE:
+            for name, layers in (("k_layers", self.k_layers), ("v_layers", self.v_layers)):
+                for i, buffer in enumerate(layers):
+                    if _head_major(buffer, self.page_size):
+                        raise ValueError(
+                            f"PoolGroup {self.kind.name} {name}[{i}] of shape {tuple(buffer.shape)} and strides "
+                            f"{tuple(buffer.stride())} is head-major ([num_pages, heads, page_size, head_dim]); the "
+                            f"canary finds slot s at [s // page_size, s % page_size] (page_size={self.page_size}). Hand "
+                            f"one buffer per head instead, [{name[0]}[:, h] for h in range({buffer.shape[1]})] (views, "
+                            "no copy; a [batch, heads, positions, head_dim] cache is one page per batch row)")
         if self.kind is GroupKind.STATE and (self.v_layers or self.page_size != 1 or self.window is not None):
             raise ValueError("a STATE PoolGroup has k_layers only (one slot per row of each), page_size 1 and no "
                              "window")
         if self.num_slots < 2:
             raise ValueError(f"PoolGroup.num_slots must be >= 2 (slot 0 is reserved); got {self.num_slots}")
+
+
+def _head_major(buffer: torch.Tensor, page_size: int) -> bool:
+    """``[num_pages, heads, page_size, head_dim]``: a page's slots along dim 2, not dim 1 (nor tiled
+    over dims 1 and 2)."""
+    shape = buffer.shape
+    return (page_size > 1 and len(shape) >= 4 and shape[1] != page_size and shape[2] == page_size
+            and shape[1] * shape[2] != page_size)
 
 
 @dataclass(frozen=True)

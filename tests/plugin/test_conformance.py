@@ -114,3 +114,16 @@ def test_page_size_is_given_once_in_the_mapping_and_read_from_the_buffers() -> N
     assert (paged.page_size, flat.page_size) == (16, 1)
     with pytest.raises(ValueError, match=r"num_slots=100 is not a whole number of slots per row of k_layers\[0\]"):
         PoolGroup(GroupKind.FULL, [torch.zeros(8, 16, 32)], [], 100, SlotMapping(table, page_size=16))
+
+
+def test_a_head_major_buffer_is_refused_naming_it_and_what_to_hand_instead() -> None:
+    """[batch, heads, positions, head_dim] (every transformers cache) was read as if its slots ran
+    along dim 1, or refused naming an internal function."""
+    k = torch.zeros(2, 4, 64, 16)
+    table = torch.zeros(2, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"PoolGroup FULL v_layers\[1\] of shape \(2, 4, 64, 16\) and strides "
+                                         r"\(4096, 1024, 16, 1\) is head-major.*\[v\[:, h\] for h in range\(4\)\]"):
+        PoolGroup(GroupKind.FULL, [k[:, 0]], [k[:, 0], k], 128, SlotMapping(table, page_size=64))
+    per_head = PoolGroup(GroupKind.FULL, [k[:, h] for h in range(4)], [k[:, h] for h in range(4)], 128,
+                         SlotMapping(table, page_size=64))
+    assert per_head.page_size == 64
