@@ -67,7 +67,9 @@ def _is_plugin_level(name: str) -> bool:
 def test_every_package_is_installed():
     """pyproject's package list names every package folder, so a wheel holds each module."""
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    assert listed == {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    # kvcanary_examples: the example suite, installed for --pyargs (the conformance suite)
+    assert listed == {name for name, path in MODULES.items() if path.name == "__init__.py"} | {"kvcanary_examples"}
+    assert (ROOT / "examples" / "__init__.py").is_file()
 
 
 def _in_lower_layer(name: str) -> bool:
