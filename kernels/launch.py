@@ -145,13 +145,16 @@ def check_mapping(mapping: SlotMapping, device: torch.device) -> None:
 
 def check_state_launch(records: torch.Tensor, sources: Sequence[RealKvSource], full_records: torch.Tensor,
                        full_mapping: SlotMapping, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                       extend: torch.Tensor | None, ring: ViolationRing, tag: int) -> None:
+                       extend: torch.Tensor | None, more: tuple[torch.Tensor, torch.Tensor] | None,
+                       ring: ViolationRing, tag: int) -> None:
     """Everything a state launch reads; raises ValueError naming the argument and value."""
     check_common(records, sources, ring, tag)
     check_prev_records(records, full_records)
     check_mapping(full_mapping, records.device)
     check_vector("rows", rows, records.device)
-    for name, t in (("slots", slots), ("lengths", lengths), ("extend", extend)):
+    more_slots, more_lengths = (None, None) if more is None else more
+    for name, t in (("slots", slots), ("lengths", lengths), ("extend", extend), ("more slots", more_slots),
+                    ("more lengths", more_lengths)):
         if t is not None:
             check_vector(name, t, records.device, rows.shape[0])
 

@@ -171,14 +171,16 @@ def verify_records_ref(records: torch.Tensor, entries: VerifyEntries, sources: S
 def state_launch_ref(records: torch.Tensor, sources: Sequence[RealKvSource], full_records: torch.Tensor,
                      full_mapping: SlotMapping, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                      ring: ViolationRing, tag: int, *, stamp: bool, extend: torch.Tensor | None = None,
-                     tiling: Tiling | None = None) -> None:
+                     more: tuple[torch.Tensor, torch.Tensor] | None = None, tiling: Tiling | None = None) -> None:
     """Reference of ``state_launch``: its entries spelled out, then checked as ``verify_records``
     checks entries whose predecessors live in the FULL records, or stamped."""
-    check_state_launch(records, sources, full_records, full_mapping, rows, slots, lengths, extend, ring, tag)
+    check_state_launch(records, sources, full_records, full_mapping, rows, slots, lengths, extend, more, ring, tag)
+    if extend is not None:
+        lengths = lengths + extend
+    if more is not None:
+        rows, slots, lengths = torch.cat([rows, rows]), torch.cat([slots, more[0]]), torch.cat([lengths, more[1]])
     keep = slots != 0
     rows, slots, lengths = rows[keep], slots[keep], lengths[keep]
-    if extend is not None:
-        lengths = lengths + extend[keep]
     has_prev = lengths > 0
     prev = mapping_slot_ref(full_mapping, rows, lengths - 1)
     prev = group_slot_ref(full_mapping, prev, full_records.shape[0])

@@ -34,18 +34,25 @@ _UNKNOWN = tl.constexpr(R.UNKNOWN)
 
 
 @triton.jit
-def _state_kernel(records, full_records, sources, mapping, rows_ptr, slots_ptr, lengths_ptr, extend_ptr, n, ring,
-                  tag, READS: tl.constexpr, MAP: tl.constexpr, HAS_EXTEND: tl.constexpr, STAMP: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _state_kernel(records, full_records, sources, mapping, rows_ptr, slots_ptr, lengths_ptr, extend_ptr,
+                  more_slots_ptr, more_lengths_ptr, n, ring, tag, READS: tl.constexpr, MAP: tl.constexpr,
+                  HAS_EXTEND: tl.constexpr, HAS_MORE: tl.constexpr, STAMP: tl.constexpr, BLOCK: tl.constexpr):
     count_launch(ring, tag)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    slots = tl.load(slots_ptr + offs, mask=offs < n, other=0)
+    first = offs < n  # lanes past n: the second set of entries (HAS_MORE), on the same rows
+    index = tl.where(first, offs, offs - n)
+    in_more = HAS_MORE & ~first & (index < n)
+    slots = tl.load(slots_ptr + index, mask=first, other=0)
+    if HAS_MORE:
+        slots = tl.where(in_more, tl.load(more_slots_ptr + index, mask=in_more, other=0), slots)
     live = slots != 0
     count_slots(ring, tag, tl.sum(live.to(tl.int64), axis=0))
-    rows = tl.load(rows_ptr + offs, mask=live, other=0)
-    lengths = tl.load(lengths_ptr + offs, mask=live, other=0)
+    rows = tl.load(rows_ptr + index, mask=live, other=0)
+    lengths = tl.load(lengths_ptr + index, mask=live & first, other=0)
     if HAS_EXTEND:
-        lengths += tl.load(extend_ptr + offs, mask=live, other=0)
+        lengths += tl.load(extend_ptr + index, mask=live & first, other=0)
+    if HAS_MORE:
+        lengths = tl.where(in_more, tl.load(more_lengths_ptr + index, mask=live & in_more, other=0), lengths)
     has_prev = live & (lengths > 0)
     prev = map_slot(mapping, MAP, rows, lengths - 1, has_prev)
     expected_prev_hash = as_i64(tl.where(has_prev, successor_hash(full_records, prev, has_prev),
@@ -69,22 +76,26 @@ def _state_kernel(records, full_records, sources, mapping, rows_ptr, slots_ptr, 
 def state_launch(records: torch.Tensor, sources: Sequence[RealKvSource], full_records: torch.Tensor,
                  full_mapping: SlotMapping, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                  ring: ViolationRing, tag: int, *, stamp: bool, extend: torch.Tensor | None = None,
-                 tiling: Tiling | None = None) -> None:
+                 more: tuple[torch.Tensor, torch.Tensor] | None = None, tiling: Tiling | None = None) -> None:
     """stamp False (HEAD): check each entry's record, ``(rows[i], slots[i], lengths[i])``, against
     the state of row rows[i]'s first lengths[i] tokens, and append one ring row per failing entry
     (verify_position: another length; verify_chain_hash: another prefix, from the successor hash of
     the FULL record at ``full_mapping(rows[i], lengths[i] - 1)``; verify_real_kv_hash, with >= 1
     source: the bytes changed); the row's position column is the expected length. stamp True
-    (TAIL): write those records (lengths + extend where extend is given). Counts the launch in
+    (TAIL): write those records (lengths + extend where extend is given). more = (slots, lengths):
+    a second entry per row, on the same rows, in the same launch (a forward's checkpoints beside
+    its running states). Counts the launch in
     ring.kernel_runs[tag] and the live entries in ring.slot_runs[tag]. No host synchronisation;
     the grid depends on tensor sizes only."""
-    check_state_launch(records, sources, full_records, full_mapping, rows, slots, lengths, extend, ring, tag)
+    check_state_launch(records, sources, full_records, full_mapping, rows, slots, lengths, extend, more, ring, tag)
     tiling = tiling or default_tiling(sources)
     check_tiling(tiling)
     src, reads = source_args(sources, tiling.chunk)
     mapping, consts = mapping_args(full_mapping, full_records)
     n = rows.shape[0]
-    grid = (max(1, cdiv(n, tiling.block)),)
-    _state_kernel[grid](records, full_records, src, mapping, rows, slots, lengths, optional_ptr(extend, records), n,
-                        ring_args(ring), tag, READS=reads, MAP=consts, HAS_EXTEND=extend is not None, STAMP=stamp,
-                        BLOCK=tiling.block, num_warps=tiling.num_warps)
+    more_slots, more_lengths = (records, records) if more is None else more
+    grid = (max(1, cdiv(n * (1 if more is None else 2), tiling.block)),)
+    _state_kernel[grid](records, full_records, src, mapping, rows, slots, lengths, optional_ptr(extend, records),
+                        more_slots, more_lengths, n, ring_args(ring), tag, READS=reads, MAP=consts,
+                        HAS_EXTEND=extend is not None, HAS_MORE=more is not None, STAMP=stamp, BLOCK=tiling.block,
+                        num_warps=tiling.num_warps)

@@ -110,7 +110,8 @@ class CanaryRuntime:
         self._sweep_plan: SweepPlan | None = None
         self._sweep_graph: torch.cuda.CUDAGraph | None = None
         self._swept = [g for g in self.groups if g.swept_by_walk()]  # the groups a cache walk reaches
-        self._sweep_tags = self._tags([Phase.SWEEP], self._swept)
+        self._sweep_tags = self._tags([Phase.SWEEP], self._swept) + (
+            [] if self.state is None else [self.state.tags[Phase.SWEEP]])
         full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
         self._walk_tag = launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind)  # a malformed walk's rows
         self._one_device = self.device.type != "cuda" or torch.cuda.device_count() == 1
@@ -266,6 +267,8 @@ class CanaryRuntime:
                 self._sweep_plan = SweepPlan(self._swept, self.groups[0].pool.num_slots, self.device)
             plan = self._sweep_plan
             plan.refresh(walk, unlocked_only)
+            if self.state is not None:
+                self.state.plan_sweep(optional(self.host, "checkpoint_walk")())
             self.ring.append(plan.malformed, self._walk_tag)
             if self._sweep_graph is not None:
                 self._sweep_graph.replay()
@@ -276,11 +279,6 @@ class CanaryRuntime:
                     with torch.cuda.graph(self._sweep_graph):  # captures; runs nothing
                         self._launch_sweep(plan)
         self.launches.sweep(self._sweep_tags)
-        checkpoints = None if self.state is None else optional(self.host, "checkpoint_walk")()
-        if checkpoints is not None:
-            with self._on_device(), torch.inference_mode():
-                self.state.sweep(checkpoints, self.ring)
-            self.launches.sweep([self.state.tags[Phase.SWEEP]])
         self.sweeps += 1
         return True
 
@@ -290,6 +288,8 @@ class CanaryRuntime:
                 self.kernels.verify_records(state.records, plan.entries[group.pool.kind], state.sources, self.ring,
                                             launch_tag(Phase.SWEEP, half, group.pool.kind),
                                             check_tokens=self.config.check_tokens)
+        if self.state is not None:  # the checkpoints the prefix cache holds
+            self.state.sweep(self.ring)
 
     def drain(self) -> list[Violation]:
         """Move every row the device logged so far into `log` (synchronous); returns the new

@@ -39,6 +39,11 @@ class StateGuard:
         self.state = group.halves[HALF]
         self.tags = {phase: launch_tag(phase, HALF, GroupKind.STATE) for phase in (Phase.HEAD, Phase.TAIL, Phase.SWEEP)}
         self._restores = torch.zeros((), dtype=torch.int64, device=self.records.device)
+        # The checkpoints a sweep checks, a fixed buffer per VerifyEntries field (slot 0: padding),
+        # refilled only when the engine's walk changed, so the sweep's launch can be replayed.
+        self._sweep = VerifyEntries(*torch.zeros(len(VerifyEntries._fields), group.pool.num_slots, dtype=torch.int64,
+                                                 device=self.records.device))
+        self._planned: CheckpointWalk | None = None
         self.seal()
 
     @property
@@ -46,8 +51,8 @@ class StateGuard:
         return self.state.records
 
     def per_forward_tags(self) -> list[int]:
-        """The launches each forward makes: one HEAD, two TAILs (running states, checkpoints)."""
-        return [self.tags[Phase.HEAD], self.tags[Phase.TAIL], self.tags[Phase.TAIL]]
+        """The launches each forward makes: one HEAD, one TAIL."""
+        return [self.tags[Phase.HEAD], self.tags[Phase.TAIL]]
 
     def seal(self) -> None:
         """Slot 0's record: the empty prefix's, with the fingerprint of the bytes slot 0 holds now
@@ -57,22 +62,19 @@ class StateGuard:
         record[FIELD_TOKEN], record[FIELD_POSITION] = UNKNOWN, 0
         record[FIELD_PREV_HASH] = to_signed(head_hash_int(0))
 
-    def _run(self, view: ForwardView, ring, phase: Phase, slots: torch.Tensor, lengths: torch.Tensor,
-             extend: torch.Tensor | None = None) -> None:
-        full = self.full
-        self._launch(self.records, self.state.sources, full.halves[HALF].records, full.mapping, view.rows, slots,
-                     lengths, ring, self.tags[phase], stamp=phase is Phase.TAIL, extend=extend)
-
     def verify(self, view: ForwardView, ring) -> None:
         """HEAD: each row's state slot holds the state of the row's prefix (prefix_len tokens)."""
-        self._run(view, ring, Phase.HEAD, view.state.slots, view.prefix_lens)
+        full = self.full
+        self._launch(self.records, self.state.sources, full.halves[HALF].records, full.mapping, view.rows,
+                     view.state.slots, view.prefix_lens, ring, self.tags[Phase.HEAD], stamp=False)
 
     def stamp(self, view: ForwardView, ring) -> None:
         """TAIL, after the FULL group's: each row's state slot now summarizes prefix_len +
-        extend_len tokens, each checkpoint slot its checkpoint_len."""
-        s = view.state
-        self._run(view, ring, Phase.TAIL, s.slots, view.prefix_lens, view.extend_lens)
-        self._run(view, ring, Phase.TAIL, s.checkpoint_slots, s.checkpoint_lens)
+        extend_len tokens, each checkpoint slot its checkpoint_len (one launch)."""
+        s, full = view.state, self.full
+        self._launch(self.records, self.state.sources, full.halves[HALF].records, full.mapping, view.rows, s.slots,
+                     view.prefix_lens, ring, self.tags[Phase.TAIL], stamp=True, extend=view.extend_lens,
+                     more=(s.checkpoint_slots, s.checkpoint_lens))
 
     def copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The states of ``src`` were copied to ``dst``: so were their records. Copies from a slot
@@ -95,16 +97,32 @@ class StateGuard:
         """Write exported records (any device) to these state slots, before the forward that reads them."""
         self.records[slots.to(self.records.device, torch.int64)] = records.to(self.records.device)
 
-    def sweep(self, walk: CheckpointWalk, ring) -> None:
-        """SWEEP: each checkpoint the cache holds summarizes its path up to its length."""
-        device = self.records.device
-        entries = VerifyEntries(*(t.to(device, torch.int64) for t in (
-            walk.slots, walk.lengths, walk.prev_slots, torch.full_like(walk.slots, UNKNOWN),
-            torch.full_like(walk.slots, -1), walk.context_keys)))
-        self._verify(self.records, entries, self.state.sources, ring, self.tags[Phase.SWEEP], check_tokens=False,
+    def plan_sweep(self, walk: CheckpointWalk | None) -> None:
+        """The checkpoints the next sweep checks: the walk's (None: none), copied to the device
+        unless it is the walk planned last (an engine returns the same walk while its cache is
+        unchanged)."""
+        if walk is self._planned and walk is not None:
+            return
+        self._planned = walk
+        n = 0 if walk is None else walk.slots.numel()
+        if n > self.group.pool.num_slots:
+            raise ValueError(f"checkpoint_walk() lists {n} checkpoints; the state pool has {self.group.pool.num_slots} "
+                             "slots")
+        plan = torch.zeros_like(self._sweep.slots, device="cpu").repeat(len(VerifyEntries._fields), 1)
+        if n:
+            plan[:, :n] = torch.stack([walk.slots, walk.lengths, walk.prev_slots, torch.full_like(walk.slots, UNKNOWN),
+                                       torch.full_like(walk.slots, -1), walk.context_keys]).to(torch.int64)
+        for buffer, column in zip(self._sweep, plan):
+            buffer.copy_(column)
+
+    def sweep(self, ring) -> None:
+        """SWEEP: each checkpoint planned (plan_sweep) summarizes its path up to its length. Device
+        work only: it may be captured and replayed."""
+        self._verify(self.records, self._sweep, self.state.sources, ring, self.tags[Phase.SWEEP], check_tokens=False,
                      prev_records=self.full.halves[HALF].records)
 
     def clear(self) -> None:
         self.group.clear()
         self._restores.zero_()
+        self.plan_sweep(None)
         self.seal()

@@ -89,6 +89,7 @@ class RadixCache:
         self.pools, self.req_to_token, self.window, self.host_tier = pools, req_to_token, window, host_tier
         self.states = states
         self.num_states_evicted = 0  # checkpoints dropped by evict_states()
+        self._checkpoints: CheckpointWalk | None = None  # the last checkpoint_walk, while the checkpoints stand
         self.page_size = pools.page_size
         self.roots: dict[int, Node] = {}  # context key -> its tree's root
         self.num_evicted = 0  # FULL slots freed by evict()
@@ -201,11 +202,13 @@ class RadixCache:
 
     def lock(self, node: Node | None) -> None:
         """Protect node and its ancestors from eviction (one reference per holder)."""
+        self._checkpoints = None
         while node is not None and node.parent is not None:
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: Node | None) -> None:
+        self._checkpoints = None
         while node is not None and node.parent is not None:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
@@ -257,13 +260,20 @@ class RadixCache:
         freed = [node.state for *_, node in nodes[:n]]
         for *_, node in nodes[:n]:
             node.state = None
+        self._checkpoints = None
         self.states.free(freed, CAUSE_STATE_EVICTED)
         self.num_states_evicted += len(freed)
         return len(freed)
 
     def checkpoint_walk(self) -> CheckpointWalk:
         """Every checkpoint the trees hold: its state slot, the tokens it summarizes, the FULL slot
-        of its last token, whether a request holds its path locked, and its context."""
+        of its last token, whether a request holds its path locked, and its context. The same
+        object while no checkpoint and no lock changed."""
+        if self._checkpoints is None:
+            self._checkpoints = self._walk_checkpoints()
+        return self._checkpoints
+
+    def _walk_checkpoints(self) -> CheckpointWalk:
         rows: list[tuple[int, int, int, bool, int]] = []
         stack = [(child, 0, context) for context, root in self.roots.items() for child in root.children.values()]
         while stack:
@@ -307,6 +317,7 @@ class RadixCache:
             if node.state is not None:
                 self.states.free([node.state], "radix cache flushed")
         self.roots.clear()
+        self._checkpoints = None
 
     def _insert_req(self, req: Request) -> InsertResult:
         """Insert the request's KV tokens in whole pages; free its duplicates. A checkpoint the
@@ -320,7 +331,7 @@ class RadixCache:
                         "radix dedup freed the duplicate's slot (its row now points at the cached copy)")
         if req.checkpoint is not None:
             slot, length = req.checkpoint
-            req.checkpoint = None
+            req.checkpoint, self._checkpoints = None, None
             node = list(self._descend(req.token_ids[:length], req.context_key))[-1]
             if node.state is None:
                 node.state = slot
@@ -378,7 +389,7 @@ class RadixCache:
         del node.parent.children[self._child_key(node.key)]
         if node.state is not None:
             self.states.free([node.state], CAUSE_EVICTED)
-            node.state = None
+            node.state, self._checkpoints = None, None
         stack = list(node.children.values())
         while stack:
             below = stack.pop()

@@ -37,18 +37,21 @@ class World:
         table = torch.randint(0, FULL_SLOTS // 4, (ROWS, COLS), generator=gen)
         self.mapping = K.SlotMapping(table.to(DEVICE), page_size=4)
         self.rows = torch.randint(0, ROWS, (batch,), generator=gen).to(DEVICE)
-        self.slots = torch.randperm(STATE_SLOTS, generator=gen)[:batch].to(DEVICE)
+        distinct = torch.randperm(STATE_SLOTS, generator=gen)
+        self.slots, self.more_slots = distinct[:batch].to(DEVICE), distinct[batch:2 * batch].to(DEVICE)
+        self.more_lengths = torch.randint(1, COLS * 4, (batch,), generator=gen).to(DEVICE)
         self.lengths = torch.where(torch.rand(batch, generator=gen) < 0.2, 0,
                                    torch.randint(1, COLS * 4, (batch,), generator=gen)).to(DEVICE)
         self.extend = torch.randint(0, 5, (batch,), generator=gen).to(DEVICE)
 
-    def launch(self, tag: int, *, stamp: bool, extend: torch.Tensor | None = None) -> list[tuple[int, ...]]:
+    def launch(self, tag: int, *, stamp: bool, extend: torch.Tensor | None = None,
+               more: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[tuple[int, ...]]:
         """The kernel and its reference on copies; asserts records, counters and rows agree."""
         ring = K.ViolationRing(256, DEVICE)
         ref_records, ref_ring = self.records.clone(), clone_ring(ring)
         args = (self.sources, self.full, self.mapping, self.rows, self.slots, self.lengths)
-        K.state_launch_ref(ref_records, *args, ref_ring, tag, stamp=stamp, extend=extend)
-        K.state_launch(self.records, *args, ring, tag, stamp=stamp, extend=extend)
+        K.state_launch_ref(ref_records, *args, ref_ring, tag, stamp=stamp, extend=extend, more=more)
+        K.state_launch(self.records, *args, ring, tag, stamp=stamp, extend=extend, more=more)
         assert torch.equal(self.records, ref_records)
         for name in ("count", "kernel_runs", "slot_runs"):
             assert torch.equal(getattr(ring, name), getattr(ref_ring, name)), name
@@ -62,9 +65,10 @@ class World:
 def test_head_and_tail_match_their_references(seed, mode):
     w = World(seed, mode)
     assert w.launch(HEAD, stamp=False), "noise records pass HEAD"
-    w.launch(TAIL, stamp=True, extend=w.extend)
+    w.launch(TAIL, stamp=True, extend=w.extend, more=(w.more_slots, w.more_lengths))  # running states, checkpoints
     w.lengths += w.extend
     assert w.launch(HEAD, stamp=False) == [], "a state just stamped fails HEAD"
+    assert w.launch(HEAD, stamp=False, more=(w.more_slots, w.more_lengths)) == [], "a checkpoint just stamped fails"
     w.layers[1][int(w.slots[w.slots != 0][0])].view(torch.int32)[0, 0] ^= 1 << 9
     w.records[:, FIELD_POSITION] += (torch.arange(STATE_SLOTS, device=DEVICE) % 7 == 3)
     assert w.launch(HEAD, stamp=False), "no damage reported"
