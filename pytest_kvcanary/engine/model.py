@@ -283,4 +283,5 @@ class CausalLM(nn.Module):
         """Logits [T, vocab] of one whole sequence, recomputed with no KV cache at all."""
         positions = torch.arange(token_ids.numel(), device=token_ids.device)
         contexts = torch.full_like(positions, context_key)
-        return self.compute_logits(self(token_ids, positions, DenseKV(positions), contexts, DenseState()))
+        states = DenseState() if self.cfg.attention == "hybrid" else None
+        return self.compute_logits(self(token_ids, positions, DenseKV(positions), contexts, states))

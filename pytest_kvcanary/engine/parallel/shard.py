@@ -20,7 +20,7 @@ from torch import nn
 from ..attention import KVAccess
 from ..config import EngineConfig
 from ..engine import Engine
-from ..model import CausalLM
+from ..model import CausalLM, StateAccess
 from ..weights import load_weights
 from .groups import RankGroups
 from .topology import Topology
@@ -68,7 +68,9 @@ class ShardedCausalLM(CausalLM):
         return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
-                context_keys: torch.Tensor | None = None) -> torch.Tensor:
+                context_keys: torch.Tensor | None = None, states: StateAccess | None = None) -> torch.Tensor:
+        """CausalLM.forward on this rank's shard. states: unused (a model with recurrent layers
+        runs on one rank: Topology.check refuses to split it)."""
         g, decoder = self.groups, self.model
         if g.first_stage:
             x = decoder.embed(input_ids, context_keys)

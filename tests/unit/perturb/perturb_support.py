@@ -14,12 +14,15 @@ import torch
 from pytest_kvcanary.adapters.reference import make_reference_engine
 from pytest_kvcanary.canary.groups import GroupState
 from pytest_kvcanary.canary.seam import ForwardView
-from pytest_kvcanary.config import CanaryConfig
+from pytest_kvcanary.config import PERTURB_MODES, CanaryConfig
 from pytest_kvcanary.handles.sided import Side
 from pytest_kvcanary.handles.single import EngineHandle
 from pytest_kvcanary.perturb.targets import read_targets
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The modes that damage attention KV (state_wrong_restore damages a hybrid model's recurrent state:
+# test_state_faults.py and examples/test_hybrid.py).
+KV_MODES = tuple(mode for mode in PERTURB_MODES if mode != "state_wrong_restore")
 SEED_SWEEP_KERNELS = "triton" if DEVICE == "cuda" else "torch"
 # The pool groups of each attention kind.
 POOL_GROUPS = {"mha": ("full",), "swa": ("full", "swa"), "mla": ("full",)}
@@ -37,9 +40,11 @@ def group_name(group: GroupState) -> str:
 
 def make_handle(attention: str, **canary: object) -> EngineHandle:
     """A fresh reference engine (window 16, roomy pools) with the canary on; "speculative": mha
-    decoding speculatively with 3 draft tokens per step; "host": mha with a host tier (HOST_ENGINE)."""
+    decoding speculatively with 3 draft tokens per step; "host": mha with a host tier (HOST_ENGINE);
+    "hybrid": recurrent layers beside full attention (groups full and state)."""
     options = {"speculative": {"speculative_k": 3}, "host": HOST_ENGINE}.get(attention, {})
-    engine = make_reference_engine(attention if attention in POOL_GROUPS else "mha", DEVICE, seed=0, **options)
+    kind = attention if attention in POOL_GROUPS or attention == "hybrid" else "mha"
+    engine = make_reference_engine(kind, DEVICE, seed=0, **options)
     return EngineHandle(engine, CanaryConfig(**{"kernels": SEED_SWEEP_KERNELS, **canary}))
 
 

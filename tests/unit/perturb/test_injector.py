@@ -13,7 +13,7 @@ from pytest_kvcanary.config import PERTURB_MODES, PerturbSpec
 from pytest_kvcanary.handles.single import EngineHandle
 from pytest_kvcanary.perturb.injector import PerturbError
 
-from perturb_support import BYTE_TOKENS, POOL_GROUPS, final_sweep, make_handle, send_waves
+from perturb_support import BYTE_TOKENS, KV_MODES, POOL_GROUPS, final_sweep, make_handle, send_waves
 
 
 REAL_KV_MODES = [m for m in PERTURB_MODES if m.startswith("real_kv")]
@@ -64,7 +64,7 @@ def test_no_fault_armed_no_violation_and_an_empty_ledger(attention):
 @pytest.mark.parametrize("mode", PERTURB_MODES)
 def test_nothing_is_injected_before_the_warm_up_ends(mode):
     warmup = 5
-    engine, group = ("host", "full") if mode == "real_kv_host" else ("swa", "swa")
+    engine, group = {"real_kv_host": ("host", "full"), "state_wrong_restore": ("hybrid", "state")}.get(mode, ("swa", "swa"))
     handle = make_handle(engine)
     handle.reset(0, (PerturbSpec(mode, target_group=group, warmup_steps=warmup),))
     send_waves(handle, seed=0)
@@ -76,10 +76,10 @@ def test_nothing_is_injected_before_the_warm_up_ends(mode):
 
 def test_a_seed_replays_its_faults_and_another_seed_places_them_elsewhere():
     """Every mode at once, on the engine with pages and a host tier."""
-    specs = tuple(PerturbSpec(mode, target_group="full") for mode in PERTURB_MODES)
+    specs = tuple(PerturbSpec(mode, target_group="full") for mode in KV_MODES)
     handle = make_handle("host")
     first = ledger_of(handle, 1, specs)
-    assert {i["mode"] for i in first} == set(PERTURB_MODES)
+    assert {i["mode"] for i in first} == set(KV_MODES)
     assert ledger_of(handle, 2, specs) != first
     # Again after another run of the same engine, and on a new one (a replay in isolation).
     assert ledger_of(handle, 1, specs) == first

@@ -11,13 +11,13 @@ from typing import Callable
 import pytest
 
 from pytest_kvcanary.canary.violation import Violation
-from pytest_kvcanary.config import PERTURB_MODES, PerturbSpec
+from pytest_kvcanary.config import PerturbSpec
 from pytest_kvcanary.handles.single import EngineHandle
 from pytest_kvcanary.perturb.ledger import DETECTING_REASONS, Injection
 
 from perturb_support import (
-    DEVICE, LATENCY_PROPERTY, POOL_GROUPS, SEED_SWEEP_ENGINES, SEED_SWEEP_KERNELS, HeadReads, final_sweep, make_handle,
-    send_waves,
+    DEVICE, KV_MODES, LATENCY_PROPERTY, POOL_GROUPS, SEED_SWEEP_ENGINES, SEED_SWEEP_KERNELS, HeadReads, final_sweep,
+    make_handle, send_waves,
 )
 
 
@@ -32,7 +32,7 @@ MODE_PHASES = {
     "real_kv_host": {"HEAD"},  # the first forward that reads the page after it is loaded back
 }
 # The engines each mode runs on: a host-tier fault on the one with a host tier, the others on the rest.
-MODE_ENGINES = [(mode, attention) for mode in PERTURB_MODES for attention in SEED_SWEEP_ENGINES
+MODE_ENGINES = [(mode, attention) for mode in KV_MODES for attention in SEED_SWEEP_ENGINES
                 if (mode == "real_kv_host") == (attention == "host")]
 SEEDS = range(20)
 # A swapped token is reported by the TAIL of the very forward fed it, whatever the seed: fewer do.
