@@ -75,9 +75,10 @@ def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
     for attention in ("mha", "swa", "mla"):  # pages of 16 tokens
         configs[f"reference-{attention}-pages"] = (lambda a=attention: _reference(a, page_size=16), None)
     # A hybrid model's checkpoints in a state pool that evicts them (17 slots: 8 running requests, 8
-    # checkpoints being written, one to spare), and with pages of 16 tokens.
+    # checkpoints being written, one to spare), with pages of 16 tokens, and with a host tier too.
     configs["reference-hybrid-state-pressure"] = (lambda: _reference("hybrid", num_state_slots=17), None)
     configs["reference-hybrid-pages"] = (lambda: _reference("hybrid", page_size=16), None)
+    configs["reference-hybrid-host"] = (lambda: _reference("hybrid", page_size=16, host_num_slots=1024), None)
     for attention in ("mha", "mla"):  # pages and a host-memory tier, with and without speculative decoding
         configs[f"reference-{attention}-host"] = (
             lambda a=attention: _reference(a, page_size=16, host_num_slots=1024), None)

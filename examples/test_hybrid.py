@@ -103,3 +103,58 @@ def test_a_state_damaged_before_its_transfer_is_caught_on_the_decode_side(kv_pd,
     found = kv_canary.assert_violation("verify_real_kv_hash", side="decode", phase="HEAD", group="state")
     assert {v.slot for v in found} == {p.slot for i in moved for p in i.moved_to}
     assert all(i.status == "detected" and i.detected_by.side == "decode" for i in moved)
+
+
+def _hybrid_with_a_host_tier():
+    """Pages of 16 tokens, a device pool of 9 pages and a host tier of 64, guarded by hand (as
+    examples/test_host_tier.py does for attention KV)."""
+    import torch
+
+    from pytest_kvcanary.adapters.reference import make_reference_engine
+    from pytest_kvcanary.canary.runtime import CanaryRuntime
+    from pytest_kvcanary.config import CanaryConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = make_reference_engine("hybrid", device, seed=0, page_size=16, num_slots=160, host_num_slots=1024)
+    canary = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=2,
+                                        kernels="triton" if device == "cuda" else "torch"), engine)
+    engine.set_forward_hooks(canary)
+    return engine, canary
+
+
+FIRST = [SYSTEM + "the first prompt, which goes to host memory and comes back"]
+SECOND = [SYSTEM + "a second prompt, which pushes the first out", SYSTEM + "and a third one, as long as that"]
+
+
+def test_checkpoints_written_back_with_their_pages_come_back_clean():
+    engine, canary = _hybrid_with_a_host_tier()
+    before = engine.generate(FIRST, 6)
+    engine.generate(SECOND, 6)  # the first prompt's pages and checkpoint go to host memory
+    assert engine.generate(FIRST, 6) == before  # ... and come back: its checkpoint is restored
+    tier = engine.host_tier
+    assert tier.num_states_written_back > 0 and tier.num_states_loaded_back > 0
+    canary.drain()
+    assert canary.log.violations == [] and canary.health_problems() == []
+
+
+def test_a_checkpoint_damaged_on_the_host_is_reported_before_it_is_read():
+    engine, canary = _hybrid_with_a_host_tier()
+    engine.generate(FIRST, 6)
+    engine.generate(SECOND, 6)
+    on_host = [n for n in engine.radix_cache._nodes() if n.host_state is not None and n.state is None]
+    assert on_host, "no checkpoint is only in host memory"
+    state = next(p for p in engine.host_tier.pools if p.kind.name == "STATE")
+    for node in on_host:  # every checkpoint only the host holds, the one the prompt comes back to among them
+        for layer in state.k_layers:  # a bit of every layer: whichever the fingerprint samples
+            layer[node.host_state].view(-1).view(torch_uint8())[0] ^= 1
+    loading = canary.forwards  # the next forward loads the checkpoint back and starts from it
+    engine.generate(FIRST, 6)
+    canary.drain()
+    first = canary.log.violations[0]
+    assert (first.step, first.phase, first.group, first.reasons) == (loading, "HEAD", "STATE", ("verify_real_kv_hash",))
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8

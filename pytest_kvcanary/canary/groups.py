@@ -95,7 +95,10 @@ class GroupState:
 
     def to_group_slots(self, full_slots: torch.Tensor) -> torch.Tensor:
         """FULL-pool slots -> this group's slots (through full_to_group when the mapping has one; 0
-        where not resident), on the device of ``full_slots``."""
+        where not resident), on the device of ``full_slots``. A STATE group has no mapping: the
+        slots a caller names are its own."""
+        if self.mapping is None:
+            return full_slots
         table = self.mapping.table
         return group_slot_ref(self.mapping, full_slots.to(table.device, torch.int64),
                               self.pool.num_slots).to(full_slots.device)

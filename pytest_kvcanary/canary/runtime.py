@@ -46,6 +46,9 @@ class ForwardObserver(Protocol):
     def after_stamp(self, view: ForwardView) -> None:
         """After TAIL stamped the slots this forward wrote."""
 
+    def states_copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """After the engine copied recurrent states (and the runtime their records)."""
+
 
 class KernelSet:
     """The launch functions: Triton kernels (compiled on a GPU, interpreted on a CPU) or their
@@ -99,7 +102,8 @@ class CanaryRuntime:
         self.state = None if not state else StateGuard(state[0], self.groups[0], self.kernels.state_launch,
                                                          self.kernels.verify_records)
         tier = optional(host, "host_tier")
-        self.host_records = None if tier is None else HostRecords(self.groups, tier)
+        held = self.groups + ([] if self.state is None else [self.state.group])
+        self.host_records = None if tier is None else HostRecords(held, tier)
         self.ring = K.ViolationRing(config.ring_capacity, self.device)
         self.log = ViolationLog(self.ring, side, config.mode, jsonl_path)
         phases = [Phase.HEAD, Phase.TAIL] + ([Phase.RECHECK] if config.recheck else [])
@@ -167,6 +171,8 @@ class CanaryRuntime:
             raise ValueError("states_copied: this engine's canary_groups() has no STATE group")
         with self._on_device():
             self.state.copied(src, dst)
+        for observer in self.observers:
+            observer.states_copied(src, dst)
 
     def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         group = self.group(kind)

@@ -133,9 +133,10 @@ class EngineConfig:
     inserts and evicts, whole pages, and num_slots / swa_num_slots / host_num_slots are multiples
     of it (page 0, slot 0's page, is reserved). host_num_slots: slots of a host-memory tier that
     pages the radix cache evicts are written back to and loaded back from on a later hit (0: none;
-    mha and mla; host_tier.py). num_state_slots: slots of a hybrid model's state pool, slot 0
-    included (reserved: the initial state): one per running request, the rest for the prefix
-    cache's checkpoints (state_pool.py)."""
+    mha, mla and hybrid; host_tier.py). num_state_slots: slots of a hybrid model's state pool, slot
+    0 included (reserved: the initial state): one per running request, the rest for the prefix
+    cache's checkpoints (state_pool.py); with a host tier, as many host state slots hold the
+    checkpoints of pages written back."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     num_slots: int = 1024
@@ -179,18 +180,16 @@ class EngineConfig:
         if self.host_num_slots % self.page_size:
             raise ValueError(f"host_num_slots must be a multiple of page_size ({self.page_size}); "
                              f"got {self.host_num_slots}")
-        if self.host_num_slots and self.model.attention == "swa":
-            raise ValueError(f"host_num_slots > 0 needs attention mha or mla (the host tier keeps no SWA pool); "
-                             f"got attention={self.model.attention!r}")
+        if self.host_num_slots and self.model.attention == "swa":  # hybrid: checkpoints go to host state slots
+            raise ValueError(f"host_num_slots > 0 needs attention mha, mla or hybrid (the host tier keeps no SWA "
+                             f"pool); got attention={self.model.attention!r}")
         if self.model.attention == "hybrid":
             check_int("num_state_slots", self.num_state_slots, 2 * self.max_running + 1,
                       f" (slot 0 is reserved; each of max_running={self.max_running} requests holds a running state "
                       f"and may write a checkpoint)")
-            unsupported = [name for name in ("speculative_k", "host_num_slots") if getattr(self, name)]
-            if unsupported:
-                raise ValueError(f"attention='hybrid' runs with speculative_k=0 and host_num_slots=0 here (its "
-                                 f"recurrent state has no rollback or host tier yet); "
-                                 f"got {', '.join(f'{n}={getattr(self, n)!r}' for n in unsupported)}")
+            if self.speculative_k:
+                raise ValueError(f"attention='hybrid' runs with speculative_k=0 here (its recurrent state has no "
+                                 f"rollback yet); got speculative_k={self.speculative_k!r}")
         if self.decode_mode == "graph" and torch.device(self.device).type != "cuda":
             raise ValueError(f"decode_mode='graph' needs a CUDA device; got device={self.device!r}")
         try:

@@ -62,11 +62,13 @@ class Engine:
         self.model = model.to(self.device)
         self.tokenizer = ByteTokenizer()
         self.pools = KVPools(config)
-        self.host_tier = HostTier(config, self.pools, self.device) if config.host_num_slots else None
         self.req_to_token_pool = ReqToTokenPool(config.max_running, config.model.max_context, self.device,
                                                 config.page_size)
         self.states = (StatePool(config.num_state_slots, config.model, self.device, self.pools.free_listeners)
                        if config.model.attention == "hybrid" else None)
+        self.host_tier = HostTier(config, self.pools, self.device, self.states) if config.host_num_slots else None
+        if self.states is not None and self.host_tier is not None:
+            self.states.before_copy = self.host_tier.wait
         window = config.model.window if self.pools.swa is not None else None
         self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window, self.host_tier, self.states)
         self.scheduler = Scheduler(config, self.pools, self.req_to_token_pool, self.radix_cache, self.states)

@@ -3,7 +3,8 @@ evicts are written back here and loaded back into device pages on a later hit.
 
 It holds host buffers laid out as the device pools' (the FULL pool and, with speculative decoding,
 the draft pool, whose KV lives at the same FULL slots), a page allocator over them and the copies
-both ways. On CUDA the copies run on a copy stream of their own, between pinned host memory and the
+both ways; for a hybrid model also host state slots, where the radix cache's checkpoints go with
+their node's pages. On CUDA the copies run on a copy stream of their own, between pinned host memory and the
 device, without the host waiting; the engine makes each forward's stream wait for every copy
 launched before it (`wait`), so no forward reads a loaded-back page, or writes a device page just
 written back, before the copy is over. On a CPU the same copies run synchronously.
@@ -21,14 +22,18 @@ from pytest_kvcanary.canary.seam import HostPool, HostTierListener, copy_runs
 
 from .config import EngineConfig
 from .kv_pool import KVPools, page_slots
+from .state_pool import StatePool
 
 
 class HostTier:
     """host_num_slots host slots in pages of the pools' page size (every page usable). pools: a
     `HostPool` per device pool it backs (FULL, DRAFT). num_written_back / num_loaded_back: pages
-    copied each way since the engine started. Implements the seam's HostTier."""
+    copied each way since the engine started. states: a hybrid model's state pool, whose
+    checkpoints it keeps in num_state_slots host state slots (pools then holds a STATE HostPool;
+    num_states_written_back / num_states_loaded_back count them). Implements the seam's HostTier."""
 
-    def __init__(self, config: EngineConfig, pools: KVPools, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, pools: KVPools, device: torch.device,
+                 states: StatePool | None = None) -> None:
         self.page_size, self.num_slots = pools.page_size, config.host_num_slots
         self.num_pages = self.num_slots // self.page_size
         pinned = device.type == "cuda"
@@ -45,6 +50,14 @@ class HostTier:
         self._event: torch.cuda.Event | None = None  # the last copy launched
         self._listeners: list[HostTierListener] = []
         self.num_written_back = self.num_loaded_back = 0
+        self._state_device = [] if states is None else states.buffers
+        n = 0 if states is None else config.num_state_slots
+        if states is not None:
+            host_states = [torch.zeros((n, *t.shape[1:]), dtype=t.dtype, pin_memory=pinned) for t in states.buffers]
+            self.pools.append(HostPool(GroupKind.STATE, host_states, [], n))
+        self.num_state_slots = n
+        self.free_state_slots = list(range(n))
+        self.num_states_written_back = self.num_states_loaded_back = 0
 
     @property
     def num_free(self) -> int:
@@ -72,7 +85,43 @@ class HostTier:
     def restart(self) -> None:
         """With every page free, hand them out from page 0 up again, as a new tier does."""
         assert self.free_pages.numel() == self.num_pages, "restart while host pages are held"
+        assert len(self.free_state_slots) == self.num_state_slots, "restart while host state slots are held"
         self.free_pages = torch.arange(self.num_pages, dtype=torch.int64)
+        self.free_state_slots.sort()
+
+    def alloc_state(self) -> int | None:
+        """A free host state slot, or None."""
+        return self.free_state_slots.pop(0) if self.free_state_slots else None
+
+    def free_state(self, host_slot: int, cause: str) -> None:
+        """Return a host state slot; listeners hear it first."""
+        for listener in self._listeners:
+            listener.host_freed(GroupKind.STATE, torch.tensor([host_slot]), cause)
+        self.free_state_slots.append(host_slot)
+
+    def write_back_state(self, slot: int, host_slot: int) -> None:
+        """Copy the state of device state slot `slot` to `host_slot` (launched; the device slot may
+        be freed now)."""
+        self._copy_state(self._state_device, self.pools[-1].k_layers, slot, host_slot, into_host=True)
+        self.num_states_written_back += 1
+
+    def load_back_state(self, host_slot: int, slot: int) -> None:
+        """Copy the state in `host_slot` to device state slot `slot` (launched; work on the
+        engine's stream waits for it, `wait`)."""
+        self._copy_state(self.pools[-1].k_layers, self._state_device, host_slot, slot, into_host=False)
+        self.num_states_loaded_back += 1
+
+    def _copy_state(self, src_buffers: list[torch.Tensor], dst_buffers: list[torch.Tensor], src: int, dst: int,
+                    *, into_host: bool) -> None:
+        device_slot, host_slot = (torch.tensor([s]) for s in ((src, dst) if into_host else (dst, src)))
+        with self._copying():
+            for s, d in zip(src_buffers, dst_buffers, strict=True):
+                d[dst].copy_(s[src], non_blocking=True)
+            for listener in self._listeners:
+                if into_host:
+                    listener.written_back(GroupKind.STATE, device_slot, host_slot)
+                else:
+                    listener.loaded_back(GroupKind.STATE, host_slot, device_slot)
 
     def write_back(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Copy every backed pool's KV of these device slots to these host slots (launched; the

@@ -23,6 +23,8 @@ state after its last token (`Node.state`); a match ends at the deepest node of i
 one, whose state a new request's running slot starts from. A request's checkpoint joins the tree
 when its KV is inserted (`_insert_req`); a node that leaves the tree frees its checkpoint, and
 `evict_states` drops unlocked nodes' checkpoints (their KV stays cached) when state slots run short.
+With a host tier, a node written back takes its checkpoint to a host state slot (`Node.host_state`),
+and a match may end at a node whose checkpoint is only there; `load_state` brings it back.
 """
 
 from __future__ import annotations
@@ -121,8 +123,10 @@ class RadixCache:
                     best = j + 1
             path = path[:best]
         if self.states is not None:  # a hybrid model reuses a prefix only where its state is cached
-            path = path[:max((j + 1 for j, node in enumerate(path) if node.state is not None), default=0)]
-            host = []
+            both = path + host
+            end = max((j + 1 for j, node in enumerate(both) if node.state is not None or node.host_state is not None),
+                      default=0)
+            path, host = both[:min(end, len(path))], both[len(path):end]
         tick = next(self._clock)
         for node in path + host:
             node.last_access = tick
@@ -230,6 +234,7 @@ class RadixCache:
             if self._back_up(node):
                 self.pools.free(self._pages(node.value), CAUSE_WRITTEN_BACK)
                 node.value = None
+                self._back_up_state(node)
             else:
                 self.pools.free(self._pages(node.value), CAUSE_EVICTED)
                 self._drop(node)
@@ -251,6 +256,25 @@ class RadixCache:
             node.tombstone = True
         self.num_swa_evicted += freed
         return freed
+
+    def _back_up_state(self, node: Node) -> None:
+        """A node written back takes its checkpoint to the host tier (where it has none there and
+        a host state slot is free); its device state slot is freed either way."""
+        if node.state is None:
+            return
+        if node.host_state is None:
+            node.host_state = self.host_tier.alloc_state()
+            if node.host_state is not None:
+                self.host_tier.write_back_state(node.state, node.host_state)
+        self.states.free([node.state], CAUSE_WRITTEN_BACK)
+        node.state, self._checkpoints = None, None
+
+    def load_state(self, node: Node, slot: int) -> None:
+        """Load a node's checkpoint back from the host tier into device state slot `slot` (launched;
+        the engine's stream waits for it before a state copy or forward reads it), keeping the host
+        copy."""
+        self.host_tier.load_back_state(node.host_state, slot)
+        node.state, self._checkpoints = slot, None
 
     def evict_states(self, n: int) -> int:
         """Drop the checkpoints of unlocked nodes, least recently used first, until at least n
@@ -316,6 +340,8 @@ class RadixCache:
                 self.host_tier.free(self._pages(node.host_value), "radix cache flushed")
             if node.state is not None:
                 self.states.free([node.state], "radix cache flushed")
+            if node.host_state is not None:
+                self.host_tier.free_state(node.host_state, "radix cache flushed")
         self.roots.clear()
         self._checkpoints = None
 
@@ -378,6 +404,7 @@ class RadixCache:
             node = heapq.heappop(heap)[-1]
             self.host_tier.free(self._pages(node.host_value), CAUSE_HOST_EVICTED)
             node.host_value = None
+            self._free_host_state(node, CAUSE_HOST_EVICTED)
             parent = node.parent
             del parent.children[self._child_key(node.key)]
             if host_leaf(parent):
@@ -395,10 +422,17 @@ class RadixCache:
             below = stack.pop()
             self.host_tier.free(self._pages(below.host_value), CAUSE_HOST_DROPPED)
             below.host_value = None
+            self._free_host_state(below, CAUSE_HOST_DROPPED)
             stack.extend(below.children.values())
         if node.host_value is not None:
             self.host_tier.free(self._pages(node.host_value), CAUSE_HOST_DROPPED)
             node.host_value = None
+        self._free_host_state(node, CAUSE_HOST_DROPPED)
+
+    def _free_host_state(self, node: Node, cause: str) -> None:
+        if node.host_state is not None:
+            self.host_tier.free_state(node.host_state, cause)
+            node.host_state = None
 
     def _child_key(self, key: list[int]) -> int | tuple[int, ...]:
         """What a node's parent files it under: its first token, or with pages its first page."""

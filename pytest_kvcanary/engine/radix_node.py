@@ -10,7 +10,8 @@ class Node:
     the host tier and freed on the device), and their host slots when the host tier holds a copy
     (host_value). lock_ref: running requests whose cached prefix passes through here. tombstone:
     the SWA slots of value were freed. state: a hybrid model's checkpoint, the state slot holding
-    the recurrent state after the node's last token (None: no state is cached there)."""
+    the recurrent state after the node's last token (None: no state is cached there); host_state:
+    the host tier's copy of it, a host state slot (written back with the node's pages)."""
 
     def __init__(self, key: list[int], value: torch.Tensor | None, parent: Node | None,
                  tombstone: bool = False) -> None:
@@ -23,3 +24,4 @@ class Node:
         self.last_access = 0
         self.tombstone = tombstone
         self.state: int | None = None
+        self.host_state: int | None = None

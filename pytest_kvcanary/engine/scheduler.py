@@ -153,12 +153,16 @@ class Scheduler:
             match = self.radix_cache.match_prefix(tokens[:-1], req.context_key)  # leave one token to compute
             if match.host_node is not None:
                 match = self._load_back(match)
+            if self.states is not None and match.slots.numel() and match.node.state is match.node.host_state is None:
+                # the pages holding the match's checkpoint could not be loaded back: start from nothing
+                match = MatchResult(match.slots[:0], self.radix_cache.root(req.context_key))
             extend = len(tokens) - match.slots.numel()
             if extend > budget:
                 break
             self.radix_cache.lock(match.node)
             checkpoint_len = self._checkpoint_len(match.slots.numel(), len(tokens))
-            states = self._alloc_states(1 + bool(checkpoint_len))
+            load = self.states is not None and bool(match.slots.numel()) and match.node.state is None
+            states = self._alloc_states(1 + bool(checkpoint_len) + load)
             pages = None if states is None else self._alloc(self._pages_needed(match.slots.numel(), extend))
             if pages is None:
                 if states:
@@ -196,8 +200,12 @@ class Scheduler:
 
     def _start_state(self, req: Request, match: MatchResult, slots: list[int], checkpoint_len: int) -> None:
         """Give an admitted request its running state slot, holding the state of its matched prefix
-        (copied from the match's checkpoint, or cleared), and the slot its prefill's checkpoint goes to."""
+        (copied from the match's checkpoint, loaded back from the host tier first into the last of
+        `slots` where only the host holds it, or cleared), and the slot its prefill's checkpoint
+        goes to."""
         req.state_slot = slots[0]
+        if match.slots.numel() and match.node.state is None:
+            self.radix_cache.load_state(match.node, slots[-1])
         if match.slots.numel():
             self.states.copy([match.node.state], [req.state_slot])
             self.num_restored += 1

@@ -43,6 +43,9 @@ class StatePool:
         self._is_free = [False] + [True] * (num_slots - 1)
         self.free_listeners = free_listeners
         self.on_copy: CopyListener | None = None
+        # Called before a copy writes a slot: a host tier's copies of freed slots, and its loads
+        # back, land first (the engine sets it to the tier's wait).
+        self.before_copy: Callable[[], None] | None = None
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -82,6 +85,8 @@ class StatePool:
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         """dst's states become src's (slot 0 as src: the initial state), in every layer."""
+        if self.before_copy is not None:
+            self.before_copy()
         device = self.conv[0].device if self.conv else torch.device("cpu")
         s, d = torch.tensor(src, dtype=torch.int64, device=device), torch.tensor(dst, dtype=torch.int64, device=device)
         for buf in self.buffers:

@@ -174,6 +174,15 @@ class FaultInjector:
             position=position, row=-1, byte=offset, step=self.runtime.forwards, half=half.name,
             layer=state.source_layers[index]))
 
+    def states_copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """A recurrent state copied (a checkpoint restored or saved): damage in it now also lives
+        at the destination, from the next forward on."""
+        if not self.ledger.injections:
+            return
+        for s, d in zip(src.tolist(), dst.tolist()):
+            if s:
+                self.ledger.moved(self.side, GroupKind.STATE, s, Place(self.side, d, d, self.runtime.forwards))
+
     # HostTierListener: the ledger follows damage into host memory and back.
 
     def written_back(self, kind: GroupKind, slots: torch.Tensor, host_slots: torch.Tensor) -> None:

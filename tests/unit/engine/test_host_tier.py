@@ -133,7 +133,7 @@ def test_a_full_host_tier_drops_the_least_recently_used_copies(make_engine, chec
 def test_host_tier_config_errors():
     with pytest.raises(ValueError, match=r"host_num_slots must be a multiple of page_size \(4\); got 10"):
         EngineConfig(page_size=4, host_num_slots=10)
-    with pytest.raises(ValueError, match="host_num_slots > 0 needs attention mha or mla .*; got attention='swa'"):
+    with pytest.raises(ValueError, match="host_num_slots > 0 needs attention mha, mla or hybrid .*; got attention='swa'"):
         EngineConfig(model=ModelConfig(attention="swa"), host_num_slots=64)
     with pytest.raises(ValueError, match="host_num_slots must be an integer >= 0; got -1"):
         EngineConfig(host_num_slots=-1)

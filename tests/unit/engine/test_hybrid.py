@@ -16,8 +16,8 @@ from pytest_kvcanary.engine.model import DenseState, RecurrentMixer
 def check_state_invariants(engine: Engine) -> None:
     """Every state slot but 0 is free, the running state of exactly one running request, or the
     checkpoint of exactly one radix node; a running request's checkpoint is never pending between
-    forwards."""
-    held = [r.state_slot for r in engine.running]
+    forwards; every host state slot is free or holds exactly one node's checkpoint."""
+    held, on_host = [r.state_slot for r in engine.running], []
     assert all(r.checkpoint is None for r in engine.running), "a checkpoint left pending"
     stack = [c for root in engine.radix_cache.roots.values() for c in root.children.values()]
     while stack:
@@ -25,6 +25,12 @@ def check_state_invariants(engine: Engine) -> None:
         stack.extend(node.children.values())
         if node.state is not None:
             held.append(node.state)
+        if node.host_state is not None:
+            on_host.append(node.host_state)
+    tier = engine.host_tier
+    if tier is not None:
+        assert len(set(on_host)) == len(on_host) and not set(on_host) & set(tier.free_state_slots)
+        assert len(on_host) + len(tier.free_state_slots) == tier.num_state_slots, "a host state slot leaked"
     assert 0 not in held and len(set(held)) == len(held), f"a state slot is held twice: {sorted(held)}"
     assert not set(held) & set(engine.states.free_slots), "a held state slot is also free"
     assert len(held) + engine.states.num_free == engine.states.num_slots - 1, "a state slot leaked"
@@ -85,12 +91,32 @@ def test_a_scan_in_pieces_equals_one_scan():
     torch.testing.assert_close((conv[0], ssm[0]), after_first, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("field, value", [("speculative_k", 2), ("host_num_slots", 64)])
-def test_what_hybrid_cannot_run_yet_is_refused_by_name(field, value):
-    with pytest.raises(ValueError, match=rf"attention='hybrid'.*{field}={value!r}"):
-        EngineConfig(model=ModelConfig(attention="hybrid"), **{field: value})
+def test_what_hybrid_cannot_run_yet_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"attention='hybrid' runs with speculative_k=0 .*got speculative_k=2"):
+        EngineConfig(model=ModelConfig(attention="hybrid"), speculative_k=2)
 
 
 def test_a_state_pool_too_small_for_the_rows_is_refused():
     with pytest.raises(ValueError, match=r"num_state_slots must be an integer >= 17"):
         EngineConfig(model=ModelConfig(attention="hybrid"), max_running=8, num_state_slots=16)
+
+
+def test_checkpoints_go_to_the_host_tier_with_their_pages_and_come_back(assert_reference, check_invariants):
+    """Pages of 4 tokens, a device pool that holds about two prompts and a host tier: each prompt's
+    pages (and checkpoint) are written back as others run, then every prompt comes back; its
+    checkpoint is loaded back with its pages and restored, and outputs equal a no-cache
+    recomputation with a canary on every forward silent."""
+    engine = _engine(num_slots=64, max_running=2, num_state_slots=9, page_size=4, host_num_slots=512)
+    canary = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=1, kernels="torch"), engine)
+    engine.set_forward_hooks(canary)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 256, (22,), generator=gen).tolist() for _ in range(4)]
+    outputs = [engine.generate([p], 4)[0] for p in prompts + prompts]
+    check_invariants(engine)
+    check_state_invariants(engine)
+    assert_reference(engine, prompts + prompts, outputs)
+    tier = engine.host_tier
+    assert tier.num_states_written_back > 0 and tier.num_states_loaded_back > 0, "no checkpoint went to the host"
+    assert engine.scheduler.num_restored >= tier.num_states_loaded_back
+    canary.drain()
+    assert canary.log.violations == [] and canary.health_problems() == []

@@ -41,9 +41,11 @@ def group_name(group: GroupState) -> str:
 def make_handle(attention: str, **canary: object) -> EngineHandle:
     """A fresh reference engine (window 16, roomy pools) with the canary on; "speculative": mha
     decoding speculatively with 3 draft tokens per step; "host": mha with a host tier (HOST_ENGINE);
-    "hybrid": recurrent layers beside full attention (groups full and state)."""
-    options = {"speculative": {"speculative_k": 3}, "host": HOST_ENGINE}.get(attention, {})
-    kind = attention if attention in POOL_GROUPS or attention == "hybrid" else "mha"
+    "hybrid": recurrent layers beside full attention (groups full and state); "hybrid-host": that
+    with a host tier (HOST_ENGINE)."""
+    options = {"speculative": {"speculative_k": 3}, "host": HOST_ENGINE, "hybrid-host": HOST_ENGINE}.get(attention, {})
+    kind = attention if attention in POOL_GROUPS or attention == "hybrid" else (
+        "hybrid" if attention == "hybrid-host" else "mha")
     engine = make_reference_engine(kind, DEVICE, seed=0, **options)
     return EngineHandle(engine, CanaryConfig(**{"kernels": SEED_SWEEP_KERNELS, **canary}))
 
