@@ -29,9 +29,9 @@ class Consumed:
         self.calls: list[tuple[CausalLM, int, torch.Tensor, torch.Tensor, list[int]]] = []
         forward = CausalLM.forward
 
-        def recording(model, input_ids, positions, kv, context_keys=None):
+        def recording(model, input_ids, positions, kv, context_keys=None, states=None):
             self.calls.append((model, len(self.views) - 1, input_ids, positions, positions.tolist()))
-            return forward(model, input_ids, positions, kv, context_keys)
+            return forward(model, input_ids, positions, kv, context_keys, states)
 
         monkeypatch.setattr(CausalLM, "forward", recording)
         engine.set_forward_hooks(self)
