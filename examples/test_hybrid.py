@@ -4,6 +4,11 @@ slot as a group of its own, "state": before a forward, the state a row starts fr
 that row's prefix (its length and chain) and hold the bytes stamped when it was written."""
 
 import pytest
+import torch
+
+from pytest_kvcanary.adapters.reference import make_reference_engine
+from pytest_kvcanary.canary.runtime import CanaryRuntime
+from pytest_kvcanary.config import CanaryConfig
 
 SYSTEM = "You are a careful assistant; keep each answer to one short line. "
 
@@ -108,12 +113,6 @@ def test_a_state_damaged_before_its_transfer_is_caught_on_the_decode_side(kv_pd,
 def _hybrid_with_a_host_tier():
     """Pages of 16 tokens, a device pool of 9 pages and a host tier of 64, guarded by hand (as
     examples/test_host_tier.py does for attention KV)."""
-    import torch
-
-    from pytest_kvcanary.adapters.reference import make_reference_engine
-    from pytest_kvcanary.canary.runtime import CanaryRuntime
-    from pytest_kvcanary.config import CanaryConfig
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = make_reference_engine("hybrid", device, seed=0, page_size=16, num_slots=160, host_num_slots=1024)
     canary = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=2,
@@ -146,15 +145,9 @@ def test_a_checkpoint_damaged_on_the_host_is_reported_before_it_is_read():
     state = next(p for p in engine.host_tier.pools if p.kind.name == "STATE")
     for node in on_host:  # every checkpoint only the host holds, the one the prompt comes back to among them
         for layer in state.k_layers:  # a bit of every layer: whichever the fingerprint samples
-            layer[node.host_state].view(-1).view(torch_uint8())[0] ^= 1
+            layer[node.host_state].view(-1).view(torch.uint8)[0] ^= 1
     loading = canary.forwards  # the next forward loads the checkpoint back and starts from it
     engine.generate(FIRST, 6)
     canary.drain()
     first = canary.log.violations[0]
     assert (first.step, first.phase, first.group, first.reasons) == (loading, "HEAD", "STATE", ("verify_real_kv_hash",))
-
-
-def torch_uint8():
-    import torch
-
-    return torch.uint8
