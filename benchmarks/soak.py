@@ -41,6 +41,7 @@ def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 
     model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0)
     return Engine(EngineConfig(model=model, num_slots=512, swa_num_slots=256, max_running=8, max_batch_tokens=512,
                                device=DEVICE, decode_mode=decode_mode, speculative_k=speculative_k,
+                               draft_layers=2 if attention == "hybrid" else 1,
                                page_size=page_size, host_num_slots=host_num_slots, num_state_slots=num_state_slots))
 
 
@@ -68,7 +69,7 @@ def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
         for mode in ("eager", "padded", "graph"):
             configs[f"reference-{attention}-{mode}"] = (
                 lambda a=attention, m=mode: _reference(a, m), None if mode != "graph" or CUDA else "needs CUDA")
-    for attention in ("mha", "mla"):
+    for attention in ("mha", "mla", "hybrid"):
         configs[f"reference-{attention}-speculative"] = (lambda a=attention: _reference(a, speculative_k=3), None)
     for attention in ("mha", "swa", "hybrid"):
         configs[f"reference-pd-{attention}"] = (lambda a=attention: ("pd", _reference(a), _reference(a)), None)

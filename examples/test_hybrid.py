@@ -110,6 +110,23 @@ def test_a_state_damaged_before_its_transfer_is_caught_on_the_decode_side(kv_pd,
     assert all(i.status == "detected" and i.detected_by.side == "decode" for i in moved)
 
 
+def test_speculative_decoding_rolls_the_state_back_cleanly():
+    """Speculative decoding on a hybrid model: the target writes its state after each proposal,
+    and keeps the one of the accepted length; outputs equal plain decoding's, proposals were
+    rejected (so states were rolled back), and the canary is silent."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompts = [SYSTEM + "speculate on this", SYSTEM + "and on this one"]
+    plain = make_reference_engine("hybrid", device, seed=0).generate(prompts, 10)
+    engine = make_reference_engine("hybrid", device, seed=0, speculative_k=3)
+    canary = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=2,
+                                        kernels="triton" if device == "cuda" else "torch"), engine)
+    engine.set_forward_hooks(canary)
+    assert engine.generate(prompts, 10) == plain
+    assert engine.drafter.proposed > engine.drafter.accepted > 0
+    canary.drain()
+    assert canary.log.violations == [] and canary.health_problems() == []
+
+
 def _hybrid_with_a_host_tier():
     """Pages of 16 tokens, a device pool of 9 pages and a host tier of 64, guarded by hand (as
     examples/test_host_tier.py does for attention KV)."""

@@ -93,9 +93,10 @@ class StateInputs(NamedTuple):
     on the engine's device, the very tensors the forward's state layers consume for their reads and
     writes. slots: the slot whose state the row's forward starts from (the state after the row's
     prefix_len tokens) and writes back (after prefix_len + extend_len); 0 in a padded row.
-    checkpoint_slots: a slot the forward also writes with the row's state after checkpoint_lens
-    tokens (prefix_len < checkpoint_len <= prefix_len + extend_len; 0: none), which the prefix
-    cache then owns."""
+    checkpoint_slots: slots the forward also writes with the row's state after checkpoint_lens
+    tokens (prefix_len < checkpoint_len <= prefix_len + extend_len; 0: none): [B], one a row (a
+    prefill's checkpoint, which the prefix cache then owns), or [B, m], m a row (a speculative
+    decode's state after each proposal, to roll back to); checkpoint_lens has their shape."""
 
     slots: torch.Tensor
     checkpoint_slots: torch.Tensor

@@ -152,11 +152,15 @@ def check_state_launch(records: torch.Tensor, sources: Sequence[RealKvSource], f
     check_prev_records(records, full_records)
     check_mapping(full_mapping, records.device)
     check_vector("rows", rows, records.device)
-    more_slots, more_lengths = (None, None) if more is None else more
-    for name, t in (("slots", slots), ("lengths", lengths), ("extend", extend), ("more slots", more_slots),
-                    ("more lengths", more_lengths)):
+    for name, t in (("slots", slots), ("lengths", lengths), ("extend", extend)):
         if t is not None:
             check_vector(name, t, records.device, rows.shape[0])
+    for name, t in zip(("more slots", "more lengths"), more or ()):
+        # [B] or [B, m], the same shape both; checked as the flat, contiguous vector the kernel reads
+        if not isinstance(t, torch.Tensor) or t.shape[:1] != rows.shape[:1] or t.shape != more[0].shape or t.dim() > 2:
+            raise ValueError(f"{name} must be a tensor [B] or [B, m] (B = {rows.shape[0]} rows), the same shape "
+                             f"as more slots; got {_desc(t)}")
+        check_vector(name, t.view(-1) if t.is_contiguous() else t, records.device)
 
 
 def check_view(view: ForwardView, device: torch.device) -> None:

@@ -178,7 +178,9 @@ def state_launch_ref(records: torch.Tensor, sources: Sequence[RealKvSource], ful
     if extend is not None:
         lengths = lengths + extend
     if more is not None:
-        rows, slots, lengths = torch.cat([rows, rows]), torch.cat([slots, more[0]]), torch.cat([lengths, more[1]])
+        m = more[0].shape[1] if more[0].dim() == 2 else 1
+        rows = torch.cat([rows, rows.repeat_interleave(m)])
+        slots, lengths = torch.cat([slots, more[0].flatten()]), torch.cat([lengths, more[1].flatten()])
     keep = slots != 0
     rows, slots, lengths = rows[keep], slots[keep], lengths[keep]
     has_prev = lengths > 0

@@ -35,16 +35,17 @@ _UNKNOWN = tl.constexpr(R.UNKNOWN)
 
 @triton.jit
 def _state_kernel(records, full_records, sources, mapping, rows_ptr, slots_ptr, lengths_ptr, extend_ptr,
-                  more_slots_ptr, more_lengths_ptr, n, ring, tag, READS: tl.constexpr, MAP: tl.constexpr,
+                  more_slots_ptr, more_lengths_ptr, n, m, ring, tag, READS: tl.constexpr, MAP: tl.constexpr,
                   HAS_EXTEND: tl.constexpr, HAS_MORE: tl.constexpr, STAMP: tl.constexpr, BLOCK: tl.constexpr):
     count_launch(ring, tag)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    first = offs < n  # lanes past n: the second set of entries (HAS_MORE), on the same rows
-    index = tl.where(first, offs, offs - n)
-    in_more = HAS_MORE & ~first & (index < n)
+    first = offs < n  # lanes past n: the m more entries of each row (HAS_MORE), row-major
+    entry = offs - n
+    index = tl.where(first, offs, entry // m)
+    in_more = HAS_MORE & ~first & (entry < n * m)
     slots = tl.load(slots_ptr + index, mask=first, other=0)
     if HAS_MORE:
-        slots = tl.where(in_more, tl.load(more_slots_ptr + index, mask=in_more, other=0), slots)
+        slots = tl.where(in_more, tl.load(more_slots_ptr + entry, mask=in_more, other=0), slots)
     live = slots != 0
     count_slots(ring, tag, tl.sum(live.to(tl.int64), axis=0))
     rows = tl.load(rows_ptr + index, mask=live, other=0)
@@ -52,7 +53,7 @@ def _state_kernel(records, full_records, sources, mapping, rows_ptr, slots_ptr, 
     if HAS_EXTEND:
         lengths += tl.load(extend_ptr + index, mask=live & first, other=0)
     if HAS_MORE:
-        lengths = tl.where(in_more, tl.load(more_lengths_ptr + index, mask=live & in_more, other=0), lengths)
+        lengths = tl.where(in_more, tl.load(more_lengths_ptr + entry, mask=live & in_more, other=0), lengths)
     has_prev = live & (lengths > 0)
     prev = map_slot(mapping, MAP, rows, lengths - 1, has_prev)
     expected_prev_hash = as_i64(tl.where(has_prev, successor_hash(full_records, prev, has_prev),
@@ -82,9 +83,9 @@ def state_launch(records: torch.Tensor, sources: Sequence[RealKvSource], full_re
     (verify_position: another length; verify_chain_hash: another prefix, from the successor hash of
     the FULL record at ``full_mapping(rows[i], lengths[i] - 1)``; verify_real_kv_hash, with >= 1
     source: the bytes changed); the row's position column is the expected length. stamp True
-    (TAIL): write those records (lengths + extend where extend is given). more = (slots, lengths):
-    a second entry per row, on the same rows, in the same launch (a forward's checkpoints beside
-    its running states). Counts the launch in
+    (TAIL): write those records (lengths + extend where extend is given). more = (slots, lengths),
+    ``[B]`` or ``[B, m]`` (contiguous): m more entries per row, on the same rows, in the same launch
+    (a forward's checkpoints or rollback states beside its running states). Counts the launch in
     ring.kernel_runs[tag] and the live entries in ring.slot_runs[tag]. No host synchronisation;
     the grid depends on tensor sizes only."""
     check_state_launch(records, sources, full_records, full_mapping, rows, slots, lengths, extend, more, ring, tag)
@@ -94,8 +95,9 @@ def state_launch(records: torch.Tensor, sources: Sequence[RealKvSource], full_re
     mapping, consts = mapping_args(full_mapping, full_records)
     n = rows.shape[0]
     more_slots, more_lengths = (records, records) if more is None else more
-    grid = (max(1, cdiv(n * (1 if more is None else 2), tiling.block)),)
+    m = 0 if more is None else (more_slots.shape[1] if more_slots.dim() == 2 else 1)
+    grid = (max(1, cdiv(n * (1 + m), tiling.block)),)
     _state_kernel[grid](records, full_records, src, mapping, rows, slots, lengths, optional_ptr(extend, records),
-                        more_slots, more_lengths, n, ring_args(ring), tag, READS=reads, MAP=consts,
+                        more_slots, more_lengths, n, max(m, 1), ring_args(ring), tag, READS=reads, MAP=consts,
                         HAS_EXTEND=extend is not None, HAS_MORE=more is not None, STAMP=stamp, BLOCK=tiling.block,
                         num_warps=tiling.num_warps)

@@ -16,7 +16,8 @@ def reference_config(attention: str, device: str, seed: int, model: str | None =
     """A small Llama-style model on random weights: mha, swa with a window short enough that test
     prompts slide past it, or mla (latent KV pools). model: a local checkpoint directory whose
     weights replace the random ones (mha and swa). speculative_k > 0: speculative decoding with
-    that many draft tokens per step (mha and mla). page_size: tokens per KV page; host_num_slots >
+    that many draft tokens per step (mha, mla and hybrid; a hybrid draft takes the first two layers,
+    one of them attention). page_size: tokens per KV page; host_num_slots >
     0: a host-memory tier of that many slots behind the radix cache (mha and mla); num_slots,
     swa_num_slots (multiples of page_size), max_running: the pools and rows (smaller ones put the
     engine under memory pressure: eviction, write-back, retraction). EngineConfig says more."""
@@ -25,7 +26,8 @@ def reference_config(attention: str, device: str, seed: int, model: str | None =
               else read_config(model, **shape))
     return EngineConfig(model=config, num_slots=num_slots, swa_num_slots=swa_num_slots, max_running=max_running,
                         max_batch_tokens=max(512, config.max_context), device=device, checkpoint=model,
-                        speculative_k=speculative_k, page_size=page_size, host_num_slots=host_num_slots)
+                        speculative_k=speculative_k, draft_layers=2 if attention == "hybrid" else 1,
+                        page_size=page_size, host_num_slots=host_num_slots)
 
 
 def make_reference_engine(attention: str, device: str, seed: int, model: str | None = None, **options: Any

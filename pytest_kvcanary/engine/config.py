@@ -127,7 +127,7 @@ class EngineConfig:
     ones (`weights.read_config` builds a matching `model`). decode_mode: "eager" (one attention per
     request), "padded" (decode batches padded to fixed sizes, as a graph replays them) or "graph"
     (those padded steps captured in CUDA graphs and replayed; CUDA only). speculative_k: draft
-    tokens proposed per decode step (0: no speculative decoding; mha and mla, eager decode), by a
+    tokens proposed per decode step (0: no speculative decoding; mha, mla and hybrid, eager decode), by a
     draft model made of the target's first draft_layers layers (speculative.py). page_size: tokens
     per KV page (1: SGLang's per-token slots); the pools allocate, and the radix cache matches,
     inserts and evicts, whole pages, and num_slots / swa_num_slots / host_num_slots are multiples
@@ -166,7 +166,7 @@ class EngineConfig:
         k = self.speculative_k
         check_int("speculative_k", k, 0)
         if k and (self.model.attention == "swa" or self.decode_mode != "eager"):
-            raise ValueError(f"speculative_k > 0 needs attention mha or mla and decode_mode eager; got "
+            raise ValueError(f"speculative_k > 0 needs attention mha, mla or hybrid and decode_mode eager; got "
                              f"attention={self.model.attention!r}, decode_mode={self.decode_mode!r}")
         if not isinstance(self.draft_layers, int) or not 1 <= self.draft_layers <= self.model.num_layers:
             raise ValueError(f"draft_layers must be an integer in [1, model.num_layers={self.model.num_layers}]; "
@@ -187,9 +187,10 @@ class EngineConfig:
             check_int("num_state_slots", self.num_state_slots, 2 * self.max_running + 1,
                       f" (slot 0 is reserved; each of max_running={self.max_running} requests holds a running state "
                       f"and may write a checkpoint)")
-            if self.speculative_k:
-                raise ValueError(f"attention='hybrid' runs with speculative_k=0 here (its recurrent state has no "
-                                 f"rollback yet); got speculative_k={self.speculative_k!r}")
+            if self.speculative_k and self.draft_layers < self.model.full_every:
+                raise ValueError(f"speculative_k > 0 on attention='hybrid' needs draft_layers >= model.full_every "
+                                 f"({self.model.full_every}), so the draft has an attention layer; got "
+                                 f"draft_layers={self.draft_layers!r}")
         if self.decode_mode == "graph" and torch.device(self.device).type != "cuda":
             raise ValueError(f"decode_mode='graph' needs a CUDA device; got device={self.device!r}")
         try:

@@ -75,7 +75,8 @@ class Engine:
         self.token_table = torch.full((config.max_running, config.model.max_context), -1, dtype=torch.int64,
                                       device=self.device)
         self.drafter = None if self.pools.draft is None else Drafter(
-            self.model, config, self.pools.draft, self.req_to_token_pool.table, self.token_table, self.device)
+            self.model, config, self.pools.draft, self.req_to_token_pool.table, self.token_table, self.device,
+            self.states)
         self.forward_count = 0
         self._hooks: ForwardHooks | None = None
         self._next_rid = 0
@@ -351,8 +352,10 @@ class Engine:
             draft = {GroupKind.DRAFT: GroupInputs(input_ids, torch.full_like(positions, -1))}
         state = None
         if self.states is not None:  # the slots PooledState reads and writes
-            state = StateInputs(on_device(batch.state_slots), on_device(batch.checkpoint_slots),
-                                on_device(batch.checkpoint_lens))
+            width = max(1, *map(len, batch.checkpoint_slots))
+            state = StateInputs(on_device(batch.state_slots),
+                                on_device([s + [0] * (width - len(s)) for s in batch.checkpoint_slots]),
+                                on_device([n + [0] * (width - len(n)) for n in batch.checkpoint_lens]))
         return ForwardView(
             rows=on_device([r.row for r in batch.reqs]),
             prefix_lens=on_device(batch.prefix_lens),

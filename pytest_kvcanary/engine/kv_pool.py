@@ -161,15 +161,18 @@ def layer_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], index: 
 class DraftPool:
     """A speculative-decoding draft model's KV buffers, indexed by FULL slots: a FULL slot holds the
     draft's KV of the token whose target KV it holds, so its slots are allocated and freed with the
-    FULL pool's. full_to_draft (the identity) maps FULL slots to it for the canary's sweep."""
+    FULL pool's. It holds the draft's attention layers only (a hybrid draft's recurrent layers keep
+    no KV). full_to_draft (the identity) maps FULL slots to it for the canary's sweep."""
 
     def __init__(self, num_slots: int, model: ModelConfig, device: torch.device, page_size: int = 1) -> None:
         self.num_slots, self.page_size = num_slots, page_size
-        self.k_layers, self.v_layers = kv_buffers(num_slots, model.num_layers, model, device)
+        layers = [i for i, g in enumerate(model.layer_groups) if g is GroupKind.FULL]
+        self._index = {layer: j for j, layer in enumerate(layers)}
+        self.k_layers, self.v_layers = kv_buffers(num_slots, len(layers), model, device)
         self.full_to_draft = torch.arange(num_slots, device=device)
 
     def layer(self, i: int) -> LayerKV:
-        return layer_kv(self.k_layers, self.v_layers, i, None, GroupKind.DRAFT)
+        return layer_kv(self.k_layers, self.v_layers, self._index[i], None, GroupKind.DRAFT)
 
 
 class KVPools:

@@ -11,7 +11,7 @@ the reference recomputation.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -158,11 +158,11 @@ class RecurrentMixer(nn.Module):
         y = torch.einsum("bhn,bhnm->bhm", q, s)
         return y.flatten(1) * F.silu(z), (padded[:, 1:], s)
 
-    def scan(self, u: torch.Tensor, conv0: torch.Tensor, s0: torch.Tensor, at: int = 0
-             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+    def scan(self, u: torch.Tensor, conv0: torch.Tensor, s0: torch.Tensor, at: Sequence[int] = ()
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         """One request's segment of T tokens (their in_proj rows u) from the state (conv0, s0):
         the gated outputs [T, heads * state_dim] (float32), the state after the segment, and the
-        state after its first ``at`` tokens (None for at 0)."""
+        state after its first m tokens for each m in ``at`` (1 <= m <= T)."""
         t, h, n, w = u.shape[0], self.heads, self.dim, self.width
         xc, dt, z = self._split(u)
         padded = torch.cat([conv0.float(), xc])  # [w - 1 + T, channels]
@@ -179,7 +179,7 @@ class RecurrentMixer(nn.Module):
             s = decay[m - 1].exp()[:, None, None] * s0.float() + torch.einsum("sh,shn,shm->hnm", keep, k[:m], v[:m])
             return padded[m:m + w - 1], s
 
-        return gated, after(t), after(at) if at else None
+        return gated, after(t), [after(m) for m in at]
 
 
 class DenseState:

@@ -16,7 +16,8 @@ class Request:
     request's own. Own positions below swa_from have had their SWA slots freed (slid out of the
     window). A hybrid model's running request holds a state slot (its recurrent state after kv_len
     tokens) and, between a forward that wrote one and its KV's insertion into the radix cache, a
-    checkpoint (slot, length). Waiting requests hold nothing (row -1). context_key: the context the tokens are read
+    checkpoint (slot, length); in a speculative decode, rollback_slots (the states after each of
+    its proposals but the last, one of which becomes its state when some are rejected). Waiting requests hold nothing (row -1). context_key: the context the tokens are read
     in (a cache salt or adapter id; 0 = none): KV is shared only between equal contexts."""
 
     rid: int
@@ -31,6 +32,7 @@ class Request:
     last_node: Node | None = None
     state_slot: int = 0
     checkpoint: tuple[int, int] | None = None
+    rollback_slots: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

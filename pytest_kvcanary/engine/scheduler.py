@@ -15,7 +15,10 @@ A hybrid model's request also takes a state slot when it is admitted: the state 
 prefix is copied there from the radix cache's checkpoint, or the slot is cleared. Its prefill
 writes a checkpoint, the state after the last page boundary before its last token, into a slot of
 its own, which the radix cache takes with the request's KV (a later request with the same prompt
-matches up to there).
+matches up to there). With speculative decoding, each decode also takes a slot for the state
+after each of its proposals but the last (rollback_slots): the forward writes them all, and
+`process` keeps the one of the accepted length as the request's state (a slot swap, no copy) and
+frees the rest; a decode that finds no slot for them runs without proposals.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class Batch(NamedTuple):
     CPU int64, row-major in request order; in a speculative decode the input ids after each
     request's first are DRAFT_TOKEN until the draft proposes them. The slots are already in each
     request's row. A hybrid model's: state_slots (each request's running state), checkpoint_slots
-    and checkpoint_lens (a checkpoint its forward writes, slot 0: none), per request; else empty."""
+    and checkpoint_lens (the states its forward writes besides the running one, and after how many
+    tokens: a prefill's checkpoint, a speculative decode's rollback states), per request; else
+    empty."""
 
     reqs: list[Request]
     is_prefill: bool
@@ -50,8 +55,8 @@ class Batch(NamedTuple):
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     state_slots: list[int]
-    checkpoint_slots: list[int]
-    checkpoint_lens: list[int]
+    checkpoint_slots: list[list[int]]
+    checkpoint_lens: list[list[int]]
 
 
 class Scheduler:
@@ -80,6 +85,8 @@ class Scheduler:
         for req, extend, tokens in zip(batch.reqs, batch.extend_lens, new_tokens):
             kept = extend if batch.is_prefill else len(tokens)
             self._roll_back(req, kept, extend)
+            if req.rollback_slots:
+                self._roll_back_state(req, kept)
             req.kv_len += kept
             req.output_ids.extend(tokens)
             if req.finished:
@@ -215,10 +222,10 @@ class Scheduler:
 
     def _free_state(self, req: Request, cause: str) -> None:
         """Free what state slots the request holds (a hybrid model's)."""
-        held = [s for s in (req.state_slot, req.checkpoint and req.checkpoint[0]) if s]
+        held = [s for s in (req.state_slot, req.checkpoint and req.checkpoint[0], *req.rollback_slots) if s]
         if held:
             self.states.free(held, cause)
-        req.state_slot, req.checkpoint = 0, None
+        req.state_slot, req.checkpoint, req.rollback_slots = 0, None, []
 
     def _load_back(self, match: MatchResult) -> MatchResult:
         """The match with the part only the host tier holds loaded back into device pages (the
@@ -234,6 +241,7 @@ class Scheduler:
     def _schedule_decode(self) -> Batch | None:
         if not self.running:
             return None
+        self._alloc_rollback_states()
         while (pages := self._alloc(sum(self._decode_pages()))) is None:
             assert len(self.running) > 1, "a lone request always fits (checked at submit)"
             self._retract(self.running[-1])
@@ -243,9 +251,32 @@ class Scheduler:
 
     def _decode_lens(self) -> list[int]:
         """Positions each running request's decode writes: 1, or with speculative decoding up to
-        k + 1, never more than the tokens it still needs (so never past its submitted size)."""
-        k = self.config.speculative_k
-        return [min(k + 1, r.max_new_tokens - len(r.output_ids)) for r in self.running]
+        k + 1, never more than the tokens it still needs (so never past its submitted size) nor,
+        in a hybrid model, than its rollback states allow."""
+        lens = [self._wanted_len(r) for r in self.running]
+        if self.states is not None:
+            return [min(n, 1 + len(r.rollback_slots)) for r, n in zip(self.running, lens)]
+        return lens
+
+    def _wanted_len(self, req: Request) -> int:
+        return min(self.config.speculative_k + 1, req.max_new_tokens - len(req.output_ids))
+
+    def _alloc_rollback_states(self) -> None:
+        """A hybrid model's speculative decode: each running request's rollback_slots, one per
+        proposal but the last (none where the state pool cannot give them: it decodes one token)."""
+        if self.states is None or not self.config.speculative_k:
+            return
+        for req in self.running:
+            req.rollback_slots = self._alloc_states(self._wanted_len(req) - 1) or []
+
+    def _roll_back_state(self, req: Request, kept: int) -> None:
+        """After a hybrid model's speculative decode that kept `kept` of its positions: the
+        request's state becomes the one after them (its running slot when all were kept, else the
+        rollback slot of that length); the other slots are freed."""
+        states = [req.state_slot, *req.rollback_slots]
+        keep = states[kept % len(states)]
+        self.states.free([s for s in states if s != keep], "speculative state rolled back")
+        req.state_slot, req.rollback_slots = keep, []
 
     def _decode_pages(self) -> list[int]:
         """New pages each running request's decode needs."""
@@ -281,11 +312,19 @@ class Scheduler:
             known = req.token_ids[req.kv_len:req.kv_len + loc.numel()]
             ids.extend(known + [DRAFT_TOKEN] * (loc.numel() - len(known)))
             positions.append(torch.arange(req.kv_len, req.kv_len + loc.numel()))
-        checkpoints = [r.checkpoint or (0, 0) for r in reqs] if self.states is not None else []
+        extras = [self._extra_states(r) for r in reqs] if self.states is not None else []
         return Batch(reqs, is_prefill, [r.kv_len for r in reqs], [loc.numel() for loc in locs],
                      torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(locs),
                      [r.state_slot for r in reqs] if self.states is not None else [],
-                     [c[0] for c in checkpoints], [c[1] for c in checkpoints])
+                     [e[0] for e in extras], [e[1] for e in extras])
+
+    @staticmethod
+    def _extra_states(req: Request) -> tuple[list[int], list[int]]:
+        """The states a hybrid request's forward writes besides its running one, and their lengths:
+        its checkpoint, or its rollback states (after each proposal but the last)."""
+        if req.checkpoint:
+            return [req.checkpoint[0]], [req.checkpoint[1]]
+        return list(req.rollback_slots), [req.kv_len + j for j in range(1, len(req.rollback_slots) + 1)]
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         """n FULL (+ SWA) pages, evicting the radix cache for what the free lists lack."""

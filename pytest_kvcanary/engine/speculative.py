@@ -28,6 +28,13 @@ compare what the draft forwards consumed with the bookkeeping (a draft forward a
 writing the slot of L + j is a write_position). The scheduler then frees the slots of
 the rejected positions (`Scheduler.process`); their records are stamped again when a forward
 writes the slots next.
+
+In a hybrid model the draft's recurrent layers are the target's: they start from each request's
+running state (a private copy, `DraftState`; the pool is written by the target only), and the
+target's forward writes its state after each proposal into a rollback slot, one of which becomes
+the request's state when the scheduler rolls the rejected positions back (scheduler.py). The canary
+checks the kept state at the next forward's HEAD like any other: a rollback to the wrong length or
+a stale state is a violation there.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from .config import EngineConfig
 from .kv_pool import DraftPool
 from .model import CausalLM
 from .scheduler import Batch
+from .state_access import DraftState
+from .state_pool import StatePool
 
 
 class _ViewOrderRows:
@@ -68,12 +77,12 @@ class Drafter:
     """The draft model over its pool; ``draft`` fills a forward's proposals, ``accept`` checks them."""
 
     def __init__(self, target: CausalLM, config: EngineConfig, pool: DraftPool, table: torch.Tensor,
-                 token_table: torch.Tensor, device: torch.device) -> None:
+                 token_table: torch.Tensor, device: torch.device, states: StatePool | None = None) -> None:
         self.model = CausalLM(replace(config.model, num_layers=config.draft_layers))
         own = self.model.state_dict()
         self.model.load_state_dict({name: t for name, t in target.state_dict().items() if name in own})
         self.model.to(device)
-        self.pool, self.table, self.token_table = pool, table, token_table
+        self.pool, self.table, self.token_table, self.states = pool, table, token_table, states
         self.proposed = 0  # proposals made since the engine started
         self.accepted = 0  # of them, accepted by the target
 
@@ -85,7 +94,8 @@ class Drafter:
         draft_positions.copy_(self.prefill_positions(batch, positions))
         kv = PagedKV(self.pool, self.table, [r.row for r in batch.reqs], batch.prefix_lens, batch.extend_lens,
                      draft_positions, batch.out_cache_loc.to(positions.device), on_store=on_store)
-        self.model(input_ids, draft_positions, kv, contexts)
+        states = None if self.states is None else DraftState(self.states, batch.state_slots).segments(batch.extend_lens)
+        self.model(input_ids, draft_positions, kv, contexts, states)
 
     def prefill_positions(self, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
         """The positions the draft's prefill forward runs at: the forward's positions of its tokens."""
@@ -104,6 +114,7 @@ class Drafter:
         device = input_ids.device
         starts = torch.tensor([0] + batch.extend_lens[:-1]).cumsum(0).tolist()
         rows = None if on_store is None else _ViewOrderRows(input_ids.numel())
+        states = None if self.states is None else DraftState(self.states, batch.state_slots)
         for j in range(max(batch.extend_lens)):
             live = [b for b, e in enumerate(batch.extend_lens) if e > j]
             index = torch.tensor([starts[b] + j for b in live], device=device)
@@ -114,7 +125,8 @@ class Drafter:
             kv = PagedKV(self.pool, self.table, [batch.reqs[b].row for b in live],
                          [batch.prefix_lens[b] + j for b in live], [1] * len(live), step,
                          batch.out_cache_loc.to(device)[index], on_store=rows)
-            hidden = self.model(input_ids[index], step, kv, contexts[index])
+            hidden = self.model(input_ids[index], step, kv, contexts[index],
+                                None if states is None else states.steps(torch.tensor(live, device=device)))
             proposals = self.model.compute_logits(hidden).argmax(-1)
             more = [i for i, b in enumerate(live) if batch.extend_lens[b] > j + 1]
             if more:

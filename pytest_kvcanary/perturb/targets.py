@@ -42,8 +42,10 @@ def _targets(group: GroupState, rows: torch.Tensor, positions: torch.Tensor) -> 
 
 
 def _state_targets(view: ForwardView, slots: torch.Tensor, lengths: torch.Tensor) -> list[Target]:
-    """(state slot, the tokens it summarizes, row) of each batch row with a slot."""
-    cols = [t.cpu() for t in (slots, slots, lengths, view.rows)]
+    """(state slot, the tokens it summarizes, row) of each entry with a slot: one per batch row
+    ([B]) or m per row ([B, m], row-major)."""
+    rows = view.rows.repeat_interleave(slots.numel() // max(1, view.rows.numel()))
+    cols = [t.cpu().flatten() for t in (slots, slots, lengths, rows)]
     keep = cols[0] != 0
     return [Target(*c) for c in zip(*(t[keep].tolist() for t in cols))]
 

@@ -19,6 +19,7 @@ def check_state_invariants(engine: Engine) -> None:
     forwards; every host state slot is free or holds exactly one node's checkpoint."""
     held, on_host = [r.state_slot for r in engine.running], []
     assert all(r.checkpoint is None for r in engine.running), "a checkpoint left pending"
+    assert all(not r.rollback_slots for r in engine.running), "rollback states left held"
     stack = [c for root in engine.radix_cache.roots.values() for c in root.children.values()]
     while stack:
         node = stack.pop()
@@ -76,11 +77,13 @@ def test_a_scan_in_pieces_equals_one_scan():
             p.normal_(0, 0.3, generator=torch.Generator().manual_seed(7))
         u = torch.randn(23, mixer.in_proj.out_features, generator=torch.Generator().manual_seed(8))
         zeros = torch.zeros(mixer.width - 1, mixer.channels), torch.zeros(mixer.heads, mixer.dim, mixer.dim)
-        whole, end, mid = mixer.scan(u, *zeros, at=9)
+        whole, end, (mid, mid_12) = mixer.scan(u, *zeros, at=[9, 12])
         head, head_end, _ = mixer.scan(u[:9], *zeros)
         tail, tail_end, _ = mixer.scan(u[9:], *head_end)
     for a, b in zip(mid, head_end):
         torch.testing.assert_close(a, b)
+    for a, b in zip(mid_12, mixer.scan(u[9:12], *head_end)[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(torch.cat([head, tail]), whole, rtol=1e-4, atol=1e-5)
     for a, b in zip(tail_end, end):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -91,9 +94,35 @@ def test_a_scan_in_pieces_equals_one_scan():
     torch.testing.assert_close((conv[0], ssm[0]), after_first, rtol=1e-4, atol=1e-5)
 
 
-def test_what_hybrid_cannot_run_yet_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"attention='hybrid' runs with speculative_k=0 .*got speculative_k=2"):
-        EngineConfig(model=ModelConfig(attention="hybrid"), speculative_k=2)
+def test_a_hybrid_draft_without_an_attention_layer_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"needs draft_layers >= model.full_every \(2\).*got draft_layers=1"):
+        EngineConfig(model=ModelConfig(attention="hybrid"), speculative_k=2, draft_layers=1)
+
+
+@pytest.mark.parametrize("k, num_state_slots", [(1, 13), (3, 13), (3, 40)])
+def test_speculative_decoding_rolls_the_state_back_to_the_accepted_length(k, num_state_slots, random_prompts,
+                                                                          assert_reference, check_invariants):
+    """A draft of the target's first two layers (one recurrent, one attention) proposes k tokens;
+    the target writes its state after each proposal into rollback slots and keeps the one of the
+    accepted length. Outputs equal a no-cache recomputation, proposals are both accepted and
+    rejected, no state slot leaks, and a canary on every forward is silent. 13 state slots: too
+    few for every request's rollback states at times (those decode one token)."""
+    engine = _engine(num_slots=96, max_running=4, num_state_slots=num_state_slots, speculative_k=k, draft_layers=2)
+    canary = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=1, kernels="torch"), engine)
+    engine.set_forward_hooks(canary)
+    prompts = random_prompts(5, 6)
+    prompts += [prompts[0], prompts[3]]
+    reqs = [engine.submit(p, 12) for p in prompts]
+    while engine.scheduler.has_work:
+        engine.step()
+        check_invariants(engine)
+        check_state_invariants(engine)
+    assert_reference(engine, prompts, [r.output_ids for r in reqs])
+    drafter = engine.drafter
+    assert 0 < drafter.accepted < drafter.proposed, "no proposal was both made and rejected"
+    assert engine.scheduler.num_restored > 0, "no checkpoint was restored"
+    canary.drain()
+    assert canary.log.violations == [] and canary.health_problems() == []
 
 
 def test_a_state_pool_too_small_for_the_rows_is_refused():

@@ -145,7 +145,7 @@ def test_the_rollback_bug_workloads_are_clean_without_the_bugs(prompts, pool, ma
 def test_speculative_decoding_config_errors():
     with pytest.raises(ValueError, match="speculative_k must be an integer >= 0; got -1"):
         EngineConfig(speculative_k=-1)
-    with pytest.raises(ValueError, match="speculative_k > 0 needs attention mha or mla and decode_mode eager; "
+    with pytest.raises(ValueError, match="speculative_k > 0 needs attention mha, mla or hybrid and decode_mode eager; "
                                          "got attention='mha', decode_mode='padded'"):
         EngineConfig(speculative_k=2, decode_mode="padded")
     with pytest.raises(ValueError, match=r"draft_layers must be an integer in \[1, model.num_layers=4\]; got 5"):

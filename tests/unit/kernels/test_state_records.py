@@ -24,9 +24,10 @@ class World:
     """Two state layers ([slots, 3, 48] and [slots, 4, 256] float32, a hybrid model's conv and
     flattened matrix states), noisy state and FULL records, a FULL block table of pages of 4 (some
     entries the null block), and a batch: distinct state slots (slot 0 among them at times), rows,
-    lengths (0 at times) and extends."""
+    lengths (0 at times) and extends; `width` more entries per row ([B], or [B, width] as a
+    speculative decode's rollback states, when width > 1)."""
 
-    def __init__(self, seed: int, mode: str, batch: int = 10) -> None:
+    def __init__(self, seed: int, mode: str, batch: int = 10, width: int = 1) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.layers = [random_bits(gen, (STATE_SLOTS, 3, 48), torch.float32).to(DEVICE),
                        random_bits(gen, (STATE_SLOTS, 4, 256), torch.float32).to(DEVICE)]
@@ -38,8 +39,10 @@ class World:
         self.mapping = K.SlotMapping(table.to(DEVICE), page_size=4)
         self.rows = torch.randint(0, ROWS, (batch,), generator=gen).to(DEVICE)
         distinct = torch.randperm(STATE_SLOTS, generator=gen)
-        self.slots, self.more_slots = distinct[:batch].to(DEVICE), distinct[batch:2 * batch].to(DEVICE)
-        self.more_lengths = torch.randint(1, COLS * 4, (batch,), generator=gen).to(DEVICE)
+        shape = (batch, width) if width > 1 else (batch,)
+        self.slots = distinct[:batch].to(DEVICE)
+        self.more_slots = distinct[batch:batch * (1 + width)].view(shape).to(DEVICE)
+        self.more_lengths = torch.randint(1, COLS * 4, shape, generator=gen).to(DEVICE)
         self.lengths = torch.where(torch.rand(batch, generator=gen) < 0.2, 0,
                                    torch.randint(1, COLS * 4, (batch,), generator=gen)).to(DEVICE)
         self.extend = torch.randint(0, 5, (batch,), generator=gen).to(DEVICE)
@@ -61,9 +64,9 @@ class World:
 
 
 @pytest.mark.parametrize("mode", ["none", "partial", "all"])
-@pytest.mark.parametrize("seed", [31, 32])
-def test_head_and_tail_match_their_references(seed, mode):
-    w = World(seed, mode)
+@pytest.mark.parametrize("seed, width", [(31, 1), (32, 1), (33, 3)])
+def test_head_and_tail_match_their_references(seed, width, mode):
+    w = World(seed, mode, width=width)
     assert w.launch(HEAD, stamp=False), "noise records pass HEAD"
     w.launch(TAIL, stamp=True, extend=w.extend, more=(w.more_slots, w.more_lengths))  # running states, checkpoints
     w.lengths += w.extend

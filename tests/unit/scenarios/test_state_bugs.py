@@ -107,6 +107,23 @@ def prompt_then_longer(engine: Engine) -> list[Request]:
     return [longer]
 
 
+def speculate_until_a_rejection(engine: Engine) -> list[Request]:
+    """A prompt finishes (its checkpoint cached); it comes back, restores the checkpoint and decodes
+    with k = 3 proposals a step until the target rejects one, then runs one more forward (which
+    starts from the state the rollback kept)."""
+    prompt = tokens(230, 12)
+    run_until_finished(engine, prompt, 2)
+    again, drafter = engine.submit(prompt, 24), engine.drafter
+    while not again.finished:
+        rejected = drafter.proposed - drafter.accepted
+        engine.step()
+        if drafter.proposed - drafter.accepted > rejected:
+            break
+    assert not again.finished, "the target accepted every proposal"
+    engine.step()
+    return [again]
+
+
 @dataclass(frozen=True)
 class Scenario:
     workload: Callable[[Engine], list[Request]]
@@ -122,6 +139,7 @@ SCENARIOS = {
     "repeat after a batch": Scenario(repeat_after_a_batch, {}),
     "A -> B -> A under state pressure": Scenario(a_b_a_under_state_pressure, {"max_running": 2, "num_state_slots": 5}),
     "prompt, then a longer one": Scenario(prompt_then_longer, {}),
+    "speculate until a rejection": Scenario(speculate_until_a_rejection, {"speculative_k": 3, "draft_layers": 2}),
 }
 
 
@@ -155,7 +173,7 @@ def test_a_checkpoint_the_batch_never_wrote_is_restored(monkeypatch):
 
     def first_checkpoint_only(self, reqs, locs, is_prefill):
         out = batch(self, reqs, locs, is_prefill)
-        dropped = [s if i == 0 else 0 for i, s in enumerate(out.checkpoint_slots)]
+        dropped = [s if i == 0 else [] for i, s in enumerate(out.checkpoint_slots)]
         return out._replace(checkpoint_slots=dropped)
 
     monkeypatch.setattr(Scheduler, "_batch", first_checkpoint_only)
@@ -200,3 +218,22 @@ def test_a_checkpoint_filed_one_token_too_deep_is_restored(monkeypatch):
     engine, runtime, (longer,) = SCENARIOS["prompt, then a longer one"].run()
     assert state_is_off(engine, longer)
     _expect_head(runtime, engine, longer, 12, ("verify_position", "verify_chain_hash"))
+
+
+def test_a_speculative_decode_that_keeps_the_state_after_every_proposal(monkeypatch):
+    """vLLM #53912's class (speculative decoding on a hybrid model corrupts output): the rollback
+    frees the rollback states but keeps the running one, the state after every proposal, rejected
+    ones included. The next forward starts from a state of a longer prefix, with tokens the
+    request never had."""
+    def keep_everything(self, req, kept):
+        self.states.free(req.rollback_slots, "speculative state rolled back")
+        req.rollback_slots = []
+
+    monkeypatch.setattr(Scheduler, "_roll_back_state", keep_everything)
+    engine, runtime, (again,) = SCENARIOS["speculate until a rejection"].run()
+    assert state_is_off(engine, again)
+    step, found = first_reports(runtime)
+    assert step == engine._steps - 1
+    # the last forward's HEAD, at its prefix: past the prompt, short of the tokens it then kept
+    assert any(f[:3] == ("HEAD", "K", "STATE") and f[4] == again.state_slot and f[6] == again.row
+               and len(again.prompt_ids) < f[5] < again.kv_len and "verify_position" in f[3] for f in found), found
