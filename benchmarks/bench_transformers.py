@@ -122,13 +122,13 @@ class StepTimer:
         self.decode: list[float] = []
         self.host: list[dict[str, float]] = []  # per decode step: host seconds per phase
         self._phases: dict[str, float] = {}
-        self._async = bool(engine._io_pairs)
+        self._async = bool(engine._io.pairs)
         self._decoding_since: float | None = None  # async: when the decode step in flight started
         self._previous_phases: dict[str, float] = {}
-        hooks = engine._hooks
+        forward, hooks = engine._forward, engine._forward.hooks
         runner = self.processor.model_runner
-        self._wrapped = [(runner, "compute_batch", "map"), (engine, "_compute", "map", -1), (engine, "_head", "head"),
-                         (engine, "_tail", "tail"), (engine.block_log, "note", "block log"),
+        self._wrapped = [(runner, "compute_batch", "map"), (forward, "_compute", "map", -1), (forward, "_head", "head"),
+                         (forward, "_tail", "tail"), (engine.block_log, "note", "block log"),
                          (engine.block_log, "forget", "block log")]
         if hooks is not None:  # called inside compute_batch: out of map, into its own phase
             self._wrapped += [(hooks, "end_forward", "map", -1), (hooks, "end_forward", "end_forward")]

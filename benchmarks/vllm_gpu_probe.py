@@ -122,8 +122,8 @@ def replay(text: str, config: str, seed: int) -> bool:
     print(found.summary())
     for line in found.describe_failures():
         print(f"  {line}")
-    bs, to_window = engine.block_size, engine._to_window.cpu()
-    cached, own = engine.book.window_pairs(), engine._window_pairs.tolist()
+    bs, to_window = engine.block_size, engine._window.slots.cpu()
+    cached, own = engine.book.window_pairs(), engine._window.pairs.tolist()
     for v in handle.violations()[:12]:
         print(f"violation {v.describe()}")
         if v.group != "SWA":

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import fields
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import Half, Phase, Reason
 
 from .canary.violation import Violation
 from .config import TARGET_GROUPS, PerturbSpec
-from .handles.protocol import Handle
 from .perturb.fit import TARGETS
 from .report import ledger_table, violations_table
 
@@ -86,13 +85,31 @@ def _describe_filters(**filters: Any) -> str:
     return f" ({', '.join(given)})" if given else ""
 
 
+class HandleReadout(Protocol):
+    """What the assertions read from an engine handle, since the test's reset (the handles'
+    `Handle` protocol, handles/protocol.py, extends it): its violations, the request each one's row
+    held (request_label: "req <id> '<prompt start>'", or None where the engine cannot tell), the
+    fault ledger's injections, per side the canary's counters and health (stats), and the prompts
+    it was given."""
+
+    def violations(self) -> list[Violation]: ...
+
+    def request_label(self, violation: Violation) -> str | None: ...
+
+    def injections(self) -> list[Any]: ...
+
+    def stats(self) -> dict[str, dict[str, Any]]: ...
+
+    def prompts_since_reset(self) -> list[str]: ...
+
+
 class KvCanary:
     """Assertions over one engine handle for the current test. `sides`: the sides the handle
     has, ("single",) or ("prefill", "decode"); perturbs: the faults the test's kv_perturb markers
     ask for; ranks: how many ranks its engine has (a parallel engine's violations each name theirs;
     `rank=` filters on it, rank 0 matching those of an engine of one rank)."""
 
-    def __init__(self, handle: Handle, sides: tuple[str, ...], perturbs: Sequence[PerturbSpec] = (),
+    def __init__(self, handle: HandleReadout, sides: tuple[str, ...], perturbs: Sequence[PerturbSpec] = (),
                  ranks: int = 1) -> None:
         self._handle = handle
         self._sides = sides

@@ -24,6 +24,7 @@ import pytest
 
 from .canary.seam import UnsupportedAttention
 from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
+from .handles import factories
 from .handles.factories import (NoParallelEngine, NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine,
                                  parallel_problem)
 from .handles.pool import EngineKey, EnginePool, WatchedHandle
@@ -31,7 +32,8 @@ from .plugin_support import markers
 from .plugin_support.interrupts import Interrupts, mend_traceback
 from .plugin_support.progress import ProgressFactory, ProgressLine
 from .report import ReportEntry, RunResults, failure_section, violations_table
-from .settings import OPTIONS, Settings, resolve, split_bare_flag
+from .settings import OPTIONS, SETTINGS, EngineChecks, Settings, resolve, split_bare_flag
+from .settings import run_settings as run_settings  # its path before it moved to settings.py
 
 if TYPE_CHECKING:
     from .assertions import KvCanary
@@ -41,7 +43,7 @@ OFF_REASON = "kv-canary is off: run pytest with --kv-canary (or set kv_canary = 
 SINGLE_SIDES = ("single",)
 PD_SIDES = ("prefill", "decode")
 
-_SETTINGS = pytest.StashKey[Settings]()
+_SETTINGS = SETTINGS  # settings.py's key: run_settings reads it there
 _RESULTS = pytest.StashKey[RunResults]()
 _LEASES = pytest.StashKey[DeviceLeases]()
 _POOL = pytest.StashKey[EnginePool]()
@@ -57,9 +59,9 @@ def _fail(message: str) -> NoReturn:
     raise pytest.fail.Exception(message, pytrace=False) from None
 
 
-def run_settings(config: pytest.Config) -> Settings:
-    """The run's kv-canary settings (settings.py), resolved at start-up."""
-    return config.stash[_SETTINGS]
+# What the start-up checks ask of the engines by name (settings.py asks; handles/factories.py answers).
+ENGINE_CHECKS = EngineChecks(tuple(factories.BUILTIN_ENGINES), factories.engine_problem, factories.model_problem,
+                             factories.parallel_problem, factories.split_problem)
 
 
 def _worker(config: pytest.Config) -> str:
@@ -136,7 +138,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 def pytest_configure(config: pytest.Config) -> None:
     for line in markers.MARKER_LINES:
         config.addinivalue_line("markers", line)
-    settings = config.stash[_SETTINGS] = resolve(config)
+    settings = config.stash[_SETTINGS] = resolve(config, ENGINE_CHECKS)
     environment = config.stash[_ENVIRONMENT] = pytest.MonkeyPatch()
     for name, value in settings.environment().items():
         environment.setenv(name, value)

@@ -4,6 +4,11 @@ Each option has an ini twin. Precedence: command line > ini file > default; mark
 (see plugin.py). Every bad value is a `pytest.UsageError` naming the option (or ini key), the
 value and what is allowed, raised before any test runs, so a run never fails late on a path it
 could have checked first.
+
+It imports nothing above it: what the start-up checks ask of the engines by name comes in as an
+`EngineChecks` (the plugin hands over handles/factories.py's answers), and the vLLM option's values
+are declared here, beside the option (the adapter declares the same, adapters/vllm/isa.py; the
+layering test checks they agree).
 """
 
 from __future__ import annotations
@@ -17,12 +22,30 @@ from typing import Any, Callable, NamedTuple
 import pytest
 
 from . import gpu
-from .adapters.vllm.isa import CHOICES as VLLM_ATTENTION_ISAS, ENV as VLLM_ATTENTION_ISA_ENV
 from .config import ATTENTION_KINDS, CANARY_MODES, REAL_DATA_MODES, CanaryConfig
-from .handles.factories import BUILTIN_ENGINES, engine_problem, model_problem, parallel_problem, split_problem
 from .gpu import AUTO, DEVICE_SETTINGS, count_gpus, visible_gpu_count
 from .report import report_target, special_file
 from .soak.workload import Workload
+
+# The vLLM adapter's attention_isa values and the environment variable that sets its default
+# (adapters/vllm/isa.py's CHOICES and ENV, which an import from here would reach up for).
+VLLM_ATTENTION_ISAS = ("readable", "vllm", "amx", "vec", "vec16")
+VLLM_ATTENTION_ISA_ENV = "KVCANARY_VLLM_ATTENTION_ISA"
+
+
+class EngineChecks(NamedTuple):
+    """What the start-up checks ask of the engines by name (handles/factories.py answers; the plugin
+    hands it to `resolve`). builtin: the built-in engines' names. engine_problem(name): why a
+    built-in engine cannot run here, or None. model_problem(name, model): why a checkpoint
+    directory cannot serve it, or None. parallel_problem(name, tp, pp): (the field at fault, what
+    it must be), or None. split_problem(name, attention, tp, pp, seed, model): why its model does
+    not split so, or None."""
+
+    builtin: tuple[str, ...]
+    engine_problem: Callable[[str], str | None]
+    model_problem: Callable[[str, Path], str | None]
+    parallel_problem: Callable[[str, int, int], tuple[str, str] | None]
+    split_problem: Callable[[str, str, int, int, int, str | None], str | None]
 
 
 def _one_of(*allowed: str) -> Callable[[str], str]:
@@ -189,9 +212,20 @@ class Settings:
         return d
 
 
-def resolve(config: pytest.Config) -> Settings:
+# Where the plugin keeps the run's settings (config.stash), resolved once at start-up.
+SETTINGS = pytest.StashKey[Settings]()
+
+
+def run_settings(config: pytest.Config) -> Settings:
+    """The run's kv-canary settings, resolved at start-up: what a module pytest loads reads (the
+    stock soak suite), without importing the plugin."""
+    return config.stash[SETTINGS]
+
+
+def resolve(config: pytest.Config, engines: EngineChecks) -> Settings:
     """The settings in force; raises pytest.UsageError naming the option (or ini key), the value
-    and the allowed values, also for a path that cannot serve (see `check_paths`)."""
+    and the allowed values, also for a path that cannot serve (see `check_paths`) and an engine
+    that cannot run (see `check_engine`, which asks `engines`)."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     from_cli: set[str] = set()
@@ -243,7 +277,7 @@ def resolve(config: pytest.Config) -> Settings:
     raw = {name: values[name] for name in sources}
     check_paths(settings, sources, raw)
     hook = config.pluginmanager.hook.pytest_kvcanary_make_engine
-    check_engine(settings, sources, raw, hook_engines=bool(hook.get_hookimpls()))
+    check_engine(settings, sources, raw, engines, hook_engines=bool(hook.get_hookimpls()))
     return settings
 
 
@@ -299,26 +333,27 @@ def check_paths(settings: Settings, sources: dict[str, str], raw: dict[str, str]
                      f"must be a writable directory ({why})")
 
 
-def check_engine(settings: Settings, sources: dict[str, str], raw: dict[str, str], hook_engines: bool) -> None:
+def check_engine(settings: Settings, sources: dict[str, str], raw: dict[str, str], engines: EngineChecks,
+                 hook_engines: bool) -> None:
     """When the canary is on, what the engines will need, checked before the run starts: a
     known engine (built in, or some pytest_kvcanary_make_engine hook implementation registered
     by a plugin or a conftest loaded at start-up), its optional package installed, the model
     directory a checkpoint it can load, a GPU for --kv-canary-device=cuda."""
     if not settings.canary.enabled:
         return
-    if settings.engine not in BUILTIN_ENGINES and not hook_engines:
+    if settings.engine not in engines.builtin and not hook_engines:
         raise _usage(sources["kv_canary_engine"], raw["kv_canary_engine"],
-                     f"must name an engine: {', '.join(BUILTIN_ENGINES)}, or one a pytest_kvcanary_make_engine "
+                     f"must name an engine: {', '.join(engines.builtin)}, or one a pytest_kvcanary_make_engine "
                      "hook implementation returns (none is registered)")
-    if problem := engine_problem(settings.engine):
+    if problem := engines.engine_problem(settings.engine):
         raise _usage(sources["kv_canary_engine"], raw["kv_canary_engine"], problem)
-    if settings.model is not None and (problem := model_problem(settings.engine, settings.model)):
+    if settings.model is not None and (problem := engines.model_problem(settings.engine, settings.model)):
         raise _usage(sources["kv_canary_model"], raw["kv_canary_model"],
                      f"must be a checkpoint the {settings.engine} engine can load: the directory {problem}")
     if settings.device == "cuda" and count_gpus() == 0:
         raise _usage(sources["kv_canary_device"], raw["kv_canary_device"], "asks for a GPU, and none is visible")
     check_environment(settings)
-    check_parallel(settings, sources, raw)
+    check_parallel(settings, sources, raw, engines)
 
 
 def check_environment(settings: Settings) -> None:
@@ -334,21 +369,21 @@ def check_environment(settings: Settings) -> None:
         raise pytest.UsageError(why)
 
 
-def check_parallel(settings: Settings, sources: dict[str, str], raw: dict[str, str]) -> None:
+def check_parallel(settings: Settings, sources: dict[str, str], raw: dict[str, str], engines: EngineChecks) -> None:
     """A parallel engine the run asks for (--kv-canary-tp / --kv-canary-pp or their ini keys) is one
-    the run's engine has (factories.parallel_problem), and on GPUs there is one per rank (NCCL
+    the run's engine has (engines.parallel_problem), and on GPUs there is one per rank (NCCL
     refuses two ranks on one GPU), and the engine's model splits so for the default attention kind
-    (factories.split_problem; a kind that does not split skips its tests)."""
+    (engines.split_problem; a kind that does not split skips its tests)."""
     ranks = settings.tp * settings.pp
     if ranks == 1:
         return
-    if problem := parallel_problem(settings.engine, settings.tp, settings.pp):
+    if problem := engines.parallel_problem(settings.engine, settings.tp, settings.pp):
         field, why = problem
         name = f"kv_canary_{field}"
         raise _usage(sources[name], str(raw[name]), why)
     name = "kv_canary_tp" if settings.tp > 1 else "kv_canary_pp"
     model = str(settings.model) if settings.model else None
-    if why := split_problem(settings.engine, DEFAULT_ATTENTION, settings.tp, settings.pp, settings.seed, model):
+    if why := engines.split_problem(settings.engine, DEFAULT_ATTENTION, settings.tp, settings.pp, settings.seed, model):
         name = "kv_canary_pp" if why.startswith("pp=") else name
         raise _usage(sources[name], str(raw[name]), f"must split the {settings.engine} engine's model "
                      f"({'--kv-canary-model' if model else 'its default'}, {DEFAULT_ATTENTION}): {why}")

@@ -1,11 +1,13 @@
-"""The data the canary seam hands over: the pool groups and their slot mappings, the capacities,
-the forward view and the cache walk. `canary/seam.py` is the seam an engine author reads (the call
-order, the protocols, the forward hooks and the listener types) and imports these from here.
+"""The data the canary seam hands over: the pool groups, the capacities, the cache walks, a host
+tier's pools and the page helpers, documented field by field here. An engine author imports them
+from `canary/seam.py`, the one module an adapter imports from (docs/adapters.md); the names below
+keep working from here too.
 
 It loads without triton and without importing torch (the tensor types below are annotations only).
-The two types an engine fills for the kernels, SlotMapping (where a slot lives) and ForwardView (one
-forward's batch), with GroupInputs, are defined with the kernels (``kvcanary_kernels.inputs``), which
-read them as they are; they are imported here for engine authors.
+The types an engine fills for the kernels, SlotMapping (where a slot lives), ForwardView (one
+forward's batch), GroupInputs and StateInputs, are defined with the kernels
+(``kvcanary_kernels.inputs``), which read them as they are; the soak's types (Arrival,
+TokenScores, EngineDefect) in ``soak/seam_types.py``. Both are re-exported here and by the seam.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from kvcanary_kernels.checks import check_int
 # The kernels' input types are the seam's: one definition, read by the kernels as they are.
 from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping, StateInputs
 from kvcanary_kernels.records import GroupKind, Half
+
+# The soak's types, defined with the soak; re-exported for the paths documented before they moved.
+from ..soak.seam_types import Arrival, EngineDefect, TokenScores
 
 __all__ = ["Arrival", "CacheWalk", "Capacities", "CheckpointWalk", "EngineDefect", "ForwardView", "GroupInputs",
            "HostPool", "PagedWalk", "PoolGroup", "SlotMapping", "StateInputs", "TokenScores", "copy_runs",
@@ -209,43 +214,6 @@ def page_entries(page_size: int, pages: Sequence[int], first_positions: Sequence
     columns = (slots, positions, prev, np.asarray(tokens, dtype=np.int64))
     return CacheWalk(*(torch.from_numpy(np.ascontiguousarray(c).reshape(-1)) for c in columns),
                      torch.from_numpy(np.repeat(np.asarray(locked, dtype=bool), page_size)))
-
-
-class Arrival(NamedTuple):
-    """One request of `EngineUnderTest.serve`: its prompt token ids and max_new_tokens; at_forward:
-    it is submitted once the serve call has run that many forwards (at once when the engine has
-    nothing left to run before); context_key: its context (0 = none); abort_after: forwards after
-    its submission at which it is aborted, keeping the tokens it generated so far (None: it runs
-    to the end)."""
-
-    prompt: Sequence[int]
-    max_new_tokens: int
-    at_forward: int = 0
-    context_key: int = 0
-    abort_after: int | None = None
-
-
-class TokenScores(NamedTuple):
-    """What greedy decoding picks for one request's output without any cached KV: for output token
-    j, the best next token after prompt + output[:j], the runner-up (or the output's own token j
-    where it is not the best and the scorer knows its logit), and how far the best's logit is
-    ahead of that token's (a difference of log-probabilities is the same number)."""
-
-    best: Sequence[int]
-    runner_up: Sequence[int]
-    margin: Sequence[float]
-
-
-class EngineDefect(NamedTuple):
-    """A documented defect of the engine itself, seen happening: at forward `step` (counted from
-    the last reset, as violations count them) the engine wrote `slots` of `group`, which it must
-    not have; `name` is what the docs call it. A violation at one of those slots in that forward
-    is the defect's, not the canary's or the adapter's."""
-
-    step: int
-    group: GroupKind
-    slots: tuple[int, ...]
-    name: str
 
 
 def copy_runs(dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Tensor,

@@ -1,25 +1,38 @@
-"""The seam between an inference engine and pytest-kvcanary: everything an engine author
-implements or hands over, in the order an adapter is written. Read this module top to bottom.
+"""The seam between an inference engine and pytest-kvcanary: the one module an adapter imports
+from. It declares everything an engine author implements or hands over, in the order an adapter is
+written, and re-exports every type that goes with it (`__all__`), each documented field by field
+where it is defined. Read this module top to bottom; docs/adapters.md is the same reference with a
+worked example.
 
-It loads without triton or torch, so a conftest can import it at module level; import the data
-types (documented field by field in `canary/host.py`) and `GroupKind` / `Half` from here too.
-docs/adapters.md walks through it.
+It loads without triton or torch, so a conftest can import it at module level.
 
 An adapter is an `EngineUnderTest`:
 
 1. What to guard (`CanaryHost.canary_groups`): one `PoolGroup` per KV pool, FULL first, each
    with the `SlotMapping` that says how (row, position) finds a slot; a hybrid model's recurrent
-   state is one more group, kind STATE, whose slots each forward names in `ForwardView.state`.
+   state is one more group, kind STATE, whose slots each forward names in `ForwardView.state`
+   (`StateInputs`). `GroupKind` and `Half` name groups and halves.
 2. How big a forward gets (`CanaryHost.canary_capacities`): `Capacities`.
-3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView`.
-4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk` (or a `PagedWalk`), swept between forwards;
-   a host-memory tier behind it (`CanaryHost.host_tier`, optional): a `HostTier`.
-5. What the fixtures drive: `generate`, `reset`, and the optional members (declared below with
-   the defaults an engine that leaves them out gets: `optional(engine, name)` reads them), among
-   them what the workload soak uses when an engine offers it: `serve` (requests arriving while
-   others run) and `score_uncached` (the soak's oracle).
-6. For kv_pd, a `PrefillDecodePair` of two of them; an attention kind an engine lacks raises
-   `UnsupportedAttention` from its factory.
+3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView` (and
+   `GroupInputs` for a pool another model writes).
+4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk` (or a `PagedWalk`; `page_entries`
+   builds a walk from whole pages; `PREV_CHAIN_HEAD` and `UNKNOWN` fill its columns), swept between
+   forwards; its recurrent-state checkpoints (`checkpoint_walk`, optional): a `CheckpointWalk`;
+   frees it announces (`add_free_listener`, optional): a `FreeListener`; a host-memory tier behind
+   it (`CanaryHost.host_tier`, optional): a `HostTier` of `HostPool`s, heard by a
+   `HostTierListener` (`copy_runs` copies pages in runs).
+5. What the fixtures drive: `generate`, `reset`, and the optional members. Each optional member
+   is declared below with its default: a method with a default body (`checkpoint_walk`,
+   `request_at`, `finished_requests`, `engine_defects`, `capabilities`), a method *not offered*
+   by default (`add_free_listener`, `feed_token`, `serve`, `score_uncached`: the harness falls
+   back as each says), or a data member with a default value (`host_tier`, `prefix_caching`).
+   `optional(engine, name)` reads one (None for a member not offered). The workload soak uses
+   `serve` (requests arriving while others run, each an `Arrival`), `score_uncached` (its oracle,
+   `TokenScores`) and `engine_defects` (`EngineDefect`) when an engine offers them.
+   `Capabilities` says what an engine has (`capabilities_of` derives it); `RowOwners` keeps what
+   `request_at` needs.
+6. For kv_pd, a `PrefillDecodePair` of two of them, heard by a `TransferListener`; an attention
+   kind an engine lacks raises `UnsupportedAttention` from its factory.
 
 Call order (one engine, eager or inside a CUDA graph):
 
@@ -48,6 +61,9 @@ Call order (one engine, eager or inside a CUDA graph):
 before_forward, kv_stored, after_forward and states_copied launch device work only: no host copy, no host sync,
 no grid that depends on data. An engine may capture them with its forward in one CUDA graph and
 replay it with the view's tensors refilled in place; end_forward is never captured.
+
+The types also import from where they are defined (`canary/host.py`, `kvcanary_kernels.inputs`,
+`kvcanary_kernels.records`, `soak/seam_types.py`): those paths keep working.
 """
 
 from __future__ import annotations
@@ -55,27 +71,47 @@ from __future__ import annotations
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protocol, Sequence, TypeVar,
+                    runtime_checkable)
 
-from kvcanary_kernels.records import GroupKind, Half
+from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping, StateInputs
+from kvcanary_kernels.records import PREV_CHAIN_HEAD, UNKNOWN, GroupKind, Half
 
-from .host import (
-    Arrival, CacheWalk, Capacities, CheckpointWalk, EngineDefect, ForwardView, GroupInputs, HostPool, PagedWalk,
-    PoolGroup, SlotMapping, StateInputs, TokenScores, copy_runs, page_entries,
-)
+from ..soak.seam_types import Arrival, EngineDefect, TokenScores
+from .host import CacheWalk, Capacities, CheckpointWalk, HostPool, PagedWalk, PoolGroup, copy_runs, page_entries
 
 if TYPE_CHECKING:
     import torch
 
+# In the order an adapter is written (the module docstring's steps).
 __all__ = [
-    "GroupKind", "Half", "SlotMapping", "PoolGroup", "Capacities", "GroupInputs", "ForwardView", "CacheWalk",
-    "PagedWalk", "HostPool", "FreeListener", "TransferListener", "HostTierListener", "HostTier", "ForwardHooks",
-    "CanaryHost", "EngineUnderTest", "PrefillDecodePair", "RowOwners", "UnsupportedAttention", "OPTIONAL_MEMBERS",
-    "REQUIRED_METHODS", "missing_methods", "optional", "copy_runs", "page_entries", "Arrival", "EngineDefect",
-    "TokenScores", "StateInputs", "CheckpointWalk", "Capabilities", "capabilities_of",
+    # 1. what to guard
+    "PoolGroup", "SlotMapping", "GroupKind", "Half",
+    # 2. how big a forward gets
+    "Capacities",
+    # 3. each forward
+    "ForwardHooks", "ForwardView", "GroupInputs", "StateInputs",
+    # 4. the prefix cache, its frees, its host tier
+    "CacheWalk", "PagedWalk", "page_entries", "PREV_CHAIN_HEAD", "UNKNOWN", "CheckpointWalk", "FreeListener",
+    "HostTier", "HostPool", "HostTierListener", "copy_runs",
+    # 5. the protocols, what the fixtures and the soak drive, what an engine has
+    "CanaryHost", "EngineUnderTest", "Arrival", "TokenScores", "EngineDefect", "RowOwners", "Capabilities",
+    "capabilities_of", "OPTIONAL_MEMBERS", "REQUIRED_METHODS", "missing_methods", "optional",
+    # 6. prefill/decode pairs and registering
+    "PrefillDecodePair", "TransferListener", "UnsupportedAttention",
 ]
 
 Owner = TypeVar("Owner")
+Method = TypeVar("Method", bound=Callable[..., Any])
+_NOT_OFFERED = "__kvcanary_not_offered__"
+
+
+def _not_offered(method: Method) -> Method:
+    """Marks an optional method whose default is "not offered": an engine that leaves it out
+    offers nothing there, and `optional` gives None for it (the harness falls back as the
+    method's docstring says)."""
+    setattr(method, _NOT_OFFERED, True)
+    return method
 
 
 @dataclass(frozen=True)
@@ -179,23 +215,29 @@ class CanaryHost(Protocol):
         device."""
         ...
 
-    # Optional. add_free_listener(listener): listener(group, slots, cause) hears every free, so
-    # the fault ledger can say why an injected fault was never read. None: the engine does not
-    # announce frees (a damaged slot written again is then reported as overwritten).
-    add_free_listener: Callable[[FreeListener], None] | None = None
+    @_not_offered
+    def add_free_listener(self, listener: FreeListener) -> None:
+        """Optional: from now on, `listener(group, slots, cause)` hears every free, before the slots
+        are released, so the fault ledger can say why an injected fault was never read. Not offered
+        by default: the engine does not announce frees (a damaged slot written again is then
+        reported as overwritten)."""
+        raise NotImplementedError
 
-    # Optional. feed_token(view, index, token): called from a forward observer in before_forward
-    # (before HEAD, eager forwards only), make the forward about to run embed `token` at view token
-    # `index` (the last token of its batch row) instead of the one it was to be fed: write it where
-    # the forward will read it, and into view.input_ids when they are a copy already made. The
-    # fault injector's next_token_swap uses it, on forwards whose view has a token_table (the token
-    # the engine believes each position holds); None: that mode cannot run on this engine.
-    feed_token: Callable[[ForwardView, int, int], None] | None = None
+    @_not_offered
+    def feed_token(self, view: ForwardView, index: int, token: int) -> None:
+        """Optional: make the forward about to run embed `token` at view token `index` (the last
+        token of its batch row) instead of the one it was to be fed: write it where the forward
+        will read it, and into view.input_ids when they are a copy already made. Called from a
+        forward observer in before_forward (before HEAD, eager forwards only), by the fault
+        injector's next_token_swap, on forwards whose view has a token_table (the token the engine
+        believes each position holds). Not offered by default: next_token_swap skips on this
+        engine, naming the capability."""
+        raise NotImplementedError
 
-    # Optional. host_tier: the engine's host-memory tier, when it has one. The runtime then keeps
-    # the records of the pages it holds beside them (written back and loaded back with the bytes),
-    # so the HEAD of the first forward that reads a loaded-back page verifies it; the fault injector
-    # can damage pages while they are there (real_kv_host).
+    # Optional data member: the engine's host-memory tier, when it has one (None, the default:
+    # none). The runtime then keeps the records of the pages it holds beside them (written back
+    # and loaded back with the bytes), so the HEAD of the first forward that reads a loaded-back
+    # page verifies it; the fault injector can damage pages while they are there (real_kv_host).
     host_tier: HostTier | None = None
 
     def checkpoint_walk(self) -> CheckpointWalk | None:
@@ -259,8 +301,8 @@ class EngineUnderTest(CanaryHost, Protocol):
         """Drop every request and flush the prefix cache."""
         ...
 
-    # Optional. prefix_caching: False where the engine runs without a prefix cache, so a test
-    # expects reuse only where it can happen.
+    # Optional data member: False where the engine runs without a prefix cache, so a test expects
+    # reuse only where it can happen (True, the default: it has one).
     prefix_caching: bool = True
 
     def request_at(self, row: int, step: int) -> tuple[str, str] | None:
@@ -274,18 +316,30 @@ class EngineUnderTest(CanaryHost, Protocol):
         cannot tell (the default); the progress line of a long generation shows it."""
         return None
 
-    # Optional. serve(arrivals) -> output ids per arrival: requests submitted while others run
-    # (`Arrival.at_forward`) and aborted mid-run (`Arrival.abort_after`), greedy, running until
-    # every one is done or aborted. None: the workload soak submits each wave with `generate`.
-    serve: Callable[[Sequence[Arrival]], list[list[int]]] | None = None
+    @_not_offered
+    def serve(self, arrivals: Sequence[Arrival]) -> list[list[int]]:
+        """Optional: output ids per arrival, greedy: requests submitted while others run
+        (`Arrival.at_forward`) and aborted mid-run (`Arrival.abort_after`), running until every
+        one is done or aborted. Not offered by default: the workload soak submits each wave with
+        `generate`."""
+        raise NotImplementedError
 
-    # Optional. score_uncached(requests, context_keys=None) -> one TokenScores per (prompt ids,
-    # output ids) request: what greedy decoding picks after each prefix of its output without
-    # reading any cached KV (no prefix reuse: a recomputation from the tokens), one forward per
-    # request or fewer; context_keys only on an engine with contexts. The workload soak's oracle,
-    # called between its rounds: it may run forwards of the engine, which the canary checks too.
-    # None: the soak generates each request alone after a reset instead, comparing outputs exactly.
-    score_uncached: Callable[..., list[TokenScores]] | None = None
+    @_not_offered
+    def score_uncached(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[TokenScores]:
+        """Optional: one `TokenScores` per (prompt ids, output ids) request: what greedy decoding
+        picks after each prefix of its output without reading any cached KV (no prefix reuse: a
+        recomputation from the tokens), one forward per request or fewer; an engine with contexts
+        also takes context_keys=[one int per request]. The workload soak's oracle, called between
+        its rounds: it may run forwards of the engine, which the canary checks too. Not offered by
+        default: the soak generates each request alone after a reset instead, comparing outputs
+        exactly."""
+        raise NotImplementedError
+
+    def engine_defects(self) -> list[EngineDefect]:
+        """Optional: the documented defects of the engine itself the adapter saw since the last
+        reset (`EngineDefect`): the workload soak tells the violations they explain apart from
+        suspected false alarms. The default: none known."""
+        return []
 
     def capabilities(self) -> Capabilities:
         """Optional: what the engine has (`Capabilities`). The default derives it from the optional
@@ -295,11 +349,6 @@ class EngineUnderTest(CanaryHost, Protocol):
         slot, a PD pair or parallel ranks), e.g. ``return replace(capabilities_of(self, derive_only=True),
         concurrent=False)``."""
         return capabilities_of(self, derive_only=True)
-
-    # Optional. engine_defects() -> the documented defects of the engine itself the adapter saw
-    # since the last reset (EngineDefect): the workload soak tells the violations they explain
-    # apart from suspected false alarms. None: the adapter knows of none.
-    engine_defects: Callable[[], list[EngineDefect]] | None = None
 
 
 class RowOwners(Generic[Owner]):
@@ -383,13 +432,17 @@ def missing_methods(engine: object) -> list[str]:
 
 def optional(engine: object, name: str) -> Any:
     """The engine's optional member `name` (one of OPTIONAL_MEMBERS), else the default declared
-    on the protocol (a method bound to the engine)."""
+    on the protocol: a method bound to the engine, None for a method not offered by default, or
+    the data member's default value. An engine that subclasses the protocol and leaves the member
+    out gets the default too."""
     if name not in OPTIONAL_MEMBERS:
         raise ValueError(f"name must be one of {', '.join(OPTIONAL_MEMBERS)}; got {name!r}")
-    if hasattr(engine, name):
-        return getattr(engine, name)
     default = inspect.getattr_static(EngineUnderTest, name)
-    return default.__get__(engine) if inspect.isfunction(default) else default
+    if hasattr(engine, name) and inspect.getattr_static(engine, name, None) is not default:
+        return getattr(engine, name)
+    if getattr(default, _NOT_OFFERED, False):
+        return None
+    return default.__get__(engine, type(engine)) if inspect.isfunction(default) else default
 
 
 def capabilities_of(engine: object, *, derive_only: bool = False) -> Capabilities:

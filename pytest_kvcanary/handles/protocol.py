@@ -1,6 +1,7 @@
-"""The engine-handle protocol: what the kv fixtures hand a test, and what the plugin, its engine
-pool and the kv_canary assertions read from it (no torch). `single.EngineHandle` (kv_engine),
-`pd.PDHandle` (kv_pd) and test fakes implement it.
+"""The engine-handle protocol: what the kv fixtures hand a test, and what the plugin and its engine
+pool read from it (no torch); what the kv_canary assertions read is the part assertions.py declares
+(`HandleReadout`), which `Handle` extends. `single.EngineHandle` (kv_engine), `pd.PDHandle` (kv_pd)
+and test fakes implement it.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 from kvcanary_kernels.checks import is_int
 
+from ..assertions import HandleReadout
+
 if TYPE_CHECKING:
-    from ..canary.violation import Violation
     from ..config import PerturbSpec
 
 
@@ -21,7 +23,7 @@ class ArgumentError(ValueError, TypeError):
 
 
 @runtime_checkable
-class Handle(Protocol):
+class Handle(HandleReadout, Protocol):
     """One engine, or a prefill/decode pair, with the canary attached and a fault ledger.
 
     side_names: ("single",) or ("prefill", "decode"). pool_groups: the engine's pool groups as
@@ -51,16 +53,6 @@ class Handle(Protocol):
 
     def send_parallel_requests(self, n: int, *, distinct_prompts: bool = False,
                                max_new_tokens: int = 8) -> list[list[int]]: ...
-
-    def violations(self) -> list[Violation]: ...
-
-    def injections(self) -> list[Any]: ...
-
-    def prompts_since_reset(self) -> list[str]: ...
-
-    def request_label(self, violation: Violation) -> str | None: ...
-
-    def stats(self) -> dict[str, dict[str, Any]]: ...
 
     def healthy(self) -> bool: ...
 

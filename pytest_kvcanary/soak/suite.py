@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_kvcanary.handles.protocol import ArgumentError
-from pytest_kvcanary.plugin import run_settings
+from pytest_kvcanary.settings import run_settings
 
 
 @pytest.fixture(autouse=True)

@@ -239,3 +239,38 @@ def test_the_soak_docs_count_the_suites_soaks() -> None:
     assert f"one soak per attention kind the engine has ({', '.join(f'`{k}`' for k in single)};" in text
     assert f"one per attention kind ({', '.join(f'`{k}`' for k in pd)}) over its prefill/decode pair" in text
     assert f"{['no', 'one', 'two', 'three', 'four', 'five', 'six', 'seven'][len(single) + len(pd)]} soaks on the reference" in text
+
+
+def test_the_adapter_reference_names_every_seam_type_member_and_field() -> None:
+    """docs/adapters.md is the seam's reference: it names every name the seam exports, has a row
+    for each required method and each optional member (with its default), and names every field
+    of the types an adapter fills or returns."""
+    from dataclasses import fields
+
+    from pytest_kvcanary.canary import seam
+
+    page = ROOT / "docs" / "adapters.md"
+    text = page.read_text()
+    assert not [name for name in seam.__all__ if f"`{name}" not in text], "names the seam exports"
+    for name in seam.REQUIRED_METHODS:
+        _row(page, f"{name}(")
+    table = [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in text.splitlines()
+             if line.startswith("| `")]
+    for name in seam.OPTIONAL_MEMBERS:  # the optional members' table: member | signature | called by | default
+        rows = [cells for cells in table if cells[0] == f"`{name}`" and len(cells) == 4]
+        assert len(rows) == 1 and rows[0][3], f"docs/adapters.md: no row for the optional {name} with its default"
+    named = {
+        seam.PoolGroup: [f.name for f in fields(seam.PoolGroup)],
+        seam.SlotMapping: [f.name for f in fields(seam.SlotMapping)],
+        seam.ForwardView: [f.name for f in fields(seam.ForwardView)],
+        seam.Capacities: [f.name for f in fields(seam.Capacities)],
+        seam.Capabilities: [f.name for f in fields(seam.Capabilities)],
+        seam.CacheWalk: list(seam.CacheWalk._fields), seam.PagedWalk: list(seam.PagedWalk._fields),
+        seam.CheckpointWalk: list(seam.CheckpointWalk._fields), seam.GroupInputs: list(seam.GroupInputs._fields),
+        seam.StateInputs: list(seam.StateInputs._fields), seam.HostPool: [f.name for f in fields(seam.HostPool)],
+        seam.Arrival: list(seam.Arrival._fields), seam.TokenScores: list(seam.TokenScores._fields),
+        seam.EngineDefect: list(seam.EngineDefect._fields),
+    }
+    missing = {t.__name__: [f for f in names if f"`{f}`" not in text and f"{f}," not in text and f"{f})" not in text]
+               for t, names in named.items()}
+    assert not {t: m for t, m in missing.items() if m}, "fields docs/adapters.md does not name"

@@ -1,10 +1,17 @@
-"""Import facts a reviewer can check: the package root holds only the plugin's entry and what it
-reads (settings, config, assertions, report, gpu, hookspecs); the engine and adapter layers never
-import the plugin level (those modules, the engine handles in handles/, the plugin's support in
-plugin_support/, the workload soak in soak/); the reference engine imports no adapter; the seam module imports only the
-types it hands over; and no modules of the project import each other, directly or around a loop
-(imports under TYPE_CHECKING and inside functions count too). Read from the source with `ast`;
-nothing is imported."""
+"""Import facts a reviewer can check, read from the source with `ast` (nothing is imported;
+imports under TYPE_CHECKING and inside functions count too):
+
+- The layers, top to bottom, and the rule that every import points down (`LAYERS`): the entry
+  (plugin.py, the package root) over the stock soak suite, over the engine handles, over the rest of
+  the plugin level (settings, assertions, plugin_support), over what it reads (report, gpu,
+  hookspecs; the workload soak), over the fault injector, the canary runtime and its seam, the
+  configuration and the kernels. Engines (engine/, then adapters/) are a branch of their own that
+  only the handles reach: the engine and adapter layers never import the plugin level, and the
+  plugin level reaches an engine through the handles only.
+- The package root holds only the plugin's entry and what it reads; the seam imports only the
+  types it hands over; the reference engine imports no adapter.
+- No modules of the project import each other, directly or around a loop.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,28 @@ PACKAGES = {"pytest_kvcanary": ROOT / "pytest_kvcanary", "kvcanary_kernels": ROO
 LOWER_LAYERS = ("pytest_kvcanary.engine", "pytest_kvcanary.adapters")
 PLUGIN_PACKAGES = ("pytest_kvcanary.handles", "pytest_kvcanary.plugin_support", "pytest_kvcanary.soak")
 ROOT_MODULES = {"__init__", "plugin", "settings", "config", "assertions", "report", "gpu", "hookspecs"}
+
+# Each layer: the modules it holds (a module or package name; the longest that names a module
+# decides) and the layers directly beneath it. A module imports its own layer and anything beneath
+# its layer, directly or further down; never a layer above it or beside it.
+LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "entry": (("pytest_kvcanary", "pytest_kvcanary.plugin"), ("soak suite",)),
+    # a module of tests pytest collects (--pyargs): it reads the run's settings, never the plugin
+    "soak suite": (("pytest_kvcanary.soak.suite",), ("handles",)),
+    "handles": (("pytest_kvcanary.handles",), ("plugin level", "adapters")),
+    "plugin level": (("pytest_kvcanary.settings", "pytest_kvcanary.assertions", "pytest_kvcanary.plugin_support"),
+                     ("plugin base", "soak")),
+    "plugin base": (("pytest_kvcanary.report", "pytest_kvcanary.gpu", "pytest_kvcanary.hookspecs"), ("perturb",)),
+    "soak": (("pytest_kvcanary.soak",), ("perturb",)),
+    "adapters": (("pytest_kvcanary.adapters",), ("engine",)),
+    "engine": (("pytest_kvcanary.engine",), ("canary",)),
+    "perturb": (("pytest_kvcanary.perturb",), ("canary",)),
+    "canary": (("pytest_kvcanary.canary",), ("config", "soak seam types")),
+    # the types of the seam's soak members, defined with the soak, re-exported by the seam
+    "soak seam types": (("pytest_kvcanary.soak.seam_types",), ("kernels",)),
+    "config": (("pytest_kvcanary.config",), ("kernels",)),
+    "kernels": (("kvcanary_kernels",), ()),
+}
 SEAM = "pytest_kvcanary.canary.seam"
 
 
@@ -57,6 +86,33 @@ def _imports(name: str, path: Path) -> set[str]:
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
+def _layer(name: str) -> str:
+    """The layer of module `name`: the one holding the longest name that is `name` or a package
+    above it."""
+    held = [(len(held), layer) for layer, (modules, _) in LAYERS.items() for held in modules
+            if name == held or name.startswith(held + ".")]
+    assert held, f"{name} is in no layer: add it to LAYERS"
+    return max(held)[1]
+
+
+def _beneath(layer: str) -> set[str]:
+    """The layers beneath `layer`, directly or further down."""
+    found: set[str] = set()
+    todo = list(LAYERS[layer][1])
+    while todo:
+        if (below := todo.pop()) not in found:
+            found.add(below)
+            todo += LAYERS[below][1]
+    return found
+
+
+def _upward() -> list[str]:
+    """Every import into a layer above or beside the importer's, as "module (layer) -> module (layer)"."""
+    return sorted(f"{name} ({_layer(name)}) -> {target} ({_layer(target)})" for name, targets in GRAPH.items()
+                  for target in targets
+                  if _layer(target) != _layer(name) and _layer(target) not in _beneath(_layer(name)))
+
+
 def _is_plugin_level(name: str) -> bool:
     """A module file directly in pytest_kvcanary/, or one of the handles and the plugin's support."""
     prefix, _, rest = name.partition(".")
@@ -92,6 +148,48 @@ def test_the_package_root_holds_only_the_plugin_and_what_it_reads():
         "adapters", "canary", "engine", "handles", "perturb", "plugin_support", "soak"}
 
 
+def test_every_module_is_in_a_layer_and_the_layers_are_a_hierarchy():
+    """Each module has a layer; no layer lies beneath itself (the table is a DAG); every layer but
+    the entry lies beneath it."""
+    assert all(_layer(name) for name in GRAPH)
+    assert not [layer for layer in LAYERS if layer in _beneath(layer)]
+    assert _beneath("entry") == set(LAYERS) - {"entry"}
+
+
+def test_every_import_points_down():
+    upward = _upward()
+    assert not upward, "\n".join(upward)
+
+
+@pytest.mark.parametrize("source, target", [
+    ("pytest_kvcanary.settings", "pytest_kvcanary.handles.factories"),  # settings -> handles
+    ("pytest_kvcanary.settings", "pytest_kvcanary.adapters.vllm.isa"),  # settings -> an adapter
+    ("pytest_kvcanary.soak.suite", "pytest_kvcanary.plugin"),  # the soak -> the plugin
+    ("pytest_kvcanary.soak.runner", "pytest_kvcanary.handles.sided"),  # the soak -> the handles
+    ("pytest_kvcanary.assertions", "pytest_kvcanary.handles.protocol"),  # assertions -> handles
+    ("pytest_kvcanary.report", "pytest_kvcanary.settings"),  # what the plugin level reads -> it
+    ("pytest_kvcanary.canary.seam", "pytest_kvcanary.soak.runner"),  # the seam -> the soak
+    ("pytest_kvcanary.canary.runtime", "pytest_kvcanary.perturb.ledger"),  # the runtime -> the injector
+    ("pytest_kvcanary.engine.engine", "pytest_kvcanary.adapters.reference"),  # the engine -> an adapter
+    ("pytest_kvcanary.config", "pytest_kvcanary.canary.violation"),  # the configuration -> the runtime
+    ("kvcanary_kernels.launch", "pytest_kvcanary.canary.seam"),  # the kernels -> the seam
+])
+def test_an_upward_import_is_refused(source, target, monkeypatch):
+    """The rule refuses each import that ran up the layers once (settings -> handles and adapters,
+    the soak -> the plugin, assertions -> handles) and its like, by the layers alone."""
+    monkeypatch.setitem(GRAPH, source, GRAPH[source] | {target})
+    assert f"{source} ({_layer(source)}) -> {target} ({_layer(target)})" in _upward()
+
+
+def test_the_vllm_option_values_are_the_adapters():
+    """settings.py declares --kv-canary-vllm-attention-isa's values beside the option, where an
+    import of the adapter's would run up the layers: they are the adapter's."""
+    from pytest_kvcanary.adapters.vllm import isa
+    from pytest_kvcanary.settings import VLLM_ATTENTION_ISA_ENV, VLLM_ATTENTION_ISAS
+
+    assert (VLLM_ATTENTION_ISAS, VLLM_ATTENTION_ISA_ENV) == (isa.CHOICES, isa.ENV)
+
+
 def test_engine_and_adapters_import_nothing_from_the_plugin_level():
     upward = sorted(f"{name} -> {target}" for name, targets in GRAPH.items() if _in_lower_layer(name)
                     for target in targets if _is_plugin_level(target))
@@ -109,11 +207,13 @@ def test_an_upward_import_is_found(target, monkeypatch):
 
 
 def test_the_seam_imports_only_the_types_it_hands_over():
-    """An engine author's one import: it pulls in the seam's data types, the kernels' input types
-    and the record layout, nothing of the runtime, the kernels' code or the plugin."""
-    assert GRAPH[SEAM] == {"pytest_kvcanary.canary.host", "kvcanary_kernels.records"}
-    assert GRAPH["pytest_kvcanary.canary.host"] <= {"kvcanary_kernels.records", "kvcanary_kernels.checks",
-                                                    "kvcanary_kernels.inputs"}
+    """An engine author's one import: it pulls in the seam's data types, the kernels' input types,
+    the record layout and the soak's types, nothing of the runtime, the kernels' code or the plugin."""
+    types = {"pytest_kvcanary.canary.host", "kvcanary_kernels.inputs", "kvcanary_kernels.records",
+             "pytest_kvcanary.soak.seam_types"}
+    assert GRAPH[SEAM] == types
+    assert GRAPH["pytest_kvcanary.canary.host"] <= types | {"kvcanary_kernels.checks"}
+    assert GRAPH["pytest_kvcanary.soak.seam_types"] == {"kvcanary_kernels.records"}
 
 
 def test_adapters_and_the_reference_engine_import_the_seam_not_the_handles():

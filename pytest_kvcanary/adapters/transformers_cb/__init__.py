@@ -3,10 +3,19 @@ transformers``). Needs the transformers package: in a clone of the project,
 ``pip install -e ".[transformers]"``.
 
     versions.py       what differs between the supported transformers releases (cache layout, config)
+                      and every private part of transformers the adapter reads or patches
+    layout_sectors.py, layout_block_manager.py   the paged cache of 5.18+ and of 5.17
+    cache_groups.py   what every layout hands the engine (GroupCache, free causes)
+    patches.py        the attributes of transformers objects replaced, undone together
     block_log.py      what the prefix cache does not keep about its blocks; the sweep's cache walk
     model.py          a local checkpoint, or the seeded random one written on first use
+    lanes.py          which lane (row of the canary's tables) each request holds
     batch_buffers.py  what the host stages per forward (batch size, new tokens, changed table rows)
+    staging.py        filling those buffers from the batch transformers prepared
+    defects.py        5.17's writes into hashed blocks, named as the engine's defects
     forward_view.py   the canary's view derived on the device from the forward's own inputs
+    forward.py        GuardedForward: the canary's work around and inside each forward
+    offload.py        transformers' CPU swap pool as a host tier
     engine.py         TransformersEngine: the CanaryHost seam around ContinuousBatchProcessor
     parallel.py       TensorParallelShards: the engine of each rank of a tensor-parallel engine
 """

@@ -25,9 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvcanary_kernels.records import UNKNOWN
-
-from ...canary.host import Capacities
+from ...canary.seam import UNKNOWN, Capacities
 
 
 class BatchBuffers:

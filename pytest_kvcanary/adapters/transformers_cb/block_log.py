@@ -10,8 +10,7 @@ from typing import AbstractSet, Container, Iterable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from ...canary.seam import CacheWalk, PagedWalk, page_entries
-from kvcanary_kernels.records import PREV_CHAIN_HEAD
+from ...canary.seam import PREV_CHAIN_HEAD, CacheWalk, PagedWalk, page_entries
 
 
 class LoggedBlock(NamedTuple):

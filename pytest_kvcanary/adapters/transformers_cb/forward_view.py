@@ -34,9 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from kvcanary_kernels.records import GroupKind
-
-from ...canary.host import Capacities, ForwardView
+from ...canary.seam import Capacities, ForwardView, GroupKind
 from .versions import FULL_ATTENTION, SLIDING_ATTENTION, GroupCache, UnsupportedModel
 
 

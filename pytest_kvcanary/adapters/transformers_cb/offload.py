@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ...canary.host import HostPool
-from ...canary.seam import HostTierListener
+from ...canary.seam import HostPool, HostTierListener
+from .patches import Patches
 from .versions import SectorLayout
 
 CAUSE_RESTORED = "restored to the device: the CPU copy freed"
@@ -32,10 +32,10 @@ def _slots(blocks: list[int], page_size: int) -> torch.Tensor:
 
 
 class CpuOffloadTier:
-    """Wraps the processor's OffloadingManager (which must have a CPU pool). pools: per pool group,
-    the group's layers in the CPU pool (HostPool)."""
+    """Wraps the processor's OffloadingManager (which must have a CPU pool) through `patches`.
+    pools: per pool group, the group's layers in the CPU pool (HostPool)."""
 
-    def __init__(self, processor: Any, layout: SectorLayout) -> None:
+    def __init__(self, processor: Any, layout: SectorLayout, patches: Patches) -> None:
         manager = processor.offloading_manager
         self._manager, self._layout = manager, layout
         self._groups = {g.key: g for g in layout.groups}  # allocator name -> group
@@ -74,9 +74,9 @@ class CpuOffloadTier:
             for name, cpu_blocks in held.items():
                 self._freed(name, cpu_blocks, CAUSE_CANCELLED)
 
-        manager._offload_to_cpu = offload_to_cpu
-        manager.restore_scheduled_requests = restore_scheduled_requests
-        manager.free_request_cpu_cache = free_request_cpu_cache
+        patches.replace(manager, "_offload_to_cpu", offload_to_cpu)
+        patches.replace(manager, "restore_scheduled_requests", restore_scheduled_requests)
+        patches.replace(manager, "free_request_cpu_cache", free_request_cpu_cache)
 
     def add_listener(self, listener: HostTierListener) -> None:
         self._listeners.append(listener)

@@ -3,8 +3,9 @@
 `make_vllm_engine` is what ``--kv-canary-engine vllm`` builds. Modules: engine.py (the
 EngineUnderTest over an in-process ``LLM``), connector.py (the KV connector vLLM loads),
 forward_inputs.py (what vLLM's model runner hands a forward, which the canary's view is made of),
-blocks.py (the scheduler-side account of what each block holds), layout.py (where a slot's bytes
-lie in vLLM's CPU cache), isa.py (which CPU attention path, and so which layout, vLLM runs), platform.py (CPU build vs
+blocks.py (the scheduler-side account of what each block holds), pools.py (the canary's pool groups
+over vLLM's KV caches), window_map.py (the sliding-window group's full-to-window slot map),
+layout.py (where a slot's bytes lie in vLLM's CPU cache), isa.py (which CPU attention path, and so which layout, vLLM runs), platform.py (CPU build vs
 CUDA build: device, backends, CUDA graphs),
 write_through.py (what each layer's cache write was handed, for TAIL), checkpoint.py (the default
 seeded random model), versions.py (what differs between the vLLM releases it supports).

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
-from pytest_kvcanary.canary.host import CacheWalk
+from pytest_kvcanary.canary.seam import CacheWalk
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool

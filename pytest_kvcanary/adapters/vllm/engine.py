@@ -4,11 +4,12 @@ The canary reaches vLLM through vLLM's KV-connector interface (connector.py: the
 requests, frees, the prefix cache) and a forward pre-hook on its model (forward_inputs.py: what
 the forward consumes); vLLM itself schedules, allocates blocks, caches prefixes and computes, and
 the adapter watches. Pools: a FULL group over the full-attention layers and, for a model with
-sliding-window layers, an SWA group over those, one buffer per (layer, KV head), each half's byte
-order probed at start-up (layout.py); slot = ``block * block_size + offset``, block 0 (vLLM's null
-block) the reserved slot. The mapping is a block table the adapter owns, refilled before every
-forward from the one the forward's attention reads (the SWA group maps through it and a
-full-to-window slot map); the slots the forward stores to are checked through write-through.
+sliding-window layers, an SWA group over those (pools.py), one buffer per (layer, KV head), each
+half's byte order probed at start-up (layout.py); slot = ``block * block_size + offset``, block 0
+(vLLM's null block) the reserved slot. The mapping is a block table the adapter owns, refilled
+before every forward from the one the forward's attention reads (the SWA group maps through it and
+a full-to-window slot map, window_map.py); the slots the forward stores to are checked through
+write-through.
 docs/vllm.md says how each part is wired and what is and is not guarded.
 """
 
@@ -24,32 +25,21 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kvcanary_kernels.records import GroupKind, Half
 from pytest_kvcanary.canary.seam import (
-    Arrival, CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, PoolGroup, SlotMapping, TokenScores,
+    Arrival, CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupKind, PoolGroup, TokenScores,
 )
 
 from . import forward_inputs
 from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
 from .isa import attention_isa, check_attention_isa, default_attention_isa, latent_backend
-from .layout import half_views, probe, probe_latent, probe_paged
 from .platform import (
-    CUDA_BACKENDS, check_device, check_graph_mode, check_model_runner, default_attention_backend, default_cuda_graphs,
+    check_device, check_graph_mode, check_model_runner, default_attention_backend, default_cuda_graphs,
     engine_arguments, engine_environment,
 )
-from .versions import layer_isa, unbound_kv_cache_manager
+from .pools import pool_groups
+from .versions import unbound_kv_cache_manager
 from .write_through import WriteThrough, rows_by_slot
-
-
-def last_pair_per_block(pairs: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """(full, window) block pairs [N, 2], in order, keeping for each full-attention block only the
-    last pair that names it: an index_put_ with repeated indices leaves which value lands
-    undefined on CUDA (the CPU's happens to be the last)."""
-    order = torch.arange(pairs.shape[0], device=pairs.device)
-    last = torch.full((num_blocks,), -1, dtype=torch.int64, device=pairs.device)
-    last.scatter_reduce_(0, pairs[:, 0], order, reduce="amax")
-    return pairs[last[pairs[:, 0]] == order]
 
 
 @dataclass(frozen=True)
@@ -115,7 +105,6 @@ class VllmEngine:
         self._inputs: forward_inputs.ForwardInputs | None = None  # what the forward under way consumes
         self._steps: list[list[int]] = []  # per forward since the last reset: the book id of each row
         self._write_through = WriteThrough(self._kv_stored)
-        self.layout = None  # the CUDA cache layout found (layout.PagedLayout), None on CPU
         key = uuid.uuid4().hex
         registry.add(key, self)
         registry.building = self
@@ -141,8 +130,10 @@ class VllmEngine:
         kv_groups = self._runner.kv_cache_config.kv_cache_groups
         self._group_layers = [group.layer_names[0] for group in kv_groups]  # a layer per vLLM KV cache group
         self._full_group = self.book.full_group
-        self._window_pairs = torch.zeros(0, 2, dtype=torch.int64, device=dev)  # the last forward's rows' (full, window) blocks
-        self._groups = self._pool_groups()
+        # the CUDA cache layout found (layout.PagedLayout; None on CPU) and the SWA group's slot map
+        self._groups, self._window, self.layout = pool_groups(
+            self.llm.llm_engine.vllm_config.compilation_config.static_forward_context, self._kv_caches, self._table,
+            bs, self._runner.kv_cache_config.num_blocks, self._hybrid, self._write_through)
         self._runner.model.register_forward_pre_hook(self._model_called, with_kwargs=True)
 
     # What the connector calls ---------------------------------------------------------------
@@ -164,7 +155,8 @@ class VllmEngine:
         rows = [plan[rid] for rid in inputs.request_ids]
         self._view, index = self._map(inputs, rows)
         if self._hybrid:
-            self._pair_window(inputs, self._view)
+            self._window.pair(inputs, self._view, self._full_group, self.book.window_groups[0], self._groups[1].window,
+                              self.book.window_pairs())
         self._steps.append([row.request for row in rows])
         self._write_through.start_forward(index)
         if self._hooks is not None:
@@ -385,7 +377,7 @@ class VllmEngine:
     def cache_walk(self) -> CacheWalk | None:
         walk = self.book.walk()
         if self._hybrid:
-            self._map_window(self.book.window_pairs())
+            self._window.refill(self.book.window_pairs())
         return walk
 
     # Internals -------------------------------------------------------------------------------
@@ -394,141 +386,6 @@ class VllmEngine:
     def _hybrid(self) -> bool:
         """vLLM keeps the sliding-window layers' blocks in a KV cache group of their own."""
         return bool(self.book.window_groups)
-
-    def _pair_window(self, inputs: forward_inputs.ForwardInputs, view: ForwardView) -> None:
-        """The forward's (full, window) block pairs, per row from the block holding the first position
-        its sliding window reads on (the view's prefix length minus the window): vLLM drops the
-        blocks before it on its scheduler side only, its model runner's block table keeps their
-        old ids (never read again, possibly another request's by now). Then refill the map."""
-        bs, window, prefix_lens = self.block_size, self._groups[1].window, view.prefix_lens
-        full = inputs.block_tables[self._full_group].to(torch.int64)
-        twin = inputs.block_tables[self.book.window_groups[0]].to(torch.int64)
-        width = min(full.shape[1], twin.shape[1])
-        index = torch.arange(width, device=full.device)
-        # Entries past a row's last block are never read: they may still name a block of the
-        # request that held the row before (vLLM 0.26's persistent batch keeps them).
-        ends = -(-(prefix_lens + view.extend_lens) // bs)
-        live = (index >= ((prefix_lens - window).clamp(min=0) // bs)[:, None]) & (index < ends[:, None])
-        pairs = torch.stack([full[:, :width], twin[:, :width]], dim=-1)
-        own = pairs[live]
-        own = own[(own[:, 0] != 0) & (own[:, 1] != 0)]
-        cached = self.book.window_pairs()
-        # A row that counts positions as written although no sliding-window block of its own holds
-        # them (blocks.py, `first`: a hit on blocks another row computes this step) has them
-        # stamped at the full-attention block's own slots, so that the chain it stamps on stays
-        # whole: no sliding-window block table names a block the full-attention group holds, so
-        # the SWA records there are nobody else's (until the map moves, at the next forward).
-        mapped = set(own[:, 0].tolist()) | {f for f, _ in cached}
-        unmapped = sorted({f for b, (start, end) in enumerate(zip((prefix_lens // bs).tolist(), ends.tolist()))
-                           for f in full[b, start:min(end, width)].tolist() if f != 0 and f not in mapped})
-        unmapped_pairs = torch.tensor(unmapped, dtype=torch.int64, device=own.device)[:, None].expand(-1, 2)
-        self._window_pairs = torch.cat([own, unmapped_pairs])
-        self._map_window(cached)
-
-    def _map_window(self, cached: list[tuple[int, int]]) -> None:
-        """Refill the full-to-window slot map: the prefix cache's (full, window) block pairs, then
-        the last forward's rows' pairs (which the forward reads; they win where both name a
-        full-attention block)."""
-        bs = self.block_size
-        dev = self.device
-        pairs = torch.cat([torch.tensor(cached, dtype=torch.int64, device=dev).reshape(-1, 2), self._window_pairs])
-        pairs = last_pair_per_block(pairs, self._to_window.numel() // bs)
-        offsets = torch.arange(bs, device=dev)
-        self._to_window.zero_()
-        self._to_window[(pairs[:, :1] * bs + offsets).flatten()] = (pairs[:, 1:] * bs + offsets).flatten()
-
-    def _pool_groups(self) -> list[PoolGroup]:
-        layers = self.llm.llm_engine.vllm_config.compilation_config.static_forward_context
-        names = list(self._kv_caches)
-        if not names:
-            raise RuntimeError("vLLM registered no KV caches with the canary's connector")
-        first, cache = layers[names[0]], self._kv_caches[names[0]]
-        bs = self.block_size
-        num_slots = cache.shape[0] * bs
-        backend = first.attn_backend.get_name()
-        if backend == "CPU_MLA":  # one latent row per token: a pool with a single half
-            latent = [self._kv_caches[n].view(cache.shape[0], bs, cache.shape[-1]) for n in names]
-            fingerprintable = probe_latent(first, latent[0])
-            for i, name in enumerate(names):
-                self._write_through.wrap_latent(layers[name], GroupKind.FULL, i)
-            return [PoolGroup(GroupKind.FULL, latent, [], num_slots, SlotMapping(self._table, page_size=bs),
-                              page_size=bs, fingerprintable=fingerprintable)]
-        if backend in CUDA_BACKENDS:
-            return self._paged_groups(layers, names)
-        if backend != "CPU_ATTN":
-            raise NotImplementedError(f"the vLLM adapter knows the KV layouts of vLLM's CPU_ATTN and CPU_MLA (CPU "
-                                      f"build), {' and '.join(CUDA_BACKENDS)} (CUDA build) attention backends; "
-                                      f"got {backend}")
-        orders = probe(first, cache)
-        if None in orders.values():
-            raise NotImplementedError(
-                f"vLLM's CPU attention runs its {layer_isa(first)!r} path here, whose KV layout the adapter does not know "
-                f"(orders found: {orders}); attention_isa='readable' (the default) runs a path it knows")
-        groups = []
-        for kind, window in self._kinds(layers, names, num_slots):
-            views = half_views([self._kv_caches[n] for n in names if layers[n].sliding_window == window], orders)
-            opaque = frozenset(h for h, v in views.items() if not v.readable)
-            groups.append(PoolGroup(
-                kind, views[Half.K].views, views[Half.V].views, num_slots, self._group_mapping(window), page_size=bs,
-                window=None if window is None else window - 1, fingerprintable=len(opaque) < len(views),
-                opaque_halves=opaque))
-            heads = cache.shape[1]
-            named = [n for n in names if layers[n].sliding_window == window]
-            parts = {half: len(v.views) // (len(named) * heads) for half, v in views.items()}  # views per head
-            for i, name in enumerate(named):
-                self._write_through.wrap(layers[name], kind, i * heads, parts)
-        return groups
-
-    def _kinds(self, layers: dict[str, Any], names: list[str], num_slots: int) -> list[tuple[GroupKind, int | None]]:
-        """(group kind, sliding window or None) of each pool group these layers make: FULL, then SWA
-        for a model with a sliding window (one at most). Sets up the full-to-window slot map: refilled
-        before every forward and walk with the hybrid manager; without it sliding-window layers use
-        the full-attention slots themselves."""
-        windows = {layers[n].sliding_window for n in names} - {None}
-        if len(windows) > 1:
-            raise NotImplementedError(f"one sliding window per model; got {sorted(windows)}")
-        if self._hybrid:
-            self._to_window = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
-        else:
-            self._to_window = torch.arange(num_slots, device=self.device)
-        return [(GroupKind.FULL, None)] + [(GroupKind.SWA, w) for w in windows]
-
-    def _group_mapping(self, window: int | None) -> SlotMapping:
-        """The slot mapping of the FULL group (window None) or of the sliding-window one."""
-        return SlotMapping(self._table, page_size=self.block_size,
-                           full_to_group=None if window is None else self._to_window)
-
-    def _paged_groups(self, layers: dict[str, Any], names: list[str]) -> list[PoolGroup]:
-        """The pool groups of FLASH_ATTN / FLASHINFER layers (vLLM's CUDA build): the layout found
-        through the first layer's cache write (layout.probe_paged), each layer's halves split into
-        the views the fingerprint reads, write-through wrapped alike."""
-        first, bs = layers[names[0]], self.block_size
-        heads, head_size = first.num_kv_heads, first.head_size
-        self.layout = layout = probe_paged(first, self._kv_caches[names[0]], heads, head_size)
-        sample = layout.features(self._kv_caches[names[0]], heads, head_size)[Half.K]
-        num_blocks = self._runner.kv_cache_config.num_blocks
-        if tuple(sample.shape[:2]) != (num_blocks, bs):
-            raise NotImplementedError(f"vLLM's {first.attn_backend.get_name()} cache holds {sample.shape[0]} blocks of "
-                                      f"{sample.shape[1]} slots; its KV cache manager {num_blocks} of {bs} (kernel "
-                                      "blocks other than the manager's are not supported)")
-        num_slots = num_blocks * bs
-        groups = []
-        for kind, window in self._kinds(layers, names, num_slots):
-            halves: dict[Half, list[torch.Tensor]] = {}
-            unread: set[Half] = set()
-            for name in (n for n in names if layers[n].sliding_window == window):
-                views = layout.views(self._kv_caches[name], heads, head_size)
-                self._write_through.wrap_paged(layers[name], kind, layout,
-                                               {h: [p for p, _, _ in v] for h, v in views.items()},
-                                               {h: len(halves.get(h, [])) for h in views})
-                for half, split in views.items():
-                    halves.setdefault(half, []).extend(v for _, v, _ in split)
-                    unread |= {half} if not all(ok for _, _, ok in split) else set()
-            groups.append(PoolGroup(
-                kind, halves[Half.K], halves.get(Half.V, []), num_slots, self._group_mapping(window), page_size=bs,
-                window=None if window is None else window - 1, fingerprintable=len(unread) < len(halves),
-                opaque_halves=frozenset(unread)))
-        return groups
 
     def _kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         if self._hooks is not None:

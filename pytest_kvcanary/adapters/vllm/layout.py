@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvcanary_kernels.records import Half
 from kvcanary_kernels.sources import strided_read
+from pytest_kvcanary.canary.seam import Half
 
 
 class Order(str, Enum):

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvcanary_kernels.records import GroupKind, Half
+from pytest_kvcanary.canary.seam import GroupKind, Half
 
 # Called with (kind, index into the group's k_layers or v_layers, K rows, V rows): None for a half
 # this call does not report.

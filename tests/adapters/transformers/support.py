@@ -86,7 +86,7 @@ def python_tails(handle: EngineHandle) -> list[int]:
     after_forward, steps = runtime.after_forward, []
 
     def recording(view: Any) -> None:
-        steps.append(engine._steps)
+        steps.append(engine._forward.steps)
         after_forward(view)
 
     runtime.after_forward = recording

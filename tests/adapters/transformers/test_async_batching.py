@@ -40,7 +40,7 @@ def test_async_batching_is_clean_and_generates_what_sync_does(graphs):
     handle.side.runtime.drain()
     assert handle.violations() == []
     if graphs:  # each IO pair's forwards replay from that pair's graphs, the canary inside
-        assert len(engine._device_ios) == 2 and all(io.graphs._storage for io in engine._device_ios)
+        assert len(engine._io.device_ios) == 2 and all(io.graphs._storage for io in engine._io.device_ios)
     assert outputs == make_engine("mha").generate(PROMPTS, max_new_tokens=NEW_TOKENS)
 
 
@@ -68,7 +68,7 @@ def test_a_wrong_carried_over_token_is_reported_by_the_tail_of_that_forward_at_i
     written: dict[str, tuple[int, int]] = {}  # request id -> (position, slot) the wrong token went to
 
     def carry_one_higher(input_ids, carry_over_ids, prev_output_ids):
-        if engine._steps != WRONG_STEP:
+        if engine._forward.steps != WRONG_STEP:
             return carry(input_ids, carry_over_ids, prev_output_ids)
         for future in io.io_pairs[io.current_pair].host_io.requests_in_batch:
             position = future.state.position_offset - 1
@@ -118,17 +118,18 @@ def test_every_forward_stages_the_lane_of_each_of_its_rows_and_the_soak_replay_i
     handle = EngineHandle(engine, CanaryConfig(real_data="partial", kernels="triton"))
     handle.reset(0, ())
     wrong = []
-    map_batch = engine._map_batch
+    staging = engine._staging
+    map_batch = staging.map
 
-    def checked(pair):
-        map_batch(pair)
-        batch = engine._batch_io().requests_in_batch
-        staged = engine._buffers._hosts[pair]["lanes"][0, :len(batch)].tolist()
-        lanes = [engine._lane_of[future.state.request_id] for future in batch]
+    def checked(io, pair, step):
+        map_batch(io, pair, step)
+        batch = io.requests_in_batch
+        staged = staging.buffers._hosts[pair]["lanes"][0, :len(batch)].tolist()
+        lanes = [staging.lanes.lane_of[future.state.request_id] for future in batch]
         if staged != lanes:
-            wrong.append((engine._steps, pair, staged, lanes))
+            wrong.append((step, pair, staged, lanes))
 
-    engine._map_batch = checked
+    staging.map = checked
     result = handle.run_workload(replay=SHRUNK_REPLAY, shrink_trials=0)
     assert wrong == [], wrong[:3]
     assert result.trustworthy and result.forwards > 20, result.summary()
@@ -149,18 +150,18 @@ def test_two_identical_prompts_decoding_into_one_block_are_named_the_engine_defe
     handle = EngineHandle(engine, CanaryConfig(real_data="partial", kernels="triton"))
     handle.reset(0, ())
     shared = []  # (step, block) a block two running requests' tables both hold, each written that forward
-    map_batch, full = engine._map_batch, engine.groups[0]
+    map_batch, full = engine._staging.map, engine.groups[0]
 
-    def checked(pair):
-        map_batch(pair)
+    def checked(io, pair, step):
+        map_batch(io, pair, step)
         owners = {}
-        for future in engine._batch_io().requests_in_batch:
+        for future in io.requests_in_batch:
             blocks = engine.layout.block_ids(full, future.state.request_id)
             written = blocks[(future.state.position_offset - 1) // engine.page_size]
             if owners.setdefault(written, future.state.request_id) != future.state.request_id:
-                shared.append((engine._steps, written))
+                shared.append((step, written))
 
-    engine._map_batch = checked
+    engine._staging.map = checked
     result = handle.run_workload(replay=SHARED_BLOCK_REPLAY, shrink_trials=0)
     counts = result.counts()
     if not isinstance(engine.layout, BlockManagerLayout):  # 5.18+

@@ -38,10 +38,10 @@ def assert_replayed_inside_transformers_graphs(handle: EngineHandle, python_step
     """Every forward advanced the device's step once (one TAIL each), most of them without Python
     calling TAIL (replayed from transformers' graphs, which it captured under these hooks)."""
     engine = handle.engine
-    assert int(handle.side.runtime.ring.step) == engine._steps
-    replayed = set(range(engine._steps)) - set(python_steps)
-    assert len(replayed) >= engine._steps // 2, python_steps
-    assert all(io.graphs._storage for io in engine._device_ios)
+    assert int(handle.side.runtime.ring.step) == engine._forward.steps
+    replayed = set(range(engine._forward.steps)) - set(python_steps)
+    assert len(replayed) >= engine._forward.steps // 2, python_steps
+    assert all(io.graphs._storage for io in engine._io.device_ios)
 
 
 @pytest.mark.parametrize("batching", ["sync", "async"])
@@ -64,8 +64,8 @@ def test_damage_between_decode_steps_is_reported_by_the_replayed_head():
     damaged: list[int] = []
 
     def damaging_step(model):
-        if engine._steps == 4 and not damaged:  # a decode step replayed from transformers' graph
-            block = int(engine._tables[GroupKind.FULL][0, 0])
+        if engine._forward.steps == 4 and not damaged:  # a decode step replayed from transformers' graph
+            block = int(engine._forward.tables[GroupKind.FULL][0, 0])
             full.k_layers[0][block, 3] += 1.0
             damaged.append(block * full.page_size + 3)
         step(model)
@@ -83,10 +83,10 @@ def test_changing_the_hooks_drops_the_graphs_captured_under_the_old_ones():
     handle = graph_handle()
     engine = handle.engine
     handle.generate(PROMPTS, max_new_tokens=4)
-    old = dict(engine._device_ios[0].graphs._storage)
+    old = dict(engine._io.device_ios[0].graphs._storage)
     assert old
     engine.set_forward_hooks(None)  # the canary off: transformers captures its forward alone again
-    assert not engine._device_ios[0].graphs._storage
+    assert not engine._io.device_ios[0].graphs._storage
     before = int(handle.side.runtime.ring.step)
     engine.generate(PROMPTS, max_new_tokens=4)
     assert int(handle.side.runtime.ring.step) == before  # no canary work replayed with the canary off

@@ -38,16 +38,16 @@ def test_a_prompt_matched_in_full_rewrites_the_last_cached_block_on_5_17_only():
     handle.reset(0, ())
     full = engine.groups[0]
     rewrites = []  # (step, slot, bytes before the forward, bytes after it)
-    map_batch, compute = engine._map_batch, engine._compute
+    map_batch, compute = engine._staging.map, engine._forward._compute
 
     def rows(slot: int) -> torch.Tensor:
         block, offset = divmod(slot, full.page_size)
         return torch.stack([layer[block, offset] for layer in (*full.k_layers, *full.v_layers)]).clone()
 
-    def mapping(pair):
-        noted = len(engine._defects)
-        map_batch(pair)
-        rewrites.extend([d.step, slot, rows(slot), None] for d in engine._defects[noted:] for slot in d.slots)
+    def mapping(io, pair, step):
+        noted = len(engine._hashed_writes.defects)
+        map_batch(io, pair, step)
+        rewrites.extend([d.step, slot, rows(slot), None] for d in engine._hashed_writes.defects[noted:] for slot in d.slots)
 
     def computing(model, batch_data):
         compute(model, batch_data)
@@ -55,7 +55,7 @@ def test_a_prompt_matched_in_full_rewrites_the_last_cached_block_on_5_17_only():
             if rewrite[3] is None:
                 rewrite[3] = rows(rewrite[1])
 
-    engine._map_batch, engine._compute = mapping, computing
+    engine._staging.map, engine._forward._compute = mapping, computing
     result = handle.run_workload(replay=REPLAY, shrink_trials=0)
     violations = handle.violations()
     if not isinstance(engine.layout, BlockManagerLayout):  # 5.18+
@@ -100,7 +100,7 @@ def test_async_batching_order_on_5_17_gives_two_identical_requests_one_block_to_
     decode = [SimpleNamespace(state=state, query_length=1) for state in states]  # both write position 32
     for state in states:
         state.position_offset = 2 * page + 1
-    engine._defects.clear()
-    engine._note_hashed_block_writes(decode, every_row=False)  # a decode step of the same batch
+    engine._hashed_writes.defects.clear()
+    engine._hashed_writes.note(decode, engine._forward.steps, every_row=False)  # a decode step of the same batch
     slot = tables[0][2] * page
     assert [(d.name, d.slots) for d in engine.engine_defects()] == [(DEFECT_SHARED_DECODE_BLOCK, (slot, slot))]

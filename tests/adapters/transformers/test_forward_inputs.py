@@ -42,7 +42,7 @@ def feed_a_wrong_input(engine, name: str) -> list[tuple[int, int, torch.Tensor]]
     compute_batch = runner.compute_batch
 
     def feeding_a_wrong_input(model, batch_data):
-        if engine._steps != FAULTY_STEP:
+        if engine._forward.steps != FAULTY_STEP:
             return compute_batch(model, batch_data)
         position = int(batch_data["position_ids"][0, 0])
         batch_data[name][0, 0] += 1  # a view of the forward's static input buffer

@@ -17,6 +17,7 @@ from .support import INSTALL, make_engine
 pytest.importorskip("transformers", reason=INSTALL)
 
 from pytest_kvcanary.adapters.transformers_cb.batch_buffers import BatchBuffers  # noqa: E402
+from pytest_kvcanary.adapters.transformers_cb.staging import BatchStaging  # noqa: E402
 
 
 @dataclass
@@ -40,15 +41,17 @@ class BatchIO:
     total_seqlen_q: int
 
 
-class TwoPairEngine:
-    """A CPU engine whose host staging has two IO pairs, fed batches by hand."""
+class TwoPairStaging:
+    """A CPU engine's host staging with two IO pairs, fed batches by hand."""
 
     def __init__(self) -> None:
-        self.engine = engine = make_engine("mha")
-        engine._buffers = BatchBuffers(engine.capacities, 2 * engine.capacities.max_batch, engine.device, pairs=2)
-        engine._clear_lanes()
+        engine = make_engine("mha")
+        buffers = BatchBuffers(engine.capacities, 2 * engine.capacities.max_batch, engine.device, pairs=2)
+        self.staging = BatchStaging(buffers, engine.capacities.max_batch, engine._hashed_writes)
+        self.lanes = self.staging.lanes
         self.states: dict[str, State] = {}
         self.pair = 0
+        self.step = 0
 
     def forward(self, *names: str, prefill: bool = False) -> list[int]:
         """Map a batch of these requests on the next IO pair (a prefill of 4 tokens for a new
@@ -62,40 +65,38 @@ class TwoPairEngine:
             state.position_offset += query
             futures.append(Future(state, query))
         io = BatchIO(futures, {n: i for i, n in enumerate(names)}, sum(f.query_length for f in futures))
-        engine = self.engine
-        engine._batch_io = lambda: io
-        engine._map_batch(self.pair)
-        engine._steps += 1
-        staged = engine._buffers._hosts[self.pair]["lanes"][0, :len(names)].tolist()
+        self.staging.map(io, self.pair, self.step)
+        self.step += 1
+        staged = self.staging.buffers._hosts[self.pair]["lanes"][0, :len(names)].tolist()
         self.pair = 1 - self.pair
         return staged
 
-    def lanes(self, *names: str) -> list[int]:
-        return [self.engine._lane_of[name] for name in names]
+    def held(self, *names: str) -> list[int]:
+        return [self.lanes.lane_of[name] for name in names]
 
 
 def test_a_batch_back_whole_on_the_other_io_pair_finds_every_rows_lane_staged():
-    run = TwoPairEngine()
-    assert run.forward("a", "b", "c") == run.lanes("a", "b", "c")  # pair 0
-    assert run.forward("a", "b") == run.lanes("a", "b")  # pair 1: c left the batch
-    assert run.forward("a", "b", "c") == run.lanes("a", "b", "c")  # pair 0: c back
-    assert run.forward("a", "b", "c") == run.lanes("a", "b", "c")  # pair 1: its row 2 was never staged
-    assert len(set(run.lanes("a", "b", "c"))) == 3
+    run = TwoPairStaging()
+    assert run.forward("a", "b", "c") == run.held("a", "b", "c")  # pair 0
+    assert run.forward("a", "b") == run.held("a", "b")  # pair 1: c left the batch
+    assert run.forward("a", "b", "c") == run.held("a", "b", "c")  # pair 0: c back
+    assert run.forward("a", "b", "c") == run.held("a", "b", "c")  # pair 1: its row 2 was never staged
+    assert len(set(run.held("a", "b", "c"))) == 3
 
 
 def test_a_request_back_after_its_lane_went_to_another_gets_a_lane_of_its_own():
     """c leaves the batch from row 2 and its lane goes to a new request; when c comes back in row 2,
     the rows before it unchanged, it is mapped again (before: it kept the lane it had in row 2)."""
-    run = TwoPairEngine()
+    run = TwoPairStaging()
     run.forward("c")  # c gets the first lane, so it is the lowest of the lanes a new request may take
     run.forward("a", "b", "c", "d")
-    engine = run.engine
-    c_lane = engine._lane_of["c"]
-    held = set(run.lanes("a", "b", "c", "d"))
-    for lane in range(len(engine._lane_used)):  # the free lanes used since: a new request takes a held one
+    lanes = run.lanes
+    c_lane = lanes.lane_of["c"]
+    held = set(run.held("a", "b", "c", "d"))
+    for lane in range(len(lanes.lane_used)):  # the free lanes used since: a new request takes a held one
         if lane not in held:
-            engine._lane_used[lane] = 10
+            lanes.lane_used[lane] = 10
     run.forward("a", "x")
-    assert engine._lane_of["x"] == c_lane and "c" not in engine._lane_of  # x took c's lane
+    assert lanes.lane_of["x"] == c_lane and "c" not in lanes.lane_of  # x took c's lane
     staged = run.forward("a", "x", "c")
-    assert staged == run.lanes("a", "x", "c") and len(set(staged)) == 3
+    assert staged == run.held("a", "x", "c") and len(set(staged)) == 3

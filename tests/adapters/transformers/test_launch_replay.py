@@ -32,14 +32,14 @@ def waves(handle, seed: int) -> None:
 
 def replays(handle) -> tuple[int, int]:
     """(the runtime's replays, the adapter's staging replays) so far."""
-    return handle.side.runtime._replay.replays, handle.engine._view_staging.replays
+    return handle.side.runtime._replay.replays, handle.engine._forward.view_staging.replays
 
 
 @pytest.mark.parametrize("attention", ["mha", "swa"])
 def test_a_replayed_staging_leaves_the_view_as_launching_it_again_does(monkeypatch, attention):
     handle = make_handle(attention)
     engine = handle.engine
-    staging, compared = engine._view_staging, []
+    staging, compared = engine._forward.view_staging, []
 
     def run_then_launch_again(key, launch):
         replayed = key in staging._graphs
@@ -54,8 +54,8 @@ def test_a_replayed_staging_leaves_the_view_as_launching_it_again_does(monkeypat
     def staged() -> list[torch.Tensor]:
         """The view's tensors and the block tables' lane rows (not their scratch row, where padded
         rows' entries land in no fixed order)."""
-        return [t.clone() for t in view_tensors(engine._view) if t is not None] + \
-            [table[:-1].clone() for table in engine._tables.values()]
+        return [t.clone() for t in view_tensors(engine._forward.view) if t is not None] + \
+            [table[:-1].clone() for table in engine._forward.tables.values()]
 
     staging_run = staging.run
     monkeypatch.setattr(staging, "run", run_then_launch_again)

@@ -181,13 +181,13 @@ class TableChecker(Passive):
             lane, length = int(view.rows[row]), future.state.position_offset
             for group in engine.groups:
                 held = engine.layout.block_ids(group, future.state.request_id)
-                derived = engine._tables[group.kind][lane].tolist()
+                derived = engine._forward.tables[group.kind][lane].tolist()
                 if group.ring:  # the ring pages its request has written so far
                     pages = -(-min(length, group.ring) // group.page_size)
-                    assert derived[:pages] == held[:pages], (engine._steps, group.kind, derived, held)
+                    assert derived[:pages] == held[:pages], (engine._forward.steps, group.kind, derived, held)
                 else:  # the blocks of every position it reads, then zeros
                     blocks = -(-length // group.page_size)
-                    assert derived == held[:blocks] + [0] * (len(derived) - blocks), (engine._steps, derived, held)
+                    assert derived == held[:blocks] + [0] * (len(derived) - blocks), (engine._forward.steps, derived, held)
             self.rows += 1
 
 
@@ -207,7 +207,7 @@ class LaneRecorder(Passive):
 
     def __init__(self, engine) -> None:
         self.rows, self.lanes, self.sent, self.cleared = {}, {}, [], []
-        buffers = engine._buffers
+        buffers = engine._staging.buffers
         set_entries, clear_lanes = buffers.set_entries, buffers.clear_lanes
 
         def recording(lanes, starts, counts, tokens) -> None:
@@ -259,7 +259,7 @@ def test_lanes_handed_to_later_requests_map_what_transformers_computed():
     engine.set_forward_hooks(checker)
     rng = random.Random(1)
     engine.generate(prompts_with_shared_prefixes(rng, 7, stems(rng)), max_new_tokens=5)
-    owners = [{engine.request_at(lane, step) for step in range(engine._steps)} - {None} for lane in range(4)]
+    owners = [{engine.request_at(lane, step) for step in range(engine._forward.steps)} - {None} for lane in range(4)]
     assert sum(len(o) for o in owners) == 7 and max(len(o) for o in owners) > 1
-    assert engine.request_at(4, engine._steps - 1) is None  # 4 lanes: twice the batch
+    assert engine.request_at(4, engine._forward.steps - 1) is None  # 4 lanes: twice the batch
     assert checker.rows_checked > 20

@@ -23,7 +23,7 @@ def test_only_the_engines_forwards_run_the_canary():
     handle = make_handle("mha")
     runtime = handle.side.runtime
     handle.generate([PROMPT], max_new_tokens=3)
-    assert int(runtime.ring.step) == handle.engine._steps == 3  # TAIL once per forward of the engine
+    assert int(runtime.ring.step) == handle.engine._forward.steps == 3  # TAIL once per forward of the engine
     reference_kv(handle.engine.model, PROMPT)  # the model called directly
     assert int(runtime.ring.step) == 3
     runtime.drain()
@@ -33,13 +33,13 @@ def test_only_the_engines_forwards_run_the_canary():
 def test_a_forward_fed_other_input_ids_than_transformers_staged_is_refused():
     handle = make_handle("mha")
     engine = handle.engine
-    compute = engine._compute  # transformers' own compute_batch, inside the engine's wrapper
+    compute = engine._forward._compute  # transformers' own compute_batch, inside the engine's wrapper
 
     def embedding_a_copy(model, batch_data):
         batch_data["input_ids"] = batch_data["input_ids"].clone()
         compute(model, batch_data)
 
-    engine._compute = embedding_a_copy
+    engine._forward._compute = embedding_a_copy
     with pytest.raises(UnsupportedModel, match="input ids transformers staged"):
         handle.generate([PROMPT], max_new_tokens=2)
 

@@ -18,7 +18,7 @@ from .support import (
 pytest.importorskip("vllm", reason=INSTALL)
 
 from kvcanary_kernels.records import GroupKind  # noqa: E402
-from pytest_kvcanary.adapters.vllm.engine import last_pair_per_block  # noqa: E402
+from pytest_kvcanary.adapters.vllm.window_map import last_pair_per_block  # noqa: E402
 from pytest_kvcanary.config import PerturbSpec  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_group_id  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager  # noqa: E402
