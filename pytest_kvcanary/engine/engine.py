@@ -205,6 +205,8 @@ class Engine:
         """Drop all requests and flush the radix cache: every slot and row is free again, handed
         out in a new engine's order (forward_count keeps counting)."""
         self.scheduler.reset()
+        if self.host_tier is not None:
+            self.host_tier.synchronize()  # every load-back over: its lock released
         self.radix_cache.reset()
         self.pools.restart()
         if self.host_tier is not None:
@@ -278,6 +280,8 @@ class Engine:
             self.scheduler.abort(batch)
             raise
         finished = self.scheduler.process(batch, new_tokens)
+        if self.host_tier is not None:  # load-backs whose copies are over release their locks
+            self.host_tier.acknowledge()
         self._finished += len(finished)
         return finished
 

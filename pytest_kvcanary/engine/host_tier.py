@@ -8,12 +8,18 @@ their node's pages. On CUDA the copies run on a copy stream of their own, betwee
 device, without the host waiting; the engine makes each forward's stream wait for every copy
 launched before it (`wait`), so no forward reads a loaded-back page, or writes a device page just
 written back, before the copy is over. On a CPU the same copies run synchronously.
+
+A load-back may name what to do once its copy is known to be over (`on_done`: the scheduler
+unlocks the node it loaded back, so no eviction frees those device pages while the copy still
+writes them, whatever stream each copy runs on); `acknowledge` runs what is over. The page and state
+allocators keep a record of what they handed out: a double free, or the free of a page or state
+slot never handed out, is a bug and asserts, as the device pools do.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -46,8 +52,10 @@ class HostTier:
         self._kinds = [kind for kind, _ in backed]
         self._device = [pool.k_layers + pool.v_layers for _, pool in backed]
         self.free_pages = torch.arange(self.num_pages, dtype=torch.int64)
+        self._held = torch.zeros(self.num_pages, dtype=torch.bool)  # pages handed out
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._event: torch.cuda.Event | None = None  # the last copy launched
+        self._pending: list[tuple[torch.cuda.Event | None, Callable[[], None]]] = []  # load-backs to acknowledge
         self._listeners: list[HostTierListener] = []
         self.num_written_back = self.num_loaded_back = 0
         self._state_device = [] if states is None else states.buffers
@@ -57,6 +65,7 @@ class HostTier:
             self.pools.append(HostPool(GroupKind.STATE, host_states, [], n))
         self.num_state_slots = n
         self.free_state_slots = list(range(n))
+        self._state_held = [False] * n
         self.num_states_written_back = self.num_states_loaded_back = 0
 
     @property
@@ -72,10 +81,14 @@ class HostTier:
         if n > self.free_pages.numel():
             return None
         pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        self._held[pages] = True
         return pages
 
     def free(self, pages: torch.Tensor, cause: str) -> None:
-        """Return host pages; listeners hear their slots first."""
+        """Return host pages; listeners hear their slots first. Freeing a page twice, or one never
+        handed out, is a bug."""
+        assert pages.unique().numel() == pages.numel() and bool(self._held[pages].all()), "bad host free"
+        self._held[pages] = False
         slots = page_slots(pages, self.page_size)
         for listener in self._listeners:
             for kind in self._kinds:
@@ -91,10 +104,17 @@ class HostTier:
 
     def alloc_state(self) -> int | None:
         """A free host state slot, or None."""
-        return self.free_state_slots.pop(0) if self.free_state_slots else None
+        if not self.free_state_slots:
+            return None
+        host_slot = self.free_state_slots.pop(0)
+        self._state_held[host_slot] = True
+        return host_slot
 
     def free_state(self, host_slot: int, cause: str) -> None:
-        """Return a host state slot; listeners hear it first."""
+        """Return a host state slot; listeners hear it first. Freeing one twice, or one never handed
+        out, is a bug."""
+        assert self._state_held[host_slot], "bad host state free"
+        self._state_held[host_slot] = False
         for listener in self._listeners:
             listener.host_freed(GroupKind.STATE, torch.tensor([host_slot]), cause)
         self.free_state_slots.append(host_slot)
@@ -135,9 +155,10 @@ class HostTier:
                     listener.written_back(kind, device_slots, host_slots)
         self.num_written_back += host_slots.numel() // self.page_size
 
-    def load_back(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+    def load_back(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
+                  on_done: Callable[[], None] | None = None) -> None:
         """Copy these host slots' KV to these (newly allocated) device slots (launched; the next
-        forward waits for it)."""
+        forward waits for it). on_done runs once the copy is known to be over (`acknowledge`)."""
         with self._copying():
             for pool, device in zip(self.pools, self._device):
                 for dst, src in zip(device, pool.k_layers + pool.v_layers):
@@ -146,6 +167,13 @@ class HostTier:
                 for kind in self._kinds:
                     listener.loaded_back(kind, host_slots, device_slots)
         self.num_loaded_back += host_slots.numel() // self.page_size
+        if on_done is not None:
+            self._pending.append((self._event, on_done))
+
+    def acknowledge(self) -> None:
+        """Run the on_done of every load-back whose copy is over (on a CPU: all of them), in order."""
+        while self._pending and (self._pending[0][0] is None or self._pending[0][0].query()):
+            self._pending.pop(0)[1]()
 
     def wait(self) -> None:
         """The current stream waits for every copy launched so far (CUDA; nothing on a CPU)."""
@@ -157,6 +185,7 @@ class HostTier:
         from the CPU."""
         if self._event is not None:
             self._event.synchronize()
+        self.acknowledge()
 
     @contextlib.contextmanager
     def _copying(self) -> Iterator[None]:

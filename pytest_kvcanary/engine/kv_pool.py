@@ -253,12 +253,15 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Map positions [start, start + len(slots)) to slots (each in the page its position's
-        column then names)."""
+        column then names). With pages, a slot's offset in its page must be its position's: one
+        that is not would be written in one place and read from another, a bug that asserts."""
         ps = self.page_size
         if ps == 1:
             self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
             return
-        columns = torch.arange(start, start + slots.numel()) // ps
+        positions = torch.arange(start, start + slots.numel())
+        assert torch.equal(slots.cpu() % ps, positions % ps), "slot misaligned in its page"
+        columns = positions // ps
         self.table[row, columns.to(self.table.device)] = (slots // ps).to(self.table.device)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 from itertools import count
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -135,11 +135,13 @@ class RadixCache:
             return MatchResult(self._path_slots(node), node)
         return MatchResult(self._path_slots(node), node, host[-1], sum(len(n.key) for n in host))
 
-    def load_back(self, match: MatchResult, pages: torch.Tensor) -> MatchResult:
+    def load_back(self, match: MatchResult, pages: torch.Tensor,
+                  on_done: Callable[[], None] | None = None) -> MatchResult:
         """Give the device-evicted nodes of a match (node to host_node) these device pages and load
         their KV back from the host tier into them (launched; the engine's next forward waits for
         it), keeping the host copy. Returns the match ending at host_node. The caller holds a lock
-        on host_node (allocating the pages may evict)."""
+        on host_node (allocating the pages may evict), to release in on_done, which the host tier
+        runs once the copy is over."""
         nodes = []
         node = match.host_node
         while node is not match.node:
@@ -147,7 +149,7 @@ class RadixCache:
             node = node.parent
         nodes.reverse()
         slots = page_slots(pages, self.page_size)
-        self.host_tier.load_back(torch.cat([n.host_value for n in nodes]), slots)
+        self.host_tier.load_back(torch.cat([n.host_value for n in nodes]), slots, on_done)
         for node, value in zip(nodes, slots.split([len(n.key) for n in nodes])):
             node.value = value
         return MatchResult(self._path_slots(match.host_node), match.host_node)

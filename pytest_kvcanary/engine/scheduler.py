@@ -229,14 +229,16 @@ class Scheduler:
 
     def _load_back(self, match: MatchResult) -> MatchResult:
         """The match with the part only the host tier holds loaded back into device pages (the
-        copies launched), or its device part alone when device memory is short."""
-        cache = self.radix_cache
-        cache.lock(match.host_node)  # allocating may evict: not what is about to be loaded back
+        copies launched), or its device part alone when device memory is short. The loaded-back
+        path stays locked until the host tier acknowledges the copy (no eviction frees the pages
+        it writes)."""
+        cache, node = self.radix_cache, match.host_node
+        cache.lock(node)  # allocating may evict: not what is about to be loaded back
         pages = self._alloc(match.host_len // self.pools.page_size)
-        cache.unlock(match.host_node)
         if pages is None:
+            cache.unlock(node)
             return MatchResult(match.slots, match.node)
-        return cache.load_back(match, pages)
+        return cache.load_back(match, pages, on_done=lambda: cache.unlock(node))
 
     def _schedule_decode(self) -> Batch | None:
         if not self.running:
