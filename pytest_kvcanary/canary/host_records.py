@@ -7,7 +7,9 @@ whose HEAD then verifies every loaded-back slot (its bytes against the fingerpri
 position and chain against the request reading it). A freed host copy keeps its records, as a
 freed device slot does. The copies are launched where the engine launches its own (on its copy
 stream, the seam's HostTierListener), a slice copy per run of consecutive slots, without the host
-waiting; host-side readers (`position`) wait for the tier first.
+waiting; host-side readers (`position`) wait for the tier first. Pages that leave host memory for
+a lower tier (the reference engine's disk tier) take their records along (`records_of`) and bring
+them back into the host slots they return to (`restore_records`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,24 @@ class HostRecords:
     def host_freed(self, kind: GroupKind, host_slots: torch.Tensor, cause: str) -> None:
         if kind in self.live:
             self.live[kind][host_slots] = False
+
+    def records_of(self, kind: GroupKind, host_slots: torch.Tensor) -> dict[Half, torch.Tensor]:
+        """The records of these host slots per half (a copy; none for a group it does not keep):
+        the tier takes them along when the pages leave host memory for a lower tier (a disk)."""
+        if kind not in self.records:
+            return {}
+        self.tier.synchronize()
+        return {half: records[host_slots].clone() for half, records in self.records[kind].items()}
+
+    def restore_records(self, kind: GroupKind, host_slots: torch.Tensor, rows: dict[Half, torch.Tensor]) -> None:
+        """Records that came back with pages from a lower tier into these host slots (`records_of`'s
+        rows); the next load-back takes them to the device, and HEAD verifies them there."""
+        if kind not in self.records:
+            return
+        self.tier.synchronize()
+        for half, records in rows.items():
+            self.records[kind][half][host_slots] = records.to(self.records[kind][half].device)
+        self.live[kind][host_slots] = True
 
     def live_slots(self, kind: GroupKind) -> torch.Tensor:
         """The host slots of a group holding a written-back copy (CPU int64)."""

@@ -136,7 +136,9 @@ class EngineConfig:
     mha, mla and hybrid; host_tier.py). num_state_slots: slots of a hybrid model's state pool, slot
     0 included (reserved: the initial state): one per running request, the rest for the prefix
     cache's checkpoints (state_pool.py); with a host tier, as many host state slots hold the
-    checkpoints of pages written back."""
+    checkpoints of pages written back. disk_dir: a directory where a storage tier under the host
+    tier keeps the pages host memory evicts, as files (None: none; needs a host tier, mha or mla;
+    disk_tier.py), at most disk_num_pages of them."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     num_slots: int = 1024
@@ -151,6 +153,8 @@ class EngineConfig:
     page_size: int = 1
     host_num_slots: int = 0
     num_state_slots: int = 64
+    disk_dir: str | None = None
+    disk_num_pages: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -183,6 +187,15 @@ class EngineConfig:
         if self.host_num_slots and self.model.attention == "swa":  # hybrid: checkpoints go to host state slots
             raise ValueError(f"host_num_slots > 0 needs attention mha, mla or hybrid (the host tier keeps no SWA "
                              f"pool); got attention={self.model.attention!r}")
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, str) or not self.disk_dir:
+                raise ValueError(f"disk_dir must be a directory path (a non-empty string) or None; "
+                                 f"got {self.disk_dir!r}")
+            if not self.host_num_slots or self.model.attention not in ("mha", "mla"):
+                raise ValueError(f"disk_dir needs a host tier (host_num_slots > 0) and attention mha or mla (the disk "
+                                 f"tier keeps no SWA pool nor checkpoints); got host_num_slots={self.host_num_slots}, "
+                                 f"attention={self.model.attention!r}")
+        check_int("disk_num_pages", self.disk_num_pages, 1)
         if self.model.attention == "hybrid":
             check_int("num_state_slots", self.num_state_slots, 2 * self.max_running + 1,
                       f" (slot 0 is reserved; each of max_running={self.max_running} requests holds a running state "

@@ -25,6 +25,7 @@ from pytest_kvcanary.canary.seam import (
 from .attention import PagedKV
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs
+from .disk_tier import DiskTier
 from .host_tier import HostTier
 from .kv_pool import KVPools, ReqToTokenPool
 from .model import CausalLM
@@ -47,7 +48,8 @@ class Engine:
     (``[rows, max_context]``: the token at each position of each row's request, -1 past it),
     ``drafter`` (speculative decoding's draft model and its acceptance counts, or None; its KV
     pool is ``pools.draft``), ``host_tier`` (the host-memory tier the radix cache writes evicted
-    pages back to, or None; also the seam's optional CanaryHost.host_tier), ``states`` (a hybrid
+    pages back to, or None; also the seam's optional CanaryHost.host_tier), ``disk_tier`` (the
+    storage tier under it that pages host memory evicts are stored in, or None), ``states`` (a hybrid
     model's state pool, StatePool, or None). model: what the engine
     runs, with its weights (default: a CausalLM of config.model with the checkpoint's weights; a
     parallel rank passes its shard)."""
@@ -69,8 +71,10 @@ class Engine:
         self.host_tier = HostTier(config, self.pools, self.device, self.states) if config.host_num_slots else None
         if self.states is not None and self.host_tier is not None:
             self.states.before_copy = self.host_tier.wait
+        self.disk_tier = None if config.disk_dir is None else DiskTier(config, self.host_tier)
         window = config.model.window if self.pools.swa is not None else None
-        self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window, self.host_tier, self.states)
+        self.radix_cache = RadixCache(self.pools, self.req_to_token_pool, window, self.host_tier, self.states,
+                                      self.disk_tier)
         self.scheduler = Scheduler(config, self.pools, self.req_to_token_pool, self.radix_cache, self.states)
         self.token_table = torch.full((config.max_running, config.model.max_context), -1, dtype=torch.int64,
                                       device=self.device)
@@ -207,7 +211,8 @@ class Engine:
         self.scheduler.reset()
         if self.host_tier is not None:
             self.host_tier.synchronize()  # every load-back over: its lock released
-        self.radix_cache.reset()
+        self.radix_cache.reset()  # the disk tier's files deleted with their nodes
+        assert self.disk_tier is None or not self.disk_tier.index, "disk pages outlived the radix cache"
         self.pools.restart()
         if self.host_tier is not None:
             self.host_tier.restart()

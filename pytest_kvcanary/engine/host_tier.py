@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from kvcanary_kernels.records import GroupKind
+from kvcanary_kernels.records import GroupKind, Half
 from pytest_kvcanary.canary.seam import HostPool, HostTierListener, copy_runs
 
 from .config import EngineConfig
@@ -75,6 +75,31 @@ class HostTier:
 
     def add_listener(self, listener: HostTierListener) -> None:
         self._listeners.append(listener)
+
+    @property
+    def kv_pools(self) -> list[HostPool]:
+        """The pools holding KV pages (FULL, DRAFT), without a hybrid model's STATE pool."""
+        return self.pools[:len(self._kinds)]
+
+    def records_of(self, host_slots: torch.Tensor) -> list[dict[tuple[GroupKind, Half], torch.Tensor]]:
+        """What each listener keeping records beside the host pages (one offering `records_of`:
+        the canary's HostRecords) holds for these host slots, per backed pool and half, on the CPU:
+        for a copy of the pages that leaves host memory (the disk tier) to take along."""
+        self.synchronize()
+        return [{(kind, half): rows.cpu() for kind in self._kinds
+                 for half, rows in listener.records_of(kind, host_slots).items()}
+                for listener in self._listeners if hasattr(listener, "records_of")]
+
+    def restore_records(self, host_slots: torch.Tensor,
+                        records: dict[tuple[int, GroupKind, Half], torch.Tensor]) -> None:
+        """Give the listeners keeping records (in `records_of`'s order: j, the listener's index
+        there) the records of pages that came back into these host slots from such a copy; the
+        next load-back takes them to the device with the bytes."""
+        keepers = [listener for listener in self._listeners if hasattr(listener, "restore_records")]
+        for j, listener in enumerate(keepers):
+            for kind in self._kinds:
+                listener.restore_records(kind, host_slots, {half: rows.to(torch.int64) for (i, k, half), rows
+                                                            in records.items() if i == j and k is kind})
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free host pages, or None (nothing allocated) when fewer are free."""

@@ -18,6 +18,15 @@ node's descendants are device-evicted too. A match may run on through device-evi
 scheduler then gives them device pages and loads their KV back (`load_back`). When host memory runs
 short, device-evicted leaves are dropped, least recently used first (their host copy freed).
 
+With a disk tier under the host tier (disk_tier.py), host memory running short stores those leaves'
+pages to disk instead (one file per page) and keeps the node, disk-resident (value and host_value
+None, disk_keys set); a node is device-resident, host-resident or disk-resident, in that order down
+any path (host eviction takes host-resident nodes whose children are all disk-resident). A match
+runs on through disk-resident nodes: `match_prefix` brings them into host memory (their files read,
+checked and deleted, the canary's records coming back with the bytes), the rest as from the host
+tier. A page refused at load (disk_tier.py says why) ends the match there, and its node leaves the
+tree. When the disk is full, disk-resident leaves are dropped, least recently used first.
+
 Hybrid models (a state pool): a node may own a checkpoint, the state slot holding the recurrent
 state after its last token (`Node.state`); a match ends at the deepest node of its path that has
 one, whose state a new request's running slot starts from. A request's checkpoint joins the tree
@@ -38,6 +47,7 @@ import torch
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
 from pytest_kvcanary.canary.seam import CacheWalk, CheckpointWalk
 
+from .disk_tier import DiskTier
 from .host_tier import HostTier
 from .kv_pool import KVPools, ReqToTokenPool, page_slots, slot_pages
 from .radix_node import Node
@@ -48,6 +58,8 @@ CAUSE_WRITTEN_BACK = "written back to host memory (device copy freed)"
 CAUSE_EVICTED = "evicted from the radix cache"
 CAUSE_HOST_EVICTED = "host copy evicted from host memory"
 CAUSE_HOST_DROPPED = "host copy freed: its node left the radix cache"
+CAUSE_STORED = "host copy stored to disk (host pages freed)"
+CAUSE_DISK_REFUSED = "a page loaded back from disk was refused"
 CAUSE_STATE_EVICTED = "checkpoint evicted from the radix cache"
 CAUSE_STATE_DUPLICATE = "radix dedup freed the duplicate checkpoint (the cache holds one there)"
 
@@ -84,11 +96,14 @@ def _common_len(a: list[int], b: list[int], page_size: int) -> int:
 class RadixCache:
     """window: the windowed layers' window for swa models (enables tombstones), else None.
     host_tier: where evicted pages are written back to, or None. states: a hybrid model's state
-    pool (checkpoints), or None. Keys inserted are whole pages of pools.page_size tokens."""
+    pool (checkpoints), or None. disk_tier: where pages host memory evicts are stored (with a host
+    tier), or None. Keys inserted are whole pages of pools.page_size tokens."""
 
     def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, window: int | None,
-                 host_tier: HostTier | None = None, states: StatePool | None = None) -> None:
+                 host_tier: HostTier | None = None, states: StatePool | None = None,
+                 disk_tier: DiskTier | None = None) -> None:
         self.pools, self.req_to_token, self.window, self.host_tier = pools, req_to_token, window, host_tier
+        self.disk_tier = disk_tier
         self.states = states
         self.num_states_evicted = 0  # checkpoints dropped by evict_states()
         self._checkpoints: CheckpointWalk | None = None  # the last checkpoint_walk, while the checkpoints stand
@@ -110,10 +125,15 @@ class RadixCache:
         fewer) are SWA-resident; tombstones earlier on the path are fine, only the full layers read
         them. The slots stay valid only while the node is locked (`lock`); call it before anything
         that may evict. With a host tier the match runs on through device-evicted nodes
-        (host_node, host_len), which `load_back` brings back."""
-        path = list(self._descend(key[:len(key) - len(key) % self.page_size], context))
+        (host_node, host_len), which `load_back` brings back; with a disk tier, through
+        disk-resident nodes too, which are brought into host memory here (up to the first that
+        cannot come back)."""
+        key = key[:len(key) - len(key) % self.page_size]
+        path = list(self._descend(key, context))
         resident = [node for node in path if node.value is not None]  # a prefix of the path
         host, path = path[len(resident):], resident
+        if self.disk_tier is not None and host:
+            host = self._promote(host, key, context, sum(len(node.key) for node in resident))
         if self.window is not None:
             best, run, depth = 0, 0, 0
             for j, node in enumerate(path):
@@ -170,6 +190,7 @@ class RadixCache:
             a, i = i, i + len(node.key)
             if node.value is None:  # device-evicted: the caller's slots hold its tokens now
                 node.value, held = slots[a:i], a if held is None else held
+                self._delete_files(node)
             if node.tombstone and i > swa_from:
                 if a < swa_from:
                     self._split(node, swa_from - a)
@@ -344,6 +365,7 @@ class RadixCache:
                 self.states.free([node.state], "radix cache flushed")
             if node.host_state is not None:
                 self.host_tier.free_state(node.host_state, "radix cache flushed")
+            self._delete_files(node)
         self.roots.clear()
         self._checkpoints = None
 
@@ -395,26 +417,125 @@ class RadixCache:
         return True
 
     def _evict_host(self, n: int) -> None:
-        """Drop unlocked device-evicted leaves, least recently used first (a parent left so becomes
-        one), their host copies freed, until n host pages are free or none is left."""
+        """Free the host copies of unlocked device-evicted leaves (no node below holds a host copy),
+        least recently used first (a parent left so becomes one), until n host pages are free or
+        none is left: stored to disk, the node staying disk-resident, where a disk tier takes
+        them; else dropped, the node leaving the tree."""
         def host_leaf(x: Node) -> bool:
-            return x.parent is not None and x.value is None and not x.children and not x.lock_ref
+            return (x.parent is not None and x.value is None and x.host_value is not None and not x.lock_ref
+                    and all(c.host_value is None for c in x.children.values()))
 
         heap = [(x.last_access, int(x.host_value[0]), x) for x in self._nodes() if host_leaf(x)]
         heapq.heapify(heap)
         while self.host_tier.free_pages.numel() < n and heap:
             node = heapq.heappop(heap)[-1]
-            self.host_tier.free(self._pages(node.host_value), CAUSE_HOST_EVICTED)
+            stored = self._store(node)
+            self.host_tier.free(self._pages(node.host_value), CAUSE_STORED if stored else CAUSE_HOST_EVICTED)
             node.host_value = None
             self._free_host_state(node, CAUSE_HOST_EVICTED)
             parent = node.parent
-            del parent.children[self._child_key(node.key)]
+            if not stored:
+                self._drop(node)
             if host_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, int(parent.host_value[0]), parent))
 
+    def _store(self, node: Node) -> bool:
+        """Whether the disk tier took a copy of the node's host pages (their files written, the keys
+        in disk_keys), dropping disk-resident leaves for room when the disk is full; False without a
+        disk tier, room, or when a store failed (the pages stored before it are deleted)."""
+        disk = self.disk_tier
+        n = len(node.key) // self.page_size
+        if disk is None or n > disk.num_pages:
+            return False
+        if n > disk.num_free:
+            self._evict_disk(n)
+        if n > disk.num_free:
+            return False
+        context, tokens = self._tokens(node)
+        start, keys = len(tokens) - len(node.key), []
+        for i, page in enumerate(node.host_value.split(self.page_size)):
+            key = disk.store(context, tokens[:start + (i + 1) * self.page_size], page)
+            if key is None:
+                disk.delete(keys)
+                return False
+            keys.append(key)
+        node.disk_keys = keys
+        return True
+
+    def _evict_disk(self, n: int) -> None:
+        """Drop unlocked disk-resident leaves, least recently used first (a parent left so becomes
+        one), their files deleted, until the disk tier has room for n pages or none is left."""
+        def disk_leaf(x: Node) -> bool:
+            return x.parent is not None and x.disk_keys is not None and not x.children and not x.lock_ref
+
+        order = count()
+        heap = [(x.last_access, next(order), x) for x in self._nodes() if disk_leaf(x)]
+        heapq.heapify(heap)
+        while self.disk_tier.num_free < n and heap:
+            node = heapq.heappop(heap)[-1]
+            parent = node.parent
+            self._drop(node)
+            if disk_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, next(order), parent))
+
+    def _promote(self, nodes: list[Node], key: list[int], context: int, start: int) -> list[Node]:
+        """Bring the disk-resident nodes of a match's device-evicted part (nodes, from token start
+        of key) into host memory, top-down; the part up to the first that did not come back (no
+        host room, or a page refused at load: that node leaves the tree with what hangs below)."""
+        self.lock(nodes[-1])  # making host room must not take what is on the way
+        done, refused = len(nodes), None
+        for j, node in enumerate(nodes):
+            end = start + len(node.key)
+            if node.host_value is None:
+                loaded = self._load_from_disk(node, key[:end], context)
+                if loaded is not True:
+                    done, refused = j, node if loaded is False else None
+                    break
+            start = end
+        self.unlock(nodes[-1])
+        if refused is not None:
+            self._drop(refused)
+        return nodes[:done]
+
+    def _load_from_disk(self, node: Node, tokens: list[int], context: int) -> bool | None:
+        """Load a disk-resident node's pages (tokens: from the start of the prompt to its end) into
+        new host pages, their records with them, and delete its files: True; False when the disk
+        tier refused a page (the host pages freed again); None when host memory has no room."""
+        n = len(node.key) // self.page_size
+        if n > self.host_tier.num_pages:
+            return None
+        if n > self.host_tier.free_pages.numel():
+            self._evict_host(n)
+        pages = self.host_tier.alloc(n)
+        if pages is None:
+            return None
+        slots, start = page_slots(pages, self.page_size), len(tokens) - len(node.key)
+        for i, (key, page) in enumerate(zip(node.disk_keys, slots.split(self.page_size), strict=True)):
+            end = start + (i + 1) * self.page_size
+            if not self.disk_tier.load(key, context, tokens[end - self.page_size:end], page):
+                self.host_tier.free(pages, CAUSE_DISK_REFUSED)
+                return False
+        self.disk_tier.delete(node.disk_keys)
+        node.host_value, node.disk_keys = slots, None
+        return True
+
+    def _delete_files(self, node: Node) -> None:
+        if node.disk_keys is not None:
+            self.disk_tier.delete(node.disk_keys)
+            node.disk_keys = None
+
+    def _tokens(self, node: Node) -> tuple[int, list[int]]:
+        """The context of the node's tree and the tokens from its root to the node's end."""
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        context = next(c for c, root in self.roots.items() if root is node)
+        return context, [t for k in reversed(keys) for t in k]
+
     def _drop(self, node: Node) -> None:
-        """Take a node out of the tree, freeing the host copies of the device-evicted nodes below it
-        and its checkpoint."""
+        """Take a node out of the tree, freeing its checkpoint and the host copies (and disk files)
+        it and the device-evicted nodes below it hold."""
         del node.parent.children[self._child_key(node.key)]
         if node.state is not None:
             self.states.free([node.state], CAUSE_EVICTED)
@@ -422,14 +543,17 @@ class RadixCache:
         stack = list(node.children.values())
         while stack:
             below = stack.pop()
-            self.host_tier.free(self._pages(below.host_value), CAUSE_HOST_DROPPED)
-            below.host_value = None
-            self._free_host_state(below, CAUSE_HOST_DROPPED)
+            self._free_copies(below)
             stack.extend(below.children.values())
+        self._free_copies(node)
+
+    def _free_copies(self, node: Node) -> None:
+        """Free the host copy, host checkpoint and disk files of a node leaving the tree."""
         if node.host_value is not None:
             self.host_tier.free(self._pages(node.host_value), CAUSE_HOST_DROPPED)
             node.host_value = None
         self._free_host_state(node, CAUSE_HOST_DROPPED)
+        self._delete_files(node)
 
     def _free_host_state(self, node: Node, cause: str) -> None:
         if node.host_state is not None:
@@ -459,6 +583,8 @@ class RadixCache:
         (top_value, node.value), (top_host, node.host_value) = cut(node.value), cut(node.host_value)
         top = Node(node.key[:n], top_value, node.parent, node.tombstone)
         top.host_value = top_host
+        if node.disk_keys is not None:
+            top.disk_keys, node.disk_keys = node.disk_keys[:n // self.page_size], node.disk_keys[n // self.page_size:]
         top.lock_ref, top.last_access = node.lock_ref, node.last_access
         top.children = {self._child_key(node.key[n:]): node}
         node.parent.children[self._child_key(node.key)] = top

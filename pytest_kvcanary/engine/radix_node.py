@@ -11,7 +11,9 @@ class Node:
     (host_value). lock_ref: running requests whose cached prefix passes through here. tombstone:
     the SWA slots of value were freed. state: a hybrid model's checkpoint, the state slot holding
     the recurrent state after the node's last token (None: no state is cached there); host_state:
-    the host tier's copy of it, a host state slot (written back with the node's pages)."""
+    the host tier's copy of it, a host state slot (written back with the node's pages). disk_keys:
+    with a disk tier, the keys of the files holding the node's pages, page by page, once host memory
+    evicted them (value and host_value are None then)."""
 
     def __init__(self, key: list[int], value: torch.Tensor | None, parent: Node | None,
                  tombstone: bool = False) -> None:
@@ -25,3 +27,4 @@ class Node:
         self.tombstone = tombstone
         self.state: int | None = None
         self.host_state: int | None = None
+        self.disk_keys: list[str] | None = None  # their files in the disk tier, page by page
