@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import atexit
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -35,14 +38,22 @@ DEVICE = "cuda:0" if CUDA else "cpu"
 
 
 def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 0, page_size: int = 1,
-               host_num_slots: int = 0, num_state_slots: int = 64) -> Any:
+               host_num_slots: int = 0, num_state_slots: int = 64, disk: bool = False) -> Any:
     from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
 
     model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0)
     return Engine(EngineConfig(model=model, num_slots=512, swa_num_slots=256, max_running=8, max_batch_tokens=512,
                                device=DEVICE, decode_mode=decode_mode, speculative_k=speculative_k,
                                draft_layers=2 if attention == "hybrid" else 1,
-                               page_size=page_size, host_num_slots=host_num_slots, num_state_slots=num_state_slots))
+                               page_size=page_size, host_num_slots=host_num_slots, num_state_slots=num_state_slots,
+                               disk_dir=_scratch_dir() if disk else None))
+
+
+def _scratch_dir() -> str:
+    """A directory for a disk tier's files, removed when the soak exits."""
+    path = tempfile.mkdtemp(prefix="kvcanary-soak-disk-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def _transformers(attention: str, batching: str, graphs: str) -> Any:
@@ -85,6 +96,11 @@ def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
             lambda a=attention: _reference(a, page_size=16, host_num_slots=1024), None)
         configs[f"reference-{attention}-speculative-host"] = (
             lambda a=attention: _reference(a, speculative_k=3, page_size=16, host_num_slots=1024), None)
+    # A disk tier under a small host tier (16 pages of 16 tokens), so host memory evicts to disk.
+    # Not hybrid: the disk tier keeps no checkpoints.
+    for attention in ("mha", "mla"):
+        configs[f"reference-{attention}-disk"] = (
+            lambda a=attention: _reference(a, page_size=16, host_num_slots=256, disk=True), None)
     for attention in ("mha", "swa"):
         for batching in ("sync", "async"):
             for graphs in ("eager", "graphs"):
@@ -123,8 +139,7 @@ def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rou
         handle.reset(seed, ())
         result = handle.run_workload(seed=seed, rounds=rounds, arrivals=arrivals)
         data = result.to_json()
-        state = handle.sides[0].runtime.state  # a hybrid model's liveness: checkpoints restored
-        restores = None if state is None else state.restores()
+        restores = handle.sides[0].runtime.readout().state_restores()  # a hybrid model's liveness
         rows.append({"config": name + ("" if arrivals else " (batches)"),
                      "device": torch.cuda.get_device_name() if CUDA else "cpu", "real_data": real_data,
                      "seeds": [seed], "rounds": data["rounds"], "forwards": data["forwards"],

@@ -204,7 +204,7 @@ def state_launch_ref(records: torch.Tensor, sources: Sequence[RealKvSource], ful
 def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
                     ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
                     sentinel: bool, after_forward: bool = False, read_hashes: torch.Tensor | None = None,
-                    tiling: Tiling | None = None) -> None:
+                    missing_at_zero: bool = True, tiling: Tiling | None = None) -> None:
     """Reference of ``verify_view``."""
     check_view_launch(records, sources, mapping, view, ring, tag)
     if read_hashes is not None:
@@ -235,7 +235,8 @@ def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapp
         checks[Reason.VERIFY_TOKEN] = _token_check(rec, known_token_ref(view, rows, positions))
     checks = {reason: (bad & live, stored, expected) for reason, (bad, stored, expected) in checks.items()}
     zeros = torch.zeros_like(slots)
-    checks[Reason.VERIFY_MISSING_SLOT] = (~live, zeros, zeros)
+    if missing_at_zero:
+        checks[Reason.VERIFY_MISSING_SLOT] = (~live, zeros, zeros)
     _count(ring, tag, slots.shape[0])
     _append(ring, tag, checks, slots, positions, rows)
     if sentinel and sources:

@@ -44,7 +44,7 @@ def _check_sentinel(records, sources, READS: tl.constexpr, ring, tag, read_hashe
 def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
                         window, max_context, ring, tag, read_hashes, READS: tl.constexpr, MAP: tl.constexpr,
                         HAS_TOKENS: tl.constexpr, HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr,
-                        AFTER_FORWARD: tl.constexpr, READ_HASHES: tl.constexpr, BLOCK: tl.constexpr):
+                        MISSING_AT_ZERO: tl.constexpr, AFTER_FORWARD: tl.constexpr, READ_HASHES: tl.constexpr, BLOCK: tl.constexpr):
     """Program (b, j) checks tiles j, j + J, ... of batch row b's read positions [lo, hi)."""
     count_launch(ring, tag)
     if SENTINEL:
@@ -87,15 +87,16 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
             want = known_token(tokens, row, pos, live)
         reasons, stored, expected = check_records(records, sources, READS, slots, live, pos, head | linked,
                                                   expected_prev_hash, want, HAS_TOKENS, read_hashes, READ_HASHES)
-        reasons, stored, expected = note_failure(on & (slots == 0), _MISSING, zeros, zeros,
-                                                 reasons, stored, expected)
+        if MISSING_AT_ZERO:
+            reasons, stored, expected = note_failure(on & (slots == 0), _MISSING, zeros, zeros,
+                                                     reasons, stored, expected)
         append_violations(ring, tag, reasons != 0, reasons, slots, pos, row, stored, expected)
 
 
 def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
                 ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
                 sentinel: bool, after_forward: bool = False, read_hashes: torch.Tensor | None = None,
-                tiling: Tiling | None = None) -> None:
+                missing_at_zero: bool = True, tiling: Tiling | None = None) -> None:
     """Check the record of every position batch row b reads, ``[ws_b, prefix_lens[b])`` with
     ``ws_b = max(0, prefix_lens[b] - window)`` (0 when window is 0; a prefix_lens[b] outside
     [0, max_context] is clamped there and reported once, view_out_of_range: slot 0, position and
@@ -106,7 +107,8 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
     newer token and are left out: ``ws_b = max(ws_b, prefix_lens[b] + extend_lens[b] - ring)``
     (at most prefix_lens[b]); other mappings ignore it.
 
-    Reasons: slot 0 (verify_missing_slot; no other check); stored position != p
+    Reasons: slot 0 (verify_missing_slot; no other check; with missing_at_zero False, for an engine
+    whose slot 0 holds a token, nothing: the position is skipped); stored position != p
     (verify_position); stored prev_hash != ``head_hash(context_keys[b])`` at p = 0, or != the
     successor hash of the record at ``mapping(rows[b], p - 1)`` for p > ws_b where that slot is
     not 0 (verify_chain_hash); with >= 1 source, the recomputed fingerprint != real_kv_hash
@@ -141,6 +143,6 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
         records, a.sources, a.mapping, a.tokens, *a.batch, a.context, window, max_context, ring_args(ring), tag,
         optional_ptr(read_hashes, records),
         READS=a.reads, MAP=a.map_consts, HAS_TOKENS=a.has_tokens and check_tokens, HAS_CONTEXT=a.has_context,
-        SENTINEL=sentinel and bool(sources), AFTER_FORWARD=after_forward and mapping.ring > 0,
+        SENTINEL=sentinel and bool(sources), MISSING_AT_ZERO=missing_at_zero, AFTER_FORWARD=after_forward and mapping.ring > 0,
         READ_HASHES=read_mode.value, BLOCK=a.tiling.block, num_warps=a.tiling.num_warps,
     )

@@ -2,7 +2,9 @@
 handles: handles/pool.py, results: report.py).
 
 Loaded by every pytest run of the environment, so it imports nothing heavy: torch, triton and the
-engines load inside the fixtures that start engines. Precedence: command line > kv_canary marker >
+engines load inside the fixtures that start engines. The built-in engines are plugins of their own
+(registered in `pytest_addhooks`), each implementing pytest_kvcanary_make_engine and registering
+its own options, as a third-party engine's plugin does. Precedence: command line > kv_canary marker >
 ini file, except the mode (a marker sets one test's mode, never turns on a run that is off); a
 test that injects faults runs in log mode unless its marker says otherwise. A test owns its
 violations when it injected faults or read them through kv_canary; others, in log mode, are
@@ -49,7 +51,6 @@ _LEASES = pytest.StashKey[DeviceLeases]()
 _POOL = pytest.StashKey[EnginePool]()
 _LOCK_DIR = pytest.StashKey[Path]()
 _OWN_LOCK_DIR = pytest.StashKey[bool]()  # this process made the lock dir and removes it at the end
-_ENVIRONMENT = pytest.StashKey[pytest.MonkeyPatch]()  # the settings' environment variables, undone at the end
 _KV_FIXTURES = frozenset({"kv_engine", "kv_pd", "kv_canary", "kv_device"})
 _INTERRUPTS = pytest.StashKey[Interrupts]()
 _COLLECTOR = "kv-canary-results"  # the name of the plugin object that collects the results
@@ -61,7 +62,8 @@ def _fail(message: str) -> NoReturn:
 
 # What the start-up checks ask of the engines by name (settings.py asks; handles/factories.py answers).
 ENGINE_CHECKS = EngineChecks(tuple(factories.BUILTIN_ENGINES), factories.engine_problem, factories.model_problem,
-                             factories.parallel_problem, factories.split_problem)
+                             factories.parallel_problem, factories.split_problem, factories.hook_engines,
+                             factories.ENGINE_OPTIONS)
 
 
 def _worker(config: pytest.Config) -> str:
@@ -110,9 +112,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    """The plugin's hooks, and the built-in engines' plugins that implement them, registered as any
+    plugin is (light: each loads its engine only when asked for one; `-p no:kv-canary-engine-NAME`
+    leaves one out)."""
     from . import hookspecs
 
     pluginmanager.add_hookspecs(hookspecs)
+    for name, module in factories.BUILTIN_ENGINES.items():
+        pluginmanager.register(module, f"kv-canary-engine-{name}")
 
 
 def _early_value(early_config: pytest.Config, name: str) -> str:
@@ -139,9 +146,6 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in markers.MARKER_LINES:
         config.addinivalue_line("markers", line)
     settings = config.stash[_SETTINGS] = resolve(config, ENGINE_CHECKS)
-    environment = config.stash[_ENVIRONMENT] = pytest.MonkeyPatch()
-    for name, value in settings.environment().items():
-        environment.setenv(name, value)
     config.stash[_RESULTS] = RunResults()
     workerinput = getattr(config, "workerinput", None)
     own = settings.lock_dir is None and workerinput is None
@@ -172,8 +176,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         remove_lock_dir(config.stash[_LOCK_DIR])
     if _INTERRUPTS in config.stash:
         config.stash[_INTERRUPTS].restore()
-    if _ENVIRONMENT in config.stash:
-        config.stash[_ENVIRONMENT].undo()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -293,12 +295,12 @@ def _topology(settings: Settings, node: pytest.Item) -> tuple[int, int]:
                  for name in markers.PARALLEL_FIELDS)
 
 
-def _checkout(request: pytest.FixtureRequest, pool: EnginePool, key: EngineKey, seed: int) -> Any:
+def _checkout(request: pytest.FixtureRequest, pool: EnginePool, key: EngineKey) -> Any:
     """The handle for key. An engine name nobody builds an engine under test for (a hook that
     returns None or something else) is the run's error, not each test's: this test errors, and
     the run stops after it, saying why."""
     try:
-        return pool.checkout(key, seed)
+        return pool.checkout(key)
     except (NoPrefillDecodePair, NoParallelEngine, UnsupportedAttention) as e:
         raise pytest.skip.Exception(str(e)) from None
     except (UnknownEngine, NotAnEngineUnderTest) as e:
@@ -326,9 +328,10 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     if problem := parallel_problem(settings.engine, tp, pp):
         field, why = problem
         pytest.skip(f"kv_parallel({field}=...) {why}")
-    key = EngineKey(kind, canary, attention, _devices(request.config, kind, tp * pp), settings.engine, model, tp, pp)
+    key = EngineKey(kind, canary, settings.engine, attention, _devices(request.config, kind, tp * pp), settings.seed,
+                    model, tp, pp)
     pool: EnginePool = request.getfixturevalue("_kv_engines")
-    serial, handle = _checkout(request, pool, key, settings.seed)
+    serial, handle = _checkout(request, pool, key)
     _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), canary=canary,
                   engine=f"{settings.engine}/{attention}")
     if perturbs and (why := handle.unsupported(perturbs)):
@@ -345,17 +348,18 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
 # ------------------------------------------------------------------------------------ fixtures
 
 @pytest.fixture(scope="session")
-def kv_start_engine() -> Callable[..., Any]:
-    """The function that starts engine handles (`pytest_kvcanary.handles.start.start_engine`).
+def kv_start_engine(pytestconfig: pytest.Config) -> Callable[[EngineKey], Any]:
+    """The function that starts an engine handle from its configuration, one EngineKey
+    (`pytest_kvcanary.handles.start.start_engine`, building engines through this run's hooks).
     Override it in a conftest.py to drive the kv fixtures with another harness."""
     from .handles import start
 
-    return start.start_engine
+    return functools.partial(start.start_engine, config=pytestconfig)
 
 
 @pytest.fixture(scope="session")
-def _kv_engines(pytestconfig: pytest.Config, kv_start_engine: Callable[..., Any]) -> Iterator[EnginePool]:
-    pool = EnginePool(kv_start_engine, pytestconfig.pluginmanager, _worker(pytestconfig))
+def _kv_engines(pytestconfig: pytest.Config, kv_start_engine: Callable[[EngineKey], Any]) -> Iterator[EnginePool]:
+    pool = EnginePool(kv_start_engine, _worker(pytestconfig))
     pytestconfig.stash[_POOL] = pool  # kept after the session: reports made later still read it
     yield pool
     pool.close()
@@ -409,13 +413,13 @@ def _replay(item: pytest.Item, record: _TestRecord, settings: Settings) -> str:
     target = os.path.relpath(item.path, item.config.invocation_params.dir) + sep + rest
     c = record.key.canary
     model = [f"--kv-canary-model={record.key.model}"] if record.key.model else []
-    isa = [f"--kv-canary-vllm-attention-isa={settings.vllm_attention_isa}"] if settings.vllm_attention_isa else []
+    engine = [f"{ENGINE_CHECKS.options[name]}={value}" for name, value in settings.engine_options.items() if value]
     key = record.key
     parallel = [f"--kv-canary-tp={key.tp}", f"--kv-canary-pp={key.pp}"] if key.tp * key.pp > 1 else []
     return shlex.join([
         "pytest", target, f"--kv-canary={c.mode}", f"--kv-canary-seed={record.seed}",
         f"--kv-canary-real-data={c.real_data}", f"--kv-canary-sweep-interval={c.sweep_interval}",
-        f"--kv-canary-device={settings.device}", f"--kv-canary-engine={key.engine}", *parallel, *model, *isa,
+        f"--kv-canary-device={settings.device}", f"--kv-canary-engine={key.engine}", *parallel, *model, *engine,
     ])
 
 
@@ -468,11 +472,13 @@ class _Collector:
         self.results = results
         self.interrupts = interrupts
 
+    @pytest.hookimpl(tryfirst=True)  # noted before the terminal shows the test started
     def pytest_runtest_logstart(self, nodeid: str) -> None:
         self.results.running.append(nodeid)
 
     def pytest_runtest_logfinish(self, nodeid: str) -> None:
-        if nodeid in self.results.running:
+        # once the run is stopping, a test that ends was running when it stopped: it stays named
+        if nodeid in self.results.running and not self.interrupts.received:
             self.results.running.remove(nodeid)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

@@ -6,18 +6,18 @@ value and what is allowed, raised before any test runs, so a run never fails lat
 could have checked first.
 
 It imports nothing above it: what the start-up checks ask of the engines by name comes in as an
-`EngineChecks` (the plugin hands over handles/factories.py's answers), and the vLLM option's values
-are declared here, beside the option (the adapter declares the same, adapters/vllm/isa.py; the
-layering test checks they agree).
+`EngineChecks` (the plugin hands over handles/factories.py's answers). An engine's own options
+are registered, resolved and checked by that engine's plugin (adapters/*_hooks.py); the settings
+only record the values given, for the header, the replay command and the report.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import pytest
 
@@ -27,11 +27,6 @@ from .gpu import AUTO, DEVICE_SETTINGS, count_gpus, visible_gpu_count
 from .report import report_target, special_file
 from .soak.workload import Workload
 
-# The vLLM adapter's attention_isa values and the environment variable that sets its default
-# (adapters/vllm/isa.py's CHOICES and ENV, which an import from here would reach up for).
-VLLM_ATTENTION_ISAS = ("readable", "vllm", "amx", "vec", "vec16")
-VLLM_ATTENTION_ISA_ENV = "KVCANARY_VLLM_ATTENTION_ISA"
-
 
 class EngineChecks(NamedTuple):
     """What the start-up checks ask of the engines by name (handles/factories.py answers; the plugin
@@ -39,13 +34,17 @@ class EngineChecks(NamedTuple):
     built-in engine cannot run here, or None. model_problem(name, model): why a checkpoint
     directory cannot serve it, or None. parallel_problem(name, tp, pp): (the field at fault, what
     it must be), or None. split_problem(name, attention, tp, pp, seed, model): why its model does
-    not split so, or None."""
+    not split so, or None. hook_engines(pluginmanager): whether a plugin or conftest other than
+    the built-in engines' implements pytest_kvcanary_make_engine. options: the options the
+    built-in engines' plugins register, ini key -> flag."""
 
     builtin: tuple[str, ...]
     engine_problem: Callable[[str], str | None]
     model_problem: Callable[[str, Path], str | None]
     parallel_problem: Callable[[str, int, int], tuple[str, str] | None]
     split_problem: Callable[[str, str, int, int, int, str | None], str | None]
+    hook_engines: Callable[[Any], bool]
+    options: Mapping[str, str]
 
 
 def _one_of(*allowed: str) -> Callable[[str], str]:
@@ -149,11 +148,6 @@ OPTIONS = (
     _Option("kv_canary_pp", "--kv-canary-pp", "N", "1", _integer(1),
             "pipeline-parallel stages of the reference engine each test runs on (as --kv-canary-tp; 1 on "
             "transformers)"),
-    _Option("kv_canary_vllm_attention_isa", "--kv-canary-vllm-attention-isa", "ISA", "",
-            _unset_or(_one_of(*VLLM_ATTENTION_ISAS)),
-            "vllm engine: the instruction-set path of vLLM's CPU attention, which decides its KV layout: "
-            "readable (vLLM's choice, amx run as vec), vllm, amx, vec, vec16 (default: the environment "
-            f"variable {VLLM_ATTENTION_ISA_ENV}, else readable)"),
 )
 # Options that set a CanaryConfig field; all but the mode, given on the command line, win over markers.
 _CANARY_FIELDS = {"kv_canary": "mode", "kv_canary_real_data": "real_data", "kv_canary_sweep_interval": "sweep_interval"}
@@ -169,9 +163,11 @@ class Settings:
     markers cannot change, and "tp" / "pp" when given there (kv_parallel markers cannot change
     them). tp / pp: tensor-parallel ranks and pipeline stages of the engines (1: one process).
     model / report / lock_dir: absolute, or None when unset.
-    workers_per_gpu: None for auto. vllm_attention_isa: None when unset (the vLLM adapter's
-    default applies: its environment variable, else readable). soak_rounds / soak_replay: what the
-    stock workload soak runs (a seeded workload of that many rounds, or the replay given).
+    workers_per_gpu: None for auto. soak_rounds / soak_replay: what the stock workload soak runs
+    (a seeded workload of that many rounds, or the replay given). engine_options: the options the
+    built-in engines' plugins register (EngineChecks.options), by ini key: the value given on the
+    command line, else in the ini file, else None (the engine's plugin resolves and checks them;
+    these are what the header, the replay command and the report show).
     """
 
     canary: CanaryConfig
@@ -183,33 +179,34 @@ class Settings:
     workers_per_gpu: int | None
     lock_dir: Path | None
     pinned: frozenset[str]
-    vllm_attention_isa: str | None = None
     soak_rounds: int = 16
     soak_replay: str | None = None
     tp: int = 1
     pp: int = 1
+    engine_options: Mapping[str, str | None] = field(default_factory=dict)
 
     def header(self) -> str:
         if not self.canary.enabled:
             return "kv-canary: off (enable with --kv-canary)"
         c = self.canary
         model = f" model={self.model}" if self.model else ""
-        isa = f" vllm_attention_isa={self.vllm_attention_isa}" if self.vllm_attention_isa else ""
+        engine = "".join(f" {_shown(name)}={value}" for name, value in self.engine_options.items() if value)
         parallel = f" tp={self.tp} pp={self.pp}" if self.tp * self.pp > 1 else ""
         return (f"kv-canary: mode={c.mode} real_data={c.real_data} sweep_interval={c.sweep_interval} "
-                f"seed={self.seed} device={self.device} engine={self.engine}{parallel}{model}{isa}")
-
-    def environment(self) -> dict[str, str]:
-        """Environment variables that carry settings to the engine adapters, which read them when
-        they build an engine (set for the run, over any the user set)."""
-        return {VLLM_ATTENTION_ISA_ENV: self.vllm_attention_isa} if self.vllm_attention_isa else {}
+                f"seed={self.seed} device={self.device} engine={self.engine}{parallel}{model}{engine}")
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d.update({_shown(name): value for name, value in d.pop("engine_options").items()})
         d.update({name: str(getattr(self, name)) if getattr(self, name) else None
                   for name in ("model", "report", "lock_dir")})
         d.update(pinned=sorted(self.pinned), workers_per_gpu=self.workers_per_gpu or AUTO)
         return d
+
+
+def _shown(name: str) -> str:
+    """An engine option's name in the header and the report: its ini key less the kv_canary_ prefix."""
+    return name.removeprefix("kv_canary_")
 
 
 # Where the plugin keeps the run's settings (config.stash), resolved once at start-up.
@@ -244,13 +241,6 @@ def resolve(config: pytest.Config, engines: EngineChecks) -> Settings:
             raise pytest.UsageError(f"{opt.flag} must not be empty (leave the option out to keep its default); "
                                     f"got {raw!r}")
 
-    # An environment variable that stands in for an option is checked like the option.
-    isa = os.environ.get(VLLM_ATTENTION_ISA_ENV)
-    if values["kv_canary_vllm_attention_isa"] is None and isa is not None and isa not in VLLM_ATTENTION_ISAS:
-        raise pytest.UsageError(f"the environment variable {VLLM_ATTENTION_ISA_ENV} (the default of "
-                                f"--kv-canary-vllm-attention-isa) must be one of {', '.join(VLLM_ATTENTION_ISAS)}; "
-                                f"got {isa!r}")
-
     def path(name: str) -> Path | None:
         if not values[name]:
             return None
@@ -268,17 +258,28 @@ def resolve(config: pytest.Config, engines: EngineChecks) -> Settings:
         lock_dir=path("kv_canary_lock_dir"),
         pinned=frozenset(f for name, f in {**_CANARY_FIELDS, **_PARALLEL_FIELDS}.items()
                          if name in from_cli and f != "mode"),
-        vllm_attention_isa=values["kv_canary_vllm_attention_isa"],
         soak_rounds=values["kv_canary_soak_rounds"],
         soak_replay=values["kv_canary_soak_replay"] or None,
         tp=values["kv_canary_tp"],
         pp=values["kv_canary_pp"],
+        engine_options={name: _given(config, name) for name in engines.options},
     )
     raw = {name: values[name] for name in sources}
     check_paths(settings, sources, raw)
-    hook = config.pluginmanager.hook.pytest_kvcanary_make_engine
-    check_engine(settings, sources, raw, engines, hook_engines=bool(hook.get_hookimpls()))
+    check_engine(settings, sources, raw, engines, hook_engines=engines.hook_engines(config.pluginmanager))
     return settings
+
+
+def _given(config: pytest.Config, name: str) -> str | None:
+    """The value of an engine's option given on the command line, else in the ini file, else None
+    (also when the engine's plugin, which registers it, is not loaded)."""
+    value = config.getoption(name, None)
+    if value is None:
+        try:
+            value = config.getini(name)
+        except ValueError:
+            return None
+    return value or None
 
 
 def _usage(source: str, raw: str, problem: str) -> pytest.UsageError:

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from pytest_kvcanary.adapters import EngineSpec
 from pytest_kvcanary.canary.seam import (Capabilities, Capacities, ForwardHooks, ForwardView, GroupKind, PoolGroup,
                                          SlotMapping, UnsupportedAttention)
 
@@ -134,9 +135,9 @@ class StaticCacheEngine:
         return int(logits[0, -1].argmax())
 
 
-def pytest_kvcanary_make_engine(name: str, attention: str, device: str, seed: int) -> StaticCacheEngine | None:
-    if name != "static":
+def pytest_kvcanary_make_engine(spec: EngineSpec) -> StaticCacheEngine | None:
+    if spec.name != "static":
         return None
-    if attention != "mha":
-        raise UnsupportedAttention(f"the static-cache engine has no {attention} attention")
-    return StaticCacheEngine(device, seed)
+    if spec.attention != "mha":
+        raise UnsupportedAttention(f"the static-cache engine has no {spec.attention} attention")
+    return StaticCacheEngine(spec.device, spec.seed)

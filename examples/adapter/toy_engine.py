@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from pytest_kvcanary.adapters import EngineSpec
 from pytest_kvcanary.canary.seam import (Capabilities, Capacities, ForwardHooks, ForwardView, GroupKind, PoolGroup,
                                          SlotMapping, UnsupportedAttention)
 
@@ -71,9 +72,9 @@ class ToyEngine:
         return int((self.k[read].sum() + self.v[read].sum()).abs() * 997) % 256
 
 
-def pytest_kvcanary_make_engine(name: str, attention: str, device: str) -> ToyEngine | None:
-    if name != "toy":
+def pytest_kvcanary_make_engine(spec: EngineSpec) -> ToyEngine | None:
+    if spec.name != "toy":
         return None
-    if attention != "mha":
-        raise UnsupportedAttention(f"the toy engine has no {attention} attention")
-    return ToyEngine(device)
+    if spec.attention != "mha":
+        raise UnsupportedAttention(f"the toy engine has no {spec.attention} attention")
+    return ToyEngine(spec.device)

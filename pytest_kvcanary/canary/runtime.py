@@ -4,6 +4,7 @@ for the call order); everything it does per forward is device work on buffers si
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import Callable, ContextManager, Protocol
 
@@ -17,10 +18,11 @@ from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .host_records import HostRecords
 from .launch_replay import LaunchReplay, buffers_key
-from .seam import CanaryHost, ForwardView, optional
+from .seam import CanaryHost, ForwardView, SlotZeroUnguarded, capabilities_of, optional
 from .state import StateGuard
 from .log import ViolationLog
 from .plans import SweepPlan
+from .readout import RuntimeReadout
 from .violation import Violation
 
 
@@ -97,6 +99,14 @@ class CanaryRuntime:
                        for pool in pools if pool.kind is not GroupKind.STATE]
         for group in self.groups:
             group.seal_reserved_slot()
+        # Slot 0 holds no token: its bytes never change, and a read mapped there is a missing slot.
+        self.sentinel = capabilities_of(host).spare_slot
+        if not self.sentinel:
+            warnings.warn(SlotZeroUnguarded(
+                f"{type(host).__name__} declares spare_slot=False: the tokens its pools hold at slot 0 (block 0 of a "
+                f"block table) are not guarded, and neither a sentinel nor a missing slot is checked there; allot "
+                f"one slot the engine never stores a token in to guard every token "
+                f"(docs/adapters.md#no-spare-slot)"), stacklevel=2)
         state = [GroupState.create(pool, mode, self.device, self.capacities, recheck=False)
                  for pool in pools if pool.kind is GroupKind.STATE]
         self.state = None if not state else StateGuard(state[0], self.groups[0], self.kernels.state_launch,
@@ -250,7 +260,7 @@ class CanaryRuntime:
                     state.records, state.sources, group.mapping, view, self.ring,
                     launch_tag(phase, half, group.pool.kind),
                     window=group.window, max_context=self.capacities.max_context,
-                    check_tokens=self.config.check_tokens, sentinel=True,
+                    check_tokens=self.config.check_tokens, sentinel=self.sentinel, missing_at_zero=self.sentinel,
                     after_forward=phase is Phase.RECHECK, read_hashes=state.read_hashes,
                 )
 
@@ -357,3 +367,9 @@ class CanaryRuntime:
         self.launches.reset()
         self.forwards = self.sweeps = 0
         self._sweep_plan = self._sweep_graph = None
+
+    def readout(self) -> RuntimeReadout:
+        """What callers outside the canary (the soak, the fault injector, tools) read of it: its
+        groups' slots, bytes and counts, through the canary's own code (canary/readout.py). Valid
+        for the runtime's life."""
+        return RuntimeReadout(self.groups, self.state, self.host_records)

@@ -86,7 +86,7 @@ if TYPE_CHECKING:
 # In the order an adapter is written (the module docstring's steps).
 __all__ = [
     # 1. what to guard
-    "PoolGroup", "SlotMapping", "GroupKind", "Half",
+    "PoolGroup", "SlotMapping", "GroupKind", "Half", "SlotZeroUnguarded",
     # 2. how big a forward gets
     "Capacities",
     # 3. each forward
@@ -114,6 +114,11 @@ def _not_offered(method: Method) -> Method:
     return method
 
 
+class SlotZeroUnguarded(UserWarning):
+    """Issued at attach to an engine that declares ``Capabilities(spare_slot=False)``: the tokens its
+    pools hold at slot 0 (block 0 of a block table) are not guarded."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What an engine has, declared by its adapter (`EngineUnderTest.capabilities`): a stock
@@ -125,8 +130,10 @@ class Capabilities:
     reuse). cache_walk: `cache_walk()` lists what the cache holds (the sweep; real_kv_unused_cache).
     concurrent: one forward may batch several requests (max_batch > 1). feed_token: `feed_token`
     is offered (next_token_swap). host_tier: `host_tier` is offered (real_kv_host). spare_slot: slot 0 of every pool (or block 0 of a block
-    table) is a spare the engine never stores a token in; an engine without one declares False and
-    the canary refuses it at attach with what to allot instead (docs/adapters.md).
+    table) is a spare the engine never stores a token in; an engine without one declares False: the
+    canary then checks no sentinel there and still skips it, so the tokens it holds go unguarded,
+    which attaching says (`SlotZeroUnguarded`); allotting a spare guards every token
+    (docs/adapters.md).
 
     Prefill/decode and parallel ranks are declared by the hooks that build them
     (`pytest_kvcanary_make_pd_pair`, the built-in engines' shards): kv_pd and kv_parallel skip,

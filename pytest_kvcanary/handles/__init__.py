@@ -1,7 +1,8 @@
 """The engine handles the kv fixtures hand a test, and everything that builds and keeps them.
 
 protocol: what a handle offers a test, the plugin and the assertions (the `Handle` protocol).
-factories: engines and prefill/decode pairs built by name (built-in, or a conftest's hooks);
+factories: engines and prefill/decode pairs built by name through the engine-building hooks (a
+conftest's, a plugin's, the built-in engines' plugins');
 checkpoints: whether a --kv-canary-model directory can serve a built-in engine.
 sided: what every handle is built from (the `RequestSender`, a `Side` per engine, `SidedHandle`);
 single: one engine (kv_engine); pd: a prefill/decode pair (kv_pd); parallel: a tensor/pipeline

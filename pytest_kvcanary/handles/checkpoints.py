@@ -107,3 +107,8 @@ def transformers_problem(path: Path) -> str | None:
 def any_checkpoint_problem(path: Path) -> str | None:
     """A Hugging Face checkpoint of any model type (the engine judges the type itself)."""
     return _checkpoint_problem(path, lambda: None) or _safetensors_problem(path)
+
+
+# Each built-in engine's check, by engine name: (path) -> why the directory cannot serve it, or None.
+PROBLEMS: dict[str, Callable[[Path], str | None]] = {
+    "reference": reference_problem, "transformers": transformers_problem, "vllm": any_checkpoint_problem}

@@ -1,46 +1,40 @@
-"""Engines by name: the built-in ones, and those a conftest's hooks build (no torch at import).
+"""Engines by name, built through the `pytest_kvcanary_make_engine` hook (no torch at import).
 
-`--kv-canary-engine NAME` resolves to a built-in factory (reference; transformers and vllm, each
-loaded only when named and needing its optional package), else to the first
-`pytest_kvcanary_make_engine` hook implementation that knows the name. A prefill/decode pair
-(kv_pd) comes from the built-in reference pair or a `pytest_kvcanary_make_pd_pair` hook. A parallel
-engine (kv_parallel) comes from a built-in engine's shard factory: the reference engine splits
-tensor and pipeline parallel, transformers tensor parallel only.
+`--kv-canary-engine NAME` resolves to the first `pytest_kvcanary_make_engine` implementation that
+knows the name: a conftest's or a plugin's, else a built-in engine's. The built-in engines are
+ordinary implementations, each in a pytest plugin of its own that the plugin registers
+(adapters/reference_hooks.py, transformers_hooks.py, vllm_hooks.py; transformers and vllm need
+their optional packages). A prefill/decode pair (kv_pd) comes from `pytest_kvcanary_make_pd_pair`
+the same way (the reference engine's plugin has one). What only the built-in engines have is
+read from their plugins here: the package each needs and the parallel engine (kv_parallel) each
+splits into, the reference engine over tensor and pipeline parallel, transformers tensor
+parallel only; handles/checkpoints.py judges a --kv-canary-model directory for each.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
+from ..adapters import reference_hooks, transformers_hooks, vllm_hooks
+from ..adapters.spec import EngineSpec
 from ..canary.seam import missing_methods
+from . import checkpoints
 
 if TYPE_CHECKING:
     from ..canary.seam import EngineUnderTest, PrefillDecodePair
 
-
-class Builtin(NamedTuple):
-    factory: str  # "module:function" with the signature (attention, device, seed, model)
-    package: str | None  # the optional package it drives, installed with the extra of that name
-    model_check: str  # "module:function" (path) -> why a --kv-canary-model directory cannot serve, or None
-    # "module:function" (attention, seed, model) -> the ShardFactory of a parallel engine (handles.rank),
-    # and the kv_parallel fields it splits over (tp, pp); None and () when it runs in one process only
-    shards: str | None = None
-    splits: tuple[str, ...] = ()
-
-
-BUILTIN_ENGINES = {
-    "reference": Builtin("pytest_kvcanary.adapters.reference:make_reference_engine", None,
-                         "pytest_kvcanary.handles.checkpoints:reference_problem",
-                         "pytest_kvcanary.adapters.reference:reference_shards", ("tp", "pp")),
-    "transformers": Builtin("pytest_kvcanary.adapters.transformers_cb:make_transformers_engine", "transformers",
-                            "pytest_kvcanary.handles.checkpoints:transformers_problem",
-                            "pytest_kvcanary.adapters.transformers_cb:transformers_shards", ("tp",)),
-    "vllm": Builtin("pytest_kvcanary.adapters.vllm:make_vllm_engine", "vllm",
-                    "pytest_kvcanary.handles.checkpoints:any_checkpoint_problem"),
-}
+# The built-in engines' plugins by engine name. Each module names its engine (NAME), the optional
+# package it drives (PACKAGE, None for none), what a parallel engine of it splits over (SPLITS, ()
+# for one process only) and, when it splits, its shard factory (make_shards(spec)).
+BUILTIN_ENGINES: dict[str, ModuleType] = {m.NAME: m for m in (reference_hooks, transformers_hooks, vllm_hooks)}
+# The options the built-in engines' plugins register (a module's OPTIONS), ini key -> flag: what the
+# run's header, replay command and report show.
+ENGINE_OPTIONS: dict[str, str] = {name: flag for m in BUILTIN_ENGINES.values()
+                                  for name, flag in getattr(m, "OPTIONS", {}).items()}
 
 
 class UnknownEngine(LookupError):
@@ -76,16 +70,23 @@ def install_hint(package: str) -> str:
 def engine_problem(name: str) -> str | None:
     """Why the built-in engine `name` cannot run here (its package is missing), or None."""
     builtin = BUILTIN_ENGINES.get(name)
-    if builtin is None or builtin.package is None or importlib.util.find_spec(builtin.package) is not None:
+    if builtin is None or builtin.PACKAGE is None or importlib.util.find_spec(builtin.PACKAGE) is not None:
         return None
-    return f"needs the {builtin.package} package, which is not installed: {install_hint(builtin.package)}"
+    return f"needs the {builtin.PACKAGE} package, which is not installed: {install_hint(builtin.PACKAGE)}"
+
+
+def hook_engines(pluginmanager: Any) -> bool:
+    """Whether a plugin or a conftest other than the built-in engines' implements
+    pytest_kvcanary_make_engine (and so may know names the built-in engines do not)."""
+    builtin = set(BUILTIN_ENGINES.values())
+    return any(impl.plugin not in builtin for impl in pluginmanager.hook.pytest_kvcanary_make_engine.get_hookimpls())
 
 
 def parallel_problem(name: str, tp: int, pp: int) -> tuple[str, str] | None:
     """Why engine `name` cannot run as tp x pp ranks here, as (the field at fault, "tp" or "pp";
     what it must be), or None (also for one rank)."""
     builtin = BUILTIN_ENGINES.get(name)
-    splits = () if builtin is None else builtin.splits
+    splits = () if builtin is None else builtin.SPLITS
     for field, value in (("tp", tp), ("pp", pp)):
         if value > 1 and field not in splits:
             if not splits:
@@ -106,7 +107,7 @@ def split_problem(name: str, attention: str, tp: int, pp: int, seed: int, model:
     from ..engine.parallel.topology import Topology
 
     try:
-        make_shards(name, attention, seed, model).check(Topology(tp, pp))
+        make_shards(EngineSpec(name, attention, "cpu", seed, model)).check(Topology(tp, pp))
     except UnsupportedAttention:
         return None
     except ValueError as e:
@@ -116,74 +117,75 @@ def split_problem(name: str, attention: str, tp: int, pp: int, seed: int, model:
 
 def parallel_engines() -> list[str]:
     """The built-in engines that run parallel, each with what it splits over."""
-    return [f"{name} ({' x '.join(b.splits)})" for name, b in BUILTIN_ENGINES.items() if b.splits]
+    return [f"{name} ({' x '.join(b.SPLITS)})" for name, b in BUILTIN_ENGINES.items() if b.SPLITS]
 
 
-def make_shards(name: str, attention: str, seed: int, model: str | None) -> Any:
-    """The ShardFactory (handles.rank) of the built-in engine `name`. Raises NoParallelEngine when
-    it has none, UnknownEngine when its package is missing, and what the engine's model raises
-    (UnsupportedAttention for an attention kind it lacks)."""
-    builtin = BUILTIN_ENGINES.get(name)
-    if builtin is None or builtin.shards is None:
-        raise NoParallelEngine(f"kv_parallel runs {', '.join(parallel_engines())}; engine {name!r} has no parallel "
-                               "engine here")
-    if problem := engine_problem(name):
-        raise UnknownEngine(f"engine {name!r} {problem}")
-    return _load(builtin.shards)(attention, seed, model)
+def make_shards(spec: EngineSpec) -> Any:
+    """The ShardFactory (handles.rank) of the built-in engine spec.name (spec.device is unused:
+    each rank runs on its own). Raises NoParallelEngine when it has none, UnknownEngine when its
+    package is missing, and what the engine's model raises (UnsupportedAttention for an attention
+    kind it lacks)."""
+    builtin = BUILTIN_ENGINES.get(spec.name)
+    if builtin is None or not builtin.SPLITS:
+        raise NoParallelEngine(f"kv_parallel runs {', '.join(parallel_engines())}; engine {spec.name!r} has no "
+                               "parallel engine here")
+    if problem := engine_problem(spec.name):
+        raise UnknownEngine(f"engine {spec.name!r} {problem}")
+    return builtin.make_shards(spec)
 
 
 def model_problem(name: str, model: Path) -> str | None:
     """Why the checkpoint directory `model` cannot serve the built-in engine `name`, or None
     (also for engines a hook builds: they judge their models themselves)."""
-    builtin = BUILTIN_ENGINES.get(name)
-    return None if builtin is None else _load(builtin.model_check)(model)
+    check = checkpoints.PROBLEMS.get(name)
+    return None if check is None else check(model)
 
 
-def _load(factory: str) -> Any:
-    module, _, function = factory.partition(":")
-    return getattr(importlib.import_module(module), function)
+@functools.cache
+def _builtin_hooks() -> Any:
+    """The hooks as seen outside a pytest run (a spec without config): the built-in engines' only."""
+    import pluggy
+
+    from .. import hookspecs
+
+    manager = pluggy.PluginManager("pytest")
+    manager.add_hookspecs(hookspecs)
+    for module in BUILTIN_ENGINES.values():
+        manager.register(module)
+    return manager.hook
 
 
-def make_engine(name: str, attention: str, device: str, seed: int, model: str | None,
-                pluginmanager: Any | None) -> EngineUnderTest:
-    """The built-in engine `name`, else the first pytest_kvcanary_make_engine result. Raises
-    UnknownEngine when nobody knows the name (or its package is missing), NotAnEngineUnderTest
-    when the result lacks a method the harness needs."""
-    builtin = BUILTIN_ENGINES.get(name)
-    engine = None
-    if builtin is not None:
-        if problem := engine_problem(name):
-            raise UnknownEngine(f"engine {name!r} {problem}")
-        engine = _load(builtin.factory)(attention, device, seed, model)
-    elif pluginmanager is not None:
-        engine = pluginmanager.hook.pytest_kvcanary_make_engine(name=name, attention=attention, device=device,
-                                                                seed=seed, model=model)
+def _hooks(spec: EngineSpec) -> Any:
+    return spec.config.pluginmanager.hook if spec.config is not None else _builtin_hooks()
+
+
+def make_engine(spec: EngineSpec) -> EngineUnderTest:
+    """The first pytest_kvcanary_make_engine result for spec (a conftest's or a plugin's before a
+    built-in engine's). Raises UnknownEngine when nobody knows the name (or the built-in engine's
+    package is missing), NotAnEngineUnderTest when the result lacks a method the harness needs."""
+    if problem := engine_problem(spec.name):
+        raise UnknownEngine(f"engine {spec.name!r} {problem}")
+    engine = _hooks(spec).pytest_kvcanary_make_engine(  # the separate arguments for old implementations
+        spec=spec, name=spec.name, attention=spec.attention, device=spec.device, seed=spec.seed, model=spec.model)
     if engine is None:
-        raise UnknownEngine(f"no engine named {name!r}: --kv-canary-engine names {', '.join(BUILTIN_ENGINES)} or "
-                          "an engine a pytest_kvcanary_make_engine hook implementation returns")
+        raise UnknownEngine(f"no engine named {spec.name!r}: --kv-canary-engine names {', '.join(BUILTIN_ENGINES)} "
+                            "or an engine a pytest_kvcanary_make_engine hook implementation returns")
     if missing := missing_methods(engine):
-        raise NotAnEngineUnderTest(f"engine {name!r} ({type(engine).__name__}) does not implement EngineUnderTest "
+        raise NotAnEngineUnderTest(f"engine {spec.name!r} ({type(engine).__name__}) does not implement EngineUnderTest "
                                    f"(pytest_kvcanary/canary/seam.py): missing {', '.join(missing)}")
     return engine
 
 
-def make_pd_pair(name: str, attention: str, devices: tuple[str, str], seed: int, model: str | None,
-                 pluginmanager: Any | None) -> PrefillDecodePair:
-    """A prefill/decode pair of engine `name` on (prefill, decode) devices: the reference pair,
-    else the first pytest_kvcanary_make_pd_pair result. Raises NoPrefillDecodePair when neither
-    builds one (before any engine is started)."""
-    pair = None
-    if name == "reference":
-        from ..engine.pd import PDPair
-
-        pair = PDPair(*(make_engine(name, attention, device, seed, model, pluginmanager) for device in devices))
-    elif pluginmanager is not None:
-        pair = pluginmanager.hook.pytest_kvcanary_make_pd_pair(
-            name=name, attention=attention, prefill_device=devices[0], decode_device=devices[1], seed=seed,
-            model=model)
+def make_pd_pair(spec: EngineSpec) -> PrefillDecodePair:
+    """The first pytest_kvcanary_make_pd_pair result for spec (prefill on spec.device, decode on
+    spec.decode_device). Raises NoPrefillDecodePair when none builds one (before any engine is
+    started)."""
+    pair = _hooks(spec).pytest_kvcanary_make_pd_pair(  # the separate arguments for old implementations
+        spec=spec, name=spec.name, attention=spec.attention, prefill_device=spec.device,
+        decode_device=spec.decode_device, seed=spec.seed, model=spec.model)
     if pair is None:
         raise NoPrefillDecodePair(
-            f"kv_pd needs a prefill/decode pair of engine {name!r}, and none is known: the reference engine "
+            f"kv_pd needs a prefill/decode pair of engine {spec.name!r}, and none is known: the reference engine "
             "has one; for another engine, return one from a pytest_kvcanary_make_pd_pair hook "
             "(the PrefillDecodePair seam in pytest_kvcanary/canary/seam.py)")
     return pair

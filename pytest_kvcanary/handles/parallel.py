@@ -20,6 +20,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch.distributed as dist
 
+from ..adapters.spec import EngineSpec
 from ..canary.log import KvCanaryViolationError
 from ..canary.violation import Violation
 from ..config import CanaryConfig, PerturbSpec
@@ -200,20 +201,20 @@ def _unsupported(perturbs: tuple[PerturbSpec, ...], context: RankContext) -> str
     return context.handle.unsupported(perturbs)
 
 
-def start_parallel(kind: str, topology: Topology, *, canary: CanaryConfig, attention: str, devices: Sequence[str],
-                   seed: int, model: str | None, engine_name: str = "reference") -> ParallelHandle:
-    """The built-in engine `engine_name` split over topology's ranks (factories.make_shards), rank r
+def start_parallel(kind: str, topology: Topology, spec: EngineSpec, canary: CanaryConfig,
+                   devices: Sequence[str]) -> ParallelHandle:
+    """The built-in engine spec names split over topology's ranks (factories.make_shards), rank r
     on devices[r] (one device: every rank on it, as on a CPU). Raises what make_shards raises,
     NoParallelEngine when the model does not split over topology (the shard factory's check), and
     NoPrefillDecodePair for kind "pd" of an engine without pairs."""
-    shards = make_shards(engine_name, attention, seed, model)
+    shards = make_shards(spec)
     try:
         shards.check(topology)
     except ValueError as e:  # the model does not split so: the test skips (plugin), saying why
-        raise NoParallelEngine(f"kv_parallel(tp={topology.tp}, pp={topology.pp}): engine {engine_name!r} on "
-                               f"{attention} cannot split its model so: {e}") from None
+        raise NoParallelEngine(f"kv_parallel(tp={topology.tp}, pp={topology.pp}): engine {spec.name!r} on "
+                               f"{spec.attention} cannot split its model so: {e}") from None
     if kind == "pd" and not shards.pairs:
-        raise NoPrefillDecodePair(f"kv_pd under kv_parallel needs prefill/decode pairs of engine {engine_name!r}, "
+        raise NoPrefillDecodePair(f"kv_pd under kv_parallel needs prefill/decode pairs of engine {spec.name!r}, "
                                   "and it has none (the reference engine has)")
     devices = tuple(devices) * topology.world if len(devices) == 1 else tuple(devices)
     return ParallelHandle(RankSpec(kind, shards, canary, topology, devices))

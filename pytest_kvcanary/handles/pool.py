@@ -4,7 +4,7 @@ before each, replaced when broken (no torch: handles come from the kv_start_engi
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, NamedTuple
 
 from ..config import CanaryConfig, PerturbSpec
@@ -41,22 +41,31 @@ class WatchedHandle:
         return call
 
 
-class EngineKey(NamedTuple):
-    """Tests with equal keys share a handle."""
+@dataclass(frozen=True)
+class EngineKey:
+    """One engine handle's configuration, what the kv_start_engine function gets (whole: it is its
+    one argument). Tests with equal keys share a handle.
 
-    kind: str  # "single" or "pd"
+    kind: "single" (kv_engine) or "pd" (kv_pd, a prefill/decode pair).
+    canary: the canary's configuration for the test (its markers applied).
+    engine: the engine's name, the --kv-canary-engine setting.
+    attention: "mha", "swa", "mla" or "hybrid".
+    device: the handle's devices, "cpu" or "cuda:0"; for a pair on two GPUs, or a parallel
+    engine's ranks, comma-separated ("cuda:0,cuda:1").
+    seed: the run's --kv-canary-seed.
+    model: the --kv-canary-model directory, or None for the engine's default.
+    tp, pp: tensor-parallel ranks and pipeline stages (1 and 1: one process).
+    """
+
+    kind: str
     canary: CanaryConfig
-    attention: str
-    device: str  # "cuda:0"; for a pd pair on two GPUs, or a parallel engine's ranks, "cuda:0,cuda:1"
     engine: str
-    model: str | None
-    tp: int = 1  # tensor-parallel ranks
-    pp: int = 1  # pipeline stages
-
-    @property
-    def parallel(self) -> dict[str, tuple[int, int]]:
-        """What kv_start_engine is told about a parallel engine: parallel=(tp, pp); {} for one process."""
-        return {"parallel": (self.tp, self.pp)} if self.tp * self.pp > 1 else {}
+    attention: str
+    device: str
+    seed: int
+    model: str | None = None
+    tp: int = 1
+    pp: int = 1
 
 
 class Checkout(NamedTuple):
@@ -65,14 +74,13 @@ class Checkout(NamedTuple):
 
 
 class EnginePool:
-    """start: kv_start_engine's function. worker: this process's name in the results ("main" or
-    the xdist worker id). A handle that raised or reports itself unhealthy is closed after its
-    test and replaced on next use; `take_retired()` hands out the record of each such
-    replacement once, for the plugin to put on a test report."""
+    """start: kv_start_engine's function, from an EngineKey to a handle. worker: this process's
+    name in the results ("main" or the xdist worker id). A handle that raised or reports itself
+    unhealthy is closed after its test and replaced on next use; `take_retired()` hands out the
+    record of each such replacement once, for the plugin to put on a test report."""
 
-    def __init__(self, start: Callable[..., Any], pluginmanager: Any, worker: str) -> None:
+    def __init__(self, start: Callable[[EngineKey], Any], worker: str) -> None:
         self._start = start
-        self._pluginmanager = pluginmanager
         self._worker = worker
         self._handles: dict[EngineKey, Checkout] = {}
         self._serials = 0
@@ -83,13 +91,10 @@ class EnginePool:
         return EngineRef(worker=self._worker, handle=serial, engine=key.engine, kind=key.kind,
                          attention=key.attention, device=key.device, canary=asdict(key.canary), tp=key.tp, pp=key.pp)
 
-    def checkout(self, key: EngineKey, seed: int) -> Checkout:
+    def checkout(self, key: EngineKey) -> Checkout:
         """The handle for key, started on first use (whatever starting raises propagates)."""
         if key not in self._handles:
-            handle = self._start(key.kind, canary=key.canary, attention=key.attention, device=key.device, seed=seed,
-                                 engine_name=key.engine, model=key.model, pluginmanager=self._pluginmanager,
-                                 **key.parallel)
-            self._handles[key] = Checkout(self._serials, WatchedHandle(handle))
+            self._handles[key] = Checkout(self._serials, WatchedHandle(self._start(key)))
             self._serials += 1
         return self._handles[key]
 

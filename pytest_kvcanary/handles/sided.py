@@ -39,13 +39,6 @@ class Side:
     def __init__(self, name: str, engine: EngineUnderTest, canary: CanaryConfig, ledger: Ledger) -> None:
         self.name = name
         self.engine = engine
-        if not capabilities_of(engine).spare_slot:
-            raise ValueError(
-                f"the {name} engine ({type(engine).__name__}) declares spare_slot=False: the canary keeps slot 0 of "
-                "each pool (block 0 of a block table) as a sentinel that never holds a token, and reads a mapping "
-                "entry 0 as 'not resident'. Allot one more slot (a page, or a batch row of a [batch, ...] cache) than "
-                "the engine serves from, never store a token there, and number the served ones from 1 "
-                "(docs/adapters.md#no-spare-slot)")
         self.runtime = CanaryRuntime(canary, engine, side=name)
         self.injector = FaultInjector(engine, self.runtime, name, ledger)
         self.runtime.observers.append(self.injector)
@@ -66,7 +59,12 @@ class Side:
         return f"req {rid} '{repr(prompt[:PROMPT_SHOWN])[1:-1]}'"
 
     def close(self) -> None:
+        """Detach the canary, then close the engine when it has a close() (optional: an engine
+        with patches or processes of its own undoes them there); the side is not used after."""
         self.engine.set_forward_hooks(None)
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
 
 
 class RequestSender:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import random
 import zlib
-from dataclasses import replace
 
 import torch
 
-from kvcanary_kernels import RealKvSource
 from kvcanary_kernels.records import GroupKind, Half
 
-from ..canary.groups import GroupState
+from ..canary.readout import GroupReadout, SlotBytes
 from ..canary.runtime import CanaryRuntime
 from ..canary.seam import CanaryHost, ForwardView, optional
 from ..config import PerturbSpec
@@ -38,6 +36,7 @@ class FaultInjector:
     def __init__(self, host: CanaryHost, runtime: CanaryRuntime, side: str, ledger: Ledger) -> None:
         self.host = host
         self.runtime = runtime
+        self.readout = runtime.readout()
         self.side = side
         self.ledger = ledger
         self.specs: tuple[PerturbSpec, ...] = ()
@@ -57,23 +56,19 @@ class FaultInjector:
         still mapped from its FULL slot, so one whose SWA slot moved frees nothing there). Reads
         the slots (a device sync) only while the ledger follows damage in that group."""
         if self.ledger.follows_frees(self.side, kind):
-            self._escape(self.runtime.group(kind), slots, cause)
+            self._escape(self.readout.group(kind), slots, cause)
 
-    def _escape(self, group: GroupState, full_slots: torch.Tensor, cause: str) -> None:
-        slots = full_slots if group.pool.kind is GroupKind.STATE else group.to_group_slots(
-            full_slots.to(group.device, torch.int64))
-        self.ledger.escape(self.side, group.pool.kind, set(slots[slots != 0].tolist()), cause,
-                           self.runtime.forwards)
+    def _escape(self, group: GroupReadout, full_slots: torch.Tensor, cause: str) -> None:
+        slots = full_slots if group.kind is GroupKind.STATE else group.group_slots(full_slots.to(torch.int64))
+        self.ledger.escape(self.side, group.kind, set(slots[slots != 0].tolist()), cause, self.runtime.forwards)
 
     def arm(self, specs: tuple[PerturbSpec, ...], seed: int) -> None:
         """Faults for the next run; the same specs and seed replay the same injections."""
         kinds = self.runtime.group_kinds
-        fingerprints = any(g.has_sources() for g in self.runtime.groups)
+        fingerprints = any(g.fingerprinted() for g in self.readout.kv_groups)
         for spec in specs:
             why = misfit(spec, kinds, fingerprints_real_kv=fingerprints, engine="this engine")
-            held = self.runtime.host_records
-            if why is None and spec.mode == "real_kv_host" and (
-                    held is None or target(spec, kinds) not in {g.pool.kind for g in held.groups}):
+            if why is None and spec.mode == "real_kv_host" and not self.readout.group(target(spec, kinds)).host_backed:
                 why = f"the {target(spec, kinds).label} group of this engine has no host tier to damage"
             if why is not None:
                 raise PerturbError(f"kv_perturb({spec.mode!r}): {why}")
@@ -81,8 +76,8 @@ class FaultInjector:
         self._rng = random.Random(zlib.crc32(f"{seed}/{self.side}".encode()))
         self._restore.clear()
 
-    def _group(self, spec: PerturbSpec) -> GroupState:
-        return self.runtime.group(target(spec, self.runtime.group_kinds))
+    def _group(self, spec: PerturbSpec) -> GroupReadout:
+        return self.readout.group(target(spec, self.runtime.group_kinds))
 
     def _due(self, spec: PerturbSpec, modes: tuple[str, ...]) -> bool:
         return (spec.mode in modes and self.runtime.forwards >= spec.warmup_steps
@@ -114,7 +109,7 @@ class FaultInjector:
         if not self._hears_frees:
             # A rewritten slot's damage is gone unread; engines that report frees said so already
             # (a slot is freed before it can be written again).
-            for group in self.runtime.groups:
+            for group in self.readout.kv_groups:
                 written = torch.tensor([t.full_slot for t in written_targets(view, group)], dtype=torch.int64)
                 self._escape(group, written, "slot overwritten before any read")
         for spec in self.specs:
@@ -122,57 +117,49 @@ class FaultInjector:
                 group = self._group(spec)
                 self._flip(spec, group, written_targets(view, group), byte=None)
 
-    def _flip(self, spec: PerturbSpec, group: GroupState, targets: list[Target], byte: int | None) -> None:
+    def _flip(self, spec: PerturbSpec, group: GroupReadout, targets: list[Target], byte: int | None) -> None:
         """Flip one bit of a byte the fingerprint reads (``byte``: the index among its sampled bytes,
         None: a random one) of a target slot in a layer the fingerprint reads. Slots that
         already hold a flip are passed over: a second flip could undo the first, and each fault
         stays one violation of its own."""
-        damaged = self.ledger.damaged(self.side, group.pool.kind)
+        damaged = self.ledger.damaged(self.side, group.kind)
         targets = [t for t in targets if t.slot not in damaged]
         if not targets:
             return
         t = self._rng.choice(targets)
-        half, source = self._pick_source(group)
-        state = group.halves[half]
-        offset = self._flip_byte(state.sources[source], t.slot, byte)
-        self._record(spec, group, t, offset, half.name, state.source_layers[source])
+        half, layer = self._pick_layer(group)
+        offset = self._flip_byte(group.slot_bytes(half, layer, t.slot), byte)
+        self._record(spec, group, t, offset, half.name, layer)
 
-    def _pick_source(self, group: GroupState) -> tuple[Half, int]:
-        """A half of the group and the index of one of its fingerprint's sources."""
-        half = self._rng.choice([h for h, state in group.halves.items() if state.sources])
-        return half, self._rng.randrange(len(group.halves[half].sources))
+    def _pick_layer(self, group: GroupReadout) -> tuple[Half, int]:
+        """A half of the group and one of its layers the fingerprint reads."""
+        layers = group.fingerprinted()
+        half = self._rng.choice(list(layers))
+        return half, layers[half][self._rng.randrange(len(layers[half]))]
 
-    def _flip_byte(self, source: RealKvSource, slot: int, byte: int | None) -> int:
-        """Flip one bit of a byte of the slot the source reads (its index among the sampled bytes,
-        None: a random one); returns the byte's offset in the slot."""
-        sampled = source.sampled_bytes()
-        offset = sampled[self._rng.randrange(len(sampled)) if byte is None else byte]
-        page, within = divmod(slot, source.page_size)
-        data = source.row_bytes()  # starts at the source's first sampled byte
-        data[page, source.slot_offset(within) + offset - source.sample_offset] ^= 1 << self._rng.randrange(8)
+    def _flip_byte(self, slot: SlotBytes, byte: int | None) -> int:
+        """Flip one bit of a byte of the slot the fingerprint reads (its index among the sampled
+        bytes, None: a random one); returns the byte's offset in the slot."""
+        offset = slot.sampled[self._rng.randrange(len(slot.sampled)) if byte is None else byte]
+        slot.data[offset] ^= 1 << self._rng.randrange(8)
         return offset
 
-    def _flip_host(self, spec: PerturbSpec, group: GroupState) -> None:
+    def _flip_host(self, spec: PerturbSpec, group: GroupReadout) -> None:
         """Flip a byte the fingerprint reads of a page the host tier holds, while it is there: the
         HEAD of the first forward that reads it after it is loaded back must see it. Recorded at
         the host slot on the place "<side>:host"."""
-        held = self.runtime.host_records
         self._tier.synchronize()  # no copy into host memory is under way
-        damaged = self.ledger.damaged(self.host_side, group.pool.kind)
-        targets = [h for h in held.live_slots(group.pool.kind).tolist() if h not in damaged]
+        damaged = self.ledger.damaged(self.host_side, group.kind)
+        targets = [h for h in group.host_slots().tolist() if h not in damaged]
         if not targets:
             return
         slot = self._rng.choice(targets)
-        half, index = self._pick_source(group)
-        state = group.halves[half]
-        pool = next(p for p in self._tier.pools if p.kind is group.pool.kind)
-        layer = (pool.k_layers if half is Half.K else pool.v_layers)[state.source_layers[index]]
-        offset = self._flip_byte(replace(state.sources[index], tensor=layer), slot, None)
-        position = held.position(group.pool.kind, half, slot)
+        half, layer = self._pick_layer(group)
+        offset = self._flip_byte(group.slot_bytes(half, layer, slot, host=True), None)
+        position = group.host_position(half, slot)
         self.ledger.record(Injection(
-            mode=spec.mode, side=self.host_side, group=group.pool.kind.label, slot=slot, full_slot=slot,
-            position=position, row=-1, byte=offset, step=self.runtime.forwards, half=half.name,
-            layer=state.source_layers[index]))
+            mode=spec.mode, side=self.host_side, group=group.kind.label, slot=slot, full_slot=slot,
+            position=position, row=-1, byte=offset, step=self.runtime.forwards, half=half.name, layer=layer))
 
     def states_copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """A recurrent state copied (a checkpoint restored or saved): damage in it now also lives
@@ -200,9 +187,8 @@ class FaultInjector:
         write-back), or the other way round (a load-back), from the next forward on."""
         if not self.ledger.injections:
             return
-        step, group = self.runtime.forwards, self.runtime.group(kind)
-        for space, slot, host in zip(slots.tolist(), group.to_group_slots(slots.to(group.device)).tolist(),
-                                     host_slots.tolist()):
+        step, group = self.runtime.forwards, self.readout.group(kind)
+        for space, slot, host in zip(slots.tolist(), group.group_slots(slots).tolist(), host_slots.tolist()):
             if not slot:
                 continue
             if into_host:
@@ -210,46 +196,39 @@ class FaultInjector:
             else:
                 self.ledger.moved(self.host_side, kind, host, Place(self.side, slot, space, step))
 
-    def _remap(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:
+    def _remap(self, spec: PerturbSpec, group: GroupReadout, view: ForwardView) -> None:
         """Point one mapping entry HEAD reads at another live entry (a slot of a per-token table,
         a block of a block table); restored after the forward. The fault is recorded at the first
-        position the entry maps that this forward reads. The log reports each distinct row once,
-        so a remap an earlier one already made is passed over."""
+        position the entry maps that this forward reads, where the remapped table now maps it. The
+        log reports each distinct row once, so a remap an earlier one already made is passed over."""
         targets = read_targets(view, group)
-        m = group.mapping
-        page = m.page_size
-
-        def column(position: int) -> int:
-            return (position % m.ring if m.ring else position) // page
-
+        block, column = group.block_of, group.column_of
         # An entry this forward also writes through stays (the forward would write to the wrong
         # place), and so does the one holding a row's last prefix position (TAIL seeds the row's
         # chain from it, so the damage would outlive the forward).
-        writing = {w.full_slot // page for w in written_targets(view, group)}
+        writing = {block(w.full_slot) for w in written_targets(view, group)}
         seeds = {(int(r), int(p) - 1) for r, p in zip(view.rows.tolist(), view.prefix_lens.tolist())}
         seed_entries = {(o.row, column(o.position)) for o in targets if (o.row, o.position) in seeds}
         targets = [o for o in targets
-                   if o.full_slot // page not in writing and (o.row, column(o.position)) not in seed_entries]
+                   if block(o.full_slot) not in writing and (o.row, column(o.position)) not in seed_entries]
         if not targets:
             return
         t = self._rng.choice(targets)
         col = column(t.position)
         first = min(o.position for o in targets if o.row == t.row and column(o.position) == col)
-        entry = t.full_slot // page
-        made = {i.full_slot // page for i in self.ledger.injections
+        made = {block(i.full_slot) for i in self.ledger.injections
                 if (i.mode, i.side, i.row, i.position) == ("req_to_token", self.side, t.row, first)}
-        others = sorted({o.full_slot // page for o in targets} - {entry} - writing - made)
+        others = sorted({block(o.full_slot) for o in targets} - {block(t.full_slot)} - writing - made)
         if not others:
             return
         wrong = self._rng.choice(others)
-        self._restore.append((m.table, t.row, col, int(m.table[t.row, col])))
-        m.table[t.row, col] = wrong
-        lp = first % m.ring if m.ring else first
-        space = torch.tensor([wrong * page + lp % page], dtype=torch.int64)
-        slot = int(group.to_group_slots(space)[0])
-        self._record(spec, group, Target(slot, int(space[0]), first, t.row), -1, None, -1)
+        table = group.table
+        self._restore.append((table, t.row, col, int(table[t.row, col])))
+        table[t.row, col] = wrong
+        space, slot = (int(s[0]) for s in group.slots_at(torch.tensor([t.row]), torch.tensor([first])))
+        self._record(spec, group, Target(slot, space, first, t.row), -1, None, -1)
 
-    def _wrong_restore(self, spec: PerturbSpec, group: GroupState, view: ForwardView) -> None:
+    def _wrong_restore(self, spec: PerturbSpec, group: GroupReadout, view: ForwardView) -> None:
         """Restore one row's state (past its first token) from the wrong place, as an engine's
         restore path would: from another checkpoint the cache holds, or, when it holds none, from
         a free state slot (a donated slot never written for this prefix). Bytes and records move
@@ -261,14 +240,14 @@ class FaultInjector:
             return
         t = self._rng.choice(rows)
         held = set(walk.slots.tolist()) | set(view.state.slots.tolist())
-        sources = sorted(set(walk.slots.tolist()) - {t.slot}) or sorted(set(range(1, group.pool.num_slots)) - held)
+        sources = sorted(set(walk.slots.tolist()) - {t.slot}) or sorted(set(range(1, group.num_slots)) - held)
         if not sources:
             return
         src = self._rng.choice(sources)
-        dst = torch.tensor([t.slot], dtype=torch.int64, device=group.device)
-        for layer in group.pool.k_layers:
+        dst = torch.tensor([t.slot], dtype=torch.int64, device=self.runtime.device)
+        for layer in group.buffers(Half.K):  # a state group's one half
             layer[dst] = layer[src].clone()
-        self.runtime.states_copied(torch.tensor([src], dtype=torch.int64, device=group.device), dst)
+        self.runtime.states_copied(torch.tensor([src], dtype=torch.int64, device=self.runtime.device), dst)
         self._record(spec, group, t, -1, None, -1)
 
     def _swap(self, spec: PerturbSpec, view: ForwardView) -> None:
@@ -288,13 +267,13 @@ class FaultInjector:
         others = sorted({int(tokens[i]) for i, _, _ in fed} - {token})
         feed(view, index, others[0] if others else (token - 1 if token > 0 else token + 1))
         rows, positions = torch.tensor([row], dtype=torch.int64), torch.tensor([position], dtype=torch.int64)
-        for group in self.runtime.groups:
-            space, slot = (int(t[0]) for t in group.mapped_slots(rows, positions))
+        for group in self.readout.kv_groups:
+            space, slot = (int(t[0]) for t in group.slots_at(rows, positions))
             if slot:
                 self._record(spec, group, Target(slot, space, position, row), -1, None, -1)
 
-    def _record(self, spec: PerturbSpec, group: GroupState, t: Target, byte: int, half: str | None,
+    def _record(self, spec: PerturbSpec, group: GroupReadout, t: Target, byte: int, half: str | None,
                 layer: int) -> None:
         self.ledger.record(Injection(
-            mode=spec.mode, side=self.side, group=group.pool.kind.label, slot=t.slot, full_slot=t.full_slot,
+            mode=spec.mode, side=self.side, group=group.kind.label, slot=t.slot, full_slot=t.full_slot,
             position=t.position, row=t.row, byte=byte, step=self.runtime.forwards, half=half, layer=layer))

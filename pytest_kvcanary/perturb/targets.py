@@ -2,7 +2,8 @@
 tokens it is fed.
 
 Each slot list is of (group slot, mapping-space slot, position, row) candidates, computed through
-the seam only (the view, the group's mapping, the cache walk); slot 0 never appears.
+the seam (the view, the cache walk) and the runtime's readout of the group (its mapping); slot 0
+never appears.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..canary.groups import GroupState
-from ..canary.plans import sweep_entries
 from kvcanary_kernels.records import GroupKind
 
+from ..canary.readout import GroupReadout
 from ..canary.seam import CanaryHost, ForwardView, PagedWalk, optional
 from ..canary.walk import paged_entries
 
@@ -34,8 +34,8 @@ def _positions(view: ForwardView, starts: torch.Tensor, lengths: torch.Tensor) -
     return view.rows.cpu()[batch], starts.cpu()[batch] + offsets
 
 
-def _targets(group: GroupState, rows: torch.Tensor, positions: torch.Tensor) -> list[Target]:
-    space, slots = group.mapped_slots(rows, positions)
+def _targets(group: GroupReadout, rows: torch.Tensor, positions: torch.Tensor) -> list[Target]:
+    space, slots = group.slots_at(rows, positions)
     keep = (slots != 0).cpu()
     cols = [t.cpu()[keep].tolist() for t in (slots, space, positions, rows)]
     return [Target(*c) for c in zip(*cols)]
@@ -50,30 +50,30 @@ def _state_targets(view: ForwardView, slots: torch.Tensor, lengths: torch.Tensor
     return [Target(*c) for c in zip(*(t[keep].tolist() for t in cols))]
 
 
-def read_targets(view: ForwardView, group: GroupState) -> list[Target]:
+def read_targets(view: ForwardView, group: GroupReadout) -> list[Target]:
     """Slots this forward's HEAD verifies (and the forward reads) in this group (a STATE group:
     each row's state, at the row's prefix length)."""
-    if group.pool.kind is GroupKind.STATE:
+    if group.kind is GroupKind.STATE:
         return _state_targets(view, view.state.slots, view.prefix_lens)
     prefix = view.prefix_lens.cpu()
     starts = (prefix - group.window).clamp(min=0) if group.window else torch.zeros_like(prefix)
     return _targets(group, *_positions(view, starts, prefix - starts))
 
 
-def written_targets(view: ForwardView, group: GroupState) -> list[Target]:
+def written_targets(view: ForwardView, group: GroupReadout) -> list[Target]:
     """Slots this forward wrote (and TAIL just stamped) in this group (a STATE group: each row's
     state and checkpoint)."""
-    if group.pool.kind is GroupKind.STATE:
+    if group.kind is GroupKind.STATE:
         s = view.state
         return (_state_targets(view, s.slots, view.prefix_lens + view.extend_lens)
                 + _state_targets(view, s.checkpoint_slots, s.checkpoint_lens))
     return _targets(group, *_positions(view, view.prefix_lens.cpu(), view.extend_lens.cpu()))
 
 
-def cached_only_targets(host: CanaryHost, group: GroupState) -> list[Target]:
+def cached_only_targets(host: CanaryHost, group: GroupReadout) -> list[Target]:
     """Slots held by the prefix cache and by no live request (only a sweep reads them; a STATE
     group: the checkpoints of paths no request holds)."""
-    if group.pool.kind is GroupKind.STATE:
+    if group.kind is GroupKind.STATE:
         walk = optional(host, "checkpoint_walk")()
         if walk is None:
             return []
@@ -85,7 +85,7 @@ def cached_only_targets(host: CanaryHost, group: GroupState) -> list[Target]:
         return []
     if isinstance(walk, PagedWalk):
         walk = paged_entries(walk)
-    e = sweep_entries(walk, group, unlocked_only=True)
+    e = group.sweep_entries(walk, unlocked_only=True)
     space = walk.slots[~walk.locked.bool()].cpu()
     n = space.numel()
     cols = [e.slots[:n].cpu(), space, e.positions[:n].cpu(), e.rows[:n].cpu()]

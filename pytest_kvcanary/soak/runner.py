@@ -50,11 +50,12 @@ def geometry(handle: SoakedHandle, arrivals: bool = True) -> Geometry:
     running batch, even where the engine could serve it). The longest request also fits every
     pool alone (an engine may hold a whole request in each; its first page is reserved)."""
     runtime = handle.sides[0].runtime
-    full = runtime.groups[0].pool
-    page = full.mapping.page_size
-    window = next((g.pool.window for g in runtime.groups if g.pool.kind is GroupKind.SWA), None)
+    groups = runtime.readout().kv_groups
+    full = groups[0]
+    page = full.page_size
+    window = next((g.window for g in groups if g.kind is GroupKind.SWA), None)
     caps = runtime.capacities
-    longest = min([caps.max_context] + [(g.pool.num_slots // page - 1) * page + 1 for g in runtime.groups])
+    longest = min([caps.max_context] + [(g.num_slots // page - 1) * page + 1 for g in groups])
     return Geometry(page_size=page, window=window, capacity=full.num_slots - 1, max_context=longest,
                     max_batch=caps.max_batch, contexts=handle.takes_context_keys(), serves=arrivals and handle.serves())
 
@@ -67,7 +68,7 @@ class Soak:
         self.handle = handle
         self.geometry = geometry(handle, arrivals)
         if tie_tolerance is None:
-            dtype = str(handle.sides[0].runtime.groups[0].pool.k_layers[0].dtype)
+            dtype = str(handle.sides[0].runtime.readout().group(GroupKind.FULL).dtype)
             tie_tolerance = TIE_TOLERANCES.get(dtype, COARSE_TIE_TOLERANCE)
         self.tie_tolerance = tie_tolerance
         self.engine = handle.sides[0].engine  # the oracle's engine (a PD pair's prefill side)

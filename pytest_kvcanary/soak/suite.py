@@ -40,8 +40,7 @@ def _restored_a_checkpoint(handle: object) -> None:
     """The liveness gate of a hybrid model's soak: its workloads must have restored a checkpoint
     (on the side that prefills)."""
     __tracebackhide__ = True
-    state = handle.sides[0].runtime.state
-    if state is not None and not state.restores():
+    if handle.sides[0].runtime.readout().state_restores() == 0:
         raise AssertionError("the soak restored no recurrent-state checkpoint: its workloads never reused a cached "
                              "prefix of this hybrid engine, so they proved nothing about its checkpoints")
 

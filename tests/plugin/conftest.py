@@ -12,15 +12,15 @@ import pytest
 from fake_harness import FakeHarness
 
 @pytest.fixture(scope="session")
-def fake_harness():
-    return FakeHarness()
+def fake_harness(pytestconfig):
+    return FakeHarness(pytestconfig)
 
 @pytest.fixture(scope="session")
 def kv_start_engine(fake_harness):
     return fake_harness.start_engine
 
-def pytest_kvcanary_make_engine(name, attention, device, seed, model):
-    return f"{name}:{attention}:{device}:{seed}:{model}"
+def pytest_kvcanary_make_engine(spec):
+    return f"{spec.name}:{spec.attention}:{spec.device}:{spec.seed}:{spec.model}"
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
@@ -49,12 +49,11 @@ _TORCH_KERNELS = """
 import dataclasses
 
 import pytest
-from pytest_kvcanary.handles import start
 
 @pytest.fixture(scope="session")
-def kv_start_engine():
-    def start_with_torch_kernels(kind, *, canary, **options):
-        return start.start_engine(kind, canary=dataclasses.replace(canary, kernels="torch"), **options)
+def kv_start_engine(kv_start_engine):
+    def start_with_torch_kernels(key):
+        return kv_start_engine(dataclasses.replace(key, canary=dataclasses.replace(key.canary, kernels="torch")))
     return start_with_torch_kernels
 """
 

@@ -1,6 +1,6 @@
 """A scripted stand-in for `pytest_kvcanary.handles.start`, to test the plugin's own logic fast.
 
-`FakeHarness.start_engine` has the harness's signature and returns `FakeHandle`s, which satisfy
+`FakeHarness.start_engine` has the harness's signature (one EngineKey) and returns `FakeHandle`s, which satisfy
 the `Handle` protocol. A handle turns each kv_perturb spec into one injection per generate() call:
 detected (with a violation) when the batch's prompts are distinct, escaped (freed by dedup) when
 a prompt repeats. In raise mode a violation makes generate() raise. `stray()` logs a violation no
@@ -16,8 +16,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_kvcanary.adapters import EngineSpec
 from pytest_kvcanary.canary.violation import Violation
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
+from pytest_kvcanary.handles.pool import EngineKey
 
 REASON = {
     "req_to_token": "verify_chain_hash",
@@ -135,16 +137,18 @@ class FakeHandle:
 
 
 class FakeHarness:
-    def __init__(self) -> None:
+    """config: the run's pytest config, whose pytest_kvcanary_make_engine hooks build each engine."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
         self.started: list[FakeHandle] = []
         self.closed: list[int] = []
 
-    def start_engine(self, kind: str, *, canary: CanaryConfig, attention: str, device: str, seed: int,
-                     engine_name: str, model: str | None, pluginmanager: Any,
-                     parallel: tuple[int, int] = (1, 1)) -> FakeHandle:
-        engine = pluginmanager.hook.pytest_kvcanary_make_engine(name=engine_name, attention=attention,
-                                                                device=device, seed=seed, model=model)
-        handle = FakeHandle(self, len(self.started), kind, canary, attention, device, seed, engine_name, engine,
-                            parallel)
+    def start_engine(self, key: EngineKey) -> FakeHandle:
+        spec = EngineSpec(key.engine, key.attention, key.device, key.seed, key.model, config=self.config)
+        engine = self.config.pluginmanager.hook.pytest_kvcanary_make_engine(
+            spec=spec, name=spec.name, attention=spec.attention, device=spec.device, seed=spec.seed, model=spec.model)
+        handle = FakeHandle(self, len(self.started), key.kind, key.canary, key.attention, key.device, key.seed,
+                            key.engine, engine, (key.tp, key.pp))
         self.started.append(handle)
         return handle

@@ -4,6 +4,7 @@ runs and the driver that stops it, shared by the interrupt tests."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,29 +42,35 @@ def stop_once_blocked(path: Path, passed: int, blockers: int, stop: list[tuple[s
     """Run the suite in `path`; once `passed` tests are reported (the controller's -v lines) and
     `blockers` processes are in test_blocks, send the signals `stop` names (("controller", sig):
     to the controller only; ("group", sig): to every process, as a terminal's Ctrl-C does), in
-    order. The run's exit code and output."""
+    order (under xdist, once the controller has announced each blocker's start too). The run's exit
+    code and output."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     args = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--kv-canary",
             "--kv-canary-report=kv.json", *extra_args]
     proc = subprocess.Popen(args, cwd=path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines: list[str] = []
+                            start_new_session=True)
+    chunks: list[bytes] = []
     try:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if sum("PASSED" in seen for seen in lines) == passed:
+        xdist = "-n" in extra_args
+        while chunk := os.read(proc.stdout.fileno(), 65536):  # as written: a start line has no newline yet
+            chunks.append(chunk)
+            seen = b"".join(chunks).decode(errors="replace")
+            # Under xdist the controller announces each test's start ("-v": its node id, then a space):
+            # signal once it has announced every blocker, not only once they run (it hears late).
+            announced = len(re.findall(r"^\S+::test_blocks ", seen, re.MULTILINE))
+            if seen.count("PASSED") == passed and (not xdist or announced >= blockers):
                 _wait_for_blockers(path, blockers)
                 for target, sig in stop:
                     (os.kill if target == "controller" else os.killpg)(proc.pid, sig)
                 break
-        lines += proc.stdout.readlines()
+        chunks.append(proc.stdout.read())
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    out = "".join(lines)
+    out = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
     assert "Traceback" not in out and "During handling" not in out, out
     return proc.returncode, out

@@ -49,16 +49,34 @@ def test_the_soak_says_what_its_default_oracle_proves_and_the_engine_line_counts
     ])
 
 
-def test_an_engine_without_a_spare_slot_is_told_what_to_allot(realtester: pytest.Pytester) -> None:
-    test = (
-        "import toy_engine\n"
-        "from pytest_kvcanary.canary.seam import Capabilities\n"
-        "toy_engine.ToyEngine.capabilities = lambda self: Capabilities(prefix_cache=False, cache_walk=False, "
-        "spare_slot=False)\n\n"
-        "def test_it(kv_engine):\n    kv_engine.generate(['a'], 2)\n")
-    result = run_toy(realtester, test_spare=test)
-    result.stdout.fnmatch_lines(["*declares spare_slot=False*Allot one more slot*never store a token there*"])
-    assert result.parseoutcomes().get("passed", 0) == 0
+SLOT_ZERO_TOY = (
+    "import toy_engine\n"
+    "from pytest_kvcanary.canary.seam import Capabilities\n"
+    "def from_zero(method):\n"
+    "    def run(self, *args, **kwargs):\n"
+    "        method(self, *args, **kwargs)\n"
+    "        self.next_slot = 0  # every slot holds a token: slot 0 first\n"
+    "    return run\n"
+    "toy_engine.ToyEngine.__init__ = from_zero(toy_engine.ToyEngine.__init__)\n"
+    "toy_engine.ToyEngine.reset = from_zero(toy_engine.ToyEngine.reset)\n"
+    "toy_engine.ToyEngine.capabilities = lambda self: Capabilities(prefix_cache=False, cache_walk=False, "
+    "spare_slot={spare})\n\n"
+    "def test_it(kv_engine, kv_canary):\n"
+    "    kv_engine.generate(['a prompt', 'and another one'], 3)\n"
+    "    kv_canary.assert_no_violation()\n")
+
+
+def test_an_engine_without_a_spare_slot_runs_with_slot_zero_unguarded(realtester: pytest.Pytester) -> None:
+    """An engine that stores a token in slot 0 and says so (spare_slot=False) runs clean, warned that
+    slot 0 is unguarded; the same engine not saying so trips the sentinel at slot 0 (mutation: the
+    sentinel checked whatever the declaration)."""
+    result = run_toy(realtester, test_spare=SLOT_ZERO_TOY.format(spare=False))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*SlotZeroUnguarded: ToyEngine declares spare_slot=False: the tokens its pools hold "
+                                 "at slot 0*are not guarded*allot one slot the engine never stores a token in*"])
+    undeclared = run_toy(realtester, test_spare=SLOT_ZERO_TOY.format(spare=True))
+    undeclared.assert_outcomes(failed=1)
+    undeclared.stdout.fnmatch_lines(["*reserved_slot_written*", "*verify_missing_slot*"])
 
 
 def test_a_forward_fed_another_token_is_caught_on_an_engine_serving_one_request_at_a_time(

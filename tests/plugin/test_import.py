@@ -8,11 +8,13 @@ import sys
 
 LIGHT_MODULES = ("plugin", "settings", "handles.factories", "handles.checkpoints", "handles.pool", "handles.protocol",
                  "plugin_support.markers", "plugin_support.interrupts", "assertions", "report", "gpu", "hookspecs",
-                 "config", "canary.seam", "canary.host", "canary.violation")
-# torch, triton, the engine, the harness, and every kernel module but the record layout, the
-# argument checks and the input types.
-HEAVY_CHECK = ("heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') "
-               "or m.startswith(('pytest_kvcanary.engine.', 'pytest_kvcanary.handles.sided', "
+                 "config", "canary.seam", "canary.host", "canary.violation", "adapters.spec",
+                 "adapters.reference_hooks", "adapters.transformers_hooks", "adapters.vllm_hooks")
+# torch, triton, transformers, vLLM, the engines and adapters, the harness, and every kernel module
+# but the record layout, the argument checks and the input types.
+HEAVY_CHECK = ("heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'transformers', "
+               "'vllm') or m.startswith(('pytest_kvcanary.engine.', 'pytest_kvcanary.adapters.transformers_cb', "
+               "'pytest_kvcanary.adapters.vllm.engine', 'pytest_kvcanary.handles.sided', "
                "'pytest_kvcanary.handles.single', 'pytest_kvcanary.handles.pd', 'pytest_kvcanary.handles.start')) "
                "or (m.startswith('kvcanary_kernels.') "
                "and m not in ('kvcanary_kernels.records', 'kvcanary_kernels.checks', 'kvcanary_kernels.inputs'))); "

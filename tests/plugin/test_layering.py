@@ -7,7 +7,8 @@ imports under TYPE_CHECKING and inside functions count too):
   hookspecs; the workload soak), over the fault injector, the canary runtime and its seam, the
   configuration and the kernels. Engines (engine/, then adapters/) are a branch of their own that
   only the handles reach: the engine and adapter layers never import the plugin level, and the
-  plugin level reaches an engine through the handles only.
+  plugin level reaches an engine through the handles only. The one thing both branches hold is
+  what every engine is built from (adapters/spec.py, the hooks' argument), which imports nothing.
 - The package root holds only the plugin's entry and what it reads; the seam imports only the
   types it hands over; the reference engine imports no adapter.
 - No modules of the project import each other, directly or around a loop.
@@ -37,9 +38,12 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "handles": (("pytest_kvcanary.handles",), ("plugin level", "adapters")),
     "plugin level": (("pytest_kvcanary.settings", "pytest_kvcanary.assertions", "pytest_kvcanary.plugin_support"),
                      ("plugin base", "soak")),
-    "plugin base": (("pytest_kvcanary.report", "pytest_kvcanary.gpu", "pytest_kvcanary.hookspecs"), ("perturb",)),
+    "plugin base": (("pytest_kvcanary.report", "pytest_kvcanary.gpu", "pytest_kvcanary.hookspecs"),
+                    ("perturb", "engine spec")),
     "soak": (("pytest_kvcanary.soak",), ("perturb",)),
-    "adapters": (("pytest_kvcanary.adapters",), ("engine",)),
+    "adapters": (("pytest_kvcanary.adapters",), ("engine", "engine spec")),
+    # what every engine is built from: the hookspecs name it, the adapters' plugins receive it
+    "engine spec": (("pytest_kvcanary.adapters.spec",), ()),
     "engine": (("pytest_kvcanary.engine",), ("canary",)),
     "perturb": (("pytest_kvcanary.perturb",), ("canary",)),
     "canary": (("pytest_kvcanary.canary",), ("config", "soak seam types")),
@@ -164,6 +168,8 @@ def test_every_import_points_down():
 @pytest.mark.parametrize("source, target", [
     ("pytest_kvcanary.settings", "pytest_kvcanary.handles.factories"),  # settings -> handles
     ("pytest_kvcanary.settings", "pytest_kvcanary.adapters.vllm.isa"),  # settings -> an adapter
+    ("pytest_kvcanary.hookspecs", "pytest_kvcanary.adapters.reference_hooks"),  # the hookspecs -> an engine
+    ("pytest_kvcanary.adapters.spec", "pytest_kvcanary.adapters.reference"),  # the engine spec -> an adapter
     ("pytest_kvcanary.soak.suite", "pytest_kvcanary.plugin"),  # the soak -> the plugin
     ("pytest_kvcanary.soak.runner", "pytest_kvcanary.handles.sided"),  # the soak -> the handles
     ("pytest_kvcanary.assertions", "pytest_kvcanary.handles.protocol"),  # assertions -> handles
@@ -181,13 +187,15 @@ def test_an_upward_import_is_refused(source, target, monkeypatch):
     assert f"{source} ({_layer(source)}) -> {target} ({_layer(target)})" in _upward()
 
 
-def test_the_vllm_option_values_are_the_adapters():
-    """settings.py declares --kv-canary-vllm-attention-isa's values beside the option, where an
-    import of the adapter's would run up the layers: they are the adapter's."""
-    from pytest_kvcanary.adapters.vllm import isa
-    from pytest_kvcanary.settings import VLLM_ATTENTION_ISA_ENV, VLLM_ATTENTION_ISAS
+def test_the_engine_spec_imports_nothing_of_the_project():
+    """The hookspecs and the adapters both import it: it stays a leaf."""
+    assert GRAPH["pytest_kvcanary.adapters.spec"] == set()
 
-    assert (VLLM_ATTENTION_ISAS, VLLM_ATTENTION_ISA_ENV) == (isa.CHOICES, isa.ENV)
+
+def test_settings_know_no_engines_options():
+    """An engine's options are its plugin's: settings.py names none of them."""
+    text = (ROOT / "pytest_kvcanary" / "settings.py").read_text()
+    assert "vllm_attention_isa" not in text and "KVCANARY_VLLM" not in text
 
 
 def test_engine_and_adapters_import_nothing_from_the_plugin_level():

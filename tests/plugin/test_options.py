@@ -172,13 +172,19 @@ def test_bad_values_are_usage_errors(kvtester: pytest.Pytester, args: list[str],
     result.stderr.fnmatch_lines([message])
 
 
-# What the vLLM adapter would start with: VllmSettings' default attention path, read when it
-# builds an engine.
+# What the vLLM adapter's plugin hands make_vllm_engine (and so VllmSettings) when the run asks
+# for a vllm engine (make_vllm_engine replaced: vLLM need not be installed), and the environment
+# the test sees.
 SHOW_ISA = """
-from pytest_kvcanary.adapters.vllm.isa import default_attention_isa
+import os
 
-def test_show():
-    print("ISA", default_attention_isa())
+import pytest_kvcanary.adapters.vllm as adapter
+from pytest_kvcanary.adapters import EngineSpec, vllm_hooks
+
+def test_show(pytestconfig, monkeypatch):
+    monkeypatch.setattr(adapter, "make_vllm_engine", lambda *args, **settings: settings)
+    settings = vllm_hooks.pytest_kvcanary_make_engine(EngineSpec("vllm", "mha", "cpu", 0, config=pytestconfig))
+    print("ISA", settings["attention_isa"], "ENV", os.environ.get("KVCANARY_VLLM_ATTENTION_ISA"))
 """
 
 
@@ -195,6 +201,8 @@ def test_show():
 def test_vllm_attention_isa_reaches_the_adapter(kvtester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
                                                 environment: str | None, ini: str | None, args: tuple[str, ...],
                                                 expected: str) -> None:
+    """The vLLM adapter's plugin resolves its option and hands it to VllmSettings directly: the
+    environment is the user's, never written by the run."""
     variable = "KVCANARY_VLLM_ATTENTION_ISA"
     if environment is None:
         monkeypatch.delenv(variable, raising=False)
@@ -205,8 +213,8 @@ def test_vllm_attention_isa_reaches_the_adapter(kvtester: pytest.Pytester, monke
         kvtester.makeini(f"[pytest]\nkv_canary_vllm_attention_isa = {ini}\n")
     result = kvtester.runpytest("-s", *args)
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines([f"* ISA {expected}"])
-    assert os.environ.get(variable) == environment  # the run's setting ends with the run
+    result.stdout.fnmatch_lines([f"* ISA {expected} ENV {environment}"])
+    assert os.environ.get(variable) == environment
 
 
 def test_header_shows_a_vllm_attention_isa(kvtester: pytest.Pytester) -> None:

@@ -16,6 +16,7 @@ import pytest
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
 from pytest_kvcanary.handles.protocol import Handle
 from pytest_kvcanary.handles.single import EngineHandle
+from pytest_kvcanary.handles.pool import EngineKey
 from pytest_kvcanary.handles.start import start_engine
 from pytest_kvcanary.handles.sided import BASE_PROMPT, PROMPT_SHOWN
 
@@ -27,7 +28,7 @@ def _handle(attention: str = "mha", **canary: object) -> EngineHandle:
 
 def test_handles_implement_the_handle_protocol() -> None:
     handle = _handle()
-    pd = start_engine("pd", canary=CanaryConfig(kernels="torch"), attention="mha", device="cpu", seed=0)
+    pd = start_engine(EngineKey("pd", CanaryConfig(kernels="torch"), "reference", "mha", "cpu", seed=0))
     assert isinstance(handle, Handle) and isinstance(pd, Handle)
     assert (handle.side_names, pd.side_names) == (("single",), ("prefill", "decode"))
     assert handle.pool_groups() == ("full",) and _handle("swa").pool_groups() == ("full", "swa")
@@ -258,11 +259,19 @@ def test_marker_and_engine_mismatches_are_marker_errors(realtester: pytest.Pytes
 ENGINE_HOOKS = """
 from pytest_kvcanary.adapters.reference import make_reference_engine
 
-def pytest_kvcanary_make_engine(name, attention, device, seed):
-    if name == "broken":
+def pytest_kvcanary_make_engine(spec):
+    if spec.name == "broken":
         return object()
-    if name == "text":
+    if spec.name == "text":
         return "an engine"
+    if spec.name == "mine":
+        return make_reference_engine(spec.attention, spec.device, spec.seed)
+"""
+# The hook's separate arguments of earlier releases: still passed, with a DeprecationWarning.
+OLD_STYLE_ENGINE_HOOKS = """
+from pytest_kvcanary.adapters.reference import make_reference_engine
+
+def pytest_kvcanary_make_engine(name, attention, device, seed):
     if name == "mine":
         return make_reference_engine(attention, device, seed)
 """
@@ -291,18 +300,21 @@ def test_engines_the_harness_cannot_use_error_the_test(pytester: pytest.Pytester
     assert "Traceback" not in result.stdout.str()
 
 
-def test_kv_pd_skips_on_an_engine_without_a_pair(realtester: pytest.Pytester) -> None:
-    realtester.makeconftest((realtester.path / "conftest.py").read_text() + ENGINE_HOOKS)
+@pytest.mark.parametrize("hooks", [ENGINE_HOOKS, OLD_STYLE_ENGINE_HOOKS], ids=["spec", "old-style"])
+def test_kv_pd_skips_on_an_engine_without_a_pair(realtester: pytest.Pytester, hooks: str) -> None:
+    realtester.makeconftest((realtester.path / "conftest.py").read_text() + hooks)
     realtester.makepyfile("""
         def test_single(kv_engine):
-            assert kv_engine.generate(["an old-style hook engine"], max_new_tokens=1)
+            assert kv_engine.generate(["a hook's engine"], max_new_tokens=1)
 
         def test_pd(kv_pd): pass
     """)
     result = realtester.runpytest("--kv-canary", "--kv-canary-engine=mine", "-rs")
-    result.assert_outcomes(passed=1, skipped=1)
+    result.assert_outcomes(passed=1, skipped=1, warnings=0 if hooks == ENGINE_HOOKS else 1)
     result.stdout.fnmatch_lines(["SKIPPED * kv_pd needs a prefill/decode pair of engine 'mine', and none is known: *"
                                  "pytest_kvcanary_make_pd_pair hook*"])
+    if hooks == OLD_STYLE_ENGINE_HOOKS:
+        result.stdout.fnmatch_lines(["*DeprecationWarning: pytest_kvcanary_make_engine(spec) takes one argument*"])
 
 
 def test_seam_types_in_a_conftest_and_the_triton_kernels_on_cpu(pytester: pytest.Pytester,

@@ -278,10 +278,10 @@ def test_an_adapter_written_from_the_seam_alone_runs(realtester: pytest.Pytester
                 return int(self.k[self.table[0, :prefix + n]].sum()) % 256
 
 
-        def pytest_kvcanary_make_engine(name, attention):
-            if name == "tiny":
-                if attention != "mha":
-                    raise UnsupportedAttention(f"the tiny engine has no {attention} attention")
+        def pytest_kvcanary_make_engine(spec):
+            if spec.name == "tiny":
+                if spec.attention != "mha":
+                    raise UnsupportedAttention(f"the tiny engine has no {spec.attention} attention")
                 return Tiny()
     ''')
     realtester.makepyfile(test_tiny='''

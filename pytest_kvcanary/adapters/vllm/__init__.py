@@ -1,30 +1,33 @@
 """vLLM (its CPU and CUDA builds) behind the canary seam, through vLLM's KV-connector interface.
 
-`make_vllm_engine` is what ``--kv-canary-engine vllm`` builds. Modules: engine.py (the
-EngineUnderTest over an in-process ``LLM``), connector.py (the KV connector vLLM loads),
-forward_inputs.py (what vLLM's model runner hands a forward, which the canary's view is made of),
-blocks.py (the scheduler-side account of what each block holds), pools.py (the canary's pool groups
-over vLLM's KV caches), window_map.py (the sliding-window group's full-to-window slot map),
-layout.py (where a slot's bytes lie in vLLM's CPU cache), isa.py (which CPU attention path, and so which layout, vLLM runs), platform.py (CPU build vs
-CUDA build: device, backends, CUDA graphs),
-write_through.py (what each layer's cache write was handed, for TAIL), checkpoint.py (the default
-seeded random model), versions.py (what differs between the vLLM releases it supports).
+`make_vllm_engine` is what ``--kv-canary-engine vllm`` builds; its pytest plugin, which registers
+the adapter's option and builds it, is ../vllm_hooks.py. Modules: engine.py (the EngineUnderTest
+over an in-process ``LLM``), connector.py (the KV connector vLLM loads), forward_inputs.py (what
+vLLM's model runner hands a forward, which the canary's view is made of), blocks.py (the
+scheduler-side account of what each block holds), pools.py (the canary's pool groups over vLLM's
+KV caches), window_map.py (the sliding-window group's full-to-window slot map), layout.py (where a
+slot's bytes lie in vLLM's CPU cache), isa.py (which CPU attention path, and so which layout, vLLM
+runs), platform.py (CPU build vs CUDA build: device, backends, CUDA graphs), write_through.py
+(what each layer's cache write was handed, for TAIL), checkpoint.py (the default seeded random
+model), versions.py (what differs between the vLLM releases it supports).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .engine import VllmEngine
 
 
-def make_vllm_engine(attention: str, device: str, seed: int, model: str | None) -> VllmEngine:
+def make_vllm_engine(attention: str, device: str, seed: int, model: str | None, **settings: Any) -> VllmEngine:
     """An in-process vLLM LLM on `model` (a local Hugging Face checkpoint directory, which decides
     the attention kinds) or, by default, on a seeded random model of this attention kind ("mha";
     "swa": sliding-window layers alternating with full ones; "mla", latent attention, from vLLM
     0.28 on, CPU build only). device: cpu (vLLM's CPU build) or cuda / cuda:0 (its CUDA build;
-    KVCANARY_VLLM_CUDA_GRAPHS=1 runs it in PIECEWISE CUDA graphs, platform.py)."""
+    KVCANARY_VLLM_CUDA_GRAPHS=1 runs it in PIECEWISE CUDA graphs, platform.py). settings: other
+    `VllmSettings` fields (the run's --kv-canary-vllm-attention-isa, vllm_hooks.py), the rest
+    at their defaults."""
     from ...canary.seam import UnsupportedAttention
     from .checkpoint import random_checkpoint
     from .engine import VllmEngine, VllmSettings
@@ -44,4 +47,4 @@ def make_vllm_engine(attention: str, device: str, seed: int, model: str | None) 
         if reason:
             raise UnsupportedAttention(f"engine 'vllm' has no attention kind 'mla' here: {reason}")
     checkpoint = model if model is not None else random_checkpoint(attention, seed)
-    return VllmEngine(checkpoint, seed, VllmSettings(device=where))
+    return VllmEngine(checkpoint, seed, VllmSettings(device=where, **settings))

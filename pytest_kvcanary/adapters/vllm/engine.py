@@ -50,7 +50,8 @@ class VllmSettings:
     vLLM's hybrid KV cache manager draws both from one pool); dtype as vLLM's ``dtype`` argument. attention_isa: the
     instruction-set path of vLLM's CPU attention, which decides its KV layout (isa.py: readable,
     vllm, amx, vec, vec16; default the environment variable KVCANARY_VLLM_ATTENTION_ISA, else
-    readable). device: cpu (vLLM's CPU build) or cuda (its CUDA build, platform.py); cuda_graphs
+    readable; under pytest the run's --kv-canary-vllm-attention-isa, which vllm_hooks.py resolves
+    and hands over). device: cpu (vLLM's CPU build) or cuda (its CUDA build, platform.py); cuda_graphs
     (CUDA only; default KVCANARY_VLLM_CUDA_GRAPHS): PIECEWISE CUDA graphs instead of eager;
     attention_backend (CUDA only; default KVCANARY_VLLM_ATTENTION_BACKEND): FLASH_ATTN or
     FLASHINFER, None for vLLM's choice."""

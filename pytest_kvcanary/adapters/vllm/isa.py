@@ -10,9 +10,10 @@ guards; the ``attention_isa`` setting decides instead:
 
 ``readable``, ``vec`` and ``vec16`` also set vLLM's attention backend to ``CPU_MLA``
 (``latent_backend``), so latent attention never runs the ``AMX_MLA`` backend the adapter does not
-know. The environment variable ``KVCANARY_VLLM_ATTENTION_ISA`` sets the default; under pytest,
-``--kv-canary-vllm-attention-isa`` (or its ini key) sets that variable for the run (settings.py).
-The paths and their layouts: docs/vllm.md.
+know. The environment variable ``KVCANARY_VLLM_ATTENTION_ISA`` sets the default. Under pytest,
+``--kv-canary-vllm-attention-isa`` (or its ini key, else that variable) is resolved at start-up
+by the adapter's plugin (``adapters/vllm_hooks.py``), which hands it to ``VllmSettings``; nothing
+is written to the environment. The paths and their layouts: docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -23,11 +24,18 @@ from typing import Any, Iterator
 
 ENV = "KVCANARY_VLLM_ATTENTION_ISA"
 CHOICES = ("readable", "vllm", "amx", "vec", "vec16")
+DEFAULT = "readable"
+
+
+def environment_attention_isa() -> str | None:
+    """The value of the environment variable, unchecked; None when it is unset."""
+    return os.environ.get(ENV)
 
 
 def default_attention_isa() -> str:
     """The setting's default: the environment variable, else ``readable``."""
-    return os.environ.get(ENV, "readable")
+    value = environment_attention_isa()
+    return DEFAULT if value is None else value
 
 
 def check_attention_isa(value: str) -> None:

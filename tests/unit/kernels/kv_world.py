@@ -289,10 +289,11 @@ class World:
                                          dtype=torch.int64).to(self.device)
 
     def verify(self, view: K.ForwardView, tag: int = 0, window: int = 0, check_tokens: bool = True,
-               sentinel: bool = False, after_forward: bool = False) -> list[Row]:
+               sentinel: bool = False, after_forward: bool = False, missing_at_zero: bool = True) -> list[Row]:
         return self.launch(K.verify_view, K.verify_view_ref, self.sources, self.mapping, view, self.ring, tag,
                            window=window, max_context=self.max_context, check_tokens=check_tokens,
-                           sentinel=sentinel, after_forward=after_forward, read_hashes=self.read_hashes)
+                           sentinel=sentinel, after_forward=after_forward, read_hashes=self.read_hashes,
+                           missing_at_zero=missing_at_zero)
 
     def stamp(self, view: K.ForwardView, tag: int = 1, check_tokens: bool = True, check_write_inputs: bool = True,
               written_source_hashes: torch.Tensor | None = None) -> list[Row]:

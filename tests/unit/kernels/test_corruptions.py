@@ -133,6 +133,8 @@ def test_missing_slot_inside_a_window(stamped):
     else:  # the whole null block (positions 4..7) is missing
         assert _found(rows) == {(0, p, MISSING) for p in (5, 6, 7)}
     assert (rows[0][COL_ROW], rows[0][COL_STORED], rows[0][COL_EXPECTED]) == (a.row, 0, 0)
+    # an engine whose slot 0 holds a token (no spare slot): a read mapped there is skipped
+    assert w.verify(w.head_view([a]), window=3, missing_at_zero=False) == []
 
 
 def test_window_start_is_not_chain_checked(stamped):

@@ -12,7 +12,7 @@ import random
 import torch
 
 from pytest_kvcanary.adapters.reference import make_reference_engine
-from pytest_kvcanary.canary.groups import GroupState
+from pytest_kvcanary.canary.readout import GroupReadout
 from pytest_kvcanary.canary.seam import ForwardView
 from pytest_kvcanary.config import PERTURB_MODES, CanaryConfig
 from pytest_kvcanary.handles.sided import Side
@@ -34,8 +34,8 @@ BYTE_TOKENS = 256  # prompt tokens below this; first tokens above it, one per re
 LATENCY_PROPERTY = "detection_latency"
 
 
-def group_name(group: GroupState) -> str:
-    return group.pool.kind.name.lower()
+def group_name(group: GroupReadout) -> str:
+    return group.kind.name.lower()
 
 
 def make_handle(attention: str, **canary: object) -> EngineHandle:
@@ -79,7 +79,7 @@ class HeadReads:
     pool group ("full", "swa"); steps[i] is forward i of the run."""
 
     def __init__(self, side: Side) -> None:
-        self.groups = side.runtime.groups
+        self.groups = side.runtime.readout().kv_groups
         self.steps: list[dict[str, set[int]]] = []
         side.runtime.observers.append(self)
 
