@@ -404,17 +404,21 @@ class RadixCache:
         if self.host_tier is None:
             return False
         if node.host_value is None:
-            n = len(node.key) // self.page_size
-            if n > self.host_tier.num_pages:  # more than it holds: keep the copies it has
-                return False
-            if n > self.host_tier.free_pages.numel():
-                self._evict_host(n)
-            pages = self.host_tier.alloc(n)
+            pages = self._alloc_host(len(node.key) // self.page_size)
             if pages is None:
                 return False
             node.host_value = page_slots(pages, self.page_size)
             self.host_tier.write_back(node.value, node.host_value)
         return True
+
+    def _alloc_host(self, n: int) -> torch.Tensor | None:
+        """n host pages, dropping host copies (`_evict_host`) for room; None when host memory cannot
+        free them (more than it holds: the copies it has are kept)."""
+        if n > self.host_tier.num_pages:
+            return None
+        if n > self.host_tier.free_pages.numel():
+            self._evict_host(n)
+        return self.host_tier.alloc(n)
 
     def _evict_host(self, n: int) -> None:
         """Free the host copies of unlocked device-evicted leaves (no node below holds a host copy),
@@ -501,12 +505,7 @@ class RadixCache:
         """Load a disk-resident node's pages (tokens: from the start of the prompt to its end) into
         new host pages, their records with them, and delete its files: True; False when the disk
         tier refused a page (the host pages freed again); None when host memory has no room."""
-        n = len(node.key) // self.page_size
-        if n > self.host_tier.num_pages:
-            return None
-        if n > self.host_tier.free_pages.numel():
-            self._evict_host(n)
-        pages = self.host_tier.alloc(n)
+        pages = self._alloc_host(len(node.key) // self.page_size)
         if pages is None:
             return None
         slots, start = page_slots(pages, self.page_size), len(tokens) - len(node.key)

@@ -4,12 +4,14 @@ never leaked or held twice, and a canary on every forward stays silent."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig, Request
 from pytest_kvcanary.engine.model import DenseState, RecurrentMixer
 
 
@@ -37,6 +39,18 @@ def check_state_invariants(engine: Engine) -> None:
     assert len(held) + engine.states.num_free == engine.states.num_slots - 1, "a state slot leaked"
 
 
+def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
+                check_invariants: Callable[[Engine], None]) -> list[Request]:
+    """Submit every prompt at once and step until done, checking the pools' and the state pool's
+    invariants after each forward; the requests."""
+    reqs = [engine.submit(p, max_new_tokens) for p in prompts]
+    while engine.scheduler.has_work:
+        engine.step()
+        check_invariants(engine)
+        check_state_invariants(engine)
+    return reqs
+
+
 def _engine(**kw) -> Engine:
     model = ModelConfig(attention="hybrid", max_context=128, seed=3)
     return Engine(EngineConfig(model=model, max_batch_tokens=128, **kw))
@@ -53,11 +67,7 @@ def test_outputs_match_a_no_cache_recomputation_under_pressure(decode_mode, rand
     engine.set_forward_hooks(canary)
     prompts = random_prompts(4, 6)
     prompts += [prompts[0], prompts[3], prompts[0]]
-    reqs = [engine.submit(p, 16) for p in prompts]
-    while engine.scheduler.has_work:
-        engine.step()
-        check_invariants(engine)
-        check_state_invariants(engine)
+    reqs = run_checked(engine, prompts, 16, check_invariants)
     assert_reference(engine, prompts, [r.output_ids for r in reqs])
     assert engine.scheduler.num_restored > 0, "no checkpoint was restored"
     assert engine.radix_cache.num_states_evicted > 0, "no checkpoint was evicted"
@@ -112,11 +122,7 @@ def test_speculative_decoding_rolls_the_state_back_to_the_accepted_length(k, num
     engine.set_forward_hooks(canary)
     prompts = random_prompts(5, 6)
     prompts += [prompts[0], prompts[3]]
-    reqs = [engine.submit(p, 12) for p in prompts]
-    while engine.scheduler.has_work:
-        engine.step()
-        check_invariants(engine)
-        check_state_invariants(engine)
+    reqs = run_checked(engine, prompts, 12, check_invariants)
     assert_reference(engine, prompts, [r.output_ids for r in reqs])
     drafter = engine.drafter
     assert 0 < drafter.accepted < drafter.proposed, "no proposal was both made and rejected"
