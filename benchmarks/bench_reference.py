@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
-from pytest_kvcanary.engine.parallel.shard import ReferenceShards
-from pytest_kvcanary.engine.parallel.topology import Topology
+from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine.parallel.shard import ReferenceShards
+from pytest_kvcanary.reference_engine.parallel.topology import Topology
 from pytest_kvcanary.handles.parallel import ParallelHandle
 from pytest_kvcanary.handles.rank import RankContext, RankSpec
 from pytest_kvcanary.handles.single import EngineHandle

@@ -39,7 +39,7 @@ DEVICE = "cuda:0" if CUDA else "cpu"
 
 def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 0, page_size: int = 1,
                host_num_slots: int = 0, num_state_slots: int = 64, disk: bool = False) -> Any:
-    from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+    from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig
 
     model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0)
     return Engine(EngineConfig(model=model, num_slots=512, swa_num_slots=256, max_running=8, max_batch_tokens=512,
@@ -120,7 +120,7 @@ def soak_canary(real_data: str) -> CanaryConfig:
 
 def _handle(engine: Any, canary: CanaryConfig) -> Any:
     if isinstance(engine, tuple):
-        from pytest_kvcanary.engine.pd import PDPair
+        from pytest_kvcanary.reference_engine.pd import PDPair
 
         return PDHandle(PDPair(engine[1], engine[2]), canary)
     return EngineHandle(engine, canary)

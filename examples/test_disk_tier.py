@@ -10,8 +10,8 @@ import torch
 from pytest_kvcanary.adapters.reference import make_reference_engine
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import disk_tier
-from pytest_kvcanary.engine.disk_tier import DiskTier
+from pytest_kvcanary.reference_engine import disk_tier
+from pytest_kvcanary.reference_engine.disk_tier import DiskTier
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS = "triton" if DEVICE == "cuda" else "torch"

@@ -37,7 +37,7 @@ def pytest_kvcanary_make_engine(spec: EngineSpec, name: str, attention: str, dev
     engine lacks); spec.device: a torch device string such as "cpu" or "cuda:1"; spec.seed: the
     run's --kv-canary-seed; spec.model: the --kv-canary-model checkpoint directory, or None;
     spec.config: the run's pytest config, for options the implementation's plugin registered. The
-    engine returned implements `pytest_kvcanary.canary.seam.EngineUnderTest` (the `CanaryHost`
+    engine returned implements `pytest_kvcanary.canary.seam.EngineUnderTest` (the `GuardedEngine`
     seam plus set_forward_hooks, generate and reset); its close(), when it has one, is called once
     the harness is done with it. The other arguments are deprecated (see the module docstring).
     """

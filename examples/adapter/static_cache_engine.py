@@ -67,7 +67,7 @@ class StaticCacheEngine:
         self.hooks: ForwardHooks | None = None
         self.finished = 0
 
-    # The CanaryHost seam ------------------------------------------------------------------------
+    # The GuardedEngine seam ------------------------------------------------------------------------
     def canary_groups(self) -> list[PoolGroup]:
         # One buffer per (layer, KV head): store[0, h] is [positions, head_dim], one slot per row.
         k = [store[0, h] for store in self.k_store for h in range(store.shape[1])]

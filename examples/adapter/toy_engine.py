@@ -20,7 +20,7 @@ class ToyEngine:
         self.hooks: ForwardHooks | None = None
         self.next_slot = 1
 
-    # The CanaryHost seam: what to guard, how big a forward gets, what a prefix cache holds (nothing).
+    # The GuardedEngine seam: what to guard, how big a forward gets, what a prefix cache holds (nothing).
     def canary_groups(self) -> list[PoolGroup]:
         return [PoolGroup(GroupKind.FULL, [self.k], [self.v], self.k.shape[0], SlotMapping(self.table))]
 

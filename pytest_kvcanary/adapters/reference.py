@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.config import EngineConfig, ModelConfig
-from ..engine.engine import Engine
-from ..engine.parallel.shard import ReferenceShards
-from ..engine.weights import read_config
+from ..reference_engine.config import EngineConfig, ModelConfig
+from ..reference_engine.engine import Engine
+from ..reference_engine.parallel.shard import ReferenceShards
+from ..reference_engine.weights import read_config
 
 
 def reference_config(attention: str, device: str, seed: int, model: str | None = None, *,

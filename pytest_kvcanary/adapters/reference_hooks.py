@@ -11,9 +11,9 @@ import pytest
 from .spec import EngineSpec
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
-    from ..engine.parallel.shard import ReferenceShards
-    from ..engine.pd import PDPair
+    from ..reference_engine.engine import Engine
+    from ..reference_engine.parallel.shard import ReferenceShards
+    from ..reference_engine.pd import PDPair
 
 NAME = "reference"
 PACKAGE = None  # the optional package it drives: none, it is the project's own
@@ -33,7 +33,7 @@ def pytest_kvcanary_make_engine(spec: EngineSpec) -> Engine | None:
 def pytest_kvcanary_make_pd_pair(spec: EngineSpec) -> PDPair | None:
     if spec.name != NAME:
         return None
-    from ..engine.pd import PDPair
+    from ..reference_engine.pd import PDPair
     from .reference import make_reference_engine
 
     devices = (spec.device, spec.decode_device or spec.device)

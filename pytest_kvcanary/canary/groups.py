@@ -12,7 +12,7 @@ from kvcanary_kernels import (
 )
 from kvcanary_kernels.records import FIELD_REAL_KV_HASH, RECORD_WIDTH, GroupKind, Half
 
-from .host import Capacities, PoolGroup
+from .seam_data import Capacities, PoolGroup
 
 
 def pick_layers(num_layers: int, count: int = MAX_SOURCES) -> list[int]:

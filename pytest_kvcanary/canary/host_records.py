@@ -19,7 +19,7 @@ import torch
 from kvcanary_kernels.records import FIELD_POSITION, RECORD_WIDTH, GroupKind, Half
 
 from .groups import GroupState
-from .host import copy_runs
+from .seam_data import copy_runs
 from .seam import HostTier
 
 

@@ -24,7 +24,7 @@ from kvcanary_kernels import VerifyEntries
 from kvcanary_kernels.records import PREV_SKIP
 
 from .groups import GroupState
-from .host import CacheWalk, PagedWalk
+from .seam_data import CacheWalk, PagedWalk
 from .walk import check_walk
 
 # VerifyEntries' fields in order, and what pads each past the walk (slot 0 is skipped).

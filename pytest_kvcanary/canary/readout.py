@@ -20,7 +20,7 @@ from kvcanary_kernels import RealKvSource, VerifyEntries
 from kvcanary_kernels.records import GroupKind, Half
 
 from .groups import GroupState
-from .host import CacheWalk
+from .seam_data import CacheWalk
 from .host_records import HostRecords
 from .plans import sweep_entries
 from .state import StateGuard

@@ -18,7 +18,7 @@ from .groups import GroupState
 from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .host_records import HostRecords
 from .launch_replay import LaunchReplay, buffers_key
-from .seam import CanaryHost, ForwardView, SlotZeroUnguarded, capabilities_of, optional
+from .seam import GuardedEngine, ForwardView, SlotZeroUnguarded, capabilities_of, optional
 from .state import StateGuard
 from .log import ViolationLog
 from .plans import SweepPlan
@@ -81,7 +81,7 @@ class CanaryRuntime:
     def __init__(
         self,
         config: CanaryConfig,
-        host: CanaryHost,
+        host: GuardedEngine,
         *,
         side: str = "single",
         device: torch.device | str | None = None,

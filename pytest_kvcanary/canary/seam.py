@@ -8,18 +8,18 @@ It loads without triton or torch, so a conftest can import it at module level.
 
 An adapter is an `EngineUnderTest`:
 
-1. What to guard (`CanaryHost.canary_groups`): one `PoolGroup` per KV pool, FULL first, each
+1. What to guard (`GuardedEngine.canary_groups`): one `PoolGroup` per KV pool, FULL first, each
    with the `SlotMapping` that says how (row, position) finds a slot; a hybrid model's recurrent
    state is one more group, kind STATE, whose slots each forward names in `ForwardView.state`
    (`StateInputs`). `GroupKind` and `Half` name groups and halves.
-2. How big a forward gets (`CanaryHost.canary_capacities`): `Capacities`.
+2. How big a forward gets (`GuardedEngine.canary_capacities`): `Capacities`.
 3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView` (and
    `GroupInputs` for a pool another model writes).
-4. The prefix cache (`CanaryHost.cache_walk`): a `CacheWalk` (or a `PagedWalk`; `page_entries`
+4. The prefix cache (`GuardedEngine.cache_walk`): a `CacheWalk` (or a `PagedWalk`; `page_entries`
    builds a walk from whole pages; `PREV_CHAIN_HEAD` and `UNKNOWN` fill its columns), swept between
    forwards; its recurrent-state checkpoints (`checkpoint_walk`, optional): a `CheckpointWalk`;
    frees it announces (`add_free_listener`, optional): a `FreeListener`; a host-memory tier behind
-   it (`CanaryHost.host_tier`, optional): a `HostTier` of `HostPool`s, heard by a
+   it (`GuardedEngine.host_tier`, optional): a `HostTier` of `HostPool`s, heard by a
    `HostTierListener` (`copy_runs` copies pages in runs).
 5. What the fixtures drive: `generate`, `reset`, and the optional members. Each optional member
    is declared below with its default: a method with a default body (`checkpoint_walk`,
@@ -62,7 +62,7 @@ before_forward, kv_stored, after_forward and states_copied launch device work on
 no grid that depends on data. An engine may capture them with its forward in one CUDA graph and
 replay it with the view's tensors refilled in place; end_forward is never captured.
 
-The types also import from where they are defined (`canary/host.py`, `kvcanary_kernels.inputs`,
+The types also import from where they are defined (`canary/seam_data.py`, `kvcanary_kernels.inputs`,
 `kvcanary_kernels.records`, `soak/seam_types.py`): those paths keep working.
 """
 
@@ -78,7 +78,7 @@ from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping, State
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, UNKNOWN, GroupKind, Half
 
 from ..soak.seam_types import Arrival, EngineDefect, TokenScores
-from .host import CacheWalk, Capacities, CheckpointWalk, HostPool, PagedWalk, PoolGroup, copy_runs, page_entries
+from .seam_data import CacheWalk, Capacities, CheckpointWalk, HostPool, PagedWalk, PoolGroup, copy_runs, page_entries
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +95,7 @@ __all__ = [
     "CacheWalk", "PagedWalk", "page_entries", "PREV_CHAIN_HEAD", "UNKNOWN", "CheckpointWalk", "FreeListener",
     "HostTier", "HostPool", "HostTierListener", "copy_runs",
     # 5. the protocols, what the fixtures and the soak drive, what an engine has
-    "CanaryHost", "EngineUnderTest", "Arrival", "TokenScores", "EngineDefect", "RowOwners", "Capabilities",
+    "GuardedEngine", "EngineUnderTest", "Arrival", "TokenScores", "EngineDefect", "RowOwners", "Capabilities",
     "capabilities_of", "OPTIONAL_MEMBERS", "REQUIRED_METHODS", "missing_methods", "optional",
     # 6. prefill/decode pairs and registering
     "PrefillDecodePair", "TransferListener", "UnsupportedAttention",
@@ -197,7 +197,7 @@ class HostTier(Protocol):
         written from the CPU."""
 
 
-class CanaryHost(Protocol):
+class GuardedEngine(Protocol):
     """What an engine exposes to the canary runtime (and to the fault injector and the sweep)."""
 
     def canary_groups(self) -> Sequence[PoolGroup]:
@@ -288,7 +288,12 @@ class ForwardHooks(Protocol):
         its host work (the walk, a sweep's plan, a log poll) then overlaps the device's forward."""
 
 
-class EngineUnderTest(CanaryHost, Protocol):
+# The name GuardedEngine had before round five ("host" now means CPU memory only); kept so the
+# imports documented before keep working.
+CanaryHost = GuardedEngine
+
+
+class EngineUnderTest(GuardedEngine, Protocol):
     """An engine the kv fixtures can drive. `pytest_kvcanary_make_engine` returns one."""
 
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
@@ -423,7 +428,7 @@ OPTIONAL_MEMBERS = ("add_free_listener", "feed_token", "host_tier", "checkpoint_
 
 
 def _required_methods() -> tuple[str, ...]:
-    """EngineUnderTest's methods, in declaration order (CanaryHost's first), less the optional."""
+    """EngineUnderTest's methods, in declaration order (GuardedEngine's first), less the optional."""
     protocols = [c for c in reversed(EngineUnderTest.__mro__) if getattr(c, "_is_protocol", False) and c is not Protocol]
     return tuple(name for cls in protocols for name, member in vars(cls).items()
                  if inspect.isfunction(member) and not name.startswith("_") and name not in OPTIONAL_MEMBERS)

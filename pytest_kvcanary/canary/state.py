@@ -22,7 +22,7 @@ from kvcanary_kernels.hashing import head_hash_int, to_signed
 from kvcanary_kernels.records import FIELD_POSITION, FIELD_PREV_HASH, FIELD_TOKEN, UNKNOWN, GroupKind, Half, Phase, launch_tag
 
 from .groups import GroupState
-from .host import CheckpointWalk, ForwardView
+from .seam_data import CheckpointWalk, ForwardView
 
 HALF = Half.K  # a STATE group has one half
 

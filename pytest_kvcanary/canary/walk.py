@@ -33,7 +33,7 @@ from kvcanary_kernels.records import (COL_EXPECTED, COL_POSITION, COL_REASONS, C
                                       PREV_CHAIN_HEAD, ROW_WIDTH, Reason)
 from kvcanary_kernels.reference import fold_checks
 
-from .host import CacheWalk, PagedWalk, page_entries
+from .seam_data import CacheWalk, PagedWalk, page_entries
 
 
 class CheckedWalk(NamedTuple):

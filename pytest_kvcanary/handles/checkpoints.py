@@ -47,7 +47,7 @@ def _checkpoint_problem(path: Path, model_types: Callable[[], tuple[str, ...] | 
 
 
 def _reference_types() -> tuple[str, ...]:
-    from ..engine.weights import MODEL_TYPES
+    from ..reference_engine.weights import MODEL_TYPES
 
     return MODEL_TYPES
 
@@ -60,7 +60,7 @@ def _transformers_types() -> tuple[str, ...]:
 
 def _safetensors_problem(path: Path) -> str | None:
     """Why the directory's *.safetensors files cannot be read (None also without any)."""
-    from ..engine.weights import tensor_shapes
+    from ..reference_engine.weights import tensor_shapes
 
     if next(path.glob("*.safetensors"), None) is None:
         return None
@@ -78,7 +78,7 @@ def _transformers_fit(path: Path) -> str | None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..engine.weights import misfit, tensor_shapes
+    from ..reference_engine.weights import misfit, tensor_shapes
 
     if next(path.glob("*.safetensors"), None) is None:
         return None
@@ -95,7 +95,7 @@ def _transformers_fit(path: Path) -> str | None:
 
 def reference_problem(path: Path) -> str | None:
     """The reference engine reads Llama / Qwen2 checkpoints in safetensors."""
-    from ..engine.weights import checkpoint_problem
+    from ..reference_engine.weights import checkpoint_problem
 
     return _checkpoint_problem(path, _reference_types) or checkpoint_problem(path)
 

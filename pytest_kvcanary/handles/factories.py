@@ -104,7 +104,7 @@ def split_problem(name: str, attention: str, tp: int, pp: int, seed: int, model:
     if tp * pp == 1 or parallel_problem(name, tp, pp) or engine_problem(name):
         return None
     from ..canary.seam import UnsupportedAttention
-    from ..engine.parallel.topology import Topology
+    from ..reference_engine.parallel.topology import Topology
 
     try:
         make_shards(EngineSpec(name, attention, "cpu", seed, model)).check(Topology(tp, pp))

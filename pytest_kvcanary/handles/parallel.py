@@ -24,7 +24,7 @@ from ..adapters.spec import EngineSpec
 from ..canary.log import KvCanaryViolationError
 from ..canary.violation import Violation
 from ..config import CanaryConfig, PerturbSpec
-from ..engine.parallel.topology import Topology
+from ..reference_engine.parallel.topology import Topology
 from ..perturb.ledger import Injection
 from . import rank
 from .factories import NoParallelEngine, NoPrefillDecodePair, make_shards

@@ -37,9 +37,9 @@ from ..canary.ranks import RankCheck
 from ..canary.seam import EngineUnderTest
 from ..canary.violation import Violation
 from ..config import CanaryConfig
-from ..engine.parallel.groups import RankGroups
-from ..engine.parallel.topology import Topology
-from ..engine.pd import PDPair
+from ..reference_engine.parallel.groups import RankGroups
+from ..reference_engine.parallel.topology import Topology
+from ..reference_engine.pd import PDPair
 from ..perturb.ledger import Injection
 from .pd import PDHandle
 from .sided import SidedHandle

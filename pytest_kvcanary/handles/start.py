@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..adapters.spec import EngineSpec
-from ..engine.parallel.topology import Topology
+from ..reference_engine.parallel.topology import Topology
 from .factories import NoParallelEngine, make_engine, make_pd_pair, parallel_problem
 from .pd import PDHandle
 from .pool import EngineKey

@@ -49,9 +49,9 @@ def misfit(spec: PerturbSpec, groups: Sequence[GroupKind], *, fingerprints_real_
 
 # The capability (a Capabilities field, named as the seam's member that offers it) each mode needs.
 NEEDS = {
-    "next_token_swap": ("feed_token", "an engine that can feed a forward another token (CanaryHost.feed_token)"),
-    "real_kv_host": ("host_tier", "an engine with a host-memory tier (CanaryHost.host_tier)"),
-    "real_kv_unused_cache": ("cache_walk", "an engine whose prefix cache the sweep can walk (CanaryHost.cache_walk)"),
+    "next_token_swap": ("feed_token", "an engine that can feed a forward another token (GuardedEngine.feed_token)"),
+    "real_kv_host": ("host_tier", "an engine with a host-memory tier (GuardedEngine.host_tier)"),
+    "real_kv_unused_cache": ("cache_walk", "an engine whose prefix cache the sweep can walk (GuardedEngine.cache_walk)"),
 }
 
 

@@ -18,7 +18,7 @@ from kvcanary_kernels.records import GroupKind, Half
 
 from ..canary.readout import GroupReadout, SlotBytes
 from ..canary.runtime import CanaryRuntime
-from ..canary.seam import CanaryHost, ForwardView, optional
+from ..canary.seam import GuardedEngine, ForwardView, optional
 from ..config import PerturbSpec
 from .fit import misfit, target
 from .ledger import Injection, Ledger, Place
@@ -33,7 +33,7 @@ class PerturbError(ValueError):
 
 
 class FaultInjector:
-    def __init__(self, host: CanaryHost, runtime: CanaryRuntime, side: str, ledger: Ledger) -> None:
+    def __init__(self, host: GuardedEngine, runtime: CanaryRuntime, side: str, ledger: Ledger) -> None:
         self.host = host
         self.runtime = runtime
         self.readout = runtime.readout()

@@ -15,7 +15,7 @@ import torch
 from kvcanary_kernels.records import GroupKind
 
 from ..canary.readout import GroupReadout
-from ..canary.seam import CanaryHost, ForwardView, PagedWalk, optional
+from ..canary.seam import GuardedEngine, ForwardView, PagedWalk, optional
 from ..canary.walk import paged_entries
 
 
@@ -70,7 +70,7 @@ def written_targets(view: ForwardView, group: GroupReadout) -> list[Target]:
     return _targets(group, *_positions(view, view.prefix_lens.cpu(), view.extend_lens.cpu()))
 
 
-def cached_only_targets(host: CanaryHost, group: GroupReadout) -> list[Target]:
+def cached_only_targets(host: GuardedEngine, group: GroupReadout) -> list[Target]:
     """Slots held by the prefix cache and by no live request (only a sweep reads them; a STATE
     group: the checkpoints of paths no request holds)."""
     if group.kind is GroupKind.STATE:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig
 from pytest_kvcanary.handles.single import EngineHandle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_kvcanary.canary.host import PoolGroup
+from pytest_kvcanary.canary.seam import PoolGroup
 from pytest_kvcanary.canary.seam import Capabilities, GroupKind, SlotMapping, capabilities_of
 from pytest_kvcanary.config import PerturbSpec
 from pytest_kvcanary.perturb.fit import lacking
@@ -33,7 +33,7 @@ def test_the_conformance_command_runs_the_stock_examples_on_the_toy(realtester: 
     result.stdout.fnmatch_lines([
         "*needs an engine with prefix_cache; the single engine (ToyEngine) declares prefix_cache=False*",
         "*kv_perturb('real_kv_unused_cache') needs an engine whose prefix cache the sweep can walk "
-        "(CanaryHost.cache_walk); the single engine (ToyEngine) has none*",
+        "(GuardedEngine.cache_walk); the single engine (ToyEngine) has none*",
     ])
 
 

@@ -8,12 +8,12 @@ import sys
 
 LIGHT_MODULES = ("plugin", "settings", "handles.factories", "handles.checkpoints", "handles.pool", "handles.protocol",
                  "plugin_support.markers", "plugin_support.interrupts", "assertions", "report", "gpu", "hookspecs",
-                 "config", "canary.seam", "canary.host", "canary.violation", "adapters.spec",
+                 "config", "canary.seam", "canary.seam_data", "canary.host", "canary.violation", "adapters.spec",
                  "adapters.reference_hooks", "adapters.transformers_hooks", "adapters.vllm_hooks")
 # torch, triton, transformers, vLLM, the engines and adapters, the harness, and every kernel module
 # but the record layout, the argument checks and the input types.
 HEAVY_CHECK = ("heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'transformers', "
-               "'vllm') or m.startswith(('pytest_kvcanary.engine.', 'pytest_kvcanary.adapters.transformers_cb', "
+               "'vllm') or m.startswith(('pytest_kvcanary.reference_engine.', 'pytest_kvcanary.adapters.transformers_cb', "
                "'pytest_kvcanary.adapters.vllm.engine', 'pytest_kvcanary.handles.sided', "
                "'pytest_kvcanary.handles.single', 'pytest_kvcanary.handles.pd', 'pytest_kvcanary.handles.start')) "
                "or (m.startswith('kvcanary_kernels.') "
@@ -28,7 +28,7 @@ def test_plugin_modules_import_without_torch() -> None:
 
 def test_seam_types_an_engine_author_needs_import_without_torch() -> None:
     """Everything an adapter uses comes from the one seam module, without torch or triton."""
-    code = ("import sys; from pytest_kvcanary.canary.seam import (CanaryHost, EngineUnderTest, PrefillDecodePair, "
+    code = ("import sys; from pytest_kvcanary.canary.seam import (GuardedEngine, EngineUnderTest, PrefillDecodePair, "
             "PoolGroup, ForwardView, SlotMapping, Capacities, CacheWalk, PagedWalk, ForwardHooks, FreeListener, "
             "TransferListener, GroupKind, Half, UnsupportedAttention); from kvcanary_kernels.records import Reason, "
             "Phase; "

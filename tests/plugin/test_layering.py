@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"pytest_kvcanary": ROOT / "pytest_kvcanary", "kvcanary_kernels": ROOT / "kernels"}
-LOWER_LAYERS = ("pytest_kvcanary.engine", "pytest_kvcanary.adapters")
+PACKAGES = {"pytest_kvcanary": ROOT / "pytest_kvcanary", "kvcanary_kernels": ROOT / "kvcanary_kernels"}
+LOWER_LAYERS = ("pytest_kvcanary.reference_engine", "pytest_kvcanary.adapters")
 PLUGIN_PACKAGES = ("pytest_kvcanary.handles", "pytest_kvcanary.plugin_support", "pytest_kvcanary.soak")
 ROOT_MODULES = {"__init__", "plugin", "settings", "config", "assertions", "report", "gpu", "hookspecs"}
 
@@ -41,10 +41,10 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "plugin base": (("pytest_kvcanary.report", "pytest_kvcanary.gpu", "pytest_kvcanary.hookspecs"),
                     ("perturb", "engine spec")),
     "soak": (("pytest_kvcanary.soak",), ("perturb",)),
-    "adapters": (("pytest_kvcanary.adapters",), ("engine", "engine spec")),
+    "adapters": (("pytest_kvcanary.adapters",), ("reference engine", "engine spec")),
     # what every engine is built from: the hookspecs name it, the adapters' plugins receive it
     "engine spec": (("pytest_kvcanary.adapters.spec",), ()),
-    "engine": (("pytest_kvcanary.engine",), ("canary",)),
+    "reference engine": (("pytest_kvcanary.reference_engine",), ("canary",)),
     "perturb": (("pytest_kvcanary.perturb",), ("canary",)),
     "canary": (("pytest_kvcanary.canary",), ("config", "soak seam types")),
     # the types of the seam's soak members, defined with the soak, re-exported by the seam
@@ -138,8 +138,8 @@ def _in_lower_layer(name: str) -> bool:
 
 def test_the_graph_sees_the_known_imports():
     """The reading itself works: known edges of each import form are found."""
-    assert "pytest_kvcanary.engine.radix_cache" in GRAPH["pytest_kvcanary.engine.engine"]  # from .x import Y
-    assert "pytest_kvcanary.canary.seam" in GRAPH["pytest_kvcanary.engine.pd"]  # from ..x.y import Y
+    assert "pytest_kvcanary.reference_engine.radix_cache" in GRAPH["pytest_kvcanary.reference_engine.engine"]  # from .x import Y
+    assert "pytest_kvcanary.canary.seam" in GRAPH["pytest_kvcanary.reference_engine.pd"]  # from ..x.y import Y
     assert "kvcanary_kernels.records" in GRAPH["pytest_kvcanary.config"]  # absolute
     assert "pytest_kvcanary.handles.start" in GRAPH["pytest_kvcanary.plugin"]  # from .p import module, in a function
     assert "pytest_kvcanary.plugin_support.markers" in GRAPH["pytest_kvcanary.plugin"]  # from .p import module
@@ -149,7 +149,7 @@ def test_the_package_root_holds_only_the_plugin_and_what_it_reads():
     root = ROOT / "pytest_kvcanary"
     assert {p.stem for p in root.glob("*.py")} == ROOT_MODULES
     assert {p.name for p in root.iterdir() if (p / "__init__.py").exists()} == {
-        "adapters", "canary", "engine", "handles", "perturb", "plugin_support", "soak"}
+        "adapters", "canary", "reference_engine", "handles", "perturb", "plugin_support", "soak"}
 
 
 def test_every_module_is_in_a_layer_and_the_layers_are_a_hierarchy():
@@ -176,7 +176,7 @@ def test_every_import_points_down():
     ("pytest_kvcanary.report", "pytest_kvcanary.settings"),  # what the plugin level reads -> it
     ("pytest_kvcanary.canary.seam", "pytest_kvcanary.soak.runner"),  # the seam -> the soak
     ("pytest_kvcanary.canary.runtime", "pytest_kvcanary.perturb.ledger"),  # the runtime -> the injector
-    ("pytest_kvcanary.engine.engine", "pytest_kvcanary.adapters.reference"),  # the engine -> an adapter
+    ("pytest_kvcanary.reference_engine.engine", "pytest_kvcanary.adapters.reference"),  # the engine -> an adapter
     ("pytest_kvcanary.config", "pytest_kvcanary.canary.violation"),  # the configuration -> the runtime
     ("kvcanary_kernels.launch", "pytest_kvcanary.canary.seam"),  # the kernels -> the seam
 ])
@@ -217,24 +217,24 @@ def test_an_upward_import_is_found(target, monkeypatch):
 def test_the_seam_imports_only_the_types_it_hands_over():
     """An engine author's one import: it pulls in the seam's data types, the kernels' input types,
     the record layout and the soak's types, nothing of the runtime, the kernels' code or the plugin."""
-    types = {"pytest_kvcanary.canary.host", "kvcanary_kernels.inputs", "kvcanary_kernels.records",
+    types = {"pytest_kvcanary.canary.seam_data", "kvcanary_kernels.inputs", "kvcanary_kernels.records",
              "pytest_kvcanary.soak.seam_types"}
     assert GRAPH[SEAM] == types
-    assert GRAPH["pytest_kvcanary.canary.host"] <= types | {"kvcanary_kernels.checks"}
+    assert GRAPH["pytest_kvcanary.canary.seam_data"] <= types | {"kvcanary_kernels.checks"}
     assert GRAPH["pytest_kvcanary.soak.seam_types"] == {"kvcanary_kernels.records"}
 
 
 def test_adapters_and_the_reference_engine_import_the_seam_not_the_handles():
     """The protocols an engine implements live in the seam; no adapter reaches past it."""
     users = {name for name, targets in GRAPH.items() if SEAM in targets}
-    assert {"pytest_kvcanary.engine.engine", "pytest_kvcanary.engine.pd", "pytest_kvcanary.handles.factories",
+    assert {"pytest_kvcanary.reference_engine.engine", "pytest_kvcanary.reference_engine.pd", "pytest_kvcanary.handles.factories",
             "pytest_kvcanary.adapters.transformers_cb.model", "pytest_kvcanary.canary.runtime"} <= users
 
 
 def test_the_reference_engine_imports_no_adapter():
-    """Adapters wrap engines: engine/ (the reference engine) sits below adapters/."""
+    """Adapters wrap engines: reference_engine/ sits below adapters/."""
     upward = sorted(f"{name} -> {target}" for name, targets in GRAPH.items()
-                    if name.startswith("pytest_kvcanary.engine.") for target in targets
+                    if name.startswith("pytest_kvcanary.reference_engine.") for target in targets
                     if target.startswith("pytest_kvcanary.adapters"))
     assert not upward, "\n".join(upward)
 
@@ -267,8 +267,8 @@ def test_no_import_cycle():
     assert cycle is None, " -> ".join(cycle or [])
 
 
-@pytest.mark.parametrize("edge", [("pytest_kvcanary.engine.request", "pytest_kvcanary.engine.radix_cache"),
-                                  ("pytest_kvcanary.canary.host", "pytest_kvcanary.canary.runtime")])
+@pytest.mark.parametrize("edge", [("pytest_kvcanary.reference_engine.request", "pytest_kvcanary.reference_engine.radix_cache"),
+                                  ("pytest_kvcanary.canary.seam_data", "pytest_kvcanary.canary.runtime")])
 def test_a_cycle_is_found(edge, monkeypatch):
     """The cycle check can fail: one added import that closes a loop is reported."""
     source, target = edge

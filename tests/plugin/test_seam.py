@@ -130,7 +130,7 @@ SEAM_MODULE = "pytest_kvcanary.canary.seam"
 # The paths the docs gave each type before the seam re-exported it: they keep working, and name
 # the very objects the seam does.
 OLD_PATHS = {
-    "pytest_kvcanary.canary.host": ("PoolGroup", "Capacities", "CacheWalk", "PagedWalk", "CheckpointWalk",
+    "pytest_kvcanary.canary.seam_data": ("PoolGroup", "Capacities", "CacheWalk", "PagedWalk", "CheckpointWalk",
                                     "HostPool", "Arrival", "TokenScores", "EngineDefect", "SlotMapping",
                                     "ForwardView", "GroupInputs", "StateInputs", "copy_runs", "page_entries"),
     "kvcanary_kernels.inputs": ("SlotMapping", "ForwardView", "GroupInputs", "StateInputs"),
@@ -138,12 +138,14 @@ OLD_PATHS = {
     "pytest_kvcanary.soak.seam_types": ("Arrival", "TokenScores", "EngineDefect"),
     "pytest_kvcanary": ("UnsupportedAttention",),
 }
+# The module the data types had before "host" came to mean CPU memory only.
+OLD_PATHS["pytest_kvcanary.canary.host"] = OLD_PATHS["pytest_kvcanary.canary.seam_data"]
 # What an adapter imports from the seam: its data types and the page helpers, wherever they are
 # defined.
 ADAPTER_NAMES = ("PoolGroup", "SlotMapping", "ForwardView", "GroupInputs", "StateInputs", "Capacities", "CacheWalk",
                  "PagedWalk", "CheckpointWalk", "HostPool", "HostTier", "HostTierListener", "FreeListener",
                  "Arrival", "TokenScores", "EngineDefect", "GroupKind", "Half", "PREV_CHAIN_HEAD", "UNKNOWN",
-                 "page_entries", "copy_runs", "Capabilities", "ForwardHooks", "EngineUnderTest", "CanaryHost",
+                 "page_entries", "copy_runs", "Capabilities", "ForwardHooks", "EngineUnderTest", "GuardedEngine",
                  "PrefillDecodePair", "TransferListener", "UnsupportedAttention", "RowOwners")
 
 
@@ -168,6 +170,12 @@ def test_the_documented_old_paths_still_import_the_same_objects(module: str) -> 
         dict.fromkeys(OLD_PATHS[module], True)
 
 
+def test_the_engine_protocols_old_name_is_the_same_protocol() -> None:
+    from pytest_kvcanary.canary import seam
+
+    assert seam.CanaryHost is seam.GuardedEngine and "CanaryHost" not in seam.__all__
+
+
 def test_the_settings_old_path_still_imports() -> None:
     from pytest_kvcanary.plugin import run_settings as old
     from pytest_kvcanary.settings import run_settings
@@ -187,7 +195,7 @@ def test_importing_the_whole_seam_loads_neither_torch_nor_triton() -> None:
             "or (m.startswith('kvcanary_kernels.') and m not in "
             "('kvcanary_kernels.records', 'kvcanary_kernels.checks', 'kvcanary_kernels.inputs')) "
             "or (m.startswith('pytest_kvcanary.') and m not in ('pytest_kvcanary.canary', "
-            f"'{SEAM_MODULE}', 'pytest_kvcanary.canary.host', 'pytest_kvcanary.soak', "
+            f"'{SEAM_MODULE}', 'pytest_kvcanary.canary.seam_data', 'pytest_kvcanary.soak', "
             "'pytest_kvcanary.soak.seam_types'))); "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -200,7 +208,7 @@ def _seam_type_imports() -> list[str]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    defined_elsewhere = {"canary.host", "kvcanary_kernels.inputs", "kvcanary_kernels.records", "soak.seam_types"}
+    defined_elsewhere = {"canary.host", "canary.seam_data", "kvcanary_kernels.inputs", "kvcanary_kernels.records", "soak.seam_types"}
     found = []
     adapters = [*(root / "pytest_kvcanary" / "adapters").rglob("*.py"), *(root / "examples" / "adapter").glob("*.py")]
     for path in sorted(adapters):

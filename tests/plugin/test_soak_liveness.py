@@ -8,14 +8,14 @@ import pytest
 
 # torch loads once, here (an in-process pytester run forgets the modules it imported).
 import pytest_kvcanary.soak.suite  # noqa: F401
-from pytest_kvcanary.engine.engine import Engine  # noqa: F401
+from pytest_kvcanary.reference_engine.engine import Engine  # noqa: F401
 
 SUITE = ("--pyargs", "pytest_kvcanary.soak.suite", "-k", "test_workload_soak and hybrid")
 
 # The radix cache keeps KV but no request reuses a prefix: no checkpoint is ever restored.
 NO_PREFIX_REUSE = """
 import pytest
-from pytest_kvcanary.engine.radix_cache import MatchResult, RadixCache
+from pytest_kvcanary.reference_engine.radix_cache import MatchResult, RadixCache
 
 @pytest.fixture(autouse=True)
 def no_prefix_reuse(monkeypatch):

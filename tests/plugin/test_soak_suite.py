@@ -12,7 +12,7 @@ import pytest
 # torch loads once, here: an in-process pytester run forgets the modules it imported, and torch
 # cannot be imported a second time in one process.
 import pytest_kvcanary.soak.suite  # noqa: F401
-from pytest_kvcanary.engine.engine import Engine  # noqa: F401
+from pytest_kvcanary.reference_engine.engine import Engine  # noqa: F401
 
 SUITE = ("--pyargs", "pytest_kvcanary.soak.suite")
 ONE_MHA_SOAK = ("-k", "test_workload_soak and mha and not prefill")
@@ -22,7 +22,7 @@ ONE_MHA_SOAK = ("-k", "test_workload_soak and mha and not prefill")
 # suspected false alarm.
 WRONG_TOKEN_TABLE = """
 import pytest
-from pytest_kvcanary.engine.engine import Engine
+from pytest_kvcanary.reference_engine.engine import Engine
 
 @pytest.fixture(autouse=True)
 def wrong_token_table(monkeypatch):

@@ -58,4 +58,4 @@ def test_the_toy_adapter_runs_the_fixtures(realtester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=4, skipped=2)
     result.stdout.fnmatch_lines(["*the toy engine has no swa attention*"])
     result.stdout.fnmatch_lines(["*kv_perturb('next_token_swap') needs an engine that can feed a forward another "
-                                 "token (CanaryHost.feed_token); the single engine (ToyEngine) has none*"])
+                                 "token (GuardedEngine.feed_token); the single engine (ToyEngine) has none*"])

@@ -72,9 +72,9 @@ def test_a_checkpoint_whose_tensors_do_not_fit_its_config(kvtester: pytest.Pytes
     headers before any test runs, not as a load error in every test."""
     if engine != "reference":
         pytest.importorskip(engine)
-    from pytest_kvcanary.engine.config import ModelConfig
-    from pytest_kvcanary.engine.model import CausalLM
-    from pytest_kvcanary.engine.weights import save_checkpoint
+    from pytest_kvcanary.reference_engine.config import ModelConfig
+    from pytest_kvcanary.reference_engine.model import CausalLM
+    from pytest_kvcanary.reference_engine.weights import save_checkpoint
 
     kvtester.makepyfile("def test_a(kv_engine): print('RAN')")
     ckpt = kvtester.mkdir("ckpt")
@@ -129,9 +129,9 @@ def test_nothing_is_checked_when_the_canary_is_off(kvtester: pytest.Pytester) ->
 
 
 def _llama_checkpoint(path: Path) -> Path:
-    from pytest_kvcanary.engine.config import ModelConfig
-    from pytest_kvcanary.engine.model import CausalLM
-    from pytest_kvcanary.engine.weights import save_checkpoint
+    from pytest_kvcanary.reference_engine.config import ModelConfig
+    from pytest_kvcanary.reference_engine.model import CausalLM
+    from pytest_kvcanary.reference_engine.weights import save_checkpoint
 
     save_checkpoint(CausalLM(ModelConfig(num_layers=2, hidden=32, intermediate=64)), path)
     return path

@@ -16,7 +16,7 @@ transformers``). Needs the transformers package: in a clone of the project,
     forward_view.py   the canary's view derived on the device from the forward's own inputs
     forward.py        GuardedForward: the canary's work around and inside each forward
     offload.py        transformers' CPU swap pool as a host tier
-    engine.py         TransformersEngine: the CanaryHost seam around ContinuousBatchProcessor
+    engine.py         TransformersEngine: the GuardedEngine seam around ContinuousBatchProcessor
     parallel.py       TensorParallelShards: the engine of each rank of a tensor-parallel engine
 """
 

@@ -36,7 +36,7 @@ from .versions import (
 
 
 class TransformersEngine:
-    """A transformers model under continuous batching, guarded through the CanaryHost seam.
+    """A transformers model under continuous batching, guarded through the GuardedEngine seam.
 
     page_size: tokens per KV block; num_blocks: cache capacity in blocks (the prefix cache evicts
     and transformers offloads requests when it runs short); max_batch_tokens /
@@ -112,7 +112,7 @@ class TransformersEngine:
         """Undo every patch of transformers the engine installed; the engine is not used after."""
         self._patches.uninstall()
 
-    # ----------------------------------------------------------------------------- CanaryHost
+    # ----------------------------------------------------------------------------- GuardedEngine
     def canary_groups(self) -> Sequence[PoolGroup]:
         return [PoolGroup(g.kind, g.k_layers, g.v_layers, g.num_slots,
                           SlotMapping(self._forward.tables[g.kind][:-1], page_size=g.page_size, ring=g.ring),
@@ -273,7 +273,7 @@ class TransformersEngine:
         return None if owner is None else (owner, self._prompts.get(owner, ""))
 
     def feed_token(self, view: Any, index: int, token: int) -> None:
-        """The forward about to run embeds `token` at view token `index` (optional CanaryHost extra,
+        """The forward about to run embeds `token` at view token `index` (optional GuardedEngine extra,
         from a forward observer in before_forward): written into the input ids transformers staged
         for it and into the view's copy of them. With async batching and the canary around
         transformers' graphs, transformers' carry-over of a token sampled by the forward before may

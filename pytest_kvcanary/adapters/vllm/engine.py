@@ -214,7 +214,7 @@ class VllmEngine:
         return view, None if by_slot is None else order
 
     def feed_token(self, view: ForwardView, index: int, token: int) -> None:
-        """The forward about to run embeds `token` at view token `index` (optional CanaryHost extra,
+        """The forward about to run embeds `token` at view token `index` (optional GuardedEngine extra,
         from a forward observer in before_forward): written into the model call's own input ids,
         and into the view's copy of them. Raises ValueError for a view token of a position the
         forward does not compute for that row (another row's, blocks.py)."""
@@ -363,7 +363,7 @@ class VllmEngine:
         request = self._steps[step][row]
         return request, self.llm.get_tokenizer().decode(self.book.prompt(request))
 
-    # CanaryHost ------------------------------------------------------------------------------
+    # GuardedEngine ------------------------------------------------------------------------------
 
     def canary_groups(self) -> Sequence[PoolGroup]:
         return self._groups

@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason=INSTALL)
 
 from kvcanary_kernels.records import UNKNOWN  # noqa: E402
 from pytest_kvcanary.adapters.transformers_cb.batch_buffers import BatchBuffers  # noqa: E402
-from pytest_kvcanary.canary.host import Capacities  # noqa: E402
+from pytest_kvcanary.canary.seam import Capacities  # noqa: E402
 
 LANES, CONTEXT, MAX_TOKENS = 6, 40, 16
 

@@ -16,7 +16,7 @@ from .support import INSTALL, make_handle
 
 pytest.importorskip("transformers", reason=INSTALL)
 
-from pytest_kvcanary.canary.host import ForwardView  # noqa: E402
+from pytest_kvcanary.canary.seam import ForwardView  # noqa: E402
 from pytest_kvcanary.config import PerturbSpec  # noqa: E402
 from pytest_kvcanary.perturb.ledger import DETECTING_REASONS  # noqa: E402
 

@@ -19,7 +19,7 @@ import torch
 
 from pytest_kvcanary.adapters.transformers_cb import transformers_shards
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine.parallel.topology import Topology
+from pytest_kvcanary.reference_engine.parallel.topology import Topology
 from pytest_kvcanary.handles.factories import install_hint
 from pytest_kvcanary.handles.parallel import ParallelHandle
 from pytest_kvcanary.handles.rank import RankContext, RankSpec

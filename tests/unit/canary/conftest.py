@@ -1,4 +1,4 @@
-"""A hand-driven CanaryHost: tests play the engine, forward by forward."""
+"""A hand-driven GuardedEngine: tests play the engine, forward by forward."""
 
 from __future__ import annotations
 

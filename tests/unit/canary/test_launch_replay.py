@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pytest_kvcanary.canary import launch_replay as replay
-from pytest_kvcanary.canary.host import ForwardView, GroupInputs
+from pytest_kvcanary.canary.seam import ForwardView, GroupInputs
 from pytest_kvcanary.canary.runtime import view_tensors
 from pytest_kvcanary.canary.launch_replay import LaunchReplay, buffers_key
 from kvcanary_kernels.records import GroupKind

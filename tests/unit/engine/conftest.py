@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
-from pytest_kvcanary.engine.kv_pool import slot_pages
+from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine.kv_pool import slot_pages
 
 WINDOW = 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_kvcanary.engine import ByteTokenizer, Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine import ByteTokenizer, Engine, EngineConfig, ModelConfig
 
 
 @pytest.mark.parametrize("kwargs, match", [

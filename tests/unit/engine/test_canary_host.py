@@ -1,4 +1,4 @@
-"""The engine as a CanaryHost: pool groups and their mappings, capacities, the cache walk, and
+"""The engine as a GuardedEngine: pool groups and their mappings, capacities, the cache walk, and
 the forward hooks."""
 
 from __future__ import annotations

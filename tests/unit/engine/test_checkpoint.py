@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig
-from pytest_kvcanary.engine.model import CausalLM
-from pytest_kvcanary.engine.weights import checkpoint_problem, read_config, save_checkpoint
+from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine.model import CausalLM
+from pytest_kvcanary.reference_engine.weights import checkpoint_problem, read_config, save_checkpoint
 
 PROMPTS = [list(b"checkpoint round trip"), list(b"check")]
 

@@ -15,11 +15,11 @@ import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import EngineConfig, ModelConfig
-from pytest_kvcanary.engine import disk_tier as disk_module
-from pytest_kvcanary.engine.disk_tier import SUFFIX, DiskTier
-from pytest_kvcanary.engine.kv_pool import slot_pages
-from pytest_kvcanary.engine.radix_cache import CAUSE_STORED
+from pytest_kvcanary.reference_engine import EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine import disk_tier as disk_module
+from pytest_kvcanary.reference_engine.disk_tier import SUFFIX, DiskTier
+from pytest_kvcanary.reference_engine.kv_pool import slot_pages
+from pytest_kvcanary.reference_engine.radix_cache import CAUSE_STORED
 
 KERNELS = "triton" if torch.cuda.is_available() else "torch"
 

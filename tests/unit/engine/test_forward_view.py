@@ -12,9 +12,9 @@ from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.seam import ForwardView
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import Engine
-from pytest_kvcanary.engine.model import CausalLM
-from pytest_kvcanary.engine.scheduler import Scheduler
+from pytest_kvcanary.reference_engine import Engine
+from pytest_kvcanary.reference_engine.model import CausalLM
+from pytest_kvcanary.reference_engine.scheduler import Scheduler
 
 KERNELS = "triton" if torch.cuda.is_available() else "torch"
 

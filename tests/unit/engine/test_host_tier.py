@@ -14,8 +14,8 @@ import torch
 from pytest_kvcanary.canary.host_records import HostRecords
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import EngineConfig, ModelConfig
-from pytest_kvcanary.engine.radix_cache import CAUSE_EVICTED, CAUSE_HOST_DROPPED, CAUSE_HOST_EVICTED, CAUSE_WRITTEN_BACK
+from pytest_kvcanary.reference_engine import EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine.radix_cache import CAUSE_EVICTED, CAUSE_HOST_DROPPED, CAUSE_HOST_EVICTED, CAUSE_WRITTEN_BACK
 
 KERNELS = "triton" if torch.cuda.is_available() else "torch"
 

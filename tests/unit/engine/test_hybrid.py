@@ -11,8 +11,8 @@ import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig, Request
-from pytest_kvcanary.engine.model import DenseState, RecurrentMixer
+from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig, Request
+from pytest_kvcanary.reference_engine.model import DenseState, RecurrentMixer
 
 
 def check_state_invariants(engine: Engine) -> None:

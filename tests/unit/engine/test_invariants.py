@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from pytest_kvcanary.engine.kv_pool import ReqToTokenPool
+from pytest_kvcanary.reference_engine.kv_pool import ReqToTokenPool
 
 
 def test_a_host_page_freed_twice_or_never_handed_out_asserts(make_engine):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvcanary_kernels.records import GroupKind
-from pytest_kvcanary.engine.config import EngineConfig, ModelConfig
-from pytest_kvcanary.engine.kv_pool import KVPool, KVPools, ReqToTokenPool
+from pytest_kvcanary.reference_engine.config import EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine.kv_pool import KVPool, KVPools, ReqToTokenPool
 
 
 def test_alloc_free_never_hands_out_slot_zero():

@@ -13,7 +13,7 @@ from pytest_kvcanary.canary.seam import CacheWalk
 from pytest_kvcanary.canary.log import KvCanaryViolationError
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import Engine
+from pytest_kvcanary.reference_engine import Engine
 
 KERNELS = "triton" if torch.cuda.is_available() else "torch"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 20, 21], [30, 31, 32]]

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from kvcanary_kernels.records import GroupKind, Half
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import Engine, ModelConfig, PDPair
-from pytest_kvcanary.engine.attention import DenseKV
-from pytest_kvcanary.engine.model import CausalLM, LatentAttention, apply_rope, rope_cos_sin
+from pytest_kvcanary.reference_engine import Engine, ModelConfig, PDPair
+from pytest_kvcanary.reference_engine.attention import DenseKV
+from pytest_kvcanary.reference_engine.model import CausalLM, LatentAttention, apply_rope, rope_cos_sin
 
 KERNELS = "triton" if torch.cuda.is_available() else "torch"
 

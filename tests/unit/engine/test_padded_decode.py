@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_kvcanary.engine import EngineConfig
+from pytest_kvcanary.reference_engine import EngineConfig
 
 
 @pytest.mark.parametrize("attention", ["mha", "swa", "mla", "hybrid"])

@@ -10,8 +10,8 @@ import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import EngineConfig
-from pytest_kvcanary.engine.radix_cache import RadixCache
+from pytest_kvcanary.reference_engine import EngineConfig
+from pytest_kvcanary.reference_engine.radix_cache import RadixCache
 
 KERNELS = "triton" if torch.cuda.is_available() else "torch"
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
-from pytest_kvcanary.engine.config import EngineConfig, ModelConfig
-from pytest_kvcanary.engine.kv_pool import KVPools, ReqToTokenPool
-from pytest_kvcanary.engine.radix_cache import RadixCache
+from pytest_kvcanary.reference_engine.config import EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine.kv_pool import KVPools, ReqToTokenPool
+from pytest_kvcanary.reference_engine.radix_cache import RadixCache
 
 
 def _cache(attention: str = "mha") -> RadixCache:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pytest_kvcanary.adapters.reference import make_reference_engine
-from pytest_kvcanary.engine import ModelConfig
-from pytest_kvcanary.engine.model import CausalLM
-from pytest_kvcanary.engine.weights import save_checkpoint
+from pytest_kvcanary.reference_engine import ModelConfig
+from pytest_kvcanary.reference_engine.model import CausalLM
+from pytest_kvcanary.reference_engine.weights import save_checkpoint
 
 
 @pytest.mark.parametrize("attention, halves", [("mha", [2]), ("swa", [2, 2]), ("mla", [1])])

@@ -12,9 +12,9 @@ import torch
 from kvcanary_kernels.records import GroupKind, Half
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import Engine, EngineConfig, Request
-from pytest_kvcanary.engine.scheduler import Scheduler
-from pytest_kvcanary.engine.speculative import Drafter
+from pytest_kvcanary.reference_engine import Engine, EngineConfig, Request
+from pytest_kvcanary.reference_engine.scheduler import Scheduler
+from pytest_kvcanary.reference_engine.speculative import Drafter
 
 KERNELS = "triton" if torch.cuda.is_available() else "torch"
 ROLLBACK = "rejected draft position rolled back"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pytest_kvcanary.config import CanaryConfig, PerturbSpec
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig, PDPair
+from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig, PDPair
 from pytest_kvcanary.handles.pd import PDHandle
 from pytest_kvcanary.handles.sided import BASE_PROMPT
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pytest_kvcanary.canary.seam import TransferListener
-from pytest_kvcanary.engine.pd import PDPair
+from pytest_kvcanary.reference_engine.pd import PDPair
 from pytest_kvcanary.handles.pd import PDHandle
 
 from pd_support import assert_idle_and_whole, make_engine, make_handle

@@ -139,7 +139,7 @@ def test_a_host_fault_needs_an_engine_with_a_host_tier():
                                            r"tier to damage$"):
         make_handle("mha").reset(0, (PerturbSpec("real_kv_host"),))
     assert make_handle("mha").unsupported((PerturbSpec("real_kv_host"),)) == (
-        "kv_perturb('real_kv_host') needs an engine with a host-memory tier (CanaryHost.host_tier); the single "
+        "kv_perturb('real_kv_host') needs an engine with a host-memory tier (GuardedEngine.host_tier); the single "
         "engine (Engine) has none")
     assert make_handle("host").unsupported((PerturbSpec("real_kv_host"),)) is None
 
@@ -151,7 +151,7 @@ def test_an_engine_that_cannot_feed_another_token_is_named_by_the_reason_to_skip
     handle.side.engine = _HostWithoutFreeReports(handle.engine)  # the bare seam: no feed_token
     assert handle.unsupported((PerturbSpec("next_token_swap"),)) == (
         "kv_perturb('next_token_swap') needs an engine that can feed a forward another token "
-        "(CanaryHost.feed_token); the single engine (_HostWithoutFreeReports) has none")
+        "(GuardedEngine.feed_token); the single engine (_HostWithoutFreeReports) has none")
 
 
 @pytest.mark.parametrize("mode", PERTURB_MODES)
@@ -174,7 +174,7 @@ def test_req_to_token_needs_no_real_data():
 
 
 class _HostWithoutFreeReports:
-    """The reference engine seen through the bare CanaryHost seam (no add_free_listener)."""
+    """The reference engine seen through the bare GuardedEngine seam (no add_free_listener)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine

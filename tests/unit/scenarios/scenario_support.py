@@ -12,8 +12,8 @@ import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig, Request
-from pytest_kvcanary.engine.attention import DenseKV
+from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig, Request
+from pytest_kvcanary.reference_engine.attention import DenseKV
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS = "triton" if DEVICE == "cuda" else "torch"

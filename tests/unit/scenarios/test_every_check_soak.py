@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from pytest_kvcanary.engine import Engine
+from pytest_kvcanary.reference_engine import Engine
 
 from scenario_support import attach_canary, first_reports, make_engine, off_greedy_reference
 

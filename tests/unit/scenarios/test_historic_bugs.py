@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
-from pytest_kvcanary.engine import Engine, Request
-from pytest_kvcanary.engine.attention import PagedKV
-from pytest_kvcanary.engine.decode_graphs import PaddedDecodeKV
-from pytest_kvcanary.engine.kv_pool import page_slots
-from pytest_kvcanary.engine.radix_cache import CAUSE_HOST_EVICTED, RadixCache
-from pytest_kvcanary.engine.scheduler import Scheduler
-from pytest_kvcanary.engine.speculative import Drafter
+from pytest_kvcanary.reference_engine import Engine, Request
+from pytest_kvcanary.reference_engine.attention import PagedKV
+from pytest_kvcanary.reference_engine.decode_graphs import PaddedDecodeKV
+from pytest_kvcanary.reference_engine.kv_pool import page_slots
+from pytest_kvcanary.reference_engine.radix_cache import CAUSE_HOST_EVICTED, RadixCache
+from pytest_kvcanary.reference_engine.scheduler import Scheduler
+from pytest_kvcanary.reference_engine.speculative import Drafter
 
 from scenario_support import (
     attach_canary, first_reports, kv_off_reference, make_engine, off_greedy_reference, owner_of, reports,

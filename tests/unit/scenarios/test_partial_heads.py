@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pytest_kvcanary.engine.pd as pd
+import pytest_kvcanary.reference_engine.pd as pd
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine import Engine, EngineConfig, ModelConfig, PDPair
-from pytest_kvcanary.engine.kv_pool import KVPool
+from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig, PDPair
+from pytest_kvcanary.reference_engine.kv_pool import KVPool
 from pytest_kvcanary.handles.pd import PDHandle
 
 from scenario_support import DEVICE, KERNELS, tokens

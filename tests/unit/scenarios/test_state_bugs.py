@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
-from pytest_kvcanary.engine import Engine, Request
-from pytest_kvcanary.engine.model import DenseState, RecurrentMixer
-from pytest_kvcanary.engine.radix_cache import RadixCache
-from pytest_kvcanary.engine.scheduler import Scheduler
+from pytest_kvcanary.reference_engine import Engine, Request
+from pytest_kvcanary.reference_engine.model import DenseState, RecurrentMixer
+from pytest_kvcanary.reference_engine.radix_cache import RadixCache
+from pytest_kvcanary.reference_engine.scheduler import Scheduler
 
 from scenario_support import attach_canary, first_reports, make_engine, off_greedy_reference, tokens
 
@@ -58,7 +58,7 @@ def state_is_off(engine: Engine, req: Request) -> bool:
 
 
 def _no_kv(layer, q, k, v, window):  # the full-attention layers of a no-cache run see their own tokens
-    from pytest_kvcanary.engine.attention import attend
+    from pytest_kvcanary.reference_engine.attention import attend
     positions = torch.arange(q.shape[0], device=q.device)
     return attend(q, k, v, positions, positions, window)
 

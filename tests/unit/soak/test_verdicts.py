@@ -10,8 +10,8 @@ import torch
 
 from pytest_kvcanary.adapters.reference import make_reference_engine
 from pytest_kvcanary.config import CanaryConfig
-from pytest_kvcanary.engine.attention import PagedKV
-from pytest_kvcanary.engine.engine import Engine
+from pytest_kvcanary.reference_engine.attention import PagedKV
+from pytest_kvcanary.reference_engine.engine import Engine
 from pytest_kvcanary.handles.single import EngineHandle
 from pytest_kvcanary.soak.runner import geometry
 from pytest_kvcanary.soak.verdicts import CLEAN, DETECTED, FALSE_ALARM, MISSED

@@ -48,7 +48,7 @@ from kvcanary_kernels.records import PREV_CHAIN_HEAD
 from pytest_kvcanary.canary.seam import CacheWalk, CheckpointWalk
 
 from .disk_tier import DiskTier
-from .host_tier import HostTier
+from .host_tier import HostKVCache
 from .kv_pool import KVPools, ReqToTokenPool, page_slots, slot_pages
 from .radix_node import Node
 from .request import Request
@@ -100,7 +100,7 @@ class RadixCache:
     tier), or None. Keys inserted are whole pages of pools.page_size tokens."""
 
     def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, window: int | None,
-                 host_tier: HostTier | None = None, states: StatePool | None = None,
+                 host_tier: HostKVCache | None = None, states: StatePool | None = None,
                  disk_tier: DiskTier | None = None) -> None:
         self.pools, self.req_to_token, self.window, self.host_tier = pools, req_to_token, window, host_tier
         self.disk_tier = disk_tier

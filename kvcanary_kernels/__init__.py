@@ -1,7 +1,7 @@
 """Triton kernels that stamp and verify KV-cache canary records, and their pure-torch references.
 
-The folder is ``kernels/`` in the source tree; it installs as ``kvcanary_kernels``, a name no other
-distribution's top-level ``kernels`` package can shadow or be shadowed by in site-packages.
+The folder is named as it imports, ``kvcanary_kernels``: a name no other distribution's top-level
+``kernels`` package can shadow or be shadowed by in site-packages.
 
 Importing the package (or ``kvcanary_kernels.records``, ``.checks`` or ``.inputs``) imports neither
 triton nor torch: the kernels load on first use of a name below. To run them on CPU tensors, set

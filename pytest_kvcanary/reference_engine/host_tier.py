@@ -31,7 +31,7 @@ from .kv_pool import KVPools, page_slots
 from .state_pool import StatePool
 
 
-class HostTier:
+class HostKVCache:
     """host_num_slots host slots in pages of the pools' page size (every page usable). pools: a
     `HostPool` per device pool it backs (FULL, DRAFT). num_written_back / num_loaded_back: pages
     copied each way since the engine started. states: a hybrid model's state pool, whose

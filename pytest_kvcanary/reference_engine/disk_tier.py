@@ -9,7 +9,7 @@ temporary name, syncs it, then renames it into place; only then does the index l
 lookup never sees a partial store, and a store that fails midway is never listed. A file holds a
 header (its key, context and page tokens, and the layout of what follows), the page's bytes per
 backed pool (FULL, DRAFT), K and V, layer by layer, and the records each host-tier listener keeps
-for its slots (the canary's: `HostTier.records_of`), which come back with the bytes.
+for its slots (the canary's: `HostKVCache.records_of`), which come back with the bytes.
 
 A load checks the file's structure (magic, lengths, layout) and that its header names the key, the
 context and the tokens asked for; a file that fails is refused (a miss, counted in `refused` by
@@ -31,7 +31,7 @@ import torch
 from kvcanary_kernels.records import GroupKind, Half
 
 from .config import EngineConfig
-from .host_tier import HostTier
+from .host_tier import HostKVCache
 
 MAGIC, END = b"KVCPAGE1", b"KVCEND01"
 SUFFIX = ".kvpage"
@@ -51,7 +51,7 @@ class DiskTier:
     pages stored and loaded since the engine started; num_failed_stores: stores that raised (never
     listed); refused: loads refused, by reason."""
 
-    def __init__(self, config: EngineConfig, host: HostTier) -> None:
+    def __init__(self, config: EngineConfig, host: HostKVCache) -> None:
         self.dir = Path(config.disk_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.host, self.page_size, self.num_pages = host, host.page_size, config.disk_num_pages

@@ -1,4 +1,4 @@
-"""What the kernels take, declared once: the seam (canary/host.py) hands these very types to
+"""What the kernels take, declared once: the seam (canary/seam_data.py) hands these very types to
 an engine author, and the kernels read them as they are.
 
 ``SlotMapping`` and ``ForwardView`` describe a forward the way the engine holds it (its mapping

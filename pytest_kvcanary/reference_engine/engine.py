@@ -3,7 +3,7 @@
     step -> Scheduler.schedule -> hooks.before_forward -> [draft model] -> model (PagedKV)
          -> hooks.after_forward -> greedy sample (speculative: accept proposals) -> Scheduler.process
 
-It is a `CanaryHost`: the canary runtime attaches through `canary_groups` / `canary_capacities` /
+It is a `GuardedEngine`: the canary runtime attaches through `canary_groups` / `canary_capacities` /
 `cache_walk` and is called around every forward through `set_forward_hooks`, in the seam's order
 (before_forward, the forward with kv_stored at each layer's KV-store point, after_forward,
 end_forward).
@@ -26,7 +26,7 @@ from .attention import PagedKV
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs
 from .disk_tier import DiskTier
-from .host_tier import HostTier
+from .host_tier import HostKVCache
 from .kv_pool import KVPools, ReqToTokenPool
 from .model import CausalLM
 from .radix_cache import RadixCache
@@ -48,7 +48,7 @@ class Engine:
     (``[rows, max_context]``: the token at each position of each row's request, -1 past it),
     ``drafter`` (speculative decoding's draft model and its acceptance counts, or None; its KV
     pool is ``pools.draft``), ``host_tier`` (the host-memory tier the radix cache writes evicted
-    pages back to, or None; also the seam's optional CanaryHost.host_tier), ``disk_tier`` (the
+    pages back to, or None; also the seam's optional GuardedEngine.host_tier), ``disk_tier`` (the
     storage tier under it that pages host memory evicts are stored in, or None), ``states`` (a hybrid
     model's state pool, StatePool, or None). model: what the engine
     runs, with its weights (default: a CausalLM of config.model with the checkpoint's weights; a
@@ -68,7 +68,7 @@ class Engine:
                                                 config.page_size)
         self.states = (StatePool(config.num_state_slots, config.model, self.device, self.pools.free_listeners)
                        if config.model.attention == "hybrid" else None)
-        self.host_tier = HostTier(config, self.pools, self.device, self.states) if config.host_num_slots else None
+        self.host_tier = HostKVCache(config, self.pools, self.device, self.states) if config.host_num_slots else None
         if self.states is not None and self.host_tier is not None:
             self.states.before_copy = self.host_tier.wait
         self.disk_tier = None if config.disk_dir is None else DiskTier(config, self.host_tier)
@@ -235,7 +235,7 @@ class Engine:
         prefill side finished itself: the others finish on the decode side)."""
         return self._finished
 
-    # CanaryHost
+    # GuardedEngine
     def canary_groups(self) -> Sequence[PoolGroup]:
         full, swa, draft, table = self.pools.full, self.pools.swa, self.pools.draft, self.req_to_token_pool.table
         ps = self.config.page_size  # the table is a block table of FULL pages when > 1
@@ -257,18 +257,18 @@ class Engine:
                           max_context=c.model.max_context)
 
     def add_free_listener(self, listener: FreeListener) -> None:
-        """listener(group, FULL slots, cause) hears of every free (optional CanaryHost extra)."""
+        """listener(group, FULL slots, cause) hears of every free (optional GuardedEngine extra)."""
         self.pools.free_listeners.append(listener)
 
     def cache_walk(self) -> CacheWalk:
         return self.radix_cache.walk()
 
     def checkpoint_walk(self) -> CheckpointWalk | None:
-        """The radix cache's checkpoints (a hybrid model's; optional CanaryHost extra)."""
+        """The radix cache's checkpoints (a hybrid model's; optional GuardedEngine extra)."""
         return None if self.states is None else self.radix_cache.checkpoint_walk()
 
     def feed_token(self, view: ForwardView, index: int, token: int) -> None:
-        """The forward about to run embeds `token` at view token `index` (optional CanaryHost
+        """The forward about to run embeds `token` at view token `index` (optional GuardedEngine
         extra): the view's input_ids are the tensor the forward consumes."""
         view.input_ids[index] = token
 
