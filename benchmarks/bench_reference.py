@@ -5,6 +5,7 @@ GPU, and tensor-parallel on two (NCCL) with and without the cross-rank compariso
     python benchmarks/bench_reference.py --tp 2 --batches 1 32  # tp=2 on cuda:0 and cuda:1
     python benchmarks/bench_reference.py --batches 8 --runs 7
     python benchmarks/bench_reference.py --attention hybrid     # every 4th layer attention, the rest recurrent
+    python benchmarks/bench_reference.py --breakdown            # also each variant's device time per kernel
     python benchmarks/bench_reference.py --smoke [--tp 2]       # tiny shapes on the CPU (padded decode): checks the script
 
 The engine: the embedded reference engine (tp=1: in this process; tp=2: split over two rank
@@ -25,11 +26,18 @@ what a parallel test runs). Per variant: the median over runs of each run's medi
 run against the off run just before it (the host's pace drifts between runs by more than the
 canary costs a step), the median of those differences and their spread; and the median host
 time the canary's end_forward takes per step (sweeps and polls included).
+
+--breakdown (tp=1 on a GPU): after the timed runs, one more run of each variant under
+torch.profiler: the device time a step takes (every kernel, copy and fill, the graph's included),
+its cost over off, and the canary's kernels by device time a step, with launches a step. Device
+time is the part of a step the canary's launches add to; it is far steadier than a step's wall
+time, whose host part drifts between runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Any
@@ -49,9 +57,12 @@ class DecodeRun:
     """A picklable call for every rank (or the one engine): one timed run of one variant (see the
     module docstring). Returns (step ms, end_forward us) per timed step."""
 
-    def __init__(self, variant: str, batch: int, prompt: int, warmup: int, steps: int, seed: int) -> None:
+    def __init__(self, variant: str, batch: int, prompt: int, warmup: int, steps: int, seed: int,
+                 breakdown: bool = False) -> None:
         self.variant, self.batch, self.prompt, self.warmup, self.steps, self.seed = \
             variant, batch, prompt, warmup, steps, seed
+        self.breakdown = breakdown
+        self.kernels: dict[str, tuple[float, float]] = {}  # with breakdown: kernel_times of the timed steps
 
     def __call__(self, context: RankContext) -> list[tuple[float, float]]:
         engine = context.engines["single"]
@@ -73,13 +84,18 @@ class DecodeRun:
         for _ in range(self.warmup):  # captures the graphs
             engine.step()
         times = []
-        for _ in range(self.steps):
-            synchronize(engine.device)
-            timed.seconds = 0.0
-            start = time.perf_counter()
-            engine.step()
-            synchronize(engine.device)
-            times.append((1e3 * (time.perf_counter() - start), 1e6 * timed.seconds))
+        profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if self.breakdown
+                    else contextlib.nullcontext())
+        with profiler:
+            for _ in range(self.steps):
+                synchronize(engine.device)
+                timed.seconds = 0.0
+                start = time.perf_counter()
+                engine.step()
+                synchronize(engine.device)
+                times.append((1e3 * (time.perf_counter() - start), 1e6 * timed.seconds))
+        if self.breakdown:
+            self.kernels = kernel_times(profiler, self.steps)
         assert len(engine.running) == self.batch, "a request finished or was retracted while timing"
         if hooks is not None:
             side.runtime.drain()
@@ -100,6 +116,26 @@ class EndForwardTimer:
         start = time.perf_counter()
         self.hooks.end_forward(*args)
         self.seconds += time.perf_counter() - start
+
+
+def kernel_times(profiler: Any, steps: int) -> dict[str, tuple[float, float]]:
+    """Per device activity name (kernel, copy, fill): device microseconds and occurrences a step."""
+    return {event.key: (event.self_device_time_total / steps, event.count / steps)
+            for event in profiler.key_averages() if event.self_device_time_total > 0}
+
+
+def print_breakdown(batch: int, off: dict[str, tuple[float, float]], on: dict[str, tuple[float, float]]) -> None:
+    """Device time a step, off and on, and what the canary adds, kernel by kernel (largest first)."""
+    total_off, total_on = (sum(us for us, _ in k.values()) for k in (off, on))
+    print(f"\nbatch {batch}: device time a step: off {total_off:.1f} us, canary {total_on:.1f} us "
+          f"({total_on - total_off:+.1f} us, {100 * (total_on - total_off) / total_off:+.1f}%)")
+    added = sorted(((on[name][0] - off.get(name, (0.0, 0.0))[0], on[name][1] - off.get(name, (0.0, 0.0))[1], name)
+                    for name in on), reverse=True)
+    print("| added us a step | added launches a step | kernel |\n|---:|---:|---|")
+    for us, launches, name in added[:15]:
+        if us > 0.05:
+            print(f"| {us:.1f} | {launches:.2f} | {name[:90]} |")
+    print(flush=True)
 
 
 def synchronize(device: torch.device) -> None:
@@ -142,8 +178,12 @@ def main() -> None:
     parser.add_argument("--state-dim", type=int, default=64, help="hybrid: a state head's key and value size")
     parser.add_argument("--real-data", nargs="+", default=["partial"], choices=["none", "partial", "all"])
     parser.add_argument("--sweep-interval", type=int, default=4)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="tp=1 on a GPU: one more run a variant under torch.profiler, device time per kernel")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     args = parser.parse_args()
+    if args.breakdown and (args.smoke or args.tp != 1):
+        parser.error("--breakdown profiles the device time of tp=1 on a GPU: drop --smoke and --tp")
     if args.smoke:
         devices, dtype, decode_mode, kernels = ("cpu",) * args.tp, torch.float32, "padded", "torch"
         args.batches, args.prompt, args.steps, args.warmup, args.runs = [2], 8, 2, 1, 1
@@ -178,11 +218,17 @@ def main() -> None:
             ranks: Any = OneEngine(engine, canary) if args.tp == 1 else \
                 ParallelHandle(RankSpec("single", ReferenceShards(engine), canary, Topology(tp=args.tp), devices))
             runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+            profiled: dict[str, DecodeRun] = {}
             try:
                 for run in range(args.runs):
                     for variant in variants:
                         steps = ranks.call(DecodeRun(variant, batch, args.prompt, args.warmup, args.steps, run))[0]
                         runs[variant].append(tuple(statistics.median(column) for column in zip(*steps)))
+                if args.breakdown:
+                    for variant in variants:
+                        profiled[variant] = DecodeRun(variant, batch, args.prompt, args.warmup, args.steps, args.runs,
+                                                      breakdown=True)
+                        ranks.call(profiled[variant])
             finally:
                 ranks.close()
             for variant in variants:
@@ -195,6 +241,8 @@ def main() -> None:
                       f"{statistics.median(ms for ms, _ in paired):+.3f} ms ({statistics.median(costs):+.1f}%) | "
                       f"{costs[0]:+.1f}..{costs[-1]:+.1f}% | "
                       f"{statistics.median(us for _, us in runs[variant]):.0f} |", flush=True)
+            if profiled:
+                print_breakdown(batch, profiled["off"].kernels, profiled["canary"].kernels)
 
 
 if __name__ == "__main__":
