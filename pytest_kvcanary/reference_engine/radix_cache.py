@@ -11,29 +11,21 @@ pages reachable from a locked node are in use by a request and are never freed. 
 is either SWA-resident (every slot it holds has an SWA slot) or a tombstone (none has; its FULL
 slots are still cached).
 
-With a host tier (host_tier.py), evicting a node writes its pages back to host memory first (unless
-the tier holds a copy already) and keeps the node, device-evicted (value None), in the tree; a host
-page is free or owned by exactly one node (host_value). Eviction goes bottom-up, so a device-evicted
-node's descendants are device-evicted too. A match may run on through device-evicted nodes; the
-scheduler then gives them device pages and loads their KV back (`load_back`). When host memory runs
-short, device-evicted leaves are dropped, least recently used first (their host copy freed).
-
-With a disk tier under the host tier (disk_tier.py), host memory running short stores those leaves'
-pages to disk instead (one file per page) and keeps the node, disk-resident (value and host_value
-None, disk_keys set); a node is device-resident, host-resident or disk-resident, in that order down
-any path (host eviction takes host-resident nodes whose children are all disk-resident). A match
-runs on through disk-resident nodes: `match_prefix` brings them into host memory (their files read,
-checked and deleted, the canary's records coming back with the bytes), the rest as from the host
-tier. A page refused at load (disk_tier.py says why) ends the match there, and its node leaves the
-tree. When the disk is full, disk-resident leaves are dropped, least recently used first.
+Below the device pages (radix_tiers.py, `LowerTiers`, which this cache owns): with a host tier,
+evicting a node writes its pages back to host memory and keeps it in the tree device-evicted (value
+None); with a disk tier under it, a node host memory evicts stays disk-resident. A match runs on
+through such nodes (`MatchResult.host_node`), disk-resident ones brought into host memory on the
+way, and `load_back` gives them device pages again. This module keeps the trees, their device
+pages and checkpoints; the tiers keep the copies below and reach the trees through `_nodes`,
+`_drop`, `lock` / `unlock` and `_tokens`.
 
 Hybrid models (a state pool): a node may own a checkpoint, the state slot holding the recurrent
 state after its last token (`Node.state`); a match ends at the deepest node of its path that has
 one, whose state a new request's running slot starts from. A request's checkpoint joins the tree
 when its KV is inserted (`_insert_req`); a node that leaves the tree frees its checkpoint, and
 `evict_states` drops unlocked nodes' checkpoints (their KV stays cached) when state slots run short.
-With a host tier, a node written back takes its checkpoint to a host state slot (`Node.host_state`),
-and a match may end at a node whose checkpoint is only there; `load_state` brings it back.
+With a host tier a match may end at a node whose checkpoint only the host holds (`Node.host_state`,
+radix_tiers.py); `load_state` brings it back.
 """
 
 from __future__ import annotations
@@ -51,15 +43,15 @@ from .disk_tier import DiskTier
 from .host_tier import HostKVCache
 from .kv_pool import KVPools, ReqToTokenPool, page_slots, slot_pages
 from .radix_node import Node
+from .radix_tiers import (  # the tiers' causes are re-exported: every cause this cache frees with, here
+    CAUSE_DISK_REFUSED, CAUSE_HOST_DROPPED, CAUSE_HOST_EVICTED, CAUSE_STORED, CAUSE_WRITTEN_BACK, LowerTiers)
 from .request import Request
 from .state_pool import StatePool
 
-CAUSE_WRITTEN_BACK = "written back to host memory (device copy freed)"
+__all__ = ["CAUSE_DISK_REFUSED", "CAUSE_EVICTED", "CAUSE_HOST_DROPPED", "CAUSE_HOST_EVICTED", "CAUSE_STATE_DUPLICATE",
+           "CAUSE_STATE_EVICTED", "CAUSE_STORED", "CAUSE_WRITTEN_BACK", "InsertResult", "MatchResult", "RadixCache"]
+
 CAUSE_EVICTED = "evicted from the radix cache"
-CAUSE_HOST_EVICTED = "host copy evicted from host memory"
-CAUSE_HOST_DROPPED = "host copy freed: its node left the radix cache"
-CAUSE_STORED = "host copy stored to disk (host pages freed)"
-CAUSE_DISK_REFUSED = "a page loaded back from disk was refused"
 CAUSE_STATE_EVICTED = "checkpoint evicted from the radix cache"
 CAUSE_STATE_DUPLICATE = "radix dedup freed the duplicate checkpoint (the cache holds one there)"
 
@@ -97,14 +89,13 @@ class RadixCache:
     """window: the windowed layers' window for swa models (enables tombstones), else None.
     host_tier: where evicted pages are written back to, or None. states: a hybrid model's state
     pool (checkpoints), or None. disk_tier: where pages host memory evicts are stored (with a host
-    tier), or None. Keys inserted are whole pages of pools.page_size tokens."""
+    tier), or None; both tiers are kept by `tiers`. Keys inserted are whole pages of
+    pools.page_size tokens."""
 
     def __init__(self, pools: KVPools, req_to_token: ReqToTokenPool, window: int | None,
                  host_tier: HostKVCache | None = None, states: StatePool | None = None,
                  disk_tier: DiskTier | None = None) -> None:
-        self.pools, self.req_to_token, self.window, self.host_tier = pools, req_to_token, window, host_tier
-        self.disk_tier = disk_tier
-        self.states = states
+        self.pools, self.req_to_token, self.window, self.states = pools, req_to_token, window, states
         self.num_states_evicted = 0  # checkpoints dropped by evict_states()
         self._checkpoints: CheckpointWalk | None = None  # the last checkpoint_walk, while the checkpoints stand
         self.page_size = pools.page_size
@@ -112,6 +103,8 @@ class RadixCache:
         self.num_evicted = 0  # FULL slots freed by evict()
         self.num_swa_evicted = 0  # SWA slots freed by evict_swa()
         self._clock = count(1)
+        self.tiers = LowerTiers(self.page_size, host_tier, disk_tier, states, nodes=self._nodes, drop=self._drop,
+                                lock=self.lock, unlock=self.unlock, tokens=self._tokens)
 
     def root(self, context: int = 0) -> Node:
         if context not in self.roots:
@@ -132,8 +125,8 @@ class RadixCache:
         path = list(self._descend(key, context))
         resident = [node for node in path if node.value is not None]  # a prefix of the path
         host, path = path[len(resident):], resident
-        if self.disk_tier is not None and host:
-            host = self._promote(host, key, context, sum(len(node.key) for node in resident))
+        if self.tiers.disk_tier is not None and host:
+            host = self.tiers.promote(host, key, context, sum(len(node.key) for node in resident))
         if self.window is not None:
             best, run, depth = 0, 0, 0
             for j, node in enumerate(path):
@@ -169,7 +162,7 @@ class RadixCache:
             node = node.parent
         nodes.reverse()
         slots = page_slots(pages, self.page_size)
-        self.host_tier.load_back(torch.cat([n.host_value for n in nodes]), slots, on_done)
+        self.tiers.load_back(nodes, slots, on_done)
         for node, value in zip(nodes, slots.split([len(n.key) for n in nodes])):
             node.value = value
         return MatchResult(self._path_slots(match.host_node), match.host_node)
@@ -190,7 +183,7 @@ class RadixCache:
             a, i = i, i + len(node.key)
             if node.value is None:  # device-evicted: the caller's slots hold its tokens now
                 node.value, held = slots[a:i], a if held is None else held
-                self._delete_files(node)
+                self.tiers.delete_files(node)
             if node.tombstone and i > swa_from:
                 if a < swa_from:
                     self._split(node, swa_from - a)
@@ -254,10 +247,11 @@ class RadixCache:
         while freed < n and heap:
             node = heapq.heappop(heap)[-1]
             freed += len(node.key)
-            if self._back_up(node):
+            if self.tiers.back_up(node):
                 self.pools.free(self._pages(node.value), CAUSE_WRITTEN_BACK)
                 node.value = None
-                self._back_up_state(node)
+                if self.tiers.back_up_state(node):
+                    self._checkpoints = None
             else:
                 self.pools.free(self._pages(node.value), CAUSE_EVICTED)
                 self._drop(node)
@@ -280,24 +274,12 @@ class RadixCache:
         self.num_swa_evicted += freed
         return freed
 
-    def _back_up_state(self, node: Node) -> None:
-        """A node written back takes its checkpoint to the host tier (where it has none there and
-        a host state slot is free); its device state slot is freed either way."""
-        if node.state is None:
-            return
-        if node.host_state is None:
-            node.host_state = self.host_tier.alloc_state()
-            if node.host_state is not None:
-                self.host_tier.write_back_state(node.state, node.host_state)
-        self.states.free([node.state], CAUSE_WRITTEN_BACK)
-        node.state, self._checkpoints = None, None
-
     def load_state(self, node: Node, slot: int) -> None:
         """Load a node's checkpoint back from the host tier into device state slot `slot` (launched;
         the engine's stream waits for it before a state copy or forward reads it), keeping the host
         copy."""
-        self.host_tier.load_back_state(node.host_state, slot)
-        node.state, self._checkpoints = slot, None
+        self.tiers.load_state(node, slot)
+        self._checkpoints = None
 
     def evict_states(self, n: int) -> int:
         """Drop the checkpoints of unlocked nodes, least recently used first, until at least n
@@ -359,13 +341,11 @@ class RadixCache:
             assert not node.lock_ref, "reset while a request holds the cache"
             if node.value is not None:
                 self.pools.free(self._pages(node.value), "radix cache flushed")
-            if node.host_value is not None:
-                self.host_tier.free(self._pages(node.host_value), "radix cache flushed")
+            self.tiers.free_host_value(node, "radix cache flushed")
             if node.state is not None:
                 self.states.free([node.state], "radix cache flushed")
-            if node.host_state is not None:
-                self.host_tier.free_state(node.host_state, "radix cache flushed")
-            self._delete_files(node)
+            self.tiers.free_host_state(node, "radix cache flushed")
+            self.tiers.delete_files(node)
         self.roots.clear()
         self._checkpoints = None
 
@@ -397,132 +377,6 @@ class RadixCache:
         """Device-resident, and no device-resident node hangs from it."""
         return node.value is not None and all(c.value is None for c in node.children.values())
 
-    def _back_up(self, node: Node) -> bool:
-        """Whether the host tier holds a copy of the node's KV, writing it back first when it holds
-        none (dropping device-evicted leaves for room when host memory is short); False without a
-        host tier or room."""
-        if self.host_tier is None:
-            return False
-        if node.host_value is None:
-            pages = self._alloc_host(len(node.key) // self.page_size)
-            if pages is None:
-                return False
-            node.host_value = page_slots(pages, self.page_size)
-            self.host_tier.write_back(node.value, node.host_value)
-        return True
-
-    def _alloc_host(self, n: int) -> torch.Tensor | None:
-        """n host pages, dropping host copies (`_evict_host`) for room; None when host memory cannot
-        free them (more than it holds: the copies it has are kept)."""
-        if n > self.host_tier.num_pages:
-            return None
-        if n > self.host_tier.free_pages.numel():
-            self._evict_host(n)
-        return self.host_tier.alloc(n)
-
-    def _evict_host(self, n: int) -> None:
-        """Free the host copies of unlocked device-evicted leaves (no node below holds a host copy),
-        least recently used first (a parent left so becomes one), until n host pages are free or
-        none is left: stored to disk, the node staying disk-resident, where a disk tier takes
-        them; else dropped, the node leaving the tree."""
-        def host_leaf(x: Node) -> bool:
-            return (x.parent is not None and x.value is None and x.host_value is not None and not x.lock_ref
-                    and all(c.host_value is None for c in x.children.values()))
-
-        heap = [(x.last_access, int(x.host_value[0]), x) for x in self._nodes() if host_leaf(x)]
-        heapq.heapify(heap)
-        while self.host_tier.free_pages.numel() < n and heap:
-            node = heapq.heappop(heap)[-1]
-            stored = self._store(node)
-            self.host_tier.free(self._pages(node.host_value), CAUSE_STORED if stored else CAUSE_HOST_EVICTED)
-            node.host_value = None
-            self._free_host_state(node, CAUSE_HOST_EVICTED)
-            parent = node.parent
-            if not stored:
-                self._drop(node)
-            if host_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, int(parent.host_value[0]), parent))
-
-    def _store(self, node: Node) -> bool:
-        """Whether the disk tier took a copy of the node's host pages (their files written, the keys
-        in disk_keys), dropping disk-resident leaves for room when the disk is full; False without a
-        disk tier, room, or when a store failed (the pages stored before it are deleted)."""
-        disk = self.disk_tier
-        n = len(node.key) // self.page_size
-        if disk is None or n > disk.num_pages:
-            return False
-        if n > disk.num_free:
-            self._evict_disk(n)
-        if n > disk.num_free:
-            return False
-        context, tokens = self._tokens(node)
-        start, keys = len(tokens) - len(node.key), []
-        for i, page in enumerate(node.host_value.split(self.page_size)):
-            key = disk.store(context, tokens[:start + (i + 1) * self.page_size], page)
-            if key is None:
-                disk.delete(keys)
-                return False
-            keys.append(key)
-        node.disk_keys = keys
-        return True
-
-    def _evict_disk(self, n: int) -> None:
-        """Drop unlocked disk-resident leaves, least recently used first (a parent left so becomes
-        one), their files deleted, until the disk tier has room for n pages or none is left."""
-        def disk_leaf(x: Node) -> bool:
-            return x.parent is not None and x.disk_keys is not None and not x.children and not x.lock_ref
-
-        order = count()
-        heap = [(x.last_access, next(order), x) for x in self._nodes() if disk_leaf(x)]
-        heapq.heapify(heap)
-        while self.disk_tier.num_free < n and heap:
-            node = heapq.heappop(heap)[-1]
-            parent = node.parent
-            self._drop(node)
-            if disk_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
-
-    def _promote(self, nodes: list[Node], key: list[int], context: int, start: int) -> list[Node]:
-        """Bring the disk-resident nodes of a match's device-evicted part (nodes, from token start
-        of key) into host memory, top-down; the part up to the first that did not come back (no
-        host room, or a page refused at load: that node leaves the tree with what hangs below)."""
-        self.lock(nodes[-1])  # making host room must not take what is on the way
-        done, refused = len(nodes), None
-        for j, node in enumerate(nodes):
-            end = start + len(node.key)
-            if node.host_value is None:
-                loaded = self._load_from_disk(node, key[:end], context)
-                if loaded is not True:
-                    done, refused = j, node if loaded is False else None
-                    break
-            start = end
-        self.unlock(nodes[-1])
-        if refused is not None:
-            self._drop(refused)
-        return nodes[:done]
-
-    def _load_from_disk(self, node: Node, tokens: list[int], context: int) -> bool | None:
-        """Load a disk-resident node's pages (tokens: from the start of the prompt to its end) into
-        new host pages, their records with them, and delete its files: True; False when the disk
-        tier refused a page (the host pages freed again); None when host memory has no room."""
-        pages = self._alloc_host(len(node.key) // self.page_size)
-        if pages is None:
-            return None
-        slots, start = page_slots(pages, self.page_size), len(tokens) - len(node.key)
-        for i, (key, page) in enumerate(zip(node.disk_keys, slots.split(self.page_size), strict=True)):
-            end = start + (i + 1) * self.page_size
-            if not self.disk_tier.load(key, context, tokens[end - self.page_size:end], page):
-                self.host_tier.free(pages, CAUSE_DISK_REFUSED)
-                return False
-        self.disk_tier.delete(node.disk_keys)
-        node.host_value, node.disk_keys = slots, None
-        return True
-
-    def _delete_files(self, node: Node) -> None:
-        if node.disk_keys is not None:
-            self.disk_tier.delete(node.disk_keys)
-            node.disk_keys = None
-
     def _tokens(self, node: Node) -> tuple[int, list[int]]:
         """The context of the node's tree and the tokens from its root to the node's end."""
         keys = []
@@ -542,22 +396,9 @@ class RadixCache:
         stack = list(node.children.values())
         while stack:
             below = stack.pop()
-            self._free_copies(below)
+            self.tiers.free_copies(below)
             stack.extend(below.children.values())
-        self._free_copies(node)
-
-    def _free_copies(self, node: Node) -> None:
-        """Free the host copy, host checkpoint and disk files of a node leaving the tree."""
-        if node.host_value is not None:
-            self.host_tier.free(self._pages(node.host_value), CAUSE_HOST_DROPPED)
-            node.host_value = None
-        self._free_host_state(node, CAUSE_HOST_DROPPED)
-        self._delete_files(node)
-
-    def _free_host_state(self, node: Node, cause: str) -> None:
-        if node.host_state is not None:
-            self.host_tier.free_state(node.host_state, cause)
-            node.host_state = None
+        self.tiers.free_copies(node)
 
     def _child_key(self, key: list[int]) -> int | tuple[int, ...]:
         """What a node's parent files it under: its first token, or with pages its first page."""

@@ -22,6 +22,7 @@ from pytest_kvcanary.reference_engine.attention import PagedKV
 from pytest_kvcanary.reference_engine.decode_graphs import PaddedDecodeKV
 from pytest_kvcanary.reference_engine.kv_pool import page_slots
 from pytest_kvcanary.reference_engine.radix_cache import CAUSE_HOST_EVICTED, RadixCache
+from pytest_kvcanary.reference_engine.radix_tiers import LowerTiers
 from pytest_kvcanary.reference_engine.scheduler import Scheduler
 from pytest_kvcanary.reference_engine.speculative import Drafter
 
@@ -485,7 +486,7 @@ def host_copy_freed_but_kept(monkeypatch: pytest.MonkeyPatch) -> None:
                 break
             self.host_tier.free(self._pages(node.host_value), CAUSE_HOST_EVICTED)
 
-    monkeypatch.setattr(RadixCache, "_evict_host", evict_host)
+    monkeypatch.setattr(LowerTiers, "_evict_host", evict_host)
 
 
 def test_a_host_page_reused_before_its_load_back_is_reported_before_the_forward_reads_it(monkeypatch):
