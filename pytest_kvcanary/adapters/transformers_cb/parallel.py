@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...engine.parallel.groups import RankGroups
-from ...engine.parallel.topology import Topology
+from ...reference_engine.parallel.groups import RankGroups
+from ...reference_engine.parallel.topology import Topology
 from .engine import TransformersEngine
 from .model import load
 
