@@ -6,7 +6,8 @@ transformers``). Needs the transformers package: in a clone of the project,
                       and every private part of transformers the adapter reads or patches
     layout_sectors.py, layout_block_manager.py   the paged cache of 5.18+ and of 5.17
     cache_groups.py   what every layout hands the engine (GroupCache, free causes)
-    patches.py        the attributes of transformers objects replaced, undone together
+    ../patches.py     the attributes of transformers objects replaced, undone together (Patches,
+                      shared with the vLLM adapter)
     block_log.py      what the prefix cache does not keep about its blocks; the sweep's cache walk
     model.py          a local checkpoint, or the seeded random one written on first use
     lanes.py          which lane (row of the canary's tables) each request holds

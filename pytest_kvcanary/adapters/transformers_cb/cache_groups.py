@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ...canary.seam import GroupKind
-from .patches import Patches
+from ..patches import Patches
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

@@ -27,7 +27,7 @@ from .block_log import BlockLog
 from .defects import HashedBlockWrites
 from .forward import GuardedForward
 from .offload import CpuOffloadTier
-from .patches import Patches
+from ..patches import Patches
 from .staging import BatchStaging
 from .versions import (
     CAUSE_RESET, GroupCache, IOPairs, SectorLayout, cache_layout, generation_step, has_cpu_swap_pool,

@@ -19,7 +19,7 @@ import torch
 from ...canary.launch_replay import LaunchReplay, buffers_key
 from ...canary.seam import Capacities, ForwardHooks
 from .forward_view import DerivedView, empty_tables, empty_view
-from .patches import Patches
+from ..patches import Patches
 from .staging import BatchStaging
 from .versions import (
     BlockManagerLayout, IOPairs, SectorLayout, StoreReport, UnsupportedModel, guard_compute, record_sampled,

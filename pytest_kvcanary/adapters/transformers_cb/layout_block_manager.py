@@ -15,7 +15,7 @@ from .cache_groups import (
     CAUSE_DEDUPLICATED, CAUSE_EVICTED, CAUSE_OFFLOADED, CAUSE_RELEASED, FULL_ATTENTION, KINDS, SLIDING_ATTENTION,
     Causes, FreeCallback, GroupCache, MarkedCallback, UnsupportedModel, full_first, group_window,
 )
-from .patches import Patches
+from ..patches import Patches
 
 # transformers 5.17 matches a prompt of a whole number of pages in full, recomputes its last token
 # (it needs that token's logits) and writes its K/V into the last matched block: a cached block other

@@ -15,7 +15,7 @@ from .cache_groups import (
     CAUSE_DEDUPLICATED, CAUSE_EVICTED, CAUSE_OFFLOADED, CAUSE_RELEASED, FULL_ATTENTION, KINDS, Causes, FreeCallback,
     GroupCache, MarkedCallback, UnsupportedModel, full_first, group_window,
 )
-from .patches import Patches
+from ..patches import Patches
 
 
 def block_views(base: torch.Tensor, allocator: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...canary.seam import HostPool, HostTierListener
-from .patches import Patches
+from ..patches import Patches
 from .versions import SectorLayout
 
 CAUSE_RESTORED = "restored to the device: the CPU copy freed"

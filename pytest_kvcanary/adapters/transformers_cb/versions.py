@@ -10,7 +10,7 @@ layout_block_manager.py). Both report a block id per (request, block index) thro
 callback (before it is released, with a cause; ``causes.cause(...)`` names the cause of what an
 outer call releases) and every request whose completed blocks were just hashed through
 ``on_marked`` (not called for a request that completed none). Their ``install`` patches the cache
-through the engine's ``Patches`` (patches.py), which the engine undoes when it is closed.
+through the engine's ``Patches`` (../patches.py), which the engine undoes when it is closed.
 
 The processor's private parts: its IO buffers (one set, or two IO pairs under async batching:
 ``IOPairs``), ``_generation_step`` (`generation_step`), and the functions that wrap its model
@@ -31,7 +31,7 @@ from .cache_groups import (
 )
 from .layout_block_manager import DEFECT_CACHED_BLOCK_REWRITE, DEFECT_SHARED_DECODE_BLOCK, BlockManagerLayout
 from .layout_sectors import SectorLayout
-from .patches import Patches
+from ..patches import Patches
 
 __all__ = ["CAUSE_DEDUPLICATED", "CAUSE_EVICTED", "CAUSE_OFFLOADED", "CAUSE_RELEASED", "CAUSE_RESET",
            "DEFECT_CACHED_BLOCK_REWRITE", "DEFECT_SHARED_DECODE_BLOCK", "FULL_ATTENTION", "SLIDING_ATTENTION",

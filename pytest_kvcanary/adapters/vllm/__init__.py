@@ -10,6 +10,12 @@ slot's bytes lie in vLLM's CPU cache), isa.py (which CPU attention path, and so 
 runs), platform.py (CPU build vs CUDA build: device, backends, CUDA graphs), write_through.py
 (what each layer's cache write was handed, for TAIL), checkpoint.py (the default seeded random
 model), versions.py (what differs between the vLLM releases it supports).
+
+Besides the connector vLLM loads, the adapter hooks vLLM's objects in three places: a forward
+pre-hook on its model, each attention layer impl's ``do_kv_cache_update`` (write-through) and,
+under the hybrid KV cache manager, the sliding-window managers' ``remove_skipped_blocks``. Each is
+recorded in the engine's Patches (../patches.py, shared with the transformers adapter), and
+``VllmEngine.close()`` undoes them all and drops the engine from the connector's registry.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ With vLLM's hybrid KV cache manager (a model with sliding-window layers), full-a
 sliding-window layers are KV cache groups of their own, each with its own block table over one
 shared block pool (a block id belongs to one group at a time); the sliding-window group's manager
 drops a request's blocks once they leave its window (their entries become the null block 0) and
-tells no connector: the book hooks that drop (`bind`).
+tells no connector: the book hooks that drop (`bind`), through the engine's Patches
+(../patches.py), which the engine undoes when it is closed.
 
 Everything here runs between forwards on the scheduler side; vLLM calls the connector, the
 connector calls the book.
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import torch
 
 from pytest_kvcanary.canary.seam import CacheWalk
+
+from ..patches import Patches
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -64,6 +67,7 @@ class BlockContent(NamedTuple):
 @dataclass
 class BlockBook:
     on_freed: BlocksFreed
+    patches: Patches  # the engine's: where `bind` records its hooks on vLLM's managers
     manager: KVCacheManager | None = None  # bound once vLLM built its scheduler (`bind`)
     planned: int = 0  # steps planned that run a forward (the worker side must see each)
     _requests: dict[str, tuple[int, Request]] = field(default_factory=dict)  # vLLM id -> (book id, request)
@@ -77,7 +81,8 @@ class BlockBook:
 
     def bind(self, manager: KVCacheManager) -> None:
         """vLLM built its scheduler: keep its KV cache manager and hear its sliding-window managers
-        drop blocks that left a request's window (vLLM frees them without telling a connector)."""
+        drop blocks that left a request's window (vLLM frees them without telling a connector):
+        each sliding-window manager's ``remove_skipped_blocks`` is wrapped through `patches`."""
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
         self.manager = manager
@@ -86,18 +91,18 @@ class BlockBook:
         self._full_group = next(g for g in range(len(specs)) if g not in self._window_groups)
         for group in self.window_groups:
             single = manager.coordinator.single_type_managers[group]
-            remove = single.remove_skipped_blocks
 
-            def dropping(request_id: str, *args: Any, _remove: Any = remove, _single: Any = single, **kwargs: Any
-                         ) -> None:
-                before = list(_single.req_to_blocks.get(request_id, ()))
-                _remove(request_id, *args, **kwargs)
-                after = _single.req_to_blocks.get(request_id, ())
-                dropped = [b for b, now in zip(before, after) if now is not b]
-                self._release([b.block_id for b in dropped if b.ref_cnt == 0 and b.block_hash is None],
-                              "left the sliding window")
+            def hear(remove: Any, _single: Any = single) -> Any:
+                def dropping(request_id: str, *args: Any, **kwargs: Any) -> None:
+                    before = list(_single.req_to_blocks.get(request_id, ()))
+                    remove(request_id, *args, **kwargs)
+                    after = _single.req_to_blocks.get(request_id, ())
+                    dropped = [b for b, now in zip(before, after) if now is not b]
+                    self._release([b.block_id for b in dropped if b.ref_cnt == 0 and b.block_hash is None],
+                                  "left the sliding window")
+                return dropping
 
-            single.remove_skipped_blocks = dropping
+            self.patches.wrap(single, "remove_skipped_blocks", hear)
 
     @property
     def full_group(self) -> int:

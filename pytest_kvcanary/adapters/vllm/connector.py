@@ -2,7 +2,8 @@
 
 vLLM builds one connector per scheduler and one per worker process, from the module path and
 class name in ``kv_transfer_config``. The canary's engine adapter (engine.py) registers itself
-under a key it puts in ``kv_connector_extra_config``; the connectors reach it through `registry`.
+under a key it puts in ``kv_connector_extra_config`` (and drops that entry when it is closed); the
+connectors reach it through `registry`.
 vLLM calls, per step, in this order:
 
     scheduler side                          worker side
@@ -74,6 +75,13 @@ class Registry:
 
     def add(self, key: str, adapter: Guarded) -> None:
         self._adapters[key] = adapter
+
+    def discard(self, key: str) -> None:
+        """Drop the adapter under `key` (it was closed), if it is still there."""
+        self._adapters.pop(key, None)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._adapters
 
     def __getitem__(self, key: str) -> Guarded:
         return self._adapters[key]

@@ -10,7 +10,9 @@ half's byte order probed at start-up (layout.py); slot = ``block * block_size + 
 before every forward from the one the forward's attention reads (the SWA group maps through it and
 a full-to-window slot map, window_map.py); the slots the forward stores to are checked through
 write-through.
-docs/vllm.md says how each part is wired and what is and is not guarded.
+Every vLLM object the adapter patches (the model's pre-hook, each layer impl's cache write, the
+sliding-window managers' drops) is recorded in the engine's Patches (../patches.py), which
+`VllmEngine.close` undoes. docs/vllm.md says how each part is wired and what is and is not guarded.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pytest_kvcanary.canary.seam import (
     Arrival, CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupKind, PoolGroup, TokenScores,
 )
 
+from ..patches import Patches
 from . import forward_inputs
 from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
@@ -87,16 +90,16 @@ class VllmSettings:
 
 class VllmEngine:
     """Attributes for tools that reach inside: ``llm`` (the vLLM LLM), ``book`` (the BlockBook),
-    ``forwards`` (forwards seen since start-up)."""
+    ``forwards`` (forwards seen since start-up), ``patches`` (every patch of vLLM objects installed,
+    undone by `close`)."""
 
     def __init__(self, model: str | Path, seed: int, settings: VllmSettings | None = None) -> None:
         """settings: VllmSettings() as of this call (the environment read now) when None."""
-        from vllm import LLM
-
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's two sides share this process
         self.settings = s = settings if settings is not None else VllmSettings()
         os.environ.update(engine_environment(s.device))
-        self.book = BlockBook(self._freed)
+        self.patches = Patches()  # before the LLM: vLLM 0.30+ binds the book's manager while it builds
+        self.book = BlockBook(self._freed, self.patches)
         self.forwards = 0
         self._hooks: ForwardHooks | None = None
         self._listeners: list[FreeListener] = []
@@ -105,16 +108,27 @@ class VllmEngine:
         self._view: ForwardView | None = None
         self._inputs: forward_inputs.ForwardInputs | None = None  # what the forward under way consumes
         self._steps: list[list[int]] = []  # per forward since the last reset: the book id of each row
-        self._write_through = WriteThrough(self._kv_stored)
-        key = uuid.uuid4().hex
-        registry.add(key, self)
+        self._write_through = WriteThrough(self._kv_stored, self.patches)
+        self._key = uuid.uuid4().hex
+        registry.add(self._key, self)
+        try:
+            self._start(model, seed)
+        except BaseException:
+            self.close()  # a failed start-up leaves vLLM's objects as they were
+            raise
+
+    def _start(self, model: str | Path, seed: int) -> None:
+        """Build the LLM with the canary's connector, then the pools and the model's pre-hook."""
+        from vllm import LLM
+
+        s = self.settings
         registry.building = self
         try:
             with attention_isa(s.attention_isa) if s.device == "cpu" else contextlib.nullcontext():
                 self.llm = LLM(**s.llm_arguments(model, seed), kv_transfer_config={
                     "kv_connector": "CanaryConnector", "kv_role": "kv_both",
                     "kv_connector_module_path": "pytest_kvcanary.adapters.vllm.connector",
-                    "kv_connector_extra_config": {CONFIG_KEY: key}})
+                    "kv_connector_extra_config": {CONFIG_KEY: self._key}})
         finally:
             registry.building = None
         if (manager := unbound_kv_cache_manager(self.llm)) is not None:
@@ -135,7 +149,18 @@ class VllmEngine:
         self._groups, self._window, self.layout = pool_groups(
             self.llm.llm_engine.vllm_config.compilation_config.static_forward_context, self._kv_caches, self._table,
             bs, self._runner.kv_cache_config.num_blocks, self._hybrid, self._write_through)
-        self._runner.model.register_forward_pre_hook(self._model_called, with_kwargs=True)
+        hook = self._runner.model.register_forward_pre_hook(self._model_called, with_kwargs=True)
+        self.patches.on_uninstall(hook.remove)
+
+    def close(self) -> None:
+        """Undo every patch the engine installed on vLLM's objects (the model's pre-hook, the
+        layers' cache writes, the sliding-window managers' drops), last first, and drop the engine
+        from the connector's registry. vLLM's LLM itself is not shut down: its objects are left as
+        vLLM built them, but it serves no request after (its connector finds no engine under its
+        key). Neither is used after; a second call does nothing. The harness calls it when the
+        engine's side closes (handles/sided.py); a start-up that fails calls it too."""
+        self.patches.uninstall()
+        registry.discard(self._key)
 
     # What the connector calls ---------------------------------------------------------------
 

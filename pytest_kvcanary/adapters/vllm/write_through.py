@@ -20,6 +20,9 @@ where the view lists the tokens the forward consumed as they are; a row that als
 another row of the step computes takes those from the row that computed them (`rows_by_slot`). A
 write that lands elsewhere than the slot the block table gives leaves that slot holding something
 other than what is reported here, and TAIL says so.
+
+Each wrap replaces the impl's ``do_kv_cache_update`` through a Patches record (../patches.py: the
+engine's), so that closing the engine puts vLLM's own method back.
 """
 
 from __future__ import annotations
@@ -30,17 +33,21 @@ import torch
 
 from pytest_kvcanary.canary.seam import GroupKind, Half
 
+from ..patches import Patches
+
 # Called with (kind, index into the group's k_layers or v_layers, K rows, V rows): None for a half
 # this call does not report.
 Report = Callable[[GroupKind, int, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
 class WriteThrough:
-    """Wraps the cache write of CPU_ATTN and CPU_MLA layers; `index` is set per forward (None:
-    report nothing)."""
+    """Wraps the cache write of CPU_ATTN, CPU_MLA, FLASH_ATTN and FLASHINFER layers, recording each
+    wrap in `patches` (the engine's; a record of its own when None); `index` is set per forward
+    (None: report nothing)."""
 
-    def __init__(self, report: Report) -> None:
+    def __init__(self, report: Report, patches: Patches | None = None) -> None:
         self.report = report
+        self.patches = patches if patches is not None else Patches()
         self.index: torch.Tensor | None = None  # per view token: its row in vLLM's batch this forward
 
     def start_forward(self, index: torch.Tensor | None) -> None:
@@ -68,7 +75,7 @@ class WriteThrough:
                         k, v = (chunk, None) if half is Half.K else (None, chunk)
                         self.report(kind, (first_index + head) * n + j, k, v)
 
-        impl.do_kv_cache_update = do_kv_cache_update
+        self.patches.replace(impl, "do_kv_cache_update", do_kv_cache_update)
 
     def wrap_paged(self, layer: Any, kind: GroupKind, layout: Any, paths: dict[Half, list[tuple[int, ...]]],
                    first: dict[Half, int]) -> None:
@@ -92,7 +99,7 @@ class WriteThrough:
                     self.report(kind, first[half] + j, k, v)
             return stored
 
-        impl.do_kv_cache_update = do_kv_cache_update
+        self.patches.replace(impl, "do_kv_cache_update", do_kv_cache_update)
 
     def wrap_latent(self, layer: Any, kind: GroupKind, index: int) -> None:
         """Report this CPU_MLA layer's writes as group `kind`'s layer `index` (its latent rows)."""
@@ -107,7 +114,7 @@ class WriteThrough:
                 self.report(kind, index, latent, None)
             return stored
 
-        impl.do_kv_cache_update = do_kv_cache_update
+        self.patches.replace(impl, "do_kv_cache_update", do_kv_cache_update)
 
     def _rows(self, slot_mapping: torch.Tensor) -> torch.Tensor | None:
         """Per view token, its row in this write's batch; None when there is nothing to report

@@ -1,6 +1,7 @@
-"""Patches: the attributes of transformers objects the adapter replaces, recorded so that they are
-undone together. Nothing is patched at import: a patch is installed by the engine that needs it,
-when it starts, and undone by ``uninstall`` when the engine is closed."""
+"""Patches: the attributes of an engine's objects an adapter replaces (transformers_cb, vllm), and
+the hooks it registers, recorded so that they are undone together. Nothing is patched at import: a
+patch is installed by the engine that needs it, when it starts, and undone by ``uninstall`` when
+the engine is closed."""
 
 from __future__ import annotations
 
