@@ -311,6 +311,27 @@ def input_args(view: ForwardView) -> tuple[torch.Tensor, torch.Tensor, int]:
     return view.input_ids, view.positions, view.input_ids.shape[0]
 
 
+class RowsPart(NamedTuple):
+    """One set of rows to hash and where the hashes go (``source_hash_rows``' arguments of those
+    names): one layer's new K or V."""
+
+    rows: torch.Tensor
+    read_bytes: int
+    out: torch.Tensor
+    sample_offset: int = 0
+    sample_stride: int = 16
+
+
+class ViewPart(NamedTuple):
+    """One records tensor a view launch checks with its sources, its ring tag and its optional
+    read_hashes (``verify_view``'s arguments of those names): a pool group's K or V half."""
+
+    records: torch.Tensor
+    sources: Sequence[RealKvSource]
+    tag: int
+    read_hashes: torch.Tensor | None = None
+
+
 class ViewKernelArgs(NamedTuple):
     """A view launch's inputs as kernel arguments, each expanded once: the tiling, the sources and
     their constexpr READS, the mapping and its constexpr MAP, the token table and HAS_TOKENS, the

@@ -9,7 +9,7 @@ swap kernels for references; it changes nothing here.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .hashing import head_hash_int, head_hash_torch, link_int, link_torch, mix_torch, to_signed
 from .launch import (
     Tiling, check_common, check_entries, check_prev_records, check_stamp_launch, check_state_launch, check_vector, check_view_launch,
-    rows_source,
+    RowsPart, ViewPart, rows_source,
 )
 from .records import (
     COL_EXPECTED, COL_POSITION, COL_REASONS, COL_ROW, COL_SLOT, COL_STEP, COL_STORED, COL_TAG,
@@ -85,6 +85,19 @@ def source_hash_rows_ref(rows: torch.Tensor, read_bytes: int, out: torch.Tensor,
     source = rows_source(rows, read_bytes, out, sample_offset, sample_stride)
     if source is not None:
         out.copy_(source_hash_ref(source, torch.arange(rows.shape[0], device=rows.device)))
+
+
+def source_hash_rows_parts_ref(parts: Sequence[RowsPart], tiling: Tiling | None = None) -> None:
+    """Reference of ``source_hash_rows_parts``."""
+    if not parts:
+        raise ValueError("parts must hold >= 1 RowsPart; got none")
+    for i, part in enumerate(parts):
+        if part.rows.shape[0] != parts[0].rows.shape[0]:
+            raise ValueError(f"parts[{i}].rows has {part.rows.shape[0]} rows; parts[0].rows "
+                             f"{parts[0].rows.shape[0]}: parts hash the same tokens")
+    for part in parts:
+        source_hash_rows_ref(part.rows, part.read_bytes, part.out, tiling, sample_offset=part.sample_offset,
+                             sample_stride=part.sample_stride)
 
 
 # ---- lookups through the engine's tables ---------------------------------------------------
@@ -245,6 +258,16 @@ def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapp
                                           read_hashes, after_forward, Reason.RESERVED_SLOT_WRITTEN),
                 slot0, slot0 - 1, slot0 - 1)
 
+
+
+def verify_view_parts_ref(parts: Sequence[ViewPart], mapping: SlotMapping, view: ForwardView, ring: ViolationRing,
+                          **options: Any) -> None:
+    """Reference of ``verify_view_parts``: ``verify_view_ref`` of each part, in order."""
+    if not parts:
+        raise ValueError("parts must hold >= 1 ViewPart; got none")
+    for part in parts:
+        verify_view_ref(part.records, part.sources, mapping, view, ring, part.tag, read_hashes=part.read_hashes,
+                        **options)
 
 def _real_kv_check(sources: Sequence[RealKvSource], slots: torch.Tensor, stored: torch.Tensor,
                    live: torch.Tensor, read_hashes: torch.Tensor | None, after_forward: bool,

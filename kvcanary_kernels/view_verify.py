@@ -12,7 +12,9 @@ from . import records as R
 from .checks import check_int
 from .inputs import ForwardView, SlotMapping
 from .hashing import as_i64, head_hash
-from .launch import Tiling, check_vector, check_view_launch, optional_ptr, ring_args, row_grid, view_kernel_args
+from .launch import (
+    Tiling, ViewPart, check_vector, check_view_launch, default_tiling, optional_ptr, ring_args, row_grid, view_kernel_args,
+)
 from .lookup import known_token, map_slot
 from .record_access import REAL_KV_HASH, field_ptrs, successor_hash
 from .record_checks import (
@@ -41,11 +43,12 @@ def _check_sentinel(records, sources, READS: tl.constexpr, ring, tag, read_hashe
 
 
 @triton.jit
-def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
-                        window, max_context, ring, tag, read_hashes, READS: tl.constexpr, MAP: tl.constexpr,
-                        HAS_TOKENS: tl.constexpr, HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr,
-                        MISSING_AT_ZERO: tl.constexpr, AFTER_FORWARD: tl.constexpr, READ_HASHES: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (b, j) checks tiles j, j + J, ... of batch row b's read positions [lo, hi)."""
+def _verify_view_part(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
+                      window, max_context, ring, tag, read_hashes, READS: tl.constexpr, MAP: tl.constexpr,
+                      HAS_TOKENS: tl.constexpr, HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr,
+                      MISSING_AT_ZERO: tl.constexpr, AFTER_FORWARD: tl.constexpr, READ_HASHES: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Program (b, j) of a part checks tiles j, j + J, ... of batch row b's read positions [lo, hi)."""
     count_launch(ring, tag)
     if SENTINEL:
         if first_program():
@@ -93,6 +96,21 @@ def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr,
         append_violations(ring, tag, reasons != 0, reasons, slots, pos, row, stored, expected)
 
 
+@triton.jit
+def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
+                        window, max_context, ring, tags, read_hashes, READS: tl.constexpr, MAP: tl.constexpr,
+                        HAS_TOKENS: tl.constexpr, HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr,
+                        MISSING_AT_ZERO: tl.constexpr, AFTER_FORWARD: tl.constexpr, READ_HASHES: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Program (b, j, i) is program (b, j) of part i: records[i], sources[i], tags[i], ... ."""
+    for i in tl.static_range(len(READS)):
+        if tl.program_id(2) == i:
+            _verify_view_part(records[i], sources[i], mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch,
+                              context_ptr, window, max_context, ring, tags[i], read_hashes[i], READS[i], MAP,
+                              HAS_TOKENS, HAS_CONTEXT, SENTINEL[i], MISSING_AT_ZERO, AFTER_FORWARD, READ_HASHES[i],
+                              BLOCK)
+
+
 def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
                 ring: ViolationRing, tag: int, *, window: int, max_context: int, check_tokens: bool,
                 sentinel: bool, after_forward: bool = False, read_hashes: torch.Tensor | None = None,
@@ -129,20 +147,47 @@ def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping:
     (or ``max_context``) only; programs loop over their row's tiles. ``tiling`` (default
     ``launch.default_tiling``) changes speed only.
     """
-    check_view_launch(records, sources, mapping, view, ring, tag)
-    read_mode = READ_HASHES_OFF
-    if read_hashes is not None:
-        check_vector("read_hashes", read_hashes, records.device, records.shape[0])
-        read_mode = READ_HASHES_COMPARE if after_forward else READ_HASHES_STORE
-        sources = sources[-1:] if after_forward else sources
+    verify_view_parts([ViewPart(records, sources, tag, read_hashes)], mapping, view, ring, window=window,
+                      max_context=max_context, check_tokens=check_tokens, sentinel=sentinel,
+                      after_forward=after_forward, missing_at_zero=missing_at_zero, tiling=tiling)
+
+
+def verify_view_parts(parts: Sequence[ViewPart], mapping: SlotMapping, view: ForwardView, ring: ViolationRing, *,
+                      window: int, max_context: int, check_tokens: bool, sentinel: bool, after_forward: bool = False,
+                      missing_at_zero: bool = True, tiling: Tiling | None = None) -> None:
+    """``verify_view`` of each part (its records, sources, tag and read_hashes; a pool group's K
+    and V halves, whose records share the mapping and the slot count) in one launch: the parts'
+    programs run side by side (the grid's third dimension). Exactly what a verify_view per part
+    logs (the rows' order in the ring aside); ``tiling`` defaults to the widest source's."""
+    if not parts:
+        raise ValueError("parts must hold >= 1 ViewPart; got none")
+    args, reads, tags, hashes, sentinels, modes = [], [], [], [], [], []
+    first = parts[0].records
+    for i, part in enumerate(parts):
+        check_view_launch(part.records, part.sources, mapping, view, ring, part.tag)
+        if part.records.shape[0] != first.shape[0] or part.records.device != first.device:
+            raise ValueError(f"parts[{i}].records holds {part.records.shape[0]} slots on {part.records.device}; "
+                             f"parts[0].records {first.shape[0]} on {first.device}: parts share one mapping")
+        sources, read_mode = part.sources, READ_HASHES_OFF
+        if part.read_hashes is not None:
+            check_vector("read_hashes", part.read_hashes, first.device, first.shape[0])
+            read_mode = READ_HASHES_COMPARE if after_forward else READ_HASHES_STORE
+            sources = sources[-1:] if after_forward else sources
+        args.append(sources)
+        tags.append(part.tag)
+        hashes.append(optional_ptr(part.read_hashes, part.records))
+        sentinels.append(sentinel and bool(sources))
+        modes.append(read_mode.value)
     check_int("window", window, 0)
     check_int("max_context", max_context, 1)
-    a = view_kernel_args(records, sources, mapping, view, tiling)
-    grid = row_grid(view.rows.shape[0], window or max_context, a.tiling.block, records.device)
+    tiling = tiling or default_tiling([src for sources in args for src in sources])
+    a = [view_kernel_args(part.records, sources, mapping, view, tiling) for part, sources in zip(parts, args)]
+    grid = (*row_grid(view.rows.shape[0], window or max_context, tiling.block, first.device), len(parts))
     _verify_view_kernel[grid](
-        records, a.sources, a.mapping, a.tokens, *a.batch, a.context, window, max_context, ring_args(ring), tag,
-        optional_ptr(read_hashes, records),
-        READS=a.reads, MAP=a.map_consts, HAS_TOKENS=a.has_tokens and check_tokens, HAS_CONTEXT=a.has_context,
-        SENTINEL=sentinel and bool(sources), MISSING_AT_ZERO=missing_at_zero, AFTER_FORWARD=after_forward and mapping.ring > 0,
-        READ_HASHES=read_mode.value, BLOCK=a.tiling.block, num_warps=a.tiling.num_warps,
+        tuple(part.records for part in parts), tuple(x.sources for x in a), a[0].mapping, a[0].tokens, *a[0].batch,
+        a[0].context, window, max_context, ring_args(ring), tuple(tags), tuple(hashes),
+        READS=tuple(x.reads for x in a), MAP=a[0].map_consts, HAS_TOKENS=a[0].has_tokens and check_tokens,
+        HAS_CONTEXT=a[0].has_context, SENTINEL=tuple(sentinels), MISSING_AT_ZERO=missing_at_zero,
+        AFTER_FORWARD=after_forward and mapping.ring > 0, READ_HASHES=tuple(modes), BLOCK=tiling.block,
+        num_warps=tiling.num_warps,
     )

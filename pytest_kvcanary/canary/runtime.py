@@ -59,11 +59,11 @@ class KernelSet:
 
     def __init__(self, name: str) -> None:
         suffix = {"triton": "", "torch": "_ref"}[name]  # CanaryConfig checked the name
-        self.verify_view: Callable = getattr(K, "verify_view" + suffix)
+        self.verify_view_parts: Callable = getattr(K, "verify_view_parts" + suffix)
         self.stamp_view: Callable = getattr(K, "stamp_view" + suffix)
         self.verify_records: Callable = getattr(K, "verify_records" + suffix)
         self.state_launch: Callable = getattr(K, "state_launch" + suffix)
-        self.source_hash_rows: Callable = getattr(K, "source_hash_rows" + suffix)
+        self.source_hash_rows_parts: Callable = getattr(K, "source_hash_rows_parts" + suffix)
 
 
 def _capturing() -> bool:
@@ -185,18 +185,22 @@ class CanaryRuntime:
             observer.states_copied(src, dst)
 
     def kv_stored(self, kind: GroupKind, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
-        group = self.group(kind)
+        """The layer's halves that are sources hashed in one launch."""
+        group, parts, stored = self.group(kind), [], []
         for half, rows in ((Half.K, k), (Half.V, v)):
             state = group.halves.get(half)
             if state is None or rows is None or layer not in state.source_layers:
                 continue
             i = state.source_layers.index(layer)
-            out = state.stored_hashes[i]
             src = state.sources[i]
             offset, stride = src.row_read()  # the stored read, over the rows as the forward computed them
+            parts.append(K.RowsPart(rows.contiguous(), src.read_bytes, state.stored_hashes[i][:rows.shape[0]],
+                                    offset, stride))
+            stored.append((state, i))
+        if parts:
             with self._on_device():
-                self.kernels.source_hash_rows(rows.contiguous(), src.read_bytes, out[:rows.shape[0]],
-                                              sample_offset=offset, sample_stride=stride)
+                self.kernels.source_hash_rows_parts(parts)
+        for state, i in stored:
             state.stored.add(i)
 
     def after_forward(self, view: ForwardView) -> None:
@@ -254,15 +258,15 @@ class CanaryRuntime:
             self.log.poll(device_work)
 
     def _verify_view(self, view: ForwardView, phase: Phase) -> None:
+        """One launch a group: its halves side by side."""
         for group in self.groups:
-            for half, state in group.halves.items():
-                self.kernels.verify_view(
-                    state.records, state.sources, group.mapping, view, self.ring,
-                    launch_tag(phase, half, group.pool.kind),
-                    window=group.window, max_context=self.capacities.max_context,
-                    check_tokens=self.config.check_tokens, sentinel=self.sentinel, missing_at_zero=self.sentinel,
-                    after_forward=phase is Phase.RECHECK, read_hashes=state.read_hashes,
-                )
+            self.kernels.verify_view_parts(
+                [K.ViewPart(state.records, state.sources, launch_tag(phase, half, group.pool.kind), state.read_hashes)
+                 for half, state in group.halves.items()],
+                group.mapping, view, self.ring, window=group.window, max_context=self.capacities.max_context,
+                check_tokens=self.config.check_tokens, sentinel=self.sentinel, missing_at_zero=self.sentinel,
+                after_forward=phase is Phase.RECHECK,
+            )
 
     # Between forwards -------------------------------------------------------------------------
 
