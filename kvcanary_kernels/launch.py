@@ -311,6 +311,10 @@ def input_args(view: ForwardView) -> tuple[torch.Tensor, torch.Tensor, int]:
     return view.input_ids, view.positions, view.input_ids.shape[0]
 
 
+# A launch over parts takes at most a pool group's two halves (K and V).
+MAX_PARTS = 2
+
+
 class RowsPart(NamedTuple):
     """One set of rows to hash and where the hashes go (``source_hash_rows``' arguments of those
     names): one layer's new K or V."""

@@ -18,7 +18,7 @@ from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .hashing import head_hash_int, head_hash_torch, link_int, link_torch, mix_torch, to_signed
 from .launch import (
     Tiling, check_common, check_entries, check_prev_records, check_stamp_launch, check_state_launch, check_vector, check_view_launch,
-    RowsPart, ViewPart, rows_source,
+    MAX_PARTS, RowsPart, ViewPart, rows_source,
 )
 from .records import (
     COL_EXPECTED, COL_POSITION, COL_REASONS, COL_ROW, COL_SLOT, COL_STEP, COL_STORED, COL_TAG,
@@ -89,8 +89,8 @@ def source_hash_rows_ref(rows: torch.Tensor, read_bytes: int, out: torch.Tensor,
 
 def source_hash_rows_parts_ref(parts: Sequence[RowsPart], tiling: Tiling | None = None) -> None:
     """Reference of ``source_hash_rows_parts``."""
-    if not parts:
-        raise ValueError("parts must hold >= 1 RowsPart; got none")
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"parts must hold 1 to {MAX_PARTS} RowsParts (a layer's halves); got {len(parts)}")
     for i, part in enumerate(parts):
         if part.rows.shape[0] != parts[0].rows.shape[0]:
             raise ValueError(f"parts[{i}].rows has {part.rows.shape[0]} rows; parts[0].rows "
@@ -263,8 +263,8 @@ def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapp
 def verify_view_parts_ref(parts: Sequence[ViewPart], mapping: SlotMapping, view: ForwardView, ring: ViolationRing,
                           **options: Any) -> None:
     """Reference of ``verify_view_parts``: ``verify_view_ref`` of each part, in order."""
-    if not parts:
-        raise ValueError("parts must hold >= 1 ViewPart; got none")
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"parts must hold 1 to {MAX_PARTS} ViewParts (a group's halves); got {len(parts)}")
     for part in parts:
         verify_view_ref(part.records, part.sources, mapping, view, ring, part.tag, read_hashes=part.read_hashes,
                         **options)

@@ -10,20 +10,29 @@ import triton.language as tl
 
 from .fingerprint import source_hash
 from .hashing import as_i64
-from .launch import RowsPart, Tiling, cdiv, check_tiling, default_tiling, rows_source, source_args
+from .launch import MAX_PARTS, RowsPart, Tiling, cdiv, check_tiling, default_tiling, rows_source, source_args
 
 
 @triton.jit
-def _source_hash_rows_kernel(sources, n_rows, outs, READS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (j, i) hashes rows [j * BLOCK, (j + 1) * BLOCK) of part i into outs[i]."""
+def _hash_rows(source, out, offs, on, READS: tl.constexpr):
+    words, row_stride, words_per_token, per_tile = source[0]
+    hashes = source_hash(words, row_stride, words_per_token, per_tile, offs, on, READS[0][0], READS[0][1],
+                         READS[0][2], READS[0][3], READS[0][5])
+    tl.store(out + offs, as_i64(hashes), mask=on)
+
+
+@triton.jit
+def _source_hash_rows_kernel(source0, out0, source1, out1, n_rows, READS0: tl.constexpr, READS1: tl.constexpr,
+                             N_PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (j, i) hashes rows [j * BLOCK, (j + 1) * BLOCK) of part i (N_PARTS 1 or 2; part 1's
+    arguments repeat part 0's when there is one)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     on = offs < n_rows
-    for i in tl.static_range(len(READS)):
-        if tl.program_id(1) == i:
-            words, row_stride, words_per_token, per_tile = sources[i]
-            hashes = source_hash(words, row_stride, words_per_token, per_tile, offs, on, READS[i][0], READS[i][1],
-                                 READS[i][2], READS[i][3], READS[i][5])
-            tl.store(outs[i] + offs, as_i64(hashes), mask=on)
+    if tl.program_id(1) == 0:
+        _hash_rows(source0, out0, offs, on, READS0)
+    if N_PARTS == 2:
+        if tl.program_id(1) == 1:
+            _hash_rows(source1, out1, offs, on, READS1)
 
 
 def source_hash_rows(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, tiling: Tiling | None = None, *,
@@ -38,9 +47,9 @@ def source_hash_rows(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, til
 
 def source_hash_rows_parts(parts: Sequence[RowsPart], tiling: Tiling | None = None) -> None:
     """``source_hash_rows`` of each part (the same number of rows in each: a layer's K and V) in one
-    launch, the parts' programs side by side."""
-    if not parts:
-        raise ValueError("parts must hold >= 1 RowsPart; got none")
+    launch, the parts' programs side by side; at most MAX_PARTS."""
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"parts must hold 1 to {MAX_PARTS} RowsParts (a layer's halves); got {len(parts)}")
     sources = [rows_source(*part) for part in parts]
     n = parts[0].rows.shape[0]
     for i, part in enumerate(parts):
@@ -50,6 +59,8 @@ def source_hash_rows_parts(parts: Sequence[RowsPart], tiling: Tiling | None = No
         return
     tiling = tiling or default_tiling(sources)
     check_tiling(tiling)
-    args, reads = source_args(sources, tiling.chunk)
+    per_part = [(*source_args([source], tiling.chunk), part.out) for source, part in zip(sources, parts)]
+    (args0, reads0, out0), (args1, reads1, out1) = per_part[0], per_part[-1]
     _source_hash_rows_kernel[(cdiv(n, tiling.block), len(parts))](
-        args, n, tuple(part.out for part in parts), READS=reads, BLOCK=tiling.block, num_warps=tiling.num_warps)
+        args0, out0, args1, out1, n, READS0=reads0, READS1=reads1, N_PARTS=len(parts), BLOCK=tiling.block,
+        num_warps=tiling.num_warps)

@@ -13,7 +13,7 @@ from .checks import check_int
 from .inputs import ForwardView, SlotMapping
 from .hashing import as_i64, head_hash
 from .launch import (
-    Tiling, ViewPart, check_vector, check_view_launch, default_tiling, optional_ptr, ring_args, row_grid, view_kernel_args,
+    MAX_PARTS, Tiling, ViewPart, check_vector, check_view_launch, default_tiling, optional_ptr, ring_args, row_grid, view_kernel_args,
 )
 from .lookup import known_token, map_slot
 from .record_access import REAL_KV_HASH, field_ptrs, successor_hash
@@ -97,18 +97,23 @@ def _verify_view_part(records, sources, mapping, tokens, rows_ptr, prefix_ptr, e
 
 
 @triton.jit
-def _verify_view_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
-                        window, max_context, ring, tags, read_hashes, READS: tl.constexpr, MAP: tl.constexpr,
-                        HAS_TOKENS: tl.constexpr, HAS_CONTEXT: tl.constexpr, SENTINEL: tl.constexpr,
-                        MISSING_AT_ZERO: tl.constexpr, AFTER_FORWARD: tl.constexpr, READ_HASHES: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """Program (b, j, i) is program (b, j) of part i: records[i], sources[i], tags[i], ... ."""
-    for i in tl.static_range(len(READS)):
-        if tl.program_id(2) == i:
-            _verify_view_part(records[i], sources[i], mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch,
-                              context_ptr, window, max_context, ring, tags[i], read_hashes[i], READS[i], MAP,
-                              HAS_TOKENS, HAS_CONTEXT, SENTINEL[i], MISSING_AT_ZERO, AFTER_FORWARD, READ_HASHES[i],
-                              BLOCK)
+def _verify_view_kernel(records0, sources0, tag0, read_hashes0, records1, sources1, tag1, read_hashes1, mapping, tokens,
+                        rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr, window, max_context, ring,
+                        READS0: tl.constexpr, READS1: tl.constexpr, SENTINEL0: tl.constexpr, SENTINEL1: tl.constexpr,
+                        READ_HASHES0: tl.constexpr, READ_HASHES1: tl.constexpr, N_PARTS: tl.constexpr,
+                        MAP: tl.constexpr, HAS_TOKENS: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+                        MISSING_AT_ZERO: tl.constexpr, AFTER_FORWARD: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (b, j, i) is program (b, j) of part i (N_PARTS 1 or 2; part 1's arguments repeat
+    part 0's when there is one)."""
+    if tl.program_id(2) == 0:
+        _verify_view_part(records0, sources0, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
+                          window, max_context, ring, tag0, read_hashes0, READS0, MAP, HAS_TOKENS, HAS_CONTEXT,
+                          SENTINEL0, MISSING_AT_ZERO, AFTER_FORWARD, READ_HASHES0, BLOCK)
+    if N_PARTS == 2:
+        if tl.program_id(2) == 1:
+            _verify_view_part(records1, sources1, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch,
+                              context_ptr, window, max_context, ring, tag1, read_hashes1, READS1, MAP, HAS_TOKENS,
+                              HAS_CONTEXT, SENTINEL1, MISSING_AT_ZERO, AFTER_FORWARD, READ_HASHES1, BLOCK)
 
 
 def verify_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: SlotMapping, view: ForwardView,
@@ -157,11 +162,12 @@ def verify_view_parts(parts: Sequence[ViewPart], mapping: SlotMapping, view: For
                       missing_at_zero: bool = True, tiling: Tiling | None = None) -> None:
     """``verify_view`` of each part (its records, sources, tag and read_hashes; a pool group's K
     and V halves, whose records share the mapping and the slot count) in one launch: the parts'
-    programs run side by side (the grid's third dimension). Exactly what a verify_view per part
-    logs (the rows' order in the ring aside); ``tiling`` defaults to the widest source's."""
-    if not parts:
-        raise ValueError("parts must hold >= 1 ViewPart; got none")
-    args, reads, tags, hashes, sentinels, modes = [], [], [], [], [], []
+    programs run side by side (the grid's third dimension); at most MAX_PARTS. Exactly what a
+    verify_view per part logs (the rows' order in the ring aside); ``tiling`` defaults to the
+    widest source's."""
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"parts must hold 1 to {MAX_PARTS} ViewParts (a group's halves); got {len(parts)}")
+    args, tags, hashes, sentinels, modes = [], [], [], [], []
     first = parts[0].records
     for i, part in enumerate(parts):
         check_view_launch(part.records, part.sources, mapping, view, ring, part.tag)
@@ -183,11 +189,13 @@ def verify_view_parts(parts: Sequence[ViewPart], mapping: SlotMapping, view: For
     tiling = tiling or default_tiling([src for sources in args for src in sources])
     a = [view_kernel_args(part.records, sources, mapping, view, tiling) for part, sources in zip(parts, args)]
     grid = (*row_grid(view.rows.shape[0], window or max_context, tiling.block, first.device), len(parts))
+    per_part = [(part.records, x.sources, tag, hashes_ptr) for part, x, tag, hashes_ptr in zip(parts, a, tags, hashes)]
+    second = len(parts) - 1  # part 1's arguments: part 0's again when there is one
     _verify_view_kernel[grid](
-        tuple(part.records for part in parts), tuple(x.sources for x in a), a[0].mapping, a[0].tokens, *a[0].batch,
-        a[0].context, window, max_context, ring_args(ring), tuple(tags), tuple(hashes),
-        READS=tuple(x.reads for x in a), MAP=a[0].map_consts, HAS_TOKENS=a[0].has_tokens and check_tokens,
-        HAS_CONTEXT=a[0].has_context, SENTINEL=tuple(sentinels), MISSING_AT_ZERO=missing_at_zero,
-        AFTER_FORWARD=after_forward and mapping.ring > 0, READ_HASHES=tuple(modes), BLOCK=tiling.block,
+        *per_part[0], *per_part[second], a[0].mapping, a[0].tokens, *a[0].batch, a[0].context, window, max_context,
+        ring_args(ring), READS0=a[0].reads, READS1=a[second].reads, SENTINEL0=sentinels[0],
+        SENTINEL1=sentinels[second], READ_HASHES0=modes[0], READ_HASHES1=modes[second], N_PARTS=len(parts),
+        MAP=a[0].map_consts, HAS_TOKENS=a[0].has_tokens and check_tokens, HAS_CONTEXT=a[0].has_context,
+        MISSING_AT_ZERO=missing_at_zero, AFTER_FORWARD=after_forward and mapping.ring > 0, BLOCK=tiling.block,
         num_warps=tiling.num_warps,
     )

@@ -69,7 +69,7 @@ def test_the_halves_in_one_launch_log_what_a_launch_a_half_logs(two_halves):
 
 
 def test_no_part_is_refused_by_name(world):
-    with pytest.raises(ValueError, match="parts must hold >= 1 ViewPart"):
+    with pytest.raises(ValueError, match="parts must hold 1 to 2 ViewParts"):
         K.verify_view_parts([], world.mapping, world.head_view([]), world.ring, window=0,
                             max_context=world.max_context, check_tokens=True, sentinel=False)
 
