@@ -29,7 +29,9 @@ time the canary's end_forward takes per step (sweeps and polls included).
 
 --breakdown (tp=1 on a GPU): after the timed runs, one more run of each variant under
 torch.profiler: the device time a step takes (every kernel, copy and fill, the graph's included),
-its cost over off, and the canary's kernels by device time a step, with launches a step. Device
+and the replayed CUDA graphs' device time a step (timing events around each replay: the gaps
+between the graph's nodes included), their costs over off, and the canary's kernels by device time
+a step, with launches a step. Device
 time is the part of a step the canary's launches add to; it is far steadier than a step's wall
 time, whose host part drifts between runs.
 """
@@ -63,6 +65,7 @@ class DecodeRun:
             variant, batch, prompt, warmup, steps, seed
         self.breakdown = breakdown
         self.kernels: dict[str, tuple[float, float]] = {}  # with breakdown: kernel_times of the timed steps
+        self.graph_us = 0.0  # with breakdown: the device time of the CUDA graphs replayed, a step
 
     def __call__(self, context: RankContext) -> list[tuple[float, float]]:
         engine = context.engines["single"]
@@ -86,7 +89,8 @@ class DecodeRun:
         times = []
         profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if self.breakdown
                     else contextlib.nullcontext())
-        with profiler:
+        replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        with profiler, (timed_replays(replays) if self.breakdown else contextlib.nullcontext()):
             for _ in range(self.steps):
                 synchronize(engine.device)
                 timed.seconds = 0.0
@@ -96,6 +100,7 @@ class DecodeRun:
                 times.append((1e3 * (time.perf_counter() - start), 1e6 * timed.seconds))
         if self.breakdown:
             self.kernels = kernel_times(profiler, self.steps)
+            self.graph_us = 1e3 * sum(start.elapsed_time(end) for start, end in replays) / self.steps
         assert len(engine.running) == self.batch, "a request finished or was retracted while timing"
         if hooks is not None:
             side.runtime.drain()
@@ -118,17 +123,41 @@ class EndForwardTimer:
         self.seconds += time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def timed_replays(replays: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> Any:
+    """Every CUDA graph replay in the block between two timing events on its stream, appended to
+    replays: their elapsed times are the graphs' device time, the gaps between their nodes included."""
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed(graph: torch.cuda.CUDAGraph) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay(graph)
+        end.record()
+        replays.append((start, end))
+
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        yield
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+
+
 def kernel_times(profiler: Any, steps: int) -> dict[str, tuple[float, float]]:
     """Per device activity name (kernel, copy, fill): device microseconds and occurrences a step."""
     return {event.key: (event.self_device_time_total / steps, event.count / steps)
             for event in profiler.key_averages() if event.self_device_time_total > 0}
 
 
-def print_breakdown(batch: int, off: dict[str, tuple[float, float]], on: dict[str, tuple[float, float]]) -> None:
-    """Device time a step, off and on, and what the canary adds, kernel by kernel (largest first)."""
+def print_breakdown(batch: int, off_run: DecodeRun, on_run: DecodeRun) -> None:
+    """Device time a step, off and on (the kernels', and the replayed graphs' with the gaps between
+    their nodes), and what the canary adds, kernel by kernel (largest first)."""
+    off, on = off_run.kernels, on_run.kernels
     total_off, total_on = (sum(us for us, _ in k.values()) for k in (off, on))
-    print(f"\nbatch {batch}: device time a step: off {total_off:.1f} us, canary {total_on:.1f} us "
-          f"({total_on - total_off:+.1f} us, {100 * (total_on - total_off) / total_off:+.1f}%)")
+    print(f"\nbatch {batch}: kernel time a step: off {total_off:.1f} us, canary {total_on:.1f} us "
+          f"({total_on - total_off:+.1f} us, {100 * (total_on - total_off) / total_off:+.1f}%); graph time a step: "
+          f"off {off_run.graph_us:.1f} us, canary {on_run.graph_us:.1f} us ({on_run.graph_us - off_run.graph_us:+.1f} us, "
+          f"{100 * (on_run.graph_us - off_run.graph_us) / off_run.graph_us:+.1f}%)")
     added = sorted(((on[name][0] - off.get(name, (0.0, 0.0))[0], on[name][1] - off.get(name, (0.0, 0.0))[1], name)
                     for name in on), reverse=True)
     print("| added us a step | added launches a step | kernel |\n|---:|---:|---|")
@@ -242,7 +271,7 @@ def main() -> None:
                       f"{costs[0]:+.1f}..{costs[-1]:+.1f}% | "
                       f"{statistics.median(us for _, us in runs[variant]):.0f} |", flush=True)
             if profiled:
-                print_breakdown(batch, profiled["off"].kernels, profiled["canary"].kernels)
+                print_breakdown(batch, profiled["off"], profiled["canary"])
 
 
 if __name__ == "__main__":
