@@ -27,11 +27,11 @@ run against the off run just before it (the host's pace drifts between runs by m
 canary costs a step), the median of those differences and their spread; and the median host
 time the canary's end_forward takes per step (sweeps and polls included).
 
---breakdown (tp=1 on a GPU): after the timed runs, one more run of each variant under
-torch.profiler: the device time a step takes (every kernel, copy and fill, the graph's included),
-and the replayed CUDA graphs' device time a step (timing events around each replay: the gaps
-between the graph's nodes included), their costs over off, and the canary's kernels by device time
-a step, with launches a step. Device
+--breakdown (tp=1 on a GPU): after the timed runs, two more runs of each variant: one under
+torch.profiler (the device time of every kernel, copy and fill a step, the graph's included; the
+canary's kernels by device time a step, with launches a step), one with timing events around each
+CUDA graph replay (the graphs' device time a step, the gaps between their nodes included, which
+the profiler would inflate); their costs over off. Device
 time is the part of a step the canary's launches add to; it is far steadier than a step's wall
 time, whose host part drifts between runs.
 """
@@ -60,12 +60,12 @@ class DecodeRun:
     module docstring). Returns (step ms, end_forward us) per timed step."""
 
     def __init__(self, variant: str, batch: int, prompt: int, warmup: int, steps: int, seed: int,
-                 breakdown: bool = False) -> None:
+                 breakdown: str | None = None) -> None:
         self.variant, self.batch, self.prompt, self.warmup, self.steps, self.seed = \
             variant, batch, prompt, warmup, steps, seed
-        self.breakdown = breakdown
-        self.kernels: dict[str, tuple[float, float]] = {}  # with breakdown: kernel_times of the timed steps
-        self.graph_us = 0.0  # with breakdown: the device time of the CUDA graphs replayed, a step
+        self.breakdown = breakdown  # None, "kernels" (under torch.profiler) or "graphs" (timing events)
+        self.kernels: dict[str, tuple[float, float]] = {}  # breakdown "kernels": kernel_times of the timed steps
+        self.graph_us = 0.0  # breakdown "graphs": the device time of the CUDA graphs replayed, a step
 
     def __call__(self, context: RankContext) -> list[tuple[float, float]]:
         engine = context.engines["single"]
@@ -87,10 +87,10 @@ class DecodeRun:
         for _ in range(self.warmup):  # captures the graphs
             engine.step()
         times = []
-        profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if self.breakdown
-                    else contextlib.nullcontext())
+        profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                    if self.breakdown == "kernels" else contextlib.nullcontext())
         replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        with profiler, (timed_replays(replays) if self.breakdown else contextlib.nullcontext()):
+        with profiler, (timed_replays(replays) if self.breakdown == "graphs" else contextlib.nullcontext()):
             for _ in range(self.steps):
                 synchronize(engine.device)
                 timed.seconds = 0.0
@@ -98,8 +98,9 @@ class DecodeRun:
                 engine.step()
                 synchronize(engine.device)
                 times.append((1e3 * (time.perf_counter() - start), 1e6 * timed.seconds))
-        if self.breakdown:
+        if self.breakdown == "kernels":
             self.kernels = kernel_times(profiler, self.steps)
+        if self.breakdown == "graphs":
             self.graph_us = 1e3 * sum(start.elapsed_time(end) for start, end in replays) / self.steps
         assert len(engine.running) == self.batch, "a request finished or was retracted while timing"
         if hooks is not None:
@@ -149,10 +150,12 @@ def kernel_times(profiler: Any, steps: int) -> dict[str, tuple[float, float]]:
             for event in profiler.key_averages() if event.self_device_time_total > 0}
 
 
-def print_breakdown(batch: int, off_run: DecodeRun, on_run: DecodeRun) -> None:
+def print_breakdown(batch: int, runs: dict[tuple[str, str], DecodeRun]) -> None:
     """Device time a step, off and on (the kernels', and the replayed graphs' with the gaps between
-    their nodes), and what the canary adds, kernel by kernel (largest first)."""
-    off, on = off_run.kernels, on_run.kernels
+    their nodes, each from a run of its own), and what the canary adds, kernel by kernel (largest
+    first)."""
+    off, on = runs["off", "kernels"].kernels, runs["canary", "kernels"].kernels
+    off_run, on_run = runs["off", "graphs"], runs["canary", "graphs"]
     total_off, total_on = (sum(us for us, _ in k.values()) for k in (off, on))
     print(f"\nbatch {batch}: kernel time a step: off {total_off:.1f} us, canary {total_on:.1f} us "
           f"({total_on - total_off:+.1f} us, {100 * (total_on - total_off) / total_off:+.1f}%); graph time a step: "
@@ -247,7 +250,7 @@ def main() -> None:
             ranks: Any = OneEngine(engine, canary) if args.tp == 1 else \
                 ParallelHandle(RankSpec("single", ReferenceShards(engine), canary, Topology(tp=args.tp), devices))
             runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
-            profiled: dict[str, DecodeRun] = {}
+            profiled: dict[tuple[str, str], DecodeRun] = {}
             try:
                 for run in range(args.runs):
                     for variant in variants:
@@ -255,9 +258,10 @@ def main() -> None:
                         runs[variant].append(tuple(statistics.median(column) for column in zip(*steps)))
                 if args.breakdown:
                     for variant in variants:
-                        profiled[variant] = DecodeRun(variant, batch, args.prompt, args.warmup, args.steps, args.runs,
-                                                      breakdown=True)
-                        ranks.call(profiled[variant])
+                        for kind in ("kernels", "graphs"):
+                            profiled[variant, kind] = DecodeRun(variant, batch, args.prompt, args.warmup, args.steps,
+                                                                args.runs, breakdown=kind)
+                            ranks.call(profiled[variant, kind])
             finally:
                 ranks.close()
             for variant in variants:
@@ -271,7 +275,7 @@ def main() -> None:
                       f"{costs[0]:+.1f}..{costs[-1]:+.1f}% | "
                       f"{statistics.median(us for _, us in runs[variant]):.0f} |", flush=True)
             if profiled:
-                print_breakdown(batch, profiled["off"], profiled["canary"])
+                print_breakdown(batch, profiled)
 
 
 if __name__ == "__main__":
