@@ -2,7 +2,7 @@
 
 Pure Python (no torch): the plugin builds these from CLI > marker > ini before any engine exists.
 Not to be confused with settings.py (the run's options, resolved once, from which the plugin
-builds these) or engine/config.py (the reference engine's model and engine configuration).
+builds these) or reference_engine/config.py (the reference engine's model and engine configuration).
 """
 
 from __future__ import annotations

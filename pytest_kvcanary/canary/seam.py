@@ -397,7 +397,7 @@ TransferListener = Callable[["torch.Tensor", "torch.Tensor"], None]
 @runtime_checkable
 class PrefillDecodePair(Protocol):
     """Two engines of one model with a KV transfer between them: what kv_pd drives.
-    `pytest_kvcanary_make_pd_pair` returns one; the reference pair is engine/pd.py's PDPair.
+    `pytest_kvcanary_make_pd_pair` returns one; the reference pair is reference_engine/pd.py's PDPair.
 
     prefill / decode: the two EngineUnderTest. generate: greedy output ids per prompt (and
     context_keys, as for EngineUnderTest.generate); each prompt is prefilled on `prefill`, its KV

@@ -1,5 +1,5 @@
-"""A node of the radix cache's tree (engine/radix_cache.py; its host and disk copies kept by
-engine/radix_tiers.py), which a running request locks."""
+"""A node of the radix cache's tree (reference_engine/radix_cache.py; its host and disk copies kept by
+reference_engine/radix_tiers.py), which a running request locks."""
 
 from __future__ import annotations
 
