@@ -274,3 +274,26 @@ def test_a_cycle_is_found(edge, monkeypatch):
     source, target = edge
     monkeypatch.setitem(GRAPH, source, GRAPH[source] | {target})
     assert _cycle() is not None
+
+
+MAX_CLASS_LINES = 400
+
+
+def _long_classes(limit: int) -> list[str]:
+    """Classes of the project's modules longer than `limit` lines, with their lengths."""
+    found = []
+    for name, path in sorted(MODULES.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit:
+                found.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    return found
+
+
+def test_no_product_class_is_over_400_lines():
+    """A class past that holds more than one concept: split it by concept, not by lines."""
+    assert not _long_classes(MAX_CLASS_LINES), "\n".join(_long_classes(MAX_CLASS_LINES))
+
+
+def test_a_long_class_is_found():
+    """The size check can fail: with a lower limit the longest classes are named."""
+    assert any(".RadixCache: " in line for line in _long_classes(300))
