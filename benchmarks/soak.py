@@ -22,7 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -73,42 +73,60 @@ def _vllm(attention: str) -> Any:
     return VllmEngine(random_checkpoint(attention, 0), 0, settings)
 
 
-def configurations() -> dict[str, tuple[Callable[[], Any], str | None]]:
-    """name -> (a function building the handle's engine or PD pair, why this machine cannot run it)."""
-    configs: dict[str, tuple[Callable[[], Any], str | None]] = {}
+class Config(NamedTuple):
+    """A soak configuration: what builds its handle's engine or PD pair, why this machine cannot run
+    it (None: it can), and the liveness counters its workloads must move (`liveness_gate`)."""
+
+    build: Callable[[], Any]
+    why: str | None = None
+    requires: tuple[str, ...] = ()
+
+
+def configurations() -> dict[str, Config]:
+    """name -> Config. Every reference configuration must reuse a cached prefix; one with a host tier
+    must load pages back from it, with a disk tier from disk, with speculative decoding reject a
+    proposal (roll back), a pair transfer (a hybrid model's checkpoint restores are the canary's
+    own count, `state_restores`)."""
+    configs: dict[str, Config] = {}
+    hits = ("prefix hits",)
     for attention in ("mha", "swa", "mla", "hybrid"):
         for mode in ("eager", "padded", "graph"):
-            configs[f"reference-{attention}-{mode}"] = (
-                lambda a=attention, m=mode: _reference(a, m), None if mode != "graph" or CUDA else "needs CUDA")
+            configs[f"reference-{attention}-{mode}"] = Config(
+                lambda a=attention, m=mode: _reference(a, m), None if mode != "graph" or CUDA else "needs CUDA", hits)
     for attention in ("mha", "mla", "hybrid"):
-        configs[f"reference-{attention}-speculative"] = (lambda a=attention: _reference(a, speculative_k=3), None)
+        configs[f"reference-{attention}-speculative"] = Config(
+            lambda a=attention: _reference(a, speculative_k=3), None, hits + ("rejected proposals",))
     for attention in ("mha", "swa", "hybrid"):
-        configs[f"reference-pd-{attention}"] = (lambda a=attention: ("pd", _reference(a), _reference(a)), None)
+        configs[f"reference-pd-{attention}"] = Config(
+            lambda a=attention: ("pd", _reference(a), _reference(a)), None, hits + ("transfers",))
     for attention in ("mha", "swa", "mla"):  # pages of 16 tokens
-        configs[f"reference-{attention}-pages"] = (lambda a=attention: _reference(a, page_size=16), None)
+        configs[f"reference-{attention}-pages"] = Config(lambda a=attention: _reference(a, page_size=16), None, hits)
     # A hybrid model's checkpoints in a state pool that evicts them (17 slots: 8 running requests, 8
     # checkpoints being written, one to spare), with pages of 16 tokens, and with a host tier too.
-    configs["reference-hybrid-state-pressure"] = (lambda: _reference("hybrid", num_state_slots=17), None)
-    configs["reference-hybrid-pages"] = (lambda: _reference("hybrid", page_size=16), None)
-    configs["reference-hybrid-host"] = (lambda: _reference("hybrid", page_size=16, host_num_slots=1024), None)
+    configs["reference-hybrid-state-pressure"] = Config(lambda: _reference("hybrid", num_state_slots=17), None, hits)
+    configs["reference-hybrid-pages"] = Config(lambda: _reference("hybrid", page_size=16), None, hits)
+    configs["reference-hybrid-host"] = Config(lambda: _reference("hybrid", page_size=16, host_num_slots=1024), None,
+                                              hits + ("host loads",))
     for attention in ("mha", "mla"):  # pages and a host-memory tier, with and without speculative decoding
-        configs[f"reference-{attention}-host"] = (
-            lambda a=attention: _reference(a, page_size=16, host_num_slots=1024), None)
-        configs[f"reference-{attention}-speculative-host"] = (
-            lambda a=attention: _reference(a, speculative_k=3, page_size=16, host_num_slots=1024), None)
+        configs[f"reference-{attention}-host"] = Config(
+            lambda a=attention: _reference(a, page_size=16, host_num_slots=1024), None, hits + ("host loads",))
+        configs[f"reference-{attention}-speculative-host"] = Config(
+            lambda a=attention: _reference(a, speculative_k=3, page_size=16, host_num_slots=1024), None,
+            hits + ("host loads", "rejected proposals"))
     # A disk tier under a small host tier (16 pages of 16 tokens), so host memory evicts to disk.
     # Not hybrid: the disk tier keeps no checkpoints.
     for attention in ("mha", "mla"):
-        configs[f"reference-{attention}-disk"] = (
-            lambda a=attention: _reference(a, page_size=16, host_num_slots=256, disk=True), None)
+        configs[f"reference-{attention}-disk"] = Config(
+            lambda a=attention: _reference(a, page_size=16, host_num_slots=256, disk=True), None,
+            hits + ("host loads", "disk loads"))
     for attention in ("mha", "swa"):
         for batching in ("sync", "async"):
             for graphs in ("eager", "graphs"):
                 why = None if CUDA or (batching, graphs) == ("sync", "eager") else "needs CUDA"
-                configs[f"transformers-{attention}-{batching}-{graphs}"] = (
+                configs[f"transformers-{attention}-{batching}-{graphs}"] = Config(
                     lambda a=attention, b=batching, g=graphs: _transformers(a, b, g), why)
     for attention in ("mha", "swa", "mla"):
-        configs[f"vllm-{attention}"] = (lambda a=attention: _vllm(a), None)
+        configs[f"vllm-{attention}"] = Config(lambda a=attention: _vllm(a))
     return configs
 
 
@@ -118,27 +136,34 @@ def soak_canary(real_data: str) -> CanaryConfig:
     return CanaryConfig(real_data=real_data, sweep_interval=4, kernels="triton" if CUDA else "torch")
 
 
-def _handle(engine: Any, canary: CanaryConfig) -> Any:
+def _handle(engine: Any, canary: CanaryConfig) -> tuple[Any, Any]:
+    """The handle, and the engine or pair it drives (whose `liveness()` counts, where it has one)."""
     if isinstance(engine, tuple):
         from pytest_kvcanary.reference_engine.pd import PDPair
 
-        return PDHandle(PDPair(engine[1], engine[2]), canary)
-    return EngineHandle(engine, canary)
+        pair = PDPair(engine[1], engine[2])
+        return PDHandle(pair, canary), pair
+    return EngineHandle(engine, canary), engine
 
 
 def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rounds: int, seed: int,
-         real_data: str, arrivals: bool, on_seed: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+         real_data: str, arrivals: bool, on_seed: Callable[[dict[str, Any]], None],
+         requires: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Seeds from `seed` on, `rounds` rounds each, until `forwards` forwards or `seconds` passed; one
     row per seed, each handed to `on_seed` as it ends (`merge` adds them up);
-    arrivals: requests join running batches where the engine serves them (else generate batches)."""
-    handle = _handle(build(), soak_canary(real_data))
+    arrivals: requests join running batches where the engine serves them (else generate batches);
+    requires: the liveness counters the configuration must move (each row keeps them, `liveness_gate`)."""
+    handle, target = _handle(build(), soak_canary(real_data))
+    counters = getattr(target, "liveness", None)
     rows: list[dict[str, Any]] = []
     start = time.monotonic()
     while sum(r["forwards"] for r in rows) < forwards and time.monotonic() - start < seconds:
         began = time.monotonic()
+        before = counters() if counters is not None else {}
         handle.reset(seed, ())
         result = handle.run_workload(seed=seed, rounds=rounds, arrivals=arrivals)
         data = result.to_json()
+        after = counters() if counters is not None else {}
         restores = handle.sides[0].runtime.readout().state_restores()  # a hybrid model's liveness
         rows.append({"config": name + ("" if arrivals else " (batches)"),
                      "device": torch.cuda.get_device_name() if CUDA else "cpu", "real_data": real_data,
@@ -148,6 +173,8 @@ def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rou
                      "untrusted_rounds": [{"seed": seed, **r} for r in data["untrusted_rounds"][:4]],
                      "seconds": round(time.monotonic() - began, 1),
                      **({} if restores is None else {"state_restores": restores}),
+                     **({"liveness": {k: n - before.get(k, 0) for k, n in after.items()}, "requires": list(requires)}
+                        if counters is not None else {}),
                      "versions": {m: sys.modules[m].__version__ for m in ("torch", "transformers", "vllm")
                                   if m in sys.modules}})
         on_seed(rows[-1])
@@ -171,6 +198,7 @@ def merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = (r["config"], r["real_data"])
         if key not in merged:
             merged[key] = {**r, "seeds": list(r["seeds"]), "verdicts": dict(r["verdicts"]),
+                           **({"liveness": dict(r["liveness"])} if "liveness" in r else {}),
                            "failures": list(r["failures"]), "versions": dict(r.get("versions", {}))}
             continue
         m = merged[key]
@@ -186,6 +214,10 @@ def merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m[field] = round(m[field] + r[field], 1)
         if "state_restores" in r:
             m["state_restores"] = m.get("state_restores", 0) + r["state_restores"]
+        if "liveness" in r:
+            m["liveness"] = {k: m.get("liveness", {}).get(k, 0) + r["liveness"].get(k, 0)
+                             for k in {*m.get("liveness", {}), *r["liveness"]}}
+            m["requires"] = sorted({*m.get("requires", ()), *r.get("requires", ())})
         for verdict, n in r["verdicts"].items():
             m["verdicts"][verdict] = m["verdicts"].get(verdict, 0) + n
         m["failures"] += r["failures"]
@@ -203,13 +235,23 @@ def seed_ranges(seeds: list[int]) -> str:
     return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in spans) or "-"
 
 
+def liveness_gate(row: dict[str, Any]) -> list[str]:
+    """What the configuration should have exercised and did not: a required liveness counter at 0,
+    or a hybrid model's checkpoint restores at 0 (the canary's count)."""
+    idle = [f"no {name}" for name in row.get("requires", ()) if not row.get("liveness", {}).get(name)]
+    if row.get("state_restores") == 0:
+        idle.append("no checkpoint restored")
+    return idle
+
+
 def liveness(row: dict[str, Any]) -> str:
-    """What the configuration must have exercised, as counted: a hybrid model's checkpoint restores
-    (none is a failed liveness gate); "-" where nothing is counted."""
-    if "state_restores" not in row:
-        return "-"
-    n = row["state_restores"]
-    return f"{n} checkpoint restores" if n else "FAILED: no checkpoint restored"
+    """The liveness column: FAILED and what is missing (`liveness_gate`), else the counts (a hybrid
+    model's checkpoint restores first); "-" where nothing is counted."""
+    if idle := liveness_gate(row):
+        return "FAILED: " + ", ".join(idle)
+    counts = [f"{row['state_restores']} checkpoint restores"] if "state_restores" in row else []
+    counts += [f"{n} {name}" for name, n in sorted(row.get("liveness", {}).items()) if n]
+    return ", ".join(counts) or "-"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -254,8 +296,9 @@ def main() -> int:
             parser.error(f"--table: {e}")
         return 0
     if args.list:
-        for name, (_, why) in configs.items():
-            print(name + (f"  ({why})" if why else ""))
+        for name, config in configs.items():
+            needs = f"  [must show: {', '.join(config.requires)}]" if config.requires else ""
+            print(name + (f"  ({config.why})" if config.why else "") + needs)
         return 0
     if unknown := [c for c in args.configs if c not in configs]:
         parser.error(f"unknown configuration {unknown[0]!r}; --list shows them")
@@ -268,20 +311,20 @@ def main() -> int:
                 f.write(json.dumps(row) + "\n")
 
     for name in args.configs:
-        build, why = configs[name]
-        if why is not None:
-            keep({"config": name, "skipped": why})
+        config = configs[name]
+        if config.why is not None:
+            keep({"config": name, "skipped": config.why})
             continue
         try:
-            soak(name, build, args.forwards, args.seconds, args.rounds, args.seed, args.real_data, not args.batches,
-                 keep)
+            soak(name, config.build, args.forwards, args.seconds, args.rounds, args.seed, args.real_data,
+                 not args.batches, keep, config.requires)
         except ImportError as e:
             keep({"config": name, "skipped": f"{type(e).__name__}: {e}"})
     print(table(rows))
     bad = sum(r["verdicts"]["damage missed"] + r["verdicts"]["suspected false alarm"] for r in rows if "verdicts" in r)
-    idle = [r["config"] for r in merge(rows) if r.get("state_restores") == 0]
+    idle = [f"{r['config']} ({', '.join(gaps)})" for r in merge(rows) if (gaps := liveness_gate(r))]
     if idle:
-        print(f"liveness gate: {', '.join(idle)} restored no checkpoint", file=sys.stderr)
+        print(f"liveness gate: {'; '.join(idle)}", file=sys.stderr)
     return 1 if bad or idle else 0
 
 

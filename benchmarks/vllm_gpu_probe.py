@@ -109,10 +109,10 @@ def replay(text: str, config: str, seed: int) -> bool:
 
     from pytest_kvcanary.handles.single import EngineHandle
 
-    build, why = configurations()[config]
-    if why is not None:
-        raise SystemExit(f"{config} cannot run here: {why}")
-    engine = build()
+    chosen = configurations()[config]
+    if chosen.why is not None:
+        raise SystemExit(f"{config} cannot run here: {chosen.why}")
+    engine = chosen.build()
     manager = engine.book.manager
     print(f"block sizes {[g.kv_cache_spec.block_size for g in manager.kv_cache_config.kv_cache_groups]}, "
           f"hash block size {engine.book.pool.hash_block_size}, window groups {engine.book.window_groups}")

@@ -224,6 +224,19 @@ class Engine:
         self._finished = 0
         self._row_owners.clear()
 
+    def liveness(self) -> dict[str, int]:
+        """What the engine's workloads exercised since it started, for a soak's liveness gate:
+        requests admitted with a cached prefix, retractions, and per path the engine has, pages
+        loaded back from host memory, pages loaded from disk, proposals the target rejected."""
+        counts = {"prefix hits": self.scheduler.num_prefix_hits, "retractions": self.scheduler.num_retracted}
+        if self.host_tier is not None:
+            counts["host loads"] = self.host_tier.num_loaded_back
+        if self.disk_tier is not None:
+            counts["disk loads"] = self.disk_tier.num_loaded
+        if self.drafter is not None:
+            counts["rejected proposals"] = self.drafter.proposed - self.drafter.accepted
+        return counts
+
     def request_at(self, row: int, step: int) -> tuple[int, str] | None:
         """The request (id, prompt text) that held mapping row `row` at forward `step` since the
         last reset; None when none did."""

@@ -50,6 +50,7 @@ class PDPair:
             raise ValueError("a prefill/decode pair needs the same model (config and weights) on both sides")
         self.prefill, self.decode = prefill, decode
         self._transfer_listeners: list[TransferListener] = []
+        self.num_transferred = 0  # requests moved to the decode side since the pair started
         self._state_listeners: list[TransferListener] = []
 
     def add_transfer_listener(self, listener: TransferListener) -> None:
@@ -88,6 +89,13 @@ class PDPair:
                 raise RuntimeError("the decode engine cannot hold a transferred request even when idle")
         return [on_decode.get(r, r).output_ids for r in reqs]
 
+    def liveness(self) -> dict[str, int]:
+        """Both sides' `Engine.liveness` counts added up, and the requests transferred."""
+        counts = self.prefill.liveness()
+        for name, n in self.decode.liveness().items():
+            counts[name] = counts.get(name, 0) + n
+        return {**counts, "transfers": self.num_transferred}
+
     def _transfer(self, req: Request) -> Request | None:
         """Admit a prefilled request on the decode side with a copy of its prompt's KV; None
         (nothing changed) when the decode side has no room. SWA: only the positions still
@@ -111,6 +119,7 @@ class PDPair:
             _copy_kv(sender.swa, receiver.swa, src_swa[resident], dst_swa)
         for listener in self._transfer_listeners:
             listener(src, dst)
+        self.num_transferred += 1
         if self.prefill.states is not None:  # the state after the prompt, which the first decode starts from
             src_state, dst_state = (torch.tensor([s], dtype=torch.int64) for s in (req.state_slot, moved.state_slot))
             for s, d in zip(self.prefill.states.buffers, self.decode.states.buffers, strict=True):

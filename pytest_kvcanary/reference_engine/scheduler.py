@@ -68,6 +68,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # every request holding a row, in admission order
         self.num_retracted = 0
+        self.num_prefix_hits = 0  # requests admitted with a cached prefix (a retracted one's own included)
 
     @property
     def has_work(self) -> bool:
@@ -182,6 +183,7 @@ class Scheduler:
             req.row = self.req_to_token.alloc()
             assert req.row is not None
             req.prefix_len = req.kv_len = match.slots.numel()
+            self.num_prefix_hits += bool(req.prefix_len)
             req.swa_from, req.last_node = 0, match.node
             self.req_to_token.write(req.row, 0, match.slots)
             self.running.append(req)
