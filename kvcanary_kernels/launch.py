@@ -336,6 +336,16 @@ class ViewPart(NamedTuple):
     read_hashes: torch.Tensor | None = None
 
 
+class StampPart(NamedTuple):
+    """One records tensor a stamp launch writes with its sources, its ring tag and its optional
+    written_source_hashes (``stamp_view``'s arguments of those names): a pool group's K or V half."""
+
+    records: torch.Tensor
+    sources: Sequence[RealKvSource]
+    tag: int
+    written_source_hashes: torch.Tensor | None = None
+
+
 class ViewKernelArgs(NamedTuple):
     """A view launch's inputs as kernel arguments, each expanded once: the tiling, the sources and
     their constexpr READS, the mapping and its constexpr MAP, the token table and HAS_TOKENS, the

@@ -18,7 +18,7 @@ from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .hashing import head_hash_int, head_hash_torch, link_int, link_torch, mix_torch, to_signed
 from .launch import (
     Tiling, check_common, check_entries, check_prev_records, check_stamp_launch, check_state_launch, check_vector, check_view_launch,
-    MAX_PARTS, RowsPart, ViewPart, rows_source,
+    MAX_PARTS, RowsPart, StampPart, ViewPart, rows_source,
 )
 from .records import (
     COL_EXPECTED, COL_POSITION, COL_REASONS, COL_ROW, COL_SLOT, COL_STEP, COL_STORED, COL_TAG,
@@ -327,6 +327,16 @@ def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mappi
             checks[Reason.WRITE_TOKEN] = ((want != UNKNOWN) & (want != tokens), tokens, want)
     _count(ring, tag, slots.shape[0])
     _append(ring, tag, checks, slots, positions, rows)
+
+
+def stamp_view_parts_ref(parts: Sequence[StampPart], mapping: SlotMapping, view: ForwardView, ring: ViolationRing,
+                         **options: Any) -> None:
+    """Reference of ``stamp_view_parts``: ``stamp_view_ref`` of each part, in order."""
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"parts must hold 1 to {MAX_PARTS} StampParts (a group's halves); got {len(parts)}")
+    for part in parts:
+        stamp_view_ref(part.records, part.sources, mapping, view, ring, part.tag,
+                       written_source_hashes=part.written_source_hashes, **options)
 
 
 def _chain_ref(records: torch.Tensor, mapping: SlotMapping, view: ForwardView, b: torch.Tensor, tokens: torch.Tensor,

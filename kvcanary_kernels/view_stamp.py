@@ -13,8 +13,8 @@ from .inputs import ForwardView, SlotMapping
 from .fingerprint import slot_fingerprint
 from .hashing import LINK_INVERSE_JIT, LINK_JIT, as_i64, as_u64, compose, head_hash, link_term, mix
 from .launch import (
-    Tiling, batch_lanes, cdiv, check_stamp_launch, input_args, next_power_of_2, optional_ptr, ring_args, row_grid,
-    view_kernel_args,
+    MAX_PARTS, StampPart, Tiling, batch_lanes, cdiv, check_stamp_launch, default_tiling, input_args, next_power_of_2,
+    optional_ptr, ring_args, row_grid, view_kernel_args,
 )
 from .lookup import known_token, map_slot
 from .record_access import POSITION, PREV_HASH, REAL_KV_HASH, TOKEN, field_ptrs, successor_hash
@@ -69,13 +69,13 @@ def _written_fingerprint(written_ptr, stride, token_index, live, N_WRITTEN: tl.c
 
 
 @triton.jit
-def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, input_ids,
-                          positions_ptr, n_tokens, written_ptr, written_stride, ring, tag, READS: tl.constexpr,
-                          MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
-                          CHECK_WRITE: tl.constexpr, N_WRITTEN: tl.constexpr, BATCH: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def _stamp_records_part(records, sources, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, input_ids,
+                        positions_ptr, n_tokens, written_ptr, written_stride, ring, tag, READS: tl.constexpr,
+                        MAP: tl.constexpr, HAS_TOKENS: tl.constexpr,
+                        CHECK_WRITE: tl.constexpr, N_WRITTEN: tl.constexpr, BATCH: tl.constexpr,
+                        BLOCK: tl.constexpr):
     """Token, position and fingerprint of each written slot's record (not PREV_HASH), and the
-    write checks. Program (b, j) stamps tiles j, j + J, ... of batch row b's extend."""
+    write checks. Program (b, j) of a part stamps tiles j, j + J, ... of batch row b's extend."""
     count_launch(ring, tag)
     token_start, row, prefix, given, extend = _batch_row(tl.program_id(0), rows_ptr, prefix_ptr, extend_ptr, n_batch,
                                                          n_tokens, BATCH)
@@ -119,11 +119,11 @@ def _stamp_records_kernel(records, sources, mapping, tokens, rows_ptr, prefix_pt
 
 
 @triton.jit
-def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
-                        MAP: tl.constexpr, HAS_CONTEXT: tl.constexpr, BATCH: tl.constexpr, BLOCK: tl.constexpr):
-    """Program b: batch row b's prev_hash chain, a tile of BLOCK entries at a time, each tile one
-    prefix scan of the entries' links (``compose``) applied to the running hash; stores each
-    stamped slot's prev_hash (the PREV_HASH field only)."""
+def _stamp_chain_part(records, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
+                      MAP: tl.constexpr, HAS_CONTEXT: tl.constexpr, BATCH: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b of a part: batch row b's prev_hash chain, a tile of BLOCK entries at a time, each
+    tile one prefix scan of the entries' links (``compose``) applied to the running hash; stores
+    each stamped slot's prev_hash (the PREV_HASH field only)."""
     b = tl.program_id(0)
     in_batch = b < n_batch
     input_ids, positions_ptr, n_tokens = inputs
@@ -150,6 +150,40 @@ def _stamp_chain_kernel(records, mapping, inputs, rows_ptr, prefix_ptr, extend_p
         before = (linked - term) * LINK_INVERSE_JIT
         tl.store(field_ptrs(records, slots, PREV_HASH), as_i64(before), mask=written & (j >= first))
         chain = tl.sum(tl.where(last, linked, 0), axis=0)
+
+
+@triton.jit
+def _stamp_records_kernel(records0, sources0, written0, tag0, records1, sources1, written1, tag1, mapping, tokens,
+                          rows_ptr, prefix_ptr, extend_ptr, n_batch, input_ids, positions_ptr, n_tokens,
+                          written_stride0, written_stride1, ring, READS0: tl.constexpr, READS1: tl.constexpr,
+                          N_WRITTEN0: tl.constexpr, N_WRITTEN1: tl.constexpr, N_PARTS: tl.constexpr,
+                          MAP: tl.constexpr, HAS_TOKENS: tl.constexpr, CHECK_WRITE: tl.constexpr,
+                          BATCH: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (b, j, i) is program (b, j) of part i (N_PARTS 1 or 2; part 1's arguments repeat
+    part 0's when there is one)."""
+    if tl.program_id(2) == 0:
+        _stamp_records_part(records0, sources0, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch, input_ids,
+                            positions_ptr, n_tokens, written0, written_stride0, ring, tag0, READS0, MAP, HAS_TOKENS,
+                            CHECK_WRITE, N_WRITTEN0, BATCH, BLOCK)
+    if N_PARTS == 2:
+        if tl.program_id(2) == 1:
+            _stamp_records_part(records1, sources1, mapping, tokens, rows_ptr, prefix_ptr, extend_ptr, n_batch,
+                                input_ids, positions_ptr, n_tokens, written1, written_stride1, ring, tag1, READS1, MAP,
+                                HAS_TOKENS, CHECK_WRITE, N_WRITTEN1, BATCH, BLOCK)
+
+
+@triton.jit
+def _stamp_chain_kernel(records0, records1, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr,
+                        N_PARTS: tl.constexpr, MAP: tl.constexpr, HAS_CONTEXT: tl.constexpr, BATCH: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Program (b, i) is program b of part i (N_PARTS 1 or 2; records1 is records0 when there is one)."""
+    if tl.program_id(1) == 0:
+        _stamp_chain_part(records0, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr, MAP,
+                          HAS_CONTEXT, BATCH, BLOCK)
+    if N_PARTS == 2:
+        if tl.program_id(1) == 1:
+            _stamp_chain_part(records1, mapping, inputs, rows_ptr, prefix_ptr, extend_ptr, n_batch, context_ptr, MAP,
+                              HAS_CONTEXT, BATCH, BLOCK)
 
 
 CHAIN_MAX_BLOCK = 1024
@@ -192,25 +226,48 @@ def stamp_view(records: torch.Tensor, sources: Sequence[RealKvSource], mapping: 
     table's token at (rows[b], p) (stored: input_ids[t], expected: the table's).
 
     Counts the call once in ring.kernel_runs[tag] and the stamped slots in ring.slot_runs[tag].
-    Two launches, graph-safe, grids from the batch and token capacities only: one program per
+    Two launches (``stamp_view_parts``), graph-safe, grids from the batch and token capacities only: one program per
     batch row that writes prev_hash (a prefix scan of the row's links per tile of
     ``chain_block(T, B)`` entries; it reads the seed record first), then one over (batch rows,
     programs per row) that writes the rest (bandwidth-bound).
     """
-    check_stamp_launch(records, sources, mapping, view, ring, tag, written_source_hashes)
-    a = view_kernel_args(records, sources, mapping, view, tiling)
+    stamp_view_parts([StampPart(records, sources, tag, written_source_hashes)], mapping, view, ring,
+                     check_tokens=check_tokens, check_write_inputs=check_write_inputs, tiling=tiling)
+
+
+def stamp_view_parts(parts: Sequence[StampPart], mapping: SlotMapping, view: ForwardView, ring: ViolationRing, *,
+                     check_tokens: bool, check_write_inputs: bool, tiling: Tiling | None = None) -> None:
+    """``stamp_view`` of each part (its records, sources, tag and written_source_hashes; a pool
+    group's K and V halves, whose records share the mapping and the slot count) in the same two
+    launches, the parts' programs side by side; at most MAX_PARTS. Exactly what a stamp_view per
+    part stamps and logs (the rows' order in the ring aside)."""
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"parts must hold 1 to {MAX_PARTS} StampParts (a group's halves); got {len(parts)}")
+    first = parts[0].records
+    for i, part in enumerate(parts):
+        check_stamp_launch(part.records, part.sources, mapping, view, ring, part.tag, part.written_source_hashes)
+        if part.records.shape[0] != first.shape[0] or part.records.device != first.device:
+            raise ValueError(f"parts[{i}].records holds {part.records.shape[0]} slots on {part.records.device}; "
+                             f"parts[0].records {first.shape[0]} on {first.device}: parts share one mapping")
+    tiling = tiling or default_tiling([src for part in parts for src in part.sources])
+    a = [view_kernel_args(part.records, part.sources, mapping, view, tiling) for part in parts]
     inputs, lanes = input_args(view), batch_lanes(view)
-    n_batch, n_tokens = a.batch[-1], inputs[-1]
+    n_batch, n_tokens = a[0].batch[-1], inputs[-1]
+    second = len(parts) - 1  # part 1's arguments: part 0's again when there is one
     if n_batch:
         block = chain_block(n_tokens, n_batch)
-        _stamp_chain_kernel[(n_batch,)](
-            records, a.mapping, inputs, *a.batch, a.context,
-            MAP=a.map_consts, HAS_CONTEXT=a.has_context, BATCH=lanes, BLOCK=block, num_warps=min(4, block // 32) or 1,
+        _stamp_chain_kernel[(n_batch, len(parts))](
+            first, parts[second].records, a[0].mapping, inputs, *a[0].batch, a[0].context, N_PARTS=len(parts),
+            MAP=a[0].map_consts, HAS_CONTEXT=a[0].has_context, BATCH=lanes, BLOCK=block,
+            num_warps=min(4, block // 32) or 1,
         )
-    written = optional_ptr(written_source_hashes, records)
-    _stamp_records_kernel[row_grid(n_batch, n_tokens, a.tiling.block, records.device)](
-        records, a.sources, a.mapping, a.tokens, *a.batch, *inputs, written, written.stride(0),
-        ring_args(ring), tag, READS=a.reads, MAP=a.map_consts, HAS_TOKENS=a.has_tokens and check_tokens,
-        CHECK_WRITE=check_write_inputs, N_WRITTEN=0 if written_source_hashes is None else len(sources), BATCH=lanes,
-        BLOCK=a.tiling.block, num_warps=a.tiling.num_warps,
+    written = [optional_ptr(part.written_source_hashes, part.records) for part in parts]
+    per_part = [(part.records, x.sources, w, part.tag) for part, x, w in zip(parts, a, written)]
+    n_written = [0 if part.written_source_hashes is None else len(part.sources) for part in parts]
+    _stamp_records_kernel[(*row_grid(n_batch, n_tokens, tiling.block, first.device), len(parts))](
+        *per_part[0], *per_part[second], a[0].mapping, a[0].tokens, *a[0].batch, *inputs, written[0].stride(0),
+        written[second].stride(0), ring_args(ring), READS0=a[0].reads, READS1=a[second].reads,
+        N_WRITTEN0=n_written[0], N_WRITTEN1=n_written[second], N_PARTS=len(parts), MAP=a[0].map_consts,
+        HAS_TOKENS=a[0].has_tokens and check_tokens, CHECK_WRITE=check_write_inputs, BATCH=lanes,
+        BLOCK=tiling.block, num_warps=tiling.num_warps,
     )

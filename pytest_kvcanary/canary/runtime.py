@@ -60,7 +60,7 @@ class KernelSet:
     def __init__(self, name: str) -> None:
         suffix = {"triton": "", "torch": "_ref"}[name]  # CanaryConfig checked the name
         self.verify_view_parts: Callable = getattr(K, "verify_view_parts" + suffix)
-        self.stamp_view: Callable = getattr(K, "stamp_view" + suffix)
+        self.stamp_view_parts: Callable = getattr(K, "stamp_view_parts" + suffix)
         self.verify_records: Callable = getattr(K, "verify_records" + suffix)
         self.state_launch: Callable = getattr(K, "state_launch" + suffix)
         self.source_hash_rows_parts: Callable = getattr(K, "source_hash_rows_parts" + suffix)
@@ -223,15 +223,13 @@ class CanaryRuntime:
         if self.config.recheck:
             self._verify_view(view, Phase.RECHECK)
         hashes = iter(written)
-        for group in self.groups:
-            group_view = view.for_group(group.pool.kind)
-            for half, state in group.halves.items():
-                self.kernels.stamp_view(
-                    state.records, state.sources, group.mapping, group_view, self.ring,
-                    launch_tag(Phase.TAIL, half, group.pool.kind),
-                    check_tokens=self.config.check_tokens, check_write_inputs=self.config.check_write_inputs,
-                    written_source_hashes=next(hashes),
-                )
+        for group in self.groups:  # one stamp a group: its halves side by side
+            self.kernels.stamp_view_parts(
+                [K.StampPart(state.records, state.sources, launch_tag(Phase.TAIL, half, group.pool.kind), next(hashes))
+                 for half, state in group.halves.items()],
+                group.mapping, view.for_group(group.pool.kind), self.ring, check_tokens=self.config.check_tokens,
+                check_write_inputs=self.config.check_write_inputs,
+            )
         if self.state is not None:  # after the FULL group's TAIL: a state chains onto its last token's record
             self.state.stamp(self._state_view(view), self.ring)
 

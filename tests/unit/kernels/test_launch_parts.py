@@ -1,6 +1,7 @@
 """Launches over parts (a pool group's K and V halves side by side): verify_view_parts logs exactly
-what one verify_view launch a half logs, source_hash_rows_parts writes what one source_hash_rows a
-half writes, and each parts reference agrees with its kernel."""
+what one verify_view launch a half logs, stamp_view_parts stamps and logs what one stamp_view a half
+does, source_hash_rows_parts writes what one source_hash_rows a half writes, and each parts
+reference agrees with its kernel."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 import kvcanary_kernels as K
-from kvcanary_kernels.records import COL_POSITION, COL_REASONS, COL_SLOT, COL_TAG, FIELD_TOKEN, Reason
+from kvcanary_kernels.records import (
+    COL_POSITION, COL_REASONS, COL_SLOT, COL_TAG, FIELD_PREV_HASH, FIELD_TOKEN, Reason,
+)
 
 from kv_world import World, clone_ring, new_rows
 
@@ -112,3 +115,51 @@ def test_halves_of_other_token_counts_are_refused_by_name(device):
     for launch in (K.source_hash_rows_parts, K.source_hash_rows_parts_ref):
         with pytest.raises(ValueError, match=r"parts\[1\]\.rows has 3 rows"):
             launch(parts)
+
+
+def _stamp(w: World, view: K.ForwardView, records: list[torch.Tensor], how: str,
+           written: torch.Tensor | None) -> tuple:
+    """TAIL over both parts on copies of the state, as in `_run`; returns the new rows, the ring and
+    the records."""
+    ring, records = clone_ring(w.ring), [r.clone() for r in records]
+    start = int(ring.count)
+    parts = [K.StampPart(r, w.sources, tag, written) for r, tag in zip(records, TAGS)]
+    options = dict(check_tokens=True, check_write_inputs=True)
+    if how == "apart":
+        for part in parts:
+            K.stamp_view(part.records, part.sources, w.mapping, view, ring, part.tag,
+                         written_source_hashes=part.written_source_hashes, **options)
+    else:
+        (K.stamp_view_parts if how == "parts" else K.stamp_view_parts_ref)(parts, w.mapping, view, ring, **options)
+    return new_rows(ring, start), ring, records
+
+
+@pytest.mark.parametrize("with_written", [False, True])
+def test_the_halves_stamped_in_one_launch_equal_a_stamp_a_half(two_halves, with_written):
+    """The other half's records differ at request a's last cached position (its token), so each
+    part's chain starts from its own seed record; a position the forward was fed wrong is a
+    write_position in both halves."""
+    w, (a, b), _ = two_halves
+    other = w.records.clone()
+    other[w.slot(a, LEN - 1), FIELD_TOKEN] += 1
+    a.tokens += w.random_tokens(3)
+    b.tokens += w.random_tokens(2)
+    fwd = w.forward([(a, 3), (b, 2)])
+    fwd.view.positions[1] += 1
+    w.write(fwd)
+    written = None
+    if with_written:
+        written = torch.stack([K.source_hash_ref(src, torch.tensor(w.slots(a, LEN, LEN + 3) + w.slots(b, LEN, LEN + 2),
+                                                                   device=w.device))
+                               for src in w.sources])
+    rows, ring, records = _stamp(w, fwd.view, [w.records, other], "parts", written)
+    for how in ("apart", "reference"):
+        rows_, ring_, records_ = _stamp(w, fwd.view, [w.records, other], how, written)
+        assert rows == rows_, how
+        assert all(torch.equal(x, y) for x, y in zip(records, records_)), how
+        for name in ("count", "kernel_runs", "slot_runs"):
+            assert torch.equal(getattr(ring, name), getattr(ring_, name)), (how, name)
+    new = w.slots(a, LEN, LEN + 3)
+    assert not torch.equal(records[0][new, FIELD_PREV_HASH], records[1][new, FIELD_PREV_HASH])
+    assert {(r[COL_TAG], r[COL_SLOT], r[COL_REASONS]) for r in rows} >= {
+        (tag, w.slot(a, LEN + 1), Reason.WRITE_POSITION) for tag in TAGS}
