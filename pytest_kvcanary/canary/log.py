@@ -14,6 +14,7 @@ snapshots; they are counted in ``dropped``.
 from __future__ import annotations
 
 import json
+from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, ContextManager, NamedTuple
@@ -72,7 +73,9 @@ class ViolationLog:
 
     A HEAD, RECHECK or SWEEP row that repeats an earlier one in everything but the step (the same
     damaged slot seen again by a later forward) is counted in `repeats`, not reported again (nor
-    counted in `dropped`, which counts only rows lost past the ring's capacity); a TAIL row, about
+    counted in `dropped`, which counts only rows lost past the ring's capacity); the latest of
+    them are kept in `repeated` (the fault ledger's: a slot damaged again the same way, after an
+    engine reused it for the same prompt, is a new sighting for a new injection). A TAIL row, about
     what its own forward wrote, is always new. mode "log": new violations are
     kept in `violations` (the plugin decides what to show); "raise": the drain that finds them
     raises KvCanaryViolationError. `jsonl_path`: each new violation is also appended there as one
@@ -87,6 +90,7 @@ class ViolationLog:
         self.violations: list[Violation] = []
         self.total = 0  # rows the kernels claimed, repeats and dropped ones included
         self.repeats = 0
+        self.repeated: deque[Violation] = deque(maxlen=ring.capacity)  # the latest repeats, oldest first
         self.dropped = 0  # rows overwritten before a drain read them
         self._keys: set[tuple] = set()
         self._consumed = 0  # claims already decoded
@@ -166,6 +170,7 @@ class ViolationLog:
                    v.step if v.phase == "TAIL" else None)
             if key in self._keys:
                 self.repeats += 1
+                self.repeated.append(v)
             else:
                 self._keys.add(key)
                 new.append(v)
@@ -192,6 +197,7 @@ class ViolationLog:
         if self._cuda:
             self._seen.zero_()
         self.violations.clear()
+        self.repeated.clear()
         self._keys.clear()
         self.total = self.repeats = self.dropped = self._consumed = self._unreported_drops = 0
 

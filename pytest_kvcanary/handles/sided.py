@@ -313,7 +313,9 @@ class SidedHandle(RequestSender):
         return [v for side in self.sides for v in side.runtime.log.violations]
 
     def injections(self) -> list[Injection]:
-        self.ledger.match(self.violations())
+        """The ledger's injections, matched against every sighting: the violations and the repeats
+        the logs did not report again (a later injection's damage may look like an earlier one's)."""
+        self.ledger.match(self.violations() + [v for side in self.sides for v in side.runtime.log.repeated])
         return list(self.ledger.injections)
 
     def request_label(self, violation: Violation) -> str | None:

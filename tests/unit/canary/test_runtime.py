@@ -195,6 +195,8 @@ def test_the_log_drains_every_drain_interval_and_on_read_and_loses_nothing(make_
         host.forward({0: [100 + i]})  # the same damage seen again: repeats, not new violations
     assert host.runtime.drain() == [] and len(host.runtime.log.violations) == 1
     assert host.runtime.log.repeats == 3
+    repeated = host.runtime.log.repeated  # kept for the fault ledger, each at the forward that saw it
+    assert [v.slot for v in repeated] == [slot] * 3 and len({v.step for v in repeated}) == 3
 
 
 def test_periodic_polls_report_damage_without_a_drain(make_host):

@@ -113,3 +113,20 @@ def test_a_free_of_a_full_slot_whose_swa_slot_moved_keeps_the_swa_fault():
     assert inj.slot in handle.ledger.damaged("single", GroupKind.SWA)
     engine.pools.free(new_owner, "evicted from the radix cache")
     assert inj.slot not in handle.ledger.damaged("single", GroupKind.SWA)
+
+
+def test_a_fault_whose_sighting_repeats_an_earlier_one_is_detected():
+    """An engine that serves the same prompt again in the same slots (vLLM reuses block ids) shows a
+    later fault's damage exactly as an earlier one's: the log counts that row as a repeat, not a new
+    violation, and the ledger still matches it to the later injection (mutation: injections()
+    matching the reported violations only leaves the second fault latent)."""
+    handle = make_handle("mha")
+    handle.reset(0, ())
+    log = handle.sides[0].runtime.log
+    first, second = flip(step=3), flip(step=9)
+    handle.ledger.record(first)
+    handle.ledger.record(second)
+    log.violations.append(violation(10, step=4))
+    log.repeated.append(violation(10, step=10))  # the same row but the step: not reported again
+    assert [inj.status for inj in handle.injections()] == ["detected", "detected"]
+    assert second.detected_by.step == 10
