@@ -24,7 +24,8 @@ rank's own), cross-rank (tp=2 only: each rank's canary and the comparison of the
 what a parallel test runs). Per variant: the median over runs of each run's median step time
 (tp=2: on rank 0) and the spread of those run medians (min-max); the cost over off, paired: each
 run against the off run just before it (the host's pace drifts between runs by more than the
-canary costs a step), the median of those differences and their spread; and the median host
+canary costs a step), the median of those differences, their spread and a 95% interval of that
+median (a seeded bootstrap over the runs); and the median host
 time the canary's end_forward takes per step (sweeps and polls included).
 
 --breakdown (tp=1 on a GPU): after the timed runs, two more runs of each variant: one under
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import time
 from typing import Any
@@ -170,6 +172,14 @@ def print_breakdown(batch: int, runs: dict[tuple[str, str], DecodeRun]) -> None:
     print(flush=True)
 
 
+def median_interval(values: list[float], resamples: int = 2000) -> str:
+    """A 95% interval of the median of `values` (percent), by a seeded bootstrap: what a paired
+    cost's median can be read as, given its spread over runs."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return f"{medians[int(0.025 * resamples)]:+.1f}..{medians[int(0.975 * resamples) - 1]:+.1f}%"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -239,8 +249,8 @@ def main() -> None:
           f"{args.steps} timed steps x {args.runs} runs; hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
           f"({args.kv_heads} KV) x {args.head_dim}, {dtype}; sweep_interval={args.sweep_interval}")
     print("| batch | real_data | canary | ms per decode step (median of run medians) | spread over runs "
-          "| cost over off | cost % min..max | end_forward us per step |")
-    print("|---:|---|---|---:|---:|---:|---|---:|")
+          "| cost over off | cost % min..max | cost % median, 95% CI | end_forward us per step |")
+    print("|---:|---|---|---:|---:|---:|---|---|---:|")
     for batch in args.batches:
         engine = EngineConfig(model=model, num_slots=batch * context + 1, max_running=batch,
                               max_batch_tokens=max(context, 8192), device=devices[0], decode_mode=decode_mode,
@@ -272,7 +282,7 @@ def main() -> None:
                 print(f"| {batch} | {real_data} | {variant} | {statistics.median(step_ms):.3f} | "
                       f"{min(step_ms):.3f}-{max(step_ms):.3f} | "
                       f"{statistics.median(ms for ms, _ in paired):+.3f} ms ({statistics.median(costs):+.1f}%) | "
-                      f"{costs[0]:+.1f}..{costs[-1]:+.1f}% | "
+                      f"{costs[0]:+.1f}..{costs[-1]:+.1f}% | {median_interval(costs)} | "
                       f"{statistics.median(us for _, us in runs[variant]):.0f} |", flush=True)
             if profiled:
                 print_breakdown(batch, profiled)
