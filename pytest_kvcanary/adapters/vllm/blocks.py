@@ -77,18 +77,20 @@ class BlockBook:
     _contents: dict[int, BlockContent] = field(default_factory=dict)
     _released: set[int] = field(default_factory=set)  # blocks whose data listeners already heard is gone
     _window_groups: list[int] = field(default_factory=list)  # read from the manager's config at `bind`
+    _state_groups: list[int] = field(default_factory=list)  # the same: groups of recurrent layers (states.py)
     _full_group: int = 0
 
     def bind(self, manager: KVCacheManager) -> None:
         """vLLM built its scheduler: keep its KV cache manager and hear its sliding-window managers
         drop blocks that left a request's window (vLLM frees them without telling a connector):
         each sliding-window manager's ``remove_skipped_blocks`` is wrapped through `patches`."""
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
         self.manager = manager
         specs = [group.kv_cache_spec for group in manager.kv_cache_config.kv_cache_groups]
         self._window_groups = [g for g, spec in enumerate(specs) if isinstance(spec, SlidingWindowSpec)]
-        self._full_group = next(g for g in range(len(specs)) if g not in self._window_groups)
+        self._state_groups = [g for g, spec in enumerate(specs) if isinstance(spec, MambaSpec)]
+        self._full_group = next(g for g in range(len(specs)) if g not in self._window_groups + self._state_groups)
         for group in self.window_groups:
             single = manager.coordinator.single_type_managers[group]
 
@@ -115,6 +117,12 @@ class BlockBook:
         """vLLM's KV cache groups of sliding-window layers (only with its hybrid KV cache manager)."""
         assert self.manager is not None, "vLLM has not bound its KV cache manager to the connector yet"
         return self._window_groups
+
+    @property
+    def state_groups(self) -> list[int]:
+        """vLLM's KV cache groups of recurrent layers (a hybrid model's ``MambaSpec`` groups)."""
+        assert self.manager is not None, "vLLM has not bound its KV cache manager to the connector yet"
+        return self._state_groups
 
     @property
     def pool(self) -> BlockPool:
@@ -151,11 +159,12 @@ class BlockBook:
         cached = step.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         blocks = {rid: [list(ids) for ids in self.manager.get_block_ids(rid)] for rid in computed}
+        kv = [g for g in range(len(self.manager.kv_cache_config.kv_cache_groups)) if g not in self._state_groups]
         writer: dict[int, str] = {}
         for rid, start in computed.items():
-            for mine in blocks[rid]:
+            for g in kv:  # a state block is one request's (vLLM defers a hit on a state another step computes)
                 for i in self._indices(start, start + step.num_scheduled_tokens[rid]):
-                    writer.setdefault(mine[i], rid)
+                    writer.setdefault(blocks[rid][g][i], rid)
         paired = self._paired(blocks.values(), set(writer))
         rows = []
         for rid, start in computed.items():
@@ -164,7 +173,7 @@ class BlockBook:
             self._reused([b for mine in blocks[rid] for b in (mine[i] for i in self._indices(start, end))
                           if b not in held])
             first = min(next((i * self.block_size for i in range(-(-start // self.block_size))
-                              if writer.get(mine[i], rid) != rid), start) for mine in blocks[rid])
+                              if writer.get(blocks[rid][g][i], rid) != rid), start) for g in kv)
             if first < start:
                 first = self._window_mapped(blocks[rid], paired, first)
             book_id, request = self._requests[rid]
@@ -194,6 +203,10 @@ class BlockBook:
         self._contents.clear()
         self._released.clear()
         self._prompts.clear()
+
+    def content(self, block_id: int) -> BlockContent | None:
+        """What the book last saw written to a block (None: nothing since the last reset)."""
+        return self._contents.get(block_id)
 
     def walk(self) -> CacheWalk | None:
         """Every position the prefix cache holds, as FULL slots; None without prefix caching. A
@@ -282,7 +295,7 @@ class BlockBook:
     def _record(self, group: int, mine: list[int], tokens: list[int], start: int, end: int) -> None:
         bs = self.block_size
         for i in self._indices(start, end):
-            if mine[i] == NULL_BLOCK:  # a sliding-window block a prefix hit left out
+            if mine[i] == NULL_BLOCK:  # a sliding-window block a prefix hit left out, a state column skipped
                 continue
             parent = self.pool.blocks[mine[i - 1]].block_hash if i else None
             self._contents[mine[i]] = BlockContent(group, i, tuple(tokens[i * bs:min(end, (i + 1) * bs)]), parent)

@@ -3,13 +3,13 @@
 The canary reaches vLLM through vLLM's KV-connector interface (connector.py: the step's scheduled
 requests, frees, the prefix cache) and a forward pre-hook on its model (forward_inputs.py: what
 the forward consumes); vLLM itself schedules, allocates blocks, caches prefixes and computes, and
-the adapter watches. Pools: a FULL group over the full-attention layers and, for a model with
-sliding-window layers, an SWA group over those (pools.py), one buffer per (layer, KV head), each
+the adapter watches. Pools: a FULL group over the full-attention layers, for a model with
+sliding-window layers an SWA group over those (pools.py), one buffer per (layer, KV head), each
 half's byte order probed at start-up (layout.py); slot = ``block * block_size + offset``, block 0
 (vLLM's null block) the reserved slot. The mapping is a block table the adapter owns, refilled
 before every forward from the one the forward's attention reads (the SWA group maps through it and
 a full-to-window slot map, window_map.py); the slots the forward stores to are checked through
-write-through.
+write-through. A hybrid model's recurrent state is a STATE group over vLLM's mamba blocks (states.py).
 Every vLLM object the adapter patches (the model's pre-hook, each layer impl's cache write, the
 sliding-window managers' drops) is recorded in the engine's Patches (../patches.py), which
 `VllmEngine.close` undoes. docs/vllm.md says how each part is wired and what is and is not guarded.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from pytest_kvcanary.canary.seam import (
-    Arrival, CacheWalk, Capacities, ForwardHooks, ForwardView, FreeListener, GroupKind, PoolGroup, TokenScores,
+    Arrival, CacheWalk, Capacities, CheckpointWalk, ForwardHooks, ForwardView, FreeListener, GroupKind, PoolGroup,
+    TokenScores,
 )
 
 from ..patches import Patches
@@ -41,8 +42,24 @@ from .platform import (
     engine_arguments, engine_environment,
 )
 from .pools import pool_groups
+from .states import States
 from .versions import unbound_kv_cache_manager
 from .write_through import WriteThrough, rows_by_slot
+
+
+def _expert_group() -> None:
+    """vLLM creates its expert-parallel group when the process's first LLM initializes its
+    model-parallel groups, and only for a mixture-of-experts model: one built later in the same
+    process (the hybrid kind's Qwen3-Next after a Llama) would find none. Create it then, over the
+    world group's ranks, as vLLM does for one rank."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state._EP is not None:
+        return
+    world = parallel_state.get_world_group()
+    parallel_state._EP = parallel_state.init_model_parallel_group(
+        [list(range(world.world_size))], world.local_rank, torch.distributed.get_backend(world.device_group),
+        group_name="ep")
 
 
 @dataclass(frozen=True)
@@ -122,6 +139,7 @@ class VllmEngine:
         from vllm import LLM
 
         s = self.settings
+        _expert_group()
         registry.building = self
         try:
             with attention_isa(s.attention_isa) if s.device == "cpu" else contextlib.nullcontext():
@@ -145,10 +163,19 @@ class VllmEngine:
         kv_groups = self._runner.kv_cache_config.kv_cache_groups
         self._group_layers = [group.layer_names[0] for group in kv_groups]  # a layer per vLLM KV cache group
         self._full_group = self.book.full_group
+        layers = self.llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        recurrent = self.book.state_groups
+        attention = {name: cache for name, cache in self._kv_caches.items()
+                     if not any(name in kv_groups[g].layer_names for g in recurrent)}
         # the CUDA cache layout found (layout.PagedLayout; None on CPU) and the SWA group's slot map
         self._groups, self._window, self.layout = pool_groups(
-            self.llm.llm_engine.vllm_config.compilation_config.static_forward_context, self._kv_caches, self._table,
-            bs, self._runner.kv_cache_config.num_blocks, self._hybrid, self._write_through)
+            layers, attention, self._table, bs, self._runner.kv_cache_config.num_blocks, self._hybrid,
+            self._write_through)
+        # a hybrid model's recurrent states (states.py): the first recurrent group's, guarded as the STATE group
+        self._states = None if not recurrent else States(
+            layers, kv_groups[recurrent[0]].layer_names, recurrent[0], self._runner.kv_cache_config, self.patches, dev)
+        if self._states is not None:
+            self._groups.append(self._states.group)
         hook = self._runner.model.register_forward_pre_hook(self._model_called, with_kwargs=True)
         self.patches.on_uninstall(hook.remove)
 
@@ -180,6 +207,9 @@ class VllmEngine:
         self._inputs = inputs = forward_inputs.read(self._runner, kwargs, self._group_layers)
         rows = [plan[rid] for rid in inputs.request_ids]
         self._view, index = self._map(inputs, rows)
+        if self._states is not None:
+            self._view = replace(self._view, state=self._states.inputs(len(rows)))
+            self._states.announce(self._hooks)  # the state copies made for this forward, before its HEAD
         if self._hybrid:
             self._window.pair(inputs, self._view, self._full_group, self.book.window_groups[0], self._groups[1].window,
                               self.book.window_pairs())
@@ -406,6 +436,10 @@ class VllmEngine:
             self._window.refill(self.book.window_pairs())
         return walk
 
+    def checkpoint_walk(self) -> CheckpointWalk | None:
+        """The recurrent-state checkpoints vLLM's prefix cache holds (a hybrid model's; states.py)."""
+        return None if self._states is None else self._states.walk(self.book, self._full_group, self.block_size)
+
     # Internals -------------------------------------------------------------------------------
 
     @property
@@ -419,11 +453,13 @@ class VllmEngine:
 
     def _freed(self, blocks: list[int], cause: str) -> None:
         """Listeners hear the blocks' slots in each group's mapping space: for the SWA group the
-        full-attention slots its map sends there (a block belongs to one vLLM group at a time, so
-        for the other group the slots hold nothing of its own)."""
+        full-attention slots its map sends there, for the STATE group the blocks themselves (a
+        block belongs to one vLLM group at a time, so for the other groups the slots hold nothing
+        of their own)."""
         bs = self.block_size
         slots = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + torch.arange(bs)).flatten()
-        spaces = {group.kind: slots if group.mapping.full_to_group is None
+        spaces = {group.kind: torch.tensor(blocks, dtype=torch.int64) if group.mapping is None
+                  else slots if group.mapping.full_to_group is None
                   else torch.isin(group.mapping.full_to_group, slots.to(self.device)).nonzero().flatten().cpu()
                   for group in self._groups}
         for listener in self._listeners:

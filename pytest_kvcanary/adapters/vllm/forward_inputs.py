@@ -9,8 +9,8 @@ the model (engine.py) reads, at that call:
 - ``slot_mappings``: per KV cache group, the forward context's slot mapping of the group's first
   layer, the slot each token's K/V is stored in (every layer of a group shares it; with vLLM's
   hybrid KV cache manager, full-attention and sliding-window layers are groups of their own);
-- ``query_start_loc``: the first layer's attention metadata (each request's tokens in the batch;
-  the same in every group);
+- ``query_start_loc``: the first attention layer's metadata (each request's tokens in the batch;
+  the same in every attention group);
 - ``seq_lens`` and the block tables (one per KV cache group): the model runner's persistent
   buffers for this step, which the attention metadata slices (vLLM's CPU attention metadata holds
   them as such; its CPU MLA metadata splits them by prefill and decode, so the buffers are read for
@@ -56,7 +56,9 @@ def read(runner: Any, model_kwargs: dict[str, Any], group_layers: list[str]) -> 
                                   "fed embeddings or multi-dimensional positions")
     context = get_forward_context()
     rows = runner.input_batch.num_reqs  # the metadata may count padding requests past them (CUDA graphs)
-    qsl = context.attn_metadata[group_layers[0]].query_start_loc[:rows + 1]
+    # the first attention group's (a recurrent group's GDN metadata splits them by spec decoding)
+    qsl = next(m.query_start_loc for m in (context.attn_metadata[layer] for layer in group_layers)
+               if hasattr(m, "query_start_loc"))[:rows + 1]
     return ForwardInputs(
         request_ids=list(runner.input_batch.req_ids[:rows]),
         query_start_loc=qsl,

