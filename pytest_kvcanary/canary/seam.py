@@ -71,7 +71,7 @@ from __future__ import annotations
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
-from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Generic, Protocol, Sequence, TypeVar,
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Generic, Mapping, Protocol, Sequence, TypeVar,
                     runtime_checkable)
 
 from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping, StateInputs
@@ -353,6 +353,13 @@ class EngineUnderTest(GuardedEngine, Protocol):
         suspected false alarms. The default: none known."""
         return []
 
+    def liveness(self) -> Mapping[str, int]:
+        """Optional: what the engine's workloads exercised since it started, by counter: the
+        workload soak's liveness gate reads "prefix hits" (requests admitted with a cached prefix)
+        and fails a soak that left it unmoved on an engine with a prefix cache. The default: nothing
+        counted ({}), and the gate checks nothing it cannot count."""
+        return {}
+
     def capabilities(self) -> Capabilities:
         """Optional: what the engine has (`Capabilities`). The default derives it from the optional
         members the engine offers (`capabilities_of`): prefix_cache from `prefix_caching`,
@@ -424,7 +431,7 @@ class UnsupportedAttention(LookupError):
 
 
 OPTIONAL_MEMBERS = ("add_free_listener", "feed_token", "host_tier", "checkpoint_walk", "prefix_caching", "request_at",
-                    "finished_requests", "serve", "score_uncached", "engine_defects", "capabilities")
+                    "finished_requests", "serve", "score_uncached", "engine_defects", "liveness", "capabilities")
 
 
 def _required_methods() -> tuple[str, ...]:

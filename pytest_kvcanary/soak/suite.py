@@ -11,8 +11,11 @@ hours over a soak's forwards).
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import pytest
 
+from pytest_kvcanary.canary.seam import capabilities_of, optional
 from pytest_kvcanary.handles.protocol import ArgumentError
 from pytest_kvcanary.settings import run_settings
 
@@ -36,6 +39,22 @@ def _soak(handle: object, config: pytest.Config) -> None:
                              f"--kv-canary-soak-replay='{replay}' to the replay command below")
 
 
+def _counts(handle: object) -> Mapping[str, int]:
+    """The liveness counts of the engine that prefills (`liveness`, optional: {} without it)."""
+    return optional(handle.sides[0].engine, "liveness")()
+
+
+def _reused_a_prefix(handle: object, before: Mapping[str, int]) -> None:
+    """The liveness gate of an engine with a prefix cache that counts its hits: the soak's
+    workloads must have reused a cached prefix (on the side that prefills) since `before`."""
+    __tracebackhide__ = True
+    after = _counts(handle)
+    if capabilities_of(handle.sides[0].engine).prefix_cache and after.get("prefix hits") == before.get("prefix hits", 0):
+        counts = ", ".join(f"{name} {n - before.get(name, 0)}" for name, n in sorted(after.items()))
+        raise AssertionError(f"the soak reused no cached prefix ({counts}): its workloads never hit this engine's "
+                             "prefix cache, so they proved nothing about it")
+
+
 def _restored_a_checkpoint(handle: object) -> None:
     """The liveness gate of a hybrid model's soak: its workloads must have restored a checkpoint
     (on the side that prefills)."""
@@ -47,11 +66,15 @@ def _restored_a_checkpoint(handle: object) -> None:
 
 @pytest.mark.kv_attention("mha", "swa", "mla", "hybrid")
 def test_workload_soak(kv_engine: object, pytestconfig: pytest.Config) -> None:
+    before = _counts(kv_engine)
     _soak(kv_engine, pytestconfig)
-    _restored_a_checkpoint(kv_engine)
+    _restored_a_checkpoint(kv_engine)  # a hybrid model's, the more telling
+    _reused_a_prefix(kv_engine, before)
 
 
 @pytest.mark.kv_attention("mha", "swa", "hybrid")
 def test_workload_soak_prefill_decode(kv_pd: object, pytestconfig: pytest.Config) -> None:
+    before = _counts(kv_pd)
     _soak(kv_pd, pytestconfig)
-    _restored_a_checkpoint(kv_pd)
+    _restored_a_checkpoint(kv_pd)  # a hybrid model's, the more telling
+    _reused_a_prefix(kv_pd, before)

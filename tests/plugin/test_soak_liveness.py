@@ -1,6 +1,6 @@
-"""The liveness gate of a hybrid model's soaks (one engine, and a prefill/decode pair): a soak
-whose workloads never restored a recurrent-state checkpoint proved nothing about the checkpoints,
-and fails saying so."""
+"""The stock soak's liveness gates (one engine, and a prefill/decode pair): a soak whose workloads
+never reused a cached prefix proved nothing about the prefix cache, and one of a hybrid model that
+never restored a recurrent-state checkpoint nothing about the checkpoints; each fails saying so."""
 
 from __future__ import annotations
 
@@ -37,4 +37,24 @@ def test_a_hybrid_soak_that_restored_no_checkpoint_fails(realtester: pytest.Pyte
 
 def test_a_hybrid_soak_that_restores_passes(realtester: pytest.Pytester):
     result = realtester.runpytest("--kv-canary", *SUITE, "--kv-canary-soak-rounds=2")
+    result.assert_outcomes(passed=2)
+
+
+MHA = ("--pyargs", "pytest_kvcanary.soak.suite", "-k", "test_workload_soak and mha")
+
+
+def test_a_soak_whose_cache_path_is_switched_off_fails_naming_it(realtester: pytest.Pytester):
+    """The radix cache made to match nothing: the engine counts no prefix hit (`liveness`), and both
+    mha soaks fail, giving the counts (mutation: the gate removed, both pass)."""
+    realtester.makeconftest(realtester.path.joinpath("conftest.py").read_text() + NO_PREFIX_REUSE)
+    result = realtester.runpytest("--kv-canary", *MHA, "--kv-canary-soak-rounds=2")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*_ test_workload_soak?mha? _*",
+                                 "E *the soak reused no cached prefix (prefix hits 0, retractions *)*",
+                                 "*_ test_workload_soak_prefill_decode?mha? _*",
+                                 "E *the soak reused no cached prefix (prefix hits 0, *)*"])
+
+
+def test_a_soak_that_reuses_prefixes_passes(realtester: pytest.Pytester):
+    result = realtester.runpytest("--kv-canary", *MHA, "--kv-canary-soak-rounds=2")
     result.assert_outcomes(passed=2)
