@@ -38,7 +38,7 @@ DEVICE = "cuda:0" if CUDA else "cpu"
 
 
 def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 0, page_size: int = 1,
-               host_num_slots: int = 0, num_state_slots: int = 64, disk: bool = False) -> Any:
+               host_num_slots: int = 0, num_state_slots: int = 64, disk: bool = False, jitter: bool = False) -> Any:
     from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig
 
     model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0)
@@ -46,7 +46,7 @@ def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 
                                device=DEVICE, decode_mode=decode_mode, speculative_k=speculative_k,
                                draft_layers=2 if attention == "hybrid" else 1,
                                page_size=page_size, host_num_slots=host_num_slots, num_state_slots=num_state_slots,
-                               disk_dir=_scratch_dir() if disk else None))
+                               disk_dir=_scratch_dir() if disk else None, jitter_seed=0 if jitter else None))
 
 
 def _scratch_dir() -> str:
@@ -69,7 +69,9 @@ def _vllm(attention: str) -> Any:
     from pytest_kvcanary.adapters.vllm.checkpoint import random_checkpoint
     from pytest_kvcanary.adapters.vllm.engine import VllmEngine, VllmSettings
 
-    settings = VllmSettings(num_blocks=24 if attention == "mha" else 34, device="cuda" if CUDA else "cpu")
+    # Pools small enough to evict; a hybrid model's 64-token blocks hold attention pages and states alike.
+    blocks = {"mha": 24, "swa": 34, "mla": 34}.get(attention)
+    settings = VllmSettings(**({} if blocks is None else {"num_blocks": blocks}), device="cuda" if CUDA else "cpu")
     return VllmEngine(random_checkpoint(attention, 0), 0, settings)
 
 
@@ -113,6 +115,12 @@ def configurations() -> dict[str, Config]:
         configs[f"reference-{attention}-speculative-host"] = Config(
             lambda a=attention: _reference(a, speculative_k=3, page_size=16, host_num_slots=1024), None,
             hits + ("host loads", "rejected proposals"))
+    # Seeded timing jitter (jitter_seed 0, restarted by each seed's reset): load-backs acknowledged
+    # late and out of order; a pair's transfers held back and reordered.
+    configs["reference-mha-host-jitter"] = Config(
+        lambda: _reference("mha", page_size=16, host_num_slots=1024, jitter=True), None, hits + ("host loads",))
+    configs["reference-pd-mha-jitter"] = Config(
+        lambda: ("pd", _reference("mha", jitter=True), _reference("mha")), None, hits + ("transfers",))
     # A disk tier under a small host tier (16 pages of 16 tokens), so host memory evicts to disk.
     # Not hybrid: the disk tier keeps no checkpoints.
     for attention in ("mha", "mla"):
@@ -125,7 +133,7 @@ def configurations() -> dict[str, Config]:
                 why = None if CUDA or (batching, graphs) == ("sync", "eager") else "needs CUDA"
                 configs[f"transformers-{attention}-{batching}-{graphs}"] = Config(
                     lambda a=attention, b=batching, g=graphs: _transformers(a, b, g), why)
-    for attention in ("mha", "swa", "mla"):
+    for attention in ("mha", "swa", "mla", "hybrid"):
         configs[f"vllm-{attention}"] = Config(lambda a=attention: _vllm(a))
     return configs
 

@@ -138,7 +138,9 @@ class EngineConfig:
     cache's checkpoints (state_pool.py); with a host tier, as many host state slots hold the
     checkpoints of pages written back. disk_dir: a directory where a storage tier under the host
     tier keeps the pages host memory evicts, as files (None: none; needs a host tier, mha or mla;
-    disk_tier.py), at most disk_num_pages of them."""
+    disk_tier.py), at most disk_num_pages of them. jitter_seed: seeded timing jitter at the
+    engine's asynchronous points, the host tier's acknowledgements and a pair's transfers (None:
+    off; jitter.py)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     num_slots: int = 1024
@@ -155,6 +157,7 @@ class EngineConfig:
     num_state_slots: int = 64
     disk_dir: str | None = None
     disk_num_pages: int = 1024
+    jitter_seed: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -196,6 +199,8 @@ class EngineConfig:
                                  f"tier keeps no SWA pool nor checkpoints); got host_num_slots={self.host_num_slots}, "
                                  f"attention={self.model.attention!r}")
         check_int("disk_num_pages", self.disk_num_pages, 1)
+        if self.jitter_seed is not None:
+            check_int("jitter_seed", self.jitter_seed, 0)
         if self.model.attention == "hybrid":
             check_int("num_state_slots", self.num_state_slots, 2 * self.max_running + 1,
                       f" (slot 0 is reserved; each of max_running={self.max_running} requests holds a running state "

@@ -27,6 +27,7 @@ from .config import EngineConfig
 from .decode_graphs import DecodeGraphs
 from .disk_tier import DiskTier
 from .host_tier import HostKVCache
+from .jitter import Jitter
 from .kv_pool import KVPools, ReqToTokenPool
 from .model import CausalLM
 from .radix_cache import RadixCache
@@ -68,7 +69,9 @@ class Engine:
                                                 config.page_size)
         self.states = (StatePool(config.num_state_slots, config.model, self.device, self.pools.free_listeners)
                        if config.model.attention == "hybrid" else None)
-        self.host_tier = HostKVCache(config, self.pools, self.device, self.states) if config.host_num_slots else None
+        self.jitter = Jitter(config.jitter_seed)
+        self.host_tier = (HostKVCache(config, self.pools, self.device, self.states, self.jitter) if config.host_num_slots
+                          else None)
         if self.states is not None and self.host_tier is not None:
             self.states.before_copy = self.host_tier.wait
         self.disk_tier = None if config.disk_dir is None else DiskTier(config, self.host_tier)
@@ -211,6 +214,7 @@ class Engine:
         self.scheduler.reset()
         if self.host_tier is not None:
             self.host_tier.synchronize()  # every load-back over: its lock released
+        self.jitter.restart()
         self.radix_cache.reset()  # the disk tier's files deleted with their nodes
         assert self.disk_tier is None or not self.disk_tier.index, "disk pages outlived the radix cache"
         self.pools.restart()

@@ -11,7 +11,8 @@ written back, before the copy is over. On a CPU the same copies run synchronousl
 
 A load-back may name what to do once its copy is known to be over (`on_done`: the scheduler
 unlocks the node it loaded back, so no eviction frees those device pages while the copy still
-writes them, whatever stream each copy runs on); `acknowledge` runs what is over. The page and state
+writes them, whatever stream each copy runs on); `acknowledge` runs what is over (with seeded
+jitter, up to jitter.MAX_DELAY acknowledgements late, out of order). The page and state
 allocators keep a record of what they handed out: a double free, or the free of a page or state
 slot never handed out, is a bug and asserts, as the device pools do.
 """
@@ -27,6 +28,7 @@ from kvcanary_kernels.records import GroupKind, Half
 from pytest_kvcanary.canary.seam import HostPool, HostTierListener, copy_runs
 
 from .config import EngineConfig
+from .jitter import Jitter
 from .kv_pool import KVPools, page_slots
 from .state_pool import StatePool
 
@@ -39,8 +41,9 @@ class HostKVCache:
     num_states_written_back / num_states_loaded_back count them). Implements the seam's HostTier."""
 
     def __init__(self, config: EngineConfig, pools: KVPools, device: torch.device,
-                 states: StatePool | None = None) -> None:
+                 states: StatePool | None = None, jitter: Jitter | None = None) -> None:
         self.page_size, self.num_slots = pools.page_size, config.host_num_slots
+        self._jitter = jitter if jitter is not None else Jitter(None)
         self.num_pages = self.num_slots // self.page_size
         pinned = device.type == "cuda"
         backed = [(GroupKind.FULL, pools.full)] + ([(GroupKind.DRAFT, pools.draft)] if pools.draft is not None else [])
@@ -55,7 +58,8 @@ class HostKVCache:
         self._held = torch.zeros(self.num_pages, dtype=torch.bool)  # pages handed out
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._event: torch.cuda.Event | None = None  # the last copy launched
-        self._pending: list[tuple[torch.cuda.Event | None, Callable[[], None]]] = []  # load-backs to acknowledge
+        # load-backs to acknowledge: the copy's event, what to run, acknowledgements it still waits (jitter)
+        self._pending: list[tuple[torch.cuda.Event | None, Callable[[], None], int]] = []
         self._listeners: list[HostTierListener] = []
         self.num_written_back = self.num_loaded_back = 0
         self._state_device = [] if states is None else states.buffers
@@ -193,12 +197,21 @@ class HostKVCache:
                     listener.loaded_back(kind, host_slots, device_slots)
         self.num_loaded_back += host_slots.numel() // self.page_size
         if on_done is not None:
-            self._pending.append((self._event, on_done))
+            self._pending.append((self._event, on_done, self._jitter.delay()))
 
-    def acknowledge(self) -> None:
-        """Run the on_done of every load-back whose copy is over (on a CPU: all of them), in order."""
-        while self._pending and (self._pending[0][0] is None or self._pending[0][0].query()):
-            self._pending.pop(0)[1]()
+    def acknowledge(self, *, late: bool = True) -> None:
+        """Run the on_done of every load-back whose copy is over (on a CPU: all of them), in order;
+        with jitter, one whose drawn delay has not run out waits for a later acknowledgement (and
+        counts it down), and the ones after it may go first. late=False: none waits."""
+        waiting = []
+        for event, on_done, delay in self._pending:
+            if event is not None and not event.query():
+                waiting.append((event, on_done, delay))
+            elif delay and late:
+                waiting.append((event, on_done, delay - 1))
+            else:
+                on_done()
+        self._pending = waiting
 
     def wait(self) -> None:
         """The current stream waits for every copy launched so far (CUDA; nothing on a CPU)."""
@@ -210,7 +223,7 @@ class HostKVCache:
         from the CPU."""
         if self._event is not None:
             self._event.synchronize()
-        self.acknowledge()
+        self.acknowledge(late=False)
 
     @contextlib.contextmanager
     def _copying(self) -> Iterator[None]:

@@ -75,11 +75,18 @@ class PDPair:
         reqs = [self.prefill.submit(p, max_new_tokens, k) for p, k in zip(prompts, keys)]
         on_decode: dict[Request, Request] = {}
         held: deque[Request] = deque()
+        jitter = self.prefill.jitter
         while held or self.prefill.scheduler.waiting or self.decode.scheduler.has_work:
-            while held and (moved := self._transfer(held[0])) is not None:
-                on_decode[held[0]] = moved
-                self.prefill.scheduler.finish(held.popleft())
-            if not held and self.prefill.scheduler.waiting:
+            # jitter: the held transfers may wait while the decode side steps, and any may go first
+            late = bool(held) and self.decode.scheduler.has_work and bool(jitter.delay())
+            while held and not late and (moved := self._transfer(held[first := jitter.pick(len(held))])) is not None:
+                on_decode[held[first]] = moved
+                self.prefill.scheduler.finish(held[first])
+                del held[first]
+            if late:
+                with _current(self.decode):
+                    self.decode.step()
+            elif not held and self.prefill.scheduler.waiting:
                 with _current(self.prefill):
                     held.extend(self.prefill.prefill_for_transfer())
             elif self.decode.scheduler.has_work:

@@ -82,7 +82,7 @@ def test_a_loaded_back_path_stays_locked_until_its_copy_is_acknowledged(make_eng
         load_back(host_slots, device_slots)
         copies.append(_Copy())
         if on_done is not None:
-            tier._pending.append((copies[-1], on_done))
+            tier._pending.append((copies[-1], on_done, 0))  # no jitter delay
 
     tier.load_back = in_flight
     req = engine.submit(first + [7], 1)

@@ -1,0 +1,91 @@
+"""Seeded timing jitter (`EngineConfig.jitter_seed`): the host tier acknowledges finished load-backs
+late and out of order, a pair's transfers wait and overtake one another; outputs stay exact, the
+canary stays silent, and a seed replays the same choices after a reset."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_kvcanary.canary.runtime import CanaryRuntime
+from pytest_kvcanary.config import CanaryConfig
+from pytest_kvcanary.reference_engine import EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine.pd import PDPair
+
+from test_host_tier import a_b_a, tight
+
+KERNELS = "triton" if torch.cuda.is_available() else "torch"
+
+
+def _late_acknowledgements(engine) -> list[int]:
+    """Per step, the load-backs still waiting for their acknowledgement after it."""
+    tier, waiting = engine.host_tier, []
+    step = engine.step
+
+    def counted():
+        done = step()
+        waiting.append(len(tier._pending))
+        return done
+
+    engine.step = counted
+    return waiting
+
+
+def test_late_acknowledgements_keep_outputs_exact_and_the_canary_silent(make_engine, random_prompts, assert_reference,
+                                                                        check_invariants):
+    engine = make_engine("mha", jitter_seed=3, **tight(4))
+    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=2, kernels=KERNELS), engine)
+    engine.set_forward_hooks(runtime)
+    waiting = _late_acknowledgements(engine)
+    prompts, outputs = a_b_a(engine, random_prompts)
+    assert_reference(engine, prompts, outputs)
+    check_invariants(engine)
+    assert engine.host_tier.num_loaded_back > 0 and max(waiting) > 0, "no acknowledgement came late"
+    runtime.drain()
+    assert runtime.log.violations == [] and runtime.health_problems() == []
+
+
+def test_without_jitter_every_finished_load_back_is_acknowledged_at_once(make_engine, random_prompts):
+    engine = make_engine("mha", **tight(4))
+    waiting = _late_acknowledgements(engine)
+    a_b_a(engine, random_prompts)
+    assert engine.host_tier.num_loaded_back > 0 and set(waiting) == {0}
+
+
+def test_a_seed_replays_its_choices_after_a_reset(make_engine, random_prompts):
+    engine = make_engine("mha", jitter_seed=5, **tight(4))
+    waiting = _late_acknowledgements(engine)
+    a_b_a(engine, random_prompts)
+    first = list(waiting)
+    engine.reset()
+    waiting.clear()
+    a_b_a(engine, random_prompts)
+    assert waiting == first
+
+
+def test_a_pair_s_transfers_wait_and_overtake_with_outputs_unchanged(make_engine, random_prompts):
+    prompts = random_prompts(7, 6)
+
+    def run(seed):
+        pair = PDPair(make_engine("mha", jitter_seed=seed, max_running=3), make_engine("mha", max_running=3))
+        order = []
+        transfer = pair._transfer
+
+        def recorded(req):
+            moved = transfer(req)
+            if moved is not None:
+                order.append(req.rid)
+            return moved
+
+        pair._transfer = recorded
+        return pair.generate(prompts, 6), order
+
+    plain, in_order = run(None)
+    shaken, shaken_order = run(11)
+    assert shaken == plain
+    assert in_order == sorted(in_order) and shaken_order != sorted(shaken_order), "no transfer overtook another"
+
+
+def test_a_negative_seed_is_refused_by_name():
+    with pytest.raises(ValueError, match="jitter_seed must be an integer >= 0; got -1"):
+        EngineConfig(model=ModelConfig(), jitter_seed=-1)
