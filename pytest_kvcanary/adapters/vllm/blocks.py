@@ -70,6 +70,7 @@ class BlockBook:
     patches: Patches  # the engine's: where `bind` records its hooks on vLLM's managers
     manager: KVCacheManager | None = None  # bound once vLLM built its scheduler (`bind`)
     planned: int = 0  # steps planned that run a forward (the worker side must see each)
+    prefix_hits: int = 0  # requests the scheduler found a cached prefix for (`matched`), since start-up
     _requests: dict[str, tuple[int, Request]] = field(default_factory=dict)  # vLLM id -> (book id, request)
     _prompts: list[list[int]] = field(default_factory=list)  # prompt token ids by book id
     _held: dict[str, list[int]] = field(default_factory=dict)  # blocks each request had when last scheduled
@@ -133,6 +134,11 @@ class BlockBook:
     def block_size(self) -> int:
         assert self.manager is not None, "vLLM has not bound its KV cache manager to the connector yet"
         return self.manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+
+    def matched(self, num_computed_tokens: int) -> None:
+        """vLLM's scheduler found this many tokens of a waiting request in its prefix cache (it asks
+        the connector for more right after: `get_num_new_matched_tokens`)."""
+        self.prefix_hits += num_computed_tokens > 0
 
     def admit(self, request: Request) -> None:
         self._requests[request.request_id] = (len(self._prompts), request)

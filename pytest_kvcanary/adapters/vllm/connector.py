@@ -148,6 +148,7 @@ class CanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._book.admit(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        self._book.matched(num_computed_tokens)  # the local prefix cache's hit: the soak's liveness count
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:

@@ -410,6 +410,10 @@ class VllmEngine:
         attention whatever the settings ask)."""
         return bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
 
+    def liveness(self) -> dict[str, int]:
+        """Requests vLLM's scheduler admitted with a cached prefix since start-up ("prefix hits")."""
+        return {"prefix hits": self.book.prefix_hits}
+
     def request_at(self, row: int, step: int) -> tuple[int, str] | None:
         """The request (the book's id, prompt text) at mapping row `row` in forward `step` since
         the last reset."""
