@@ -30,7 +30,7 @@ from .offload import CpuOffloadTier
 from ..patches import Patches
 from .staging import BatchStaging
 from .versions import (
-    CAUSE_RESET, GroupCache, IOPairs, SectorLayout, cache_layout, generation_step, has_cpu_swap_pool,
+    CAUSE_RESET, GroupCache, IOPairs, SectorLayout, cache_layout, count_prefix_hits, generation_step, has_cpu_swap_pool,
     hold_offload_frees, sdpa_attention, start_batching,
 )
 
@@ -90,6 +90,8 @@ class TransformersEngine:
         self._held_frees: list[tuple[GroupKind, list[int], str]] | None = None  # announced after an offload
         self._patches = Patches()
         self.layout.install(self._patches, self._on_free, self._on_marked)
+        self._prefix_hits = 0
+        self._counts_hits = count_prefix_hits(self._patches, self.processor, self._hit)
         self.host_tier = self._cpu_offload() if cpu_offload_space else None
 
         resolved = self.manager.continuous_batching_config
@@ -128,6 +130,20 @@ class TransformersEngine:
         if not self.processor.cache.use_prefix_sharing:
             return None
         return self.block_log.walk(*self.layout.hashed_blocks())
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether transformers shares cached prefixes between requests: not for a model with
+        sliding-window layers, nor with allow_block_sharing=False."""
+        return bool(self.processor.cache.use_prefix_sharing)
+
+    def liveness(self) -> dict[str, int]:
+        """Requests admitted with a cached prefix since start-up ("prefix hits"); {} where the
+        release's cache does not say."""
+        return {"prefix hits": self._prefix_hits} if self._counts_hits else {}
+
+    def _hit(self) -> None:
+        self._prefix_hits += 1
 
     def add_free_listener(self, listener: FreeListener) -> None:
         """listener(group, slots of that group, cause) before any block goes back to the free

@@ -15,7 +15,8 @@ through the engine's ``Patches`` (../patches.py), which the engine undoes when i
 The processor's private parts: its IO buffers (one set, or two IO pairs under async batching:
 ``IOPairs``), ``_generation_step`` (`generation_step`), and the functions that wrap its model
 runner's ``compute_batch`` and ``_forward_process_and_sample``, the paged cache's ``update`` and
-the offloading manager's ``offload_requests``, each through the engine's ``Patches``.
+the offloading manager's ``offload_requests`` and the paged cache's ``search_prefix_match`` (the
+prefix hits the soak's liveness gate counts), each through the engine's ``Patches``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..patches import Patches
 __all__ = ["CAUSE_DEDUPLICATED", "CAUSE_EVICTED", "CAUSE_OFFLOADED", "CAUSE_RELEASED", "CAUSE_RESET",
            "DEFECT_CACHED_BLOCK_REWRITE", "DEFECT_SHARED_DECODE_BLOCK", "FULL_ATTENTION", "SLIDING_ATTENTION",
            "BlockManagerLayout", "GroupCache", "IOPairs", "SectorLayout", "UnsupportedModel", "cache_layout",
-           "config_options", "generation_step", "guard_compute", "has_cpu_swap_pool", "hold_offload_frees",
+           "config_options", "count_prefix_hits", "generation_step", "guard_compute", "has_cpu_swap_pool", "hold_offload_frees",
            "record_sampled", "report_cache_stores", "sdpa_attention", "start_batching", "StoreReport"]
 
 StoreReport = Callable[[int, torch.Tensor, torch.Tensor], None]  # (model layer, K rows, V rows)
@@ -181,3 +182,23 @@ def hold_offload_frees(patches: Patches, processor: Any, around: Callable[[Calla
     offloaded requests' blocks after copying them to the CPU swap pool)."""
     manager = processor.offloading_manager
     patches.wrap(manager, "offload_requests", lambda offload: lambda: around(offload))
+
+
+def count_prefix_hits(patches: Patches, processor: Any, hit: Callable[[], None]) -> bool:
+    """hit() for every request the scheduler admits with a cached prefix: the paged cache's
+    ``search_prefix_match`` returned matched tokens. False (nothing patched) where the cache has no
+    such method."""
+    cache = processor.cache
+    if not callable(getattr(cache, "search_prefix_match", None)):
+        return False
+
+    def make(search: Callable[..., int]) -> Callable[..., int]:
+        def searching(*args: Any, **kwargs: Any) -> int:
+            matched = search(*args, **kwargs)
+            if matched:
+                hit()
+            return matched
+        return searching
+
+    patches.wrap(cache, "search_prefix_match", make)
+    return True
