@@ -154,9 +154,9 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = workerinput["workercount"] if workerinput else 1
     config.stash[_LEASES] = DeviceLeases(settings.device, lock_dir, settings.workers_per_gpu, workers=workers,
                                          on_wait=functools.partial(_tell, config))
+    interrupts = config.stash[_INTERRUPTS] = Interrupts(worker=workerinput is not None)
+    interrupts.install()
     if workerinput is None:
-        interrupts = config.stash[_INTERRUPTS] = Interrupts()
-        interrupts.install()
         config.pluginmanager.register(_Collector(config.stash[_RESULTS], interrupts), _COLLECTOR)
 
 

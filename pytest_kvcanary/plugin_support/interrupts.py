@@ -2,9 +2,11 @@
 stopping a second interrupt waits, so the report and the summary of the finished tests still get
 written. A third one stops at once.
 
-Installed only in the process that writes the results (the xdist controller, or the only
-process), from its main thread; the previous handlers come back at the end of the run. Whatever
-frame an interrupt lands in, its traceback can be shown (`mend_traceback`).
+Installed in the process that writes the results (the xdist controller, or the only process),
+from its main thread; the previous handlers come back at the end of the run. An xdist worker gets
+the same for SIGINT alone, silent (a terminal's Ctrl-C reaches every process of the run): its
+second interrupt does not land in the middle of its own stopping. Whatever frame an interrupt
+lands in, its traceback can be shown (`mend_traceback`).
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ class Interrupts:
     """The run's SIGINT / SIGTERM handlers. reason: how the run was stopped ("keyboard
     interrupt", "SIGTERM"), None while it was not."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, worker: bool = False) -> None:
+        """worker: an xdist worker's (SIGINT only; the second is ignored without a note)."""
         self._previous: dict[int, Any] = {}
         self.received = 0
         self.reason: str | None = None
+        self._worker = worker
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig in SIGNALS:
+        for sig in (signal.SIGINT,) if self._worker else SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def restore(self) -> None:
@@ -45,7 +49,8 @@ class Interrupts:
         if self.received == 1:
             self.reason = "keyboard interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.received == 2:
-            print(IGNORED_NOTE, file=sys.stderr, flush=True)
+            if not self._worker:
+                print(IGNORED_NOTE, file=sys.stderr, flush=True)
             return
         raise KeyboardInterrupt
 

@@ -101,3 +101,27 @@ def test_an_interrupt_inside_an_interpreted_kernel_keeps_the_summary(kvtester: p
     result.stdout.fnmatch_lines(["run interrupted (keyboard interrupt): results of the 0 tests that finished; running "
                                  "when it stopped: test_kernel.py::test_interrupted_inside_a_kernel"])
     assert "TypeError" not in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("worker", [False, True])
+def test_a_second_interrupt_waits_and_a_third_stops(worker: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The controller's handlers and an xdist worker's: the first interrupt stops, the second is
+    ignored (the controller says so; a worker, mid-stop, stays silent: it once raised inside
+    pytest's capture teardown and printed a traceback), the third stops at once. A worker leaves
+    SIGTERM alone."""
+    from pytest_kvcanary.plugin_support.interrupts import IGNORED_NOTE, Interrupts
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    interrupts = Interrupts(worker=worker)
+    interrupts.install()
+    try:
+        assert (signal.getsignal(signal.SIGTERM) is previous[signal.SIGTERM]) == worker
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        assert (IGNORED_NOTE in capsys.readouterr().err) != worker
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        interrupts.restore()
+    assert {sig: signal.getsignal(sig) for sig in previous} == previous
