@@ -346,6 +346,25 @@ class StampPart(NamedTuple):
     written_source_hashes: torch.Tensor | None = None
 
 
+def check_parts(parts: Sequence[RowsPart | ViewPart | StampPart], kind: type) -> None:
+    """A launch over parts of this kind, after each part's own checks: 1 to MAX_PARTS of them, over
+    the same tokens (RowsPart: as many rows) or the same slots (records as many, on one device);
+    ValueError naming the part otherwise."""
+    whose = "a layer's" if kind is RowsPart else "a group's"
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"parts must hold 1 to {MAX_PARTS} {kind.__name__}s ({whose} halves); got {len(parts)}")
+    for i, part in enumerate(parts):
+        if kind is RowsPart:
+            if part.rows.shape[0] != parts[0].rows.shape[0]:
+                raise ValueError(f"parts[{i}].rows has {part.rows.shape[0]} rows; parts[0].rows "
+                                 f"{parts[0].rows.shape[0]}: parts hash the same tokens")
+            continue
+        first = parts[0].records
+        if part.records.shape[0] != first.shape[0] or part.records.device != first.device:
+            raise ValueError(f"parts[{i}].records holds {part.records.shape[0]} slots on {part.records.device}; "
+                             f"parts[0].records {first.shape[0]} on {first.device}: parts share one mapping")
+
+
 class ViewKernelArgs(NamedTuple):
     """A view launch's inputs as kernel arguments, each expanded once: the tiling, the sources and
     their constexpr READS, the mapping and its constexpr MAP, the token table and HAS_TOKENS, the

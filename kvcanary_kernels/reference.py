@@ -18,7 +18,7 @@ from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .hashing import head_hash_int, head_hash_torch, link_int, link_torch, mix_torch, to_signed
 from .launch import (
     Tiling, check_common, check_entries, check_prev_records, check_stamp_launch, check_state_launch, check_vector, check_view_launch,
-    MAX_PARTS, RowsPart, StampPart, ViewPart, rows_source,
+    RowsPart, StampPart, ViewPart, check_parts, rows_source,
 )
 from .records import (
     COL_EXPECTED, COL_POSITION, COL_REASONS, COL_ROW, COL_SLOT, COL_STEP, COL_STORED, COL_TAG,
@@ -89,12 +89,7 @@ def source_hash_rows_ref(rows: torch.Tensor, read_bytes: int, out: torch.Tensor,
 
 def source_hash_rows_parts_ref(parts: Sequence[RowsPart], tiling: Tiling | None = None) -> None:
     """Reference of ``source_hash_rows_parts``."""
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"parts must hold 1 to {MAX_PARTS} RowsParts (a layer's halves); got {len(parts)}")
-    for i, part in enumerate(parts):
-        if part.rows.shape[0] != parts[0].rows.shape[0]:
-            raise ValueError(f"parts[{i}].rows has {part.rows.shape[0]} rows; parts[0].rows "
-                             f"{parts[0].rows.shape[0]}: parts hash the same tokens")
+    check_parts(parts, RowsPart)
     for part in parts:
         source_hash_rows_ref(part.rows, part.read_bytes, part.out, tiling, sample_offset=part.sample_offset,
                              sample_stride=part.sample_stride)
@@ -263,8 +258,7 @@ def verify_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mapp
 def verify_view_parts_ref(parts: Sequence[ViewPart], mapping: SlotMapping, view: ForwardView, ring: ViolationRing,
                           **options: Any) -> None:
     """Reference of ``verify_view_parts``: ``verify_view_ref`` of each part, in order."""
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"parts must hold 1 to {MAX_PARTS} ViewParts (a group's halves); got {len(parts)}")
+    check_parts(parts, ViewPart)
     for part in parts:
         verify_view_ref(part.records, part.sources, mapping, view, ring, part.tag, read_hashes=part.read_hashes,
                         **options)
@@ -332,8 +326,7 @@ def stamp_view_ref(records: torch.Tensor, sources: Sequence[RealKvSource], mappi
 def stamp_view_parts_ref(parts: Sequence[StampPart], mapping: SlotMapping, view: ForwardView, ring: ViolationRing,
                          **options: Any) -> None:
     """Reference of ``stamp_view_parts``: ``stamp_view_ref`` of each part, in order."""
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"parts must hold 1 to {MAX_PARTS} StampParts (a group's halves); got {len(parts)}")
+    check_parts(parts, StampPart)
     for part in parts:
         stamp_view_ref(part.records, part.sources, mapping, view, ring, part.tag,
                        written_source_hashes=part.written_source_hashes, **options)

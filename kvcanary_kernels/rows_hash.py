@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .fingerprint import source_hash
 from .hashing import as_i64
-from .launch import MAX_PARTS, RowsPart, Tiling, cdiv, check_tiling, default_tiling, rows_source, source_args
+from .launch import RowsPart, Tiling, cdiv, check_parts, check_tiling, default_tiling, rows_source, source_args
 
 
 @triton.jit
@@ -48,13 +48,9 @@ def source_hash_rows(rows: torch.Tensor, read_bytes: int, out: torch.Tensor, til
 def source_hash_rows_parts(parts: Sequence[RowsPart], tiling: Tiling | None = None) -> None:
     """``source_hash_rows`` of each part (the same number of rows in each: a layer's K and V) in one
     launch, the parts' programs side by side; at most MAX_PARTS."""
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"parts must hold 1 to {MAX_PARTS} RowsParts (a layer's halves); got {len(parts)}")
     sources = [rows_source(*part) for part in parts]
+    check_parts(parts, RowsPart)
     n = parts[0].rows.shape[0]
-    for i, part in enumerate(parts):
-        if part.rows.shape[0] != n:
-            raise ValueError(f"parts[{i}].rows has {part.rows.shape[0]} rows; parts[0].rows {n}: parts hash the same tokens")
     if n == 0:
         return
     tiling = tiling or default_tiling(sources)

@@ -13,7 +13,7 @@ from .inputs import ForwardView, SlotMapping
 from .fingerprint import slot_fingerprint
 from .hashing import LINK_INVERSE_JIT, LINK_JIT, as_i64, as_u64, compose, head_hash, link_term, mix
 from .launch import (
-    MAX_PARTS, StampPart, Tiling, batch_lanes, cdiv, check_stamp_launch, default_tiling, input_args, next_power_of_2,
+    StampPart, Tiling, batch_lanes, cdiv, check_parts, check_stamp_launch, default_tiling, input_args, next_power_of_2,
     optional_ptr, ring_args, row_grid, view_kernel_args,
 )
 from .lookup import known_token, map_slot
@@ -241,14 +241,10 @@ def stamp_view_parts(parts: Sequence[StampPart], mapping: SlotMapping, view: For
     group's K and V halves, whose records share the mapping and the slot count) in the same two
     launches, the parts' programs side by side; at most MAX_PARTS. Exactly what a stamp_view per
     part stamps and logs (the rows' order in the ring aside)."""
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"parts must hold 1 to {MAX_PARTS} StampParts (a group's halves); got {len(parts)}")
-    first = parts[0].records
-    for i, part in enumerate(parts):
+    for part in parts:
         check_stamp_launch(part.records, part.sources, mapping, view, ring, part.tag, part.written_source_hashes)
-        if part.records.shape[0] != first.shape[0] or part.records.device != first.device:
-            raise ValueError(f"parts[{i}].records holds {part.records.shape[0]} slots on {part.records.device}; "
-                             f"parts[0].records {first.shape[0]} on {first.device}: parts share one mapping")
+    check_parts(parts, StampPart)
+    first = parts[0].records
     tiling = tiling or default_tiling([src for part in parts for src in part.sources])
     a = [view_kernel_args(part.records, part.sources, mapping, view, tiling) for part in parts]
     inputs, lanes = input_args(view), batch_lanes(view)

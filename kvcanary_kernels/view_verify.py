@@ -13,7 +13,7 @@ from .checks import check_int
 from .inputs import ForwardView, SlotMapping
 from .hashing import as_i64, head_hash
 from .launch import (
-    MAX_PARTS, Tiling, ViewPart, check_vector, check_view_launch, default_tiling, optional_ptr, ring_args, row_grid, view_kernel_args,
+    Tiling, ViewPart, check_parts, check_vector, check_view_launch, default_tiling, optional_ptr, ring_args, row_grid, view_kernel_args,
 )
 from .lookup import known_token, map_slot
 from .record_access import REAL_KV_HASH, field_ptrs, successor_hash
@@ -165,15 +165,12 @@ def verify_view_parts(parts: Sequence[ViewPart], mapping: SlotMapping, view: For
     programs run side by side (the grid's third dimension); at most MAX_PARTS. Exactly what a
     verify_view per part logs (the rows' order in the ring aside); ``tiling`` defaults to the
     widest source's."""
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"parts must hold 1 to {MAX_PARTS} ViewParts (a group's halves); got {len(parts)}")
+    for part in parts:
+        check_view_launch(part.records, part.sources, mapping, view, ring, part.tag)
+    check_parts(parts, ViewPart)
     args, tags, hashes, sentinels, modes = [], [], [], [], []
     first = parts[0].records
-    for i, part in enumerate(parts):
-        check_view_launch(part.records, part.sources, mapping, view, ring, part.tag)
-        if part.records.shape[0] != first.shape[0] or part.records.device != first.device:
-            raise ValueError(f"parts[{i}].records holds {part.records.shape[0]} slots on {part.records.device}; "
-                             f"parts[0].records {first.shape[0]} on {first.device}: parts share one mapping")
+    for part in parts:
         sources, read_mode = part.sources, READ_HASHES_OFF
         if part.read_hashes is not None:
             check_vector("read_hashes", part.read_hashes, first.device, first.shape[0])
