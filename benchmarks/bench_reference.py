@@ -32,7 +32,9 @@ time the canary's end_forward takes per step (sweeps and polls included).
 torch.profiler (the device time of every kernel, copy and fill a step, the graph's included; the
 canary's kernels by device time a step, with launches a step), one with timing events around each
 CUDA graph replay (the graphs' device time a step, the gaps between their nodes included, which
-the profiler would inflate); their costs over off. Device
+the profiler would inflate), one with the host's part of each step timed (HostPhases: scheduling,
+the token table, the graph's buffers, the replay's launch, the wait for the tokens, process,
+end_forward, the rest); their costs over off. Device
 time is the part of a step the canary's launches add to; it is far steadier than a step's wall
 time, whose host part drifts between runs.
 """
@@ -50,6 +52,7 @@ import torch
 
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine.decode_graphs import DecodeStep
 from pytest_kvcanary.reference_engine.parallel.shard import ReferenceShards
 from pytest_kvcanary.reference_engine.parallel.topology import Topology
 from pytest_kvcanary.handles.parallel import ParallelHandle
@@ -65,9 +68,10 @@ class DecodeRun:
                  breakdown: str | None = None) -> None:
         self.variant, self.batch, self.prompt, self.warmup, self.steps, self.seed = \
             variant, batch, prompt, warmup, steps, seed
-        self.breakdown = breakdown  # None, "kernels" (under torch.profiler) or "graphs" (timing events)
+        self.breakdown = breakdown  # None, "kernels" (under torch.profiler), "graphs" (timing events) or "host"
         self.kernels: dict[str, tuple[float, float]] = {}  # breakdown "kernels": kernel_times of the timed steps
         self.graph_us = 0.0  # breakdown "graphs": the device time of the CUDA graphs replayed, a step
+        self.phases: dict[str, list[float]] = {}  # breakdown "host": HostPhases.per_step of the timed steps
 
     def __call__(self, context: RankContext) -> list[tuple[float, float]]:
         engine = context.engines["single"]
@@ -92,7 +96,9 @@ class DecodeRun:
         profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     if self.breakdown == "kernels" else contextlib.nullcontext())
         replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        with profiler, (timed_replays(replays) if self.breakdown == "graphs" else contextlib.nullcontext()):
+        phases = HostPhases(engine) if self.breakdown == "host" else None
+        with profiler, (timed_replays(replays) if self.breakdown == "graphs" else contextlib.nullcontext()), \
+                (phases or contextlib.nullcontext()):
             for _ in range(self.steps):
                 synchronize(engine.device)
                 timed.seconds = 0.0
@@ -100,6 +106,10 @@ class DecodeRun:
                 engine.step()
                 synchronize(engine.device)
                 times.append((1e3 * (time.perf_counter() - start), 1e6 * timed.seconds))
+                if phases is not None:
+                    phases.end_step(times[-1][0] * 1e3, times[-1][1])
+        if phases is not None:
+            self.phases = phases.per_step
         if self.breakdown == "kernels":
             self.kernels = kernel_times(profiler, self.steps)
         if self.breakdown == "graphs":
@@ -146,6 +156,62 @@ def timed_replays(replays: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> A
         torch.cuda.CUDAGraph.replay = replay
 
 
+class HostPhases:
+    """Host microseconds of each part of a timed step (breakdown "host"), by wrapping the engine's
+    calls for the block: schedule, the rows' token table, the graph's buffers refilled, the replay's
+    launch, the wait for the sampled tokens (the device's time, less what overlapped the launch),
+    process, end_forward, and what is left of the step. per_step: each part's time, step by step."""
+
+    PARTS = ("schedule", "note rows", "fill", "replay launch", "wait for tokens", "process", "end_forward", "rest")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.per_step: dict[str, list[float]] = {part: [] for part in self.PARTS}
+        self._step: dict[str, float] = dict.fromkeys(self.PARTS + ("decode run",), 0.0)
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, name: str, part: str) -> None:
+        call = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self._step[part] += 1e6 * (time.perf_counter() - start)
+
+        self._undo.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, timed)
+
+    def __enter__(self) -> "HostPhases":
+        decode = self.engine._decode
+        for owner, name, part in ((self.engine.scheduler, "schedule", "schedule"),
+                                  (self.engine, "_note_rows", "note rows"),
+                                  (self.engine.scheduler, "process", "process"),
+                                  (decode, "run", "decode run"),
+                                  (DecodeStep, "fill", "fill"),
+                                  (torch.cuda.CUDAGraph, "replay", "replay launch")):
+            self._wrap(owner, name, part)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, original in reversed(self._undo):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+    def end_step(self, step_us: float, end_forward_us: float) -> None:
+        """Close a timed step of step_us (end_forward_us of it in end_forward)."""
+        s = self._step
+        s["end_forward"] = end_forward_us
+        s["wait for tokens"] = s.pop("decode run", 0.0) - s["fill"] - s["replay launch"]
+        s["rest"] = step_us - sum(s[part] for part in self.PARTS if part != "rest")
+        for part in self.PARTS:
+            self.per_step[part].append(s[part])
+        self._step = dict.fromkeys(self.PARTS + ("decode run",), 0.0)
+
+
 def kernel_times(profiler: Any, steps: int) -> dict[str, tuple[float, float]]:
     """Per device activity name (kernel, copy, fill): device microseconds and occurrences a step."""
     return {event.key: (event.self_device_time_total / steps, event.count / steps)
@@ -169,6 +235,15 @@ def print_breakdown(batch: int, runs: dict[tuple[str, str], DecodeRun]) -> None:
     for us, launches, name in added[:15]:
         if us > 0.05:
             print(f"| {us:.1f} | {launches:.2f} | {name[:90]} |")
+    if runs.get(("off", "host")) is not None:
+        print("| host part of a step | off: median us (mean) | canary: median us (mean) | median added |\n"
+              "|---|---:|---:|---:|")
+        off_parts, on_parts = runs["off", "host"].phases, runs["canary", "host"].phases
+        for part in HostPhases.PARTS:
+            a, b = off_parts[part], on_parts[part]
+            print(f"| {part} | {statistics.median(a):.1f} ({statistics.mean(a):.1f}) | "
+                  f"{statistics.median(b):.1f} ({statistics.mean(b):.1f}) | "
+                  f"{statistics.median(b) - statistics.median(a):+.1f} |")
     print(flush=True)
 
 
@@ -268,7 +343,7 @@ def main() -> None:
                         runs[variant].append(tuple(statistics.median(column) for column in zip(*steps)))
                 if args.breakdown:
                     for variant in variants:
-                        for kind in ("kernels", "graphs"):
+                        for kind in ("kernels", "graphs", "host"):
                             profiled[variant, kind] = DecodeRun(variant, batch, args.prompt, args.warmup, args.steps,
                                                                 args.runs, breakdown=kind)
                             ranks.call(profiled[variant, kind])
