@@ -25,10 +25,11 @@ what a parallel test runs). Per variant: the median over runs of each run's medi
 (tp=2: on rank 0) and the spread of those run medians (min-max); the cost over off, paired: each
 run against the off run just before it (the host's pace drifts between runs by more than the
 canary costs a step), the median of those differences, their spread and a 95% interval of that
-median (a seeded bootstrap over the runs); and the median host
-time the canary's end_forward takes per step (sweeps and polls included).
+median (a seeded bootstrap over the runs); the same paired cost of each run's mean step (a median
+step is one without a sweep or a poll; the mean pays for them, as throughput does); and the host
+time the canary's end_forward takes, on average over a run's steps (sweeps and polls included).
 
---breakdown (tp=1 on a GPU): after the timed runs, two more runs of each variant: one under
+--breakdown (tp=1 on a GPU): after the timed runs, three more runs of each variant: one under
 torch.profiler (the device time of every kernel, copy and fill a step, the graph's included; the
 canary's kernels by device time a step, with launches a step), one with timing events around each
 CUDA graph replay (the graphs' device time a step, the gaps between their nodes included, which
@@ -324,8 +325,9 @@ def main() -> None:
           f"{args.steps} timed steps x {args.runs} runs; hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
           f"({args.kv_heads} KV) x {args.head_dim}, {dtype}; sweep_interval={args.sweep_interval}")
     print("| batch | real_data | canary | ms per decode step (median of run medians) | spread over runs "
-          "| cost over off | cost % min..max | cost % median, 95% CI | end_forward us per step |")
-    print("|---:|---|---|---:|---:|---:|---|---|---:|")
+          "| cost over off | cost % min..max | cost % median, 95% CI | cost % of the mean step (95% CI) "
+          "| end_forward us per step |")
+    print("|---:|---|---|---:|---:|---:|---|---|---|---:|")
     for batch in args.batches:
         engine = EngineConfig(model=model, num_slots=batch * context + 1, max_running=batch,
                               max_batch_tokens=max(context, 8192), device=devices[0], decode_mode=decode_mode,
@@ -334,13 +336,15 @@ def main() -> None:
             canary = CanaryConfig(real_data=real_data, sweep_interval=args.sweep_interval, kernels=kernels)
             ranks: Any = OneEngine(engine, canary) if args.tp == 1 else \
                 ParallelHandle(RankSpec("single", ReferenceShards(engine), canary, Topology(tp=args.tp), devices))
-            runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+            runs: dict[str, list[tuple[float, float, float]]] = {v: [] for v in variants}
             profiled: dict[tuple[str, str], DecodeRun] = {}
             try:
                 for run in range(args.runs):
                     for variant in variants:
                         steps = ranks.call(DecodeRun(variant, batch, args.prompt, args.warmup, args.steps, run))[0]
-                        runs[variant].append(tuple(statistics.median(column) for column in zip(*steps)))
+                        step_ms, end_us = zip(*steps)
+                        runs[variant].append((statistics.median(step_ms), statistics.mean(end_us),
+                                              statistics.mean(step_ms)))
                 if args.breakdown:
                     for variant in variants:
                         for kind in ("kernels", "graphs", "host"):
@@ -350,15 +354,18 @@ def main() -> None:
             finally:
                 ranks.close()
             for variant in variants:
-                step_ms = [ms for ms, _ in runs[variant]]
+                step_ms = [ms for ms, _, _ in runs[variant]]
                 paired = [(ms - off_ms, 100 * (ms - off_ms) / off_ms)
-                          for (ms, _), (off_ms, _) in zip(runs[variant], runs["off"])]
+                          for (ms, _, _), (off_ms, _, _) in zip(runs[variant], runs["off"])]
                 costs = sorted(percent for _, percent in paired)
+                mean_costs = sorted(100 * (mean - off_mean) / off_mean
+                                    for (_, _, mean), (_, _, off_mean) in zip(runs[variant], runs["off"]))
                 print(f"| {batch} | {real_data} | {variant} | {statistics.median(step_ms):.3f} | "
                       f"{min(step_ms):.3f}-{max(step_ms):.3f} | "
                       f"{statistics.median(ms for ms, _ in paired):+.3f} ms ({statistics.median(costs):+.1f}%) | "
                       f"{costs[0]:+.1f}..{costs[-1]:+.1f}% | {median_interval(costs)} | "
-                      f"{statistics.median(us for _, us in runs[variant]):.0f} |", flush=True)
+                      f"{statistics.median(mean_costs):+.1f}% ({median_interval(mean_costs)}) | "
+                      f"{statistics.median(us for _, us, _ in runs[variant]):.0f} |", flush=True)
             if profiled:
                 print_breakdown(batch, profiled)
 

@@ -98,6 +98,7 @@ class RadixCache:
         self.pools, self.req_to_token, self.window, self.states = pools, req_to_token, window, states
         self.num_states_evicted = 0  # checkpoints dropped by evict_states()
         self._checkpoints: CheckpointWalk | None = None  # the last checkpoint_walk, while the checkpoints stand
+        self._walk: CacheWalk | None = None  # the last walk, while the trees, their slots and locks stand
         self.page_size = pools.page_size
         self.roots: dict[int, Node] = {}  # context key -> its tree's root
         self.num_evicted = 0  # FULL slots freed by evict()
@@ -165,6 +166,7 @@ class RadixCache:
         self.tiers.load_back(nodes, slots, on_done)
         for node, value in zip(nodes, slots.split([len(n.key) for n in nodes])):
             node.value = value
+        self._changed()
         return MatchResult(self._path_slots(match.host_node), match.host_node)
 
     def insert(self, key: list[int], slots: torch.Tensor, swa_from: int = 0, context: int = 0) -> InsertResult:
@@ -183,6 +185,7 @@ class RadixCache:
             a, i = i, i + len(node.key)
             if node.value is None:  # device-evicted: the caller's slots hold its tokens now
                 node.value, held = slots[a:i], a if held is None else held
+                self._changed()
                 self.tiers.delete_files(node)
             if node.tombstone and i > swa_from:
                 if a < swa_from:
@@ -222,13 +225,13 @@ class RadixCache:
 
     def lock(self, node: Node | None) -> None:
         """Protect node and its ancestors from eviction (one reference per holder)."""
-        self._checkpoints = None
+        self._changed()
         while node is not None and node.parent is not None:
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: Node | None) -> None:
-        self._checkpoints = None
+        self._changed()
         while node is not None and node.parent is not None:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
@@ -250,8 +253,8 @@ class RadixCache:
             if self.tiers.back_up(node):
                 self.pools.free(self._pages(node.value), CAUSE_WRITTEN_BACK)
                 node.value = None
-                if self.tiers.back_up_state(node):
-                    self._checkpoints = None
+                self.tiers.back_up_state(node)
+                self._changed()
             else:
                 self.pools.free(self._pages(node.value), CAUSE_EVICTED)
                 self._drop(node)
@@ -279,7 +282,7 @@ class RadixCache:
         the engine's stream waits for it before a state copy or forward reads it), keeping the host
         copy."""
         self.tiers.load_state(node, slot)
-        self._checkpoints = None
+        self._changed()
 
     def evict_states(self, n: int) -> int:
         """Drop the checkpoints of unlocked nodes, least recently used first, until at least n
@@ -289,7 +292,7 @@ class RadixCache:
         freed = [node.state for *_, node in nodes[:n]]
         for *_, node in nodes[:n]:
             node.state = None
-        self._checkpoints = None
+        self._changed()
         self.states.free(freed, CAUSE_STATE_EVICTED)
         self.num_states_evicted += len(freed)
         return len(freed)
@@ -317,7 +320,17 @@ class RadixCache:
 
     def walk(self) -> CacheWalk:
         """Every slot the trees hold on the device with its position, previous slot on its path
-        (PREV_CHAIN_HEAD at position 0), token, whether a request holds it locked, and its context."""
+        (PREV_CHAIN_HEAD at position 0), token, whether a request holds it locked, and its context.
+        The same object while no node, slot or lock changed (a canary plans a walk it saw once)."""
+        if self._walk is None:
+            self._walk = self._walk_nodes()
+        return self._walk
+
+    def _changed(self) -> None:
+        """A node, its slots, a lock or a checkpoint changed: the next walks are taken afresh."""
+        self._walk = self._checkpoints = None
+
+    def _walk_nodes(self) -> CacheWalk:
         parts: list[tuple[torch.Tensor, ...]] = []
         stack = [(child, 0, PREV_CHAIN_HEAD, context) for context, root in self.roots.items()
                  for child in root.children.values()]
@@ -347,7 +360,7 @@ class RadixCache:
             self.tiers.free_host_state(node, "radix cache flushed")
             self.tiers.delete_files(node)
         self.roots.clear()
-        self._checkpoints = None
+        self._changed()
 
     def _insert_req(self, req: Request) -> InsertResult:
         """Insert the request's KV tokens in whole pages; free its duplicates. A checkpoint the
@@ -361,7 +374,8 @@ class RadixCache:
                         "radix dedup freed the duplicate's slot (its row now points at the cached copy)")
         if req.checkpoint is not None:
             slot, length = req.checkpoint
-            req.checkpoint, self._checkpoints = None, None
+            req.checkpoint = None
+            self._changed()
             node = list(self._descend(req.token_ids[:length], req.context_key))[-1]
             if node.state is None:
                 node.state = slot
@@ -392,7 +406,8 @@ class RadixCache:
         del node.parent.children[self._child_key(node.key)]
         if node.state is not None:
             self.states.free([node.state], CAUSE_EVICTED)
-            node.state, self._checkpoints = None, None
+            node.state = None
+        self._changed()
         stack = list(node.children.values())
         while stack:
             below = stack.pop()
@@ -435,6 +450,7 @@ class RadixCache:
         node = Node(key, value, parent, tombstone)
         node.last_access = tick
         parent.children[self._child_key(key)] = node
+        self._changed()
         return node
 
     def _path_slots(self, node: Node) -> torch.Tensor:

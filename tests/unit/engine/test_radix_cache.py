@@ -7,7 +7,7 @@ import torch
 
 from kvcanary_kernels.records import PREV_CHAIN_HEAD
 from pytest_kvcanary.reference_engine.config import EngineConfig, ModelConfig
-from pytest_kvcanary.reference_engine.kv_pool import KVPools, ReqToTokenPool
+from pytest_kvcanary.reference_engine.kv_pool import KVPools, ReqToTokenPool, page_slots
 from pytest_kvcanary.reference_engine.radix_cache import RadixCache
 
 
@@ -96,3 +96,64 @@ def test_insert_below_swa_from_makes_tombstones():
     assert res.node.parent.key == [1, 2, 3] and res.node.parent.tombstone
     assert cache.match_prefix([1, 2, 3, 4, 5]).slots.numel() == 5  # 2 = window resident tokens at the end
     assert cache.match_prefix([1, 2, 3, 4]).slots.numel() == 0
+
+
+def _same_walk(a, b) -> bool:
+    """Two walks list the same entries (in any order)."""
+    def rows(walk) -> list[tuple]:
+        return sorted(zip(*(column.tolist() for column in walk)))
+    return rows(a) == rows(b)
+
+
+@pytest.mark.parametrize("attention, engine_kw", [
+    ("mha", {"num_slots": 48, "max_running": 2}),  # device evictions out of the tree
+    ("mha", {"page_size": 4, "num_slots": 48, "max_running": 2, "host_num_slots": 64}),  # write-back, load-back
+    ("hybrid", {"page_size": 4, "num_slots": 96, "max_running": 2, "num_state_slots": 8}),  # checkpoints
+])
+def test_walks_are_reused_until_the_cache_changes_and_are_never_stale(make_engine, attention, engine_kw):
+    """The walks the canary plans from come back as the same objects while nothing changed (so
+    it plans them once), and after every step equal walks taken afresh: every change of a node,
+    its slots, a lock or a checkpoint is seen."""
+    from tests.unit.engine.conftest import random_prompts
+    engine = make_engine(attention, **engine_kw)
+    cache = engine.radix_cache
+    for prompt in random_prompts(3, 10, shared=9):
+        engine.submit(prompt, 5)
+    walks = []
+    while engine.scheduler.has_work:
+        engine.step()
+        walks.append(cache.walk())
+        assert _same_walk(walks[-1], cache._walk_nodes())
+        if engine.states is not None:
+            assert _same_walk(cache.checkpoint_walk(), cache._walk_checkpoints())
+    assert any(a is b for a, b in zip(walks, walks[1:])), "no step left the cache as it was"
+
+
+def test_each_change_of_the_trees_makes_a_fresh_walk(make_engine):
+    """Every kind of change on its own, the walk taken just before it: the next walk is not the
+    stale one (inserts, splits, locks, unlocks, evictions, load-backs, checkpoints dropped)."""
+    engine = make_engine("mha", page_size=2, num_slots=64, host_num_slots=64)
+    cache = engine.radix_cache
+
+    def after(change) -> None:
+        cache.walk()  # primed
+        change()
+        assert _same_walk(cache.walk(), cache._walk_nodes())
+
+    slots = engine.pools.alloc(3)
+    after(lambda: cache.insert([1, 2, 3, 4, 5, 6], page_slots(slots, 2)))  # a node added
+    matched = []
+    after(lambda: matched.append(cache.match_prefix([1, 2, 3, 4, 9, 9]).node))  # split at the match
+    node = matched[0]
+    after(lambda: cache.lock(node))
+    after(lambda: cache.unlock(node))
+    after(lambda: cache.evict(2))  # written back to host memory: off the device
+    match = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    cache.lock(match.host_node)
+    after(lambda: cache.load_back(match, engine.pools.alloc(1)))
+    engine.host_tier.wait()
+    after(lambda: cache.evict(100))  # locked: stays
+    cache.unlock(match.host_node)
+    engine.host_tier.acknowledge()
+    after(lambda: cache.evict(100))
+    assert cache.walk().slots.numel() == 0
