@@ -248,12 +248,17 @@ def print_breakdown(batch: int, runs: dict[tuple[str, str], DecodeRun]) -> None:
     print(flush=True)
 
 
-def median_interval(values: list[float], resamples: int = 2000) -> str:
-    """A 95% interval of the median of `values` (percent), by a seeded bootstrap: what a paired
-    cost's median can be read as, given its spread over runs."""
+def median_interval(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% interval of the median of `values`, by a seeded bootstrap: what a paired cost's
+    median can be read as, given its spread over runs."""
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return f"{medians[int(0.025 * resamples)]:+.1f}..{medians[int(0.975 * resamples) - 1]:+.1f}%"
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def interval_text(values: list[float]) -> str:
+    low, high = median_interval(values)
+    return f"{low:+.1f}..{high:+.1f}%"
 
 
 def synchronize(device: torch.device) -> None:
@@ -277,7 +282,9 @@ class OneEngine:
         self.handle.close()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (argv: None for sys.argv), with what it implies: devices, dtype,
+    decode_mode and kernels; --smoke's tiny shapes on the CPU."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
@@ -299,25 +306,38 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="tp=1 on a GPU: one more run a variant under torch.profiler, device time per kernel")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.breakdown and (args.smoke or args.tp != 1):
         parser.error("--breakdown profiles the device time of tp=1 on a GPU: drop --smoke and --tp")
     if args.smoke:
-        devices, dtype, decode_mode, kernels = ("cpu",) * args.tp, torch.float32, "padded", "torch"
+        args.devices, args.dtype, args.decode_mode, args.kernels = ("cpu",) * args.tp, torch.float32, "padded", "torch"
         args.batches, args.prompt, args.steps, args.warmup, args.runs = [2], 8, 2, 1, 1
         args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim, args.intermediate = 64, 2, 4, 2, 16, 128
         args.full_every, args.state_dim = 2, 16
     else:
         if torch.cuda.device_count() < args.tp:
             raise SystemExit(f"bench_reference.py --tp {args.tp} needs {args.tp} CUDA devices (or --smoke)")
-        devices, dtype, decode_mode, kernels = tuple(f"cuda:{i}" for i in range(args.tp)), torch.bfloat16, \
-            "graph", "triton"
-    variants = ("off", "canary") + (("cross-rank",) if args.tp > 1 else ())
+        args.devices, args.dtype, args.decode_mode, args.kernels = \
+            tuple(f"cuda:{i}" for i in range(args.tp)), torch.bfloat16, "graph", "triton"
+    return args
+
+
+def engine_config(args: argparse.Namespace, batch: int) -> EngineConfig:
+    """The engine the bench times at this batch size (the shape parse_args read)."""
     context = args.prompt + args.warmup + args.steps + 2
     model = ModelConfig(vocab_size=32000, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
-                        max_context=context, dtype=dtype, seed=0, attention=args.attention,
+                        max_context=context, dtype=args.dtype, seed=0, attention=args.attention,
                         full_every=args.full_every, state_heads=args.heads, state_dim=args.state_dim)
+    return EngineConfig(model=model, num_slots=batch * context + 1, max_running=batch,
+                        max_batch_tokens=max(context, 8192), device=args.devices[0], decode_mode=args.decode_mode,
+                        num_state_slots=2 * batch + 1)
+
+
+def main() -> None:
+    args = parse_args()
+    devices, dtype, decode_mode, kernels = args.devices, args.dtype, args.decode_mode, args.kernels
+    variants = ("off", "canary") + (("cross-rank",) if args.tp > 1 else ())
     name = "cpu" if args.smoke else torch.cuda.get_device_name(0)
     print(f"tp={args.tp} on {', '.join(devices)} ({name}); attention={args.attention}"
           + (f" (full every {args.full_every}, state {args.heads} x {args.state_dim}^2)" if args.attention == "hybrid" else "")
@@ -329,9 +349,7 @@ def main() -> None:
           "| end_forward us per step |")
     print("|---:|---|---|---:|---:|---:|---|---|---|---:|")
     for batch in args.batches:
-        engine = EngineConfig(model=model, num_slots=batch * context + 1, max_running=batch,
-                              max_batch_tokens=max(context, 8192), device=devices[0], decode_mode=decode_mode,
-                              num_state_slots=2 * batch + 1)
+        engine = engine_config(args, batch)
         for real_data in args.real_data:
             canary = CanaryConfig(real_data=real_data, sweep_interval=args.sweep_interval, kernels=kernels)
             ranks: Any = OneEngine(engine, canary) if args.tp == 1 else \
@@ -363,8 +381,8 @@ def main() -> None:
                 print(f"| {batch} | {real_data} | {variant} | {statistics.median(step_ms):.3f} | "
                       f"{min(step_ms):.3f}-{max(step_ms):.3f} | "
                       f"{statistics.median(ms for ms, _ in paired):+.3f} ms ({statistics.median(costs):+.1f}%) | "
-                      f"{costs[0]:+.1f}..{costs[-1]:+.1f}% | {median_interval(costs)} | "
-                      f"{statistics.median(mean_costs):+.1f}% ({median_interval(mean_costs)}) | "
+                      f"{costs[0]:+.1f}..{costs[-1]:+.1f}% | {interval_text(costs)} | "
+                      f"{statistics.median(mean_costs):+.1f}% ({interval_text(mean_costs)}) | "
                       f"{statistics.median(us for _, us, _ in runs[variant]):.0f} |", flush=True)
             if profiled:
                 print_breakdown(batch, profiled)

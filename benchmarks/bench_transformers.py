@@ -252,15 +252,32 @@ def prefill_cell(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def prefill_engine(model: Any, tokenizer: Any, batch: int, prompt: int) -> TransformersEngine:
+    """The engine a prefill cell runs on: room for `batch` prompts of `prompt` tokens and one new
+    token each, prompts chunked into forwards of at most PREFILL_CHUNK tokens."""
+    return TransformersEngine(model, tokenizer, page_size=64, num_blocks=blocks(batch, prompt + 1),
+                              max_batch_tokens=min(prompt, PREFILL_CHUNK), max_requests_per_batch=batch,
+                              max_context=prompt + 1)
+
+
+def decode_engine(model: Any, tokenizer: Any, batch: int, prompt: int, new: int, use_cuda_graph: bool,
+                  batching: str) -> TransformersEngine:
+    """The engine a decode row runs on. 64 prompt tokens a request a forward (2048 at least): every
+    request is prefilled within PROMPT / 64 forwards, and the batch decodes together for most of
+    its NEW tokens."""
+    return TransformersEngine(model, tokenizer, page_size=64, num_blocks=blocks(batch, prompt + new),
+                              max_batch_tokens=max(2048, 64 * batch), max_requests_per_batch=batch,
+                              max_context=prompt + new, use_cuda_graph=use_cuda_graph,
+                              use_async_batching=batching == "async", canary_graphs=use_cuda_graph)
+
+
 def prefill_rows(model: Any, tokenizer: Any, cells: list[tuple[int, int]], real_datas: list[str], kernels: str,
                  runs: int) -> None:
     """The prefill table (see the module docstring): per cell and real_data, the median of `runs`."""
     print("| prefill batch x prompt | real_data | canary off ms | canary on ms | cost ms | cost % | cost % min..max |")
     print("|---|---|---:|---:|---:|---:|---|")
     for batch, prompt in cells:
-        engine = TransformersEngine(model, tokenizer, page_size=64, num_blocks=blocks(batch, prompt + 1),
-                                    max_batch_tokens=min(prompt, PREFILL_CHUNK), max_requests_per_batch=batch,
-                                    max_context=prompt + 1)
+        engine = prefill_engine(model, tokenizer, batch, prompt)
         for real_data in real_datas:
             measured = [measure_prefill(engine, batch, prompt, real_data, kernels, run) for run in range(runs)]
             costs = sorted(100 * (on - off) / off for off, on in measured)
@@ -315,12 +332,7 @@ def main() -> None:
     graph_modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs] if device == "cuda" else [False]
     for batch in args.batches:
         for use_cuda_graph in graph_modes:
-            # 64 prompt tokens a request a forward (2048 at least): every request is prefilled within
-            # PROMPT / 64 forwards, and the batch decodes together for most of its NEW tokens
-            engine = TransformersEngine(model, tokenizer, page_size=64, num_blocks=blocks(batch, prompt + new),
-                                        max_batch_tokens=max(2048, 64 * batch), max_requests_per_batch=batch,
-                                        max_context=prompt + new, use_cuda_graph=use_cuda_graph,
-                                        use_async_batching=args.batching == "async", canary_graphs=use_cuda_graph)
+            engine = decode_engine(model, tokenizer, batch, prompt, new, use_cuda_graph, args.batching)
             for real_data in args.real_data:
                 runs = [measure(engine, batch, real_data, kernels, prompt, new, args.repeats) for _ in range(args.runs)]
                 costs = sorted(100 * (on - off) / off for off, on, _ in runs)

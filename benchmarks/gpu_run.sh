@@ -18,8 +18,10 @@
 # in "tests"), soak (benchmarks/soak.py over every transformers configuration, on the machine's
 # transformers and on the release whose wheel is in .whl/tf523/, all at once: SOAK_SECONDS each,
 # SOAK_SEED the first seed, SOAK_ROUNDS rounds a seed, SOAK_EXTRA more configurations such as
-# reference-mha-graph; NAME*3 runs three copies on seeds 100 apart; processes take the GPUs in turn). Wheels the
-# machine lacks (pytest-xdist, execnet) may be placed in .whl/ beforehand.
+# reference-mha-graph; NAME*3 runs three copies on seeds 100 apart; processes take the GPUs in turn),
+# gate (benchmarks/gate.py: the rows GATE_ROWS names, default all, each held to its budget; GATE_SECONDS
+# for them all; not in the default steps). Wheels the machine lacks (pytest-xdist, execnet) may be placed
+# in .whl/ beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvcanary-gpu}
@@ -84,6 +86,8 @@ if wants tf-bench; then  # decode B1..B128 and a long prefill per shape (prefill
       --runs 3 --repeats 1
   done
 fi
+# shellcheck disable=SC2086  # GATE_ROWS: row names, word-split on purpose
+wants gate && step gate "${GATE_SECONDS:-580}" python3 benchmarks/gate.py ${GATE_ROWS:+--rows $GATE_ROWS}
 wants reference && step reference 300 python3 benchmarks/bench_reference.py --batches 1 32 --real-data partial all
 if wants parallel; then  # two GPUs: tp=2 graph decode and the divergence scenario, then its cost
   step parallel-tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_parallel.py \

@@ -1,0 +1,215 @@
+"""The GPU performance gate: what the canary costs on SGLang's CI shapes and ours, each row read to
+a 95% interval and held to a budget.
+
+    python benchmarks/gate.py                                   # every row (GPU)
+    python benchmarks/gate.py --rows reference-b1 decode-tinyllama-b1
+    python benchmarks/gate.py --list                            # the rows and their budgets
+    python benchmarks/gate.py --smoke --rows reference-b1       # tiny shapes on the CPU: checks the script
+
+A row is one measurement of the committed benchmarks, canary off versus on in one process:
+transformers continuous batching with CUDA graphs (bench_transformers.py: a decode step's median
+time at a batch size, or the time to first token of a prefill), or the reference engine's graph
+decode (bench_reference.py: a decode step's median time). A pair is one off run and one on run
+(the order alternates, so a drift lands on both sides); its cost is (on - off) / off.
+
+Per row, pairs are measured until the 95% interval of the median cost (a seeded bootstrap over
+the pairs, at least --min-pairs of them) is decided against the row's budget: entirely at or
+under it (within), entirely over it (over). A row whose interval still straddles its budget after
+--max-pairs pairs or --seconds reads "unreadable": its spread is wider than its margin, and it
+gates nothing. Each pair prints a progress line; the table comes last.
+
+Exit status: 0 when every row is within its budget, 1 when a row is over, 2 when none is over
+but a row could not be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).parent))  # the benchmarks the rows run
+
+WITHIN, OVER, UNREADABLE = "within", "over", "unreadable"
+Pair = Callable[[int], tuple[float, float]]  # pair i -> (off ms, on ms)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A gated measurement: its budget (percent of the off time) and what opens it (smoke: tiny
+    shapes on the CPU), returning the pair function and what to close when done."""
+
+    budget: float
+    what: str
+    open: Callable[[bool], tuple[Pair, Callable[[], None]]]
+
+
+def verdict(costs: Sequence[float], budget: float, min_pairs: int) -> str | None:
+    """within / over once at least min_pairs costs put the 95% interval of their median on one
+    side of the budget; None while it straddles it (or too few)."""
+    from bench_reference import median_interval
+
+    if len(costs) < min_pairs:
+        return None
+    low, high = median_interval(list(costs))
+    if high <= budget:
+        return WITHIN
+    if low > budget:
+        return OVER
+    return None
+
+
+def alternate(i: int, measure: Callable[[bool], float]) -> tuple[float, float]:
+    """Pair i: (off ms, on ms) from measure(canary on?), off first in even pairs, on first in odd."""
+    ms = {canary: measure(canary) for canary in ((False, True) if i % 2 == 0 else (True, False))}
+    return ms[False], ms[True]
+
+
+def reference(attention: str, batch: int) -> Callable[[bool], tuple[Pair, Callable[[], None]]]:
+    def open_row(smoke: bool) -> tuple[Pair, Callable[[], None]]:
+        import bench_reference as bench
+        from pytest_kvcanary.config import CanaryConfig
+
+        args = bench.parse_args(["--attention", attention] + (["--smoke"] if smoke else []))
+        one = bench.OneEngine(bench.engine_config(args, batch),
+                              CanaryConfig(real_data="partial", sweep_interval=args.sweep_interval, kernels=args.kernels))
+
+        def step_ms(i: int, canary: bool) -> float:
+            run = bench.DecodeRun("canary" if canary else "off", batch, args.prompt, args.warmup, args.steps, i)
+            return statistics.median(step for step, _ in one.call(run)[0])
+
+        return (lambda i: alternate(i, lambda canary: step_ms(i, canary))), one.close
+
+    return open_row
+
+
+def transformers(shape: str, batch: int, prefill: int | None = None) -> Callable[[bool], tuple[Pair, Callable[[], None]]]:
+    """A decode row at `batch` (CUDA graphs), or with `prefill` a prefill row of batch x prefill."""
+    def open_row(smoke: bool) -> tuple[Pair, Callable[[], None]]:
+        import torch
+
+        import bench_transformers as bench
+
+        device = "cpu" if smoke else "cuda"
+        model, tokenizer = bench.random_model(device, shape, smoke)
+        kernels = "torch" if smoke else "triton"
+        if prefill is not None:
+            rows, prompt = (2, 24) if smoke else (batch, prefill)
+            engine = bench.prefill_engine(model, tokenizer, rows, prompt)
+
+            def pair(i: int) -> tuple[float, float]:
+                return bench.measure_prefill(engine, rows, prompt, "partial", kernels, i)
+        else:
+            rows, (prompt, new) = (2 if smoke else batch), ((24, 8) if smoke else (bench.PROMPT, bench.NEW))
+            engine = bench.decode_engine(model, tokenizer, rows, prompt, new, not smoke, "sync")
+
+            def step_ms(canary: bool) -> float:
+                def work(_: object = None) -> float:
+                    return bench.run(engine, rows, prompt, new, 1 if smoke else 3)[0]
+                return bench.with_canary(engine, "partial", kernels, work) if canary else work()
+
+            def pair(i: int) -> tuple[float, float]:
+                return alternate(i, step_ms)
+
+        def close() -> None:
+            engine.close()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+        return pair, close
+
+    return open_row
+
+
+ROWS: dict[str, Row] = {
+    "prefill-tinyllama-32x16384": Row(1.0, "transformers, TinyLlama shape: time to first token of 32 x 16384",
+                                      transformers("tinyllama", 32, 16384)),
+    "prefill-llama3-8b-8x16384": Row(1.0, "transformers, Llama-3-8B shape: time to first token of 8 x 16384",
+                                     transformers("llama3-8b", 8, 16384)),
+    **{f"decode-{shape}-b{batch}": Row(budget, f"transformers, {shape} shape, CUDA graphs: decode step at batch {batch}",
+                                        transformers(shape, batch))
+       for shape in ("tinyllama", "llama3-8b") for batch, budget in ((1, 1.5), (64, 0.5), (128, 0.5))},
+    "reference-b1": Row(2.0, "reference engine, graph decode at batch 1", reference("mha", 1)),
+    "reference-b32": Row(2.0, "reference engine, graph decode at batch 32", reference("mha", 32)),
+    "reference-hybrid-b1": Row(3.0, "reference engine, hybrid model, graph decode at batch 1", reference("hybrid", 1)),
+    "reference-hybrid-b32": Row(2.0, "reference engine, hybrid model, graph decode at batch 32",
+                                reference("hybrid", 32)),
+}
+
+
+@dataclass
+class Reading:
+    name: str
+    costs: list[float]
+    off_ms: list[float]
+    on_ms: list[float]
+    verdict: str
+    seconds: float
+
+
+def read(name: str, row: Row, smoke: bool, min_pairs: int, max_pairs: int, seconds: float) -> Reading:
+    """Pairs until the row's verdict is decided, or the pairs or seconds run out (unreadable)."""
+    start = time.perf_counter()
+    pair, close = row.open(smoke)
+    costs, offs, ons = [], [], []
+    try:
+        decided = None
+        while decided is None and len(costs) < max_pairs and time.perf_counter() - start < seconds:
+            off, on = pair(len(costs))
+            offs.append(off)
+            ons.append(on)
+            costs.append(100 * (on - off) / off)
+            decided = verdict(costs, row.budget, min_pairs)
+            print(f"{name}: pair {len(costs)}: {costs[-1]:+.2f}% (median {statistics.median(costs):+.2f}%)"
+                  + (f", {decided}" if decided else ""), flush=True)
+    finally:
+        close()
+    return Reading(name, costs, offs, ons, decided or UNREADABLE, time.perf_counter() - start)
+
+
+def table(readings: list[Reading]) -> str:
+    from bench_reference import median_interval
+
+    lines = ["| row | budget | pairs | off ms | on ms | cost (median) | 95% interval | verdict | time |",
+             "|---|---:|---:|---:|---:|---:|---|---|---:|"]
+    for r in readings:
+        low, high = median_interval(r.costs)
+        lines.append(f"| {r.name} | {ROWS[r.name].budget:.1f}% | {len(r.costs)} | {statistics.median(r.off_ms):.3f} | "
+                     f"{statistics.median(r.on_ms):.3f} | {statistics.median(r.costs):+.2f}% | "
+                     f"{low:+.2f}..{high:+.2f}% | {r.verdict} | {r.seconds:.0f} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), metavar="ROW", help="rows to read (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the rows and their budgets, then exit")
+    parser.add_argument("--min-pairs", type=int, default=7)
+    parser.add_argument("--max-pairs", type=int, default=41)
+    parser.add_argument("--seconds", type=float, default=300.0, help="at most this long a row")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, 2 pairs a row: checks the script")
+    args = parser.parse_args()
+    unknown = [name for name in args.rows if name not in ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown {', '.join(unknown)}; the rows are {', '.join(ROWS)}")
+    if args.min_pairs < 2 or args.max_pairs < args.min_pairs:
+        parser.error(f"--min-pairs must be at least 2 and --max-pairs at least --min-pairs; got "
+                     f"{args.min_pairs} and {args.max_pairs}")
+    if args.list:
+        for name, row in ROWS.items():
+            print(f"{name}: <= {row.budget:.1f}%  ({row.what})")
+        return
+    if args.smoke:
+        args.min_pairs = args.max_pairs = 2
+    readings = [read(name, ROWS[name], args.smoke, args.min_pairs, args.max_pairs, args.seconds) for name in args.rows]
+    print(table(readings), flush=True)
+    verdicts = {r.verdict for r in readings}
+    sys.exit(1 if OVER in verdicts else 2 if UNREADABLE in verdicts else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""benchmarks/gate.py decides a row only when the 95% interval of its median cost lies on one side
+of the budget, reads the rest as unreadable, exits by the worst verdict, and refuses rows it does
+not know by name."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[3] / "benchmarks" / "gate.py"
+spec = importlib.util.spec_from_file_location("gate_script", SCRIPT)
+gate = sys.modules["gate_script"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(gate)
+
+
+def test_a_row_is_decided_only_once_its_interval_clears_the_budget():
+    assert gate.verdict([1.0, 1.2, 0.9, 1.1, 1.0, 0.8, 1.1], budget=2.0, min_pairs=7) == gate.WITHIN
+    assert gate.verdict([3.0, 3.2, 2.9, 3.1, 3.0, 2.8, 3.1], budget=2.0, min_pairs=7) == gate.OVER
+    straddling = [-4.0, 6.0, 1.5, 2.5, -1.0, 5.0, 2.0]
+    assert gate.verdict(straddling, budget=2.0, min_pairs=7) is None
+    assert gate.verdict([1.0, 1.0, 1.0], budget=2.0, min_pairs=7) is None  # too few pairs yet
+
+
+def test_a_row_that_stays_undecided_reads_unreadable_and_the_worst_verdict_sets_the_exit():
+    costs = iter([-4.0, 6.0, 1.5, 2.5, -1.0, 5.0, 2.0, -3.0, 7.0])
+    closed = []
+    row = gate.Row(2.0, "a noisy row", lambda smoke: ((lambda i: (100.0, 100.0 + next(costs))), lambda: closed.append(1)))
+    reading = gate.read("noisy", row, smoke=True, min_pairs=3, max_pairs=9, seconds=60)
+    assert reading.verdict == gate.UNREADABLE and len(reading.costs) == 9 and closed == [1]
+    row = gate.Row(2.0, "a cheap row", lambda smoke: ((lambda i: (100.0, 100.5)), lambda: None))
+    assert gate.read("cheap", row, smoke=True, min_pairs=3, max_pairs=9, seconds=60).verdict == gate.WITHIN
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rows", "decode-b3"], "--rows: unknown decode-b3; the rows are prefill-tinyllama-32x16384"),
+    (["--min-pairs", "9", "--max-pairs", "5"], "--max-pairs at least --min-pairs; got 9 and 5"),
+])
+def test_bad_arguments_are_refused_by_name(argv, message):
+    result = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True)
+    assert result.returncode == 2 and message in result.stderr
