@@ -206,7 +206,13 @@ class _Maker:
         context = rng.choice((1, 2)) if g.contexts and rng.random() < 0.3 else 0
         return Recipe(stem, stem_len, rng.randrange(1 << 20), tail_len, max(1, min(new, room)), context=context)
 
-    def round(self, pressure: bool) -> Round:
+    def round(self, kind: str) -> Round:
+        """A round of this kind: "plain", "pressure" (more than the pool holds), "burst" (earlier
+        requests again, then at the next forward a pressure wave that evicts while their prefixes
+        load back) or "abort storm" (half the round aborted at one forward)."""
+        if kind == "burst":
+            return self._burst()
+        pressure = kind == "pressure"
         g, rng = self.g, self.rng
         n = rng.randrange(2, max(3, g.max_batch + g.max_batch // 2) + 1)
         if pressure:  # more than the pool holds, so the cache evicts and the scheduler retracts
@@ -226,8 +232,20 @@ class _Maker:
         for q in requests:
             abort = rng.randrange(1, 7) if g.serves and rng.random() < 0.05 else None
             placed.append(replace(q, wave=rng.randrange(waves), abort_after=abort))
+        if kind == "abort storm":  # a wave of clients gone at once: half the round, one forward
+            wave, after = rng.randrange(waves), rng.randrange(1, 4)
+            storm = set(rng.sample(range(len(placed)), len(placed) // 2))
+            placed = [replace(q, wave=wave, abort_after=after) if j in storm else q for j, q in enumerate(placed)]
         self.seen += requests
         return Round(tuple(placed), gaps)
+
+    def _burst(self) -> Round:
+        g, rng = self.g, self.rng
+        again = [rng.choice(self.seen) if self.seen else self.fresh(False) for _ in range(max(1, g.max_batch // 2))]
+        burst = [self.fresh(True) for _ in range(2 * g.max_batch)]
+        self.seen += again + burst
+        return Round(tuple([replace(q, wave=0, abort_after=None) for q in again]
+                           + [replace(q, wave=1, abort_after=None) for q in burst]), (1,))
 
 
 def make_workload(seed: int, rounds: int, geometry: Geometry) -> Workload:
@@ -235,9 +253,19 @@ def make_workload(seed: int, rounds: int, geometry: Geometry) -> Workload:
     duplicates inside a round and across rounds (A -> B -> A after eviction), prompts of exactly
     k pages and k pages +- 1, prompts and decodes past the window, single-token outputs, waves
     joining a running batch and aborts (engines that serve), context keys (engines that take
-    them), and every third round more than the pool holds."""
+    them), and every third round more than the pool holds. On engines that serve, every sixth of
+    those is a burst (earlier requests again, a pressure wave one forward later), and every sixth
+    round from the fourth an abort storm."""
     maker = _Maker(seed, geometry)
-    return Workload(seed, tuple(maker.round(pressure=i % 3 == 2) for i in range(rounds)))
+    return Workload(seed, tuple(maker.round(_kind(i, geometry.serves)) for i in range(rounds)))
+
+
+def _kind(i: int, serves: bool) -> str:
+    if serves and i % 6 == 5:
+        return "burst"
+    if serves and i % 6 == 3:
+        return "abort storm"
+    return "pressure" if i % 3 == 2 else "plain"
 
 
 def subsets(workload: Workload) -> Iterator[Workload]:

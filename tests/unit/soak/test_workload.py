@@ -40,6 +40,24 @@ def test_a_workload_holds_every_kind_of_reuse_and_pressure():
     assert all(len(workload.prompt(q)) + q.max_new_tokens <= GEOMETRY.max_context for _, q in requests)
 
 
+def test_an_engine_that_serves_gets_bursts_and_abort_storms():
+    """A burst: earlier requests again (their prefixes cached, evicted or in host memory), then one
+    forward later more new long requests than the pool holds. An abort storm: half a round gone at
+    one forward of one wave."""
+    workload = make_workload(2, 12, GEOMETRY)
+    earlier = [set() for _ in workload.rounds]
+    for i in range(1, len(workload.rounds)):
+        earlier[i] = earlier[i - 1] | {tuple(workload.prompt(q)) for q in workload.rounds[i - 1].requests}
+    bursts = [i for i, r in enumerate(workload.rounds) if r.gaps == (1,) and {q.wave for q in r.requests} == {0, 1}
+              and all(tuple(workload.prompt(q)) in earlier[i] for q in r.requests if q.wave == 0)
+              and sum(len(workload.prompt(q)) + q.max_new_tokens for q in r.requests if q.wave == 1) > GEOMETRY.capacity]
+    assert bursts == [5, 11]
+    storms = [i for i, r in enumerate(workload.rounds)
+              if max(Counter((q.wave, q.abort_after) for q in r.requests if q.abort_after).values(), default=0)
+              >= len(r.requests) // 2 >= 1]
+    assert {3, 9} <= set(storms)
+
+
 def test_an_engine_that_neither_serves_nor_takes_contexts_gets_neither():
     plain = Geometry(page_size=1, window=None, capacity=1023, max_context=256, max_batch=8, contexts=False,
                      serves=False)
