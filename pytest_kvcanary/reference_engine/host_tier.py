@@ -228,12 +228,14 @@ class HostKVCache:
     @contextlib.contextmanager
     def _copying(self) -> Iterator[None]:
         """Copies (and listeners' work) on the copy stream, after what the device's stream has
-        launched (the forwards that wrote or read these device slots); a completion event after."""
+        launched (the forwards that wrote or read these device slots) and a jitter's spin; a
+        completion event after."""
         if self._stream is None:
             yield
             return
         self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
+            self._jitter.spin()
             yield
         self._event = torch.cuda.Event()
         self._event.record(self._stream)

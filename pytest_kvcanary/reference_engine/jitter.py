@@ -8,7 +8,12 @@ the engine draws, at each point, a choice a real engine's timing could make:
   (its path stays locked that long; the next ones may be acknowledged before it);
 - a pair's transfers wait 0 to `MAX_DELAY` decode steps while the decode side has work, and a
   waiting prefilled request other than the first may move first.
-Each choice comes from `random.Random(seed)` in the order the engine asks, restarted by the
+On a GPU the host tier's copies run on a copy stream of their own, and the device decides when
+they finish: with a seed, a spin-wait of 0 to `MAX_SPIN_CYCLES` clock cycles is queued on that
+stream ahead of each batch of copies (`spin`), so a copy lands late against the forwards and
+acknowledgements around it, as it could under load.
+Each choice comes from `random.Random(seed)` in the order the engine asks (the spins from a
+generator of their own, so the CPU choices are the same on either device), restarted by the
 engine's reset: a workload replayed after a reset meets the same choices. Off (seed None), every
 choice is the engine's natural one and nothing is drawn.
 """
@@ -17,7 +22,10 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 MAX_DELAY = 2
+MAX_SPIN_CYCLES = 2_000_000  # about a millisecond at a GPU's clock
 
 
 class Jitter:
@@ -26,6 +34,7 @@ class Jitter:
     def __init__(self, seed: int | None) -> None:
         self.seed = seed
         self._rng: random.Random | None = None
+        self._spins: random.Random | None = None
         self.restart()
 
     @property
@@ -35,6 +44,7 @@ class Jitter:
     def restart(self) -> None:
         """Draw from the seed's first choice again."""
         self._rng = None if self.seed is None else random.Random(self.seed)
+        self._spins = None if self.seed is None else random.Random(f"{self.seed}/spin")
 
     def delay(self) -> int:
         """Steps (or acknowledgements) to wait, 0 to MAX_DELAY; 0 when off."""
@@ -43,3 +53,14 @@ class Jitter:
     def pick(self, n: int) -> int:
         """Which of n waiting items goes first, 0 when off (n >= 1)."""
         return 0 if self._rng is None else self._rng.randrange(n)
+
+    def spin(self) -> int:
+        """Queue a seeded spin-wait on the current CUDA stream (0 to MAX_SPIN_CYCLES clock cycles,
+        0 for a third of the draws); returns the cycles. Nothing when off. Call it only where that
+        stream is a CUDA one."""
+        if self._spins is None:
+            return 0
+        cycles = 0 if self._spins.random() < 1 / 3 else self._spins.randrange(1, MAX_SPIN_CYCLES + 1)
+        if cycles:
+            torch.cuda._sleep(cycles)
+        return cycles

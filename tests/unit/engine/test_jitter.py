@@ -10,6 +10,7 @@ import torch
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.reference_engine import EngineConfig, ModelConfig
+from pytest_kvcanary.reference_engine.jitter import MAX_SPIN_CYCLES, Jitter
 from pytest_kvcanary.reference_engine.pd import PDPair
 
 from test_host_tier import a_b_a, tight
@@ -84,6 +85,44 @@ def test_a_pair_s_transfers_wait_and_overtake_with_outputs_unchanged(make_engine
     shaken, shaken_order = run(11)
     assert shaken == plain
     assert in_order == sorted(in_order) and shaken_order != sorted(shaken_order), "no transfer overtook another"
+
+
+def _recorded_spins(monkeypatch) -> list[int]:
+    slept = []
+    monkeypatch.setattr(torch.cuda, "_sleep", slept.append)
+    return slept
+
+
+def test_spins_are_seeded_and_leave_the_other_choices_as_they_were(monkeypatch):
+    slept = _recorded_spins(monkeypatch)
+    alone = Jitter(7)
+    delays = [alone.delay() for _ in range(20)]
+    mixed = Jitter(7)
+    spins = []
+    for _ in range(20):
+        spins.append(mixed.spin())
+        assert mixed.delay() == delays[len(spins) - 1]
+    assert 0 in spins and max(spins) > 0 and max(spins) <= MAX_SPIN_CYCLES
+    assert slept == [c for c in spins if c], "a spin of 0 cycles queues nothing"
+    mixed.restart()
+    assert [mixed.spin() for _ in range(20)] == spins
+    assert Jitter(None).spin() == 0 and len(slept) == len([c for c in spins if c]) * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream's spins need CUDA")
+def test_copies_spun_late_on_the_copy_stream_keep_outputs_exact_and_the_canary_silent(
+        make_engine, random_prompts, assert_reference, check_invariants, monkeypatch):
+    sleep, spins = torch.cuda._sleep, []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: (spins.append(cycles), sleep(cycles)))
+    engine = make_engine("mha", jitter_seed=11, **tight(4))
+    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=2, kernels=KERNELS), engine)
+    engine.set_forward_hooks(runtime)
+    prompts, outputs = a_b_a(engine, random_prompts)
+    assert_reference(engine, prompts, outputs)
+    check_invariants(engine)
+    assert engine.host_tier.num_loaded_back > 0 and len(spins) > 0
+    runtime.drain()
+    assert runtime.log.violations == [] and runtime.health_problems() == []
 
 
 def test_a_negative_seed_is_refused_by_name():
