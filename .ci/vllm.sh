@@ -61,5 +61,8 @@ run_pytest tests/adapters/vllm/
 # The example suite takes ten minutes on 0.26's Triton interpreter: it is run on 0.32 only.
 if [ "$release" = 0.32 ]; then
   run_pytest --kv-canary --kv-canary-engine=vllm examples/
+  # The baseline and fault examples on vLLM with an FP8 KV cache (about two minutes).
+  run_pytest --kv-canary --kv-canary-engine=vllm --kv-canary-vllm-kv-cache-dtype=fp8 examples/test_baseline.py \
+    examples/test_faults.py
 fi
 run_pytest -q --kv-canary --kv-canary-engine=vllm --kv-canary-soak-rounds=2 --pyargs pytest_kvcanary.soak.suite

@@ -35,6 +35,7 @@ _LAZY = {
     "ForwardView": "inputs",
     "GroupInputs": "inputs",
     "StateInputs": "inputs",
+    "ScaleInputs": "inputs",
     "verify_records": "verify",
     "state_launch": "state_view",
     "verify_view": "view_verify",
@@ -58,6 +59,8 @@ _LAZY = {
     "stamp_view_parts_ref": "reference",
     "verify_records_ref": "reference",
     "verify_view_ref": "reference",
+    "verify_scales": "scale_check",
+    "verify_scales_ref": "reference",
     "verify_view_parts_ref": "reference",
 }
 

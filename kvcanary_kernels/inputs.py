@@ -103,6 +103,17 @@ class StateInputs(NamedTuple):
     checkpoint_lens: torch.Tensor
 
 
+class ScaleInputs(NamedTuple):
+    """The dequantization scales a forward over a quantized KV pool uses (the SCALES group): float32
+    ``[num_layers, W]`` on the engine's device, row i the scales layer i's attention multiplies its
+    stored K (k) and V (v) by, per KV head (W = num_kv_heads) or per tensor (W = 1); v is None for
+    a latent pool (one half). The very tensors the forward's attention reads: HEAD checks each
+    row against the layer's guarded scales before the forward reads KV."""
+
+    k: torch.Tensor
+    v: torch.Tensor | None
+
+
 @dataclass(frozen=True)
 class ForwardView:
     """One forward as the canary sees it: int64 tensors on the engine's device, fixed shapes.
@@ -125,7 +136,9 @@ class ForwardView:
     seeds each chain's anchor, so KV reused across contexts fails at position 0; group_inputs: for
     a pool group written by another model than the one input_ids / positions fed (a draft model's
     pool), what that model consumed: TAIL stamps and checks that group from it (the kernels read
-    input_ids / positions only: the runtime hands them the group's view, ``for_group``).
+    input_ids / positions only: the runtime hands them the group's view, ``for_group``); state: a
+    hybrid model's state slots (`StateInputs`); scales: the dequantization scales of a quantized
+    pool the forward reads its KV through (`ScaleInputs`; an engine with a SCALES group).
 
     The slots a forward writes are mapping(row, prefix_len + j): they must be in the mapping
     before before_forward.
@@ -140,6 +153,7 @@ class ForwardView:
     context_keys: torch.Tensor | None = None
     group_inputs: Mapping[GroupKind, GroupInputs] | None = None
     state: StateInputs | None = None
+    scales: ScaleInputs | None = None
 
     def for_group(self, kind: GroupKind) -> ForwardView:
         """The view as the kernels read it for one group: fed by what that group's writer consumed
@@ -148,7 +162,8 @@ class ForwardView:
         if own is None:
             return self
         return ForwardView(self.rows, self.prefix_lens, self.extend_lens, own.input_ids, own.positions,
-                           self.token_table, self.context_keys, state=self.state)
+                           self.token_table, self.context_keys, state=self.state,
+                           scales=self.scales)
 
 
 class VerifyEntries(NamedTuple):

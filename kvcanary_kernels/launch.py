@@ -406,3 +406,18 @@ def row_grid(batch: int, span_cap: int, block: int, device: torch.device) -> tup
         budget = CPU_PROGRAMS
     per_row = max(1, min(cdiv(span_cap, block), budget // max(batch, 1)))
     return max(batch, 1), per_row
+
+
+def check_scales(scales: torch.Tensor, guarded: torch.Tensor, ring: ViolationRing, tag: int) -> None:
+    """A scale check's inputs: ``scales`` and ``guarded`` float32 ``[num_layers, W]`` tensors of
+    one shape, contiguous, on the ring's device; a tag in range."""
+    for name, t in (("scales", scales), ("guarded", guarded)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 tensor [num_layers, W]; got {_desc(t)}"
+                             + (f", strides {t.stride()}" if isinstance(t, torch.Tensor) else ""))
+        if t.device != ring.rows.device:
+            raise ValueError(f"{name} is on {t.device}; the ring is on {ring.rows.device}")
+    if scales.shape != guarded.shape:
+        raise ValueError(f"scales has shape {tuple(scales.shape)}; the guarded scales {tuple(guarded.shape)}")
+    split_tag(tag)
+

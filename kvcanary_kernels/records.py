@@ -46,6 +46,9 @@ class Reason(IntEnum):
     # Ranks of a parallel engine disagree: what a forward stamped (slot, token, position, chain) or
     # what a sweep's walk holds differs from the reference rank's (the row column holds that rank).
     RANK_DIVERGENCE = 16384
+    # A scale a forward dequantizes with (or one a pool holds) is not the layer's guarded scale
+    # (the slot column holds the layer, the position column the head; stored/expected: float32 bits).
+    VERIFY_SCALE = 32768
 
     @property
     def label(self) -> str:
@@ -61,6 +64,7 @@ PRIMARY_REASON_ORDER = (
     Reason.WALK_DUPLICATE_SLOT,
     Reason.WALK_POSITION_GAP,
     Reason.RESERVED_SLOT_WRITTEN,
+    Reason.VERIFY_SCALE,
     Reason.VERIFY_MISSING_SLOT,
     Reason.VERIFY_POSITION,
     Reason.VERIFY_TOKEN,
@@ -96,10 +100,11 @@ class GroupKind(IntEnum):
     SWA = 1
     DRAFT = 2  # a speculative-decoding draft model's own KV pool
     STATE = 3  # a hybrid model's recurrent state: one slot per running request or cached checkpoint
+    SCALES = 4  # a quantized pool's dequantization scales: one slot per layer
 
     @property
     def label(self) -> str:
-        """The name reports, markers and the terminal use ("full", "swa", "draft", "state")."""
+        """The name reports, markers and the terminal use ("full", "swa", "draft", "state", "scales")."""
         return self.name.lower()
 
     @classmethod

@@ -17,7 +17,7 @@ from .checks import check_int
 from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .hashing import head_hash_int, head_hash_torch, link_int, link_torch, mix_torch, to_signed
 from .launch import (
-    Tiling, check_common, check_entries, check_prev_records, check_stamp_launch, check_state_launch, check_vector, check_view_launch,
+    Tiling, check_common, check_entries, check_prev_records, check_scales, check_stamp_launch, check_state_launch, check_vector, check_view_launch,
     RowsPart, StampPart, ViewPart, check_parts, rows_source,
 )
 from .records import (
@@ -368,6 +368,17 @@ def _record_checks(rec: torch.Tensor, positions: torch.Tensor, expected_prev: to
 def _token_check(rec: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     stored = rec[:, FIELD_TOKEN]
     return (tokens != UNKNOWN) & (stored != tokens), stored, tokens
+
+
+def verify_scales_ref(scales: torch.Tensor, guarded: torch.Tensor, ring: ViolationRing, tag: int) -> None:
+    """``scale_check.verify_scales``: a verify_scale row per scale whose bits differ from the guarded one's."""
+    check_scales(scales, guarded, ring, tag)
+    found, want = (t.reshape(-1).view(torch.int32).to(torch.int64) & _LOW32 for t in (scales, guarded))
+    index = torch.arange(found.numel(), device=found.device)
+    width = scales.shape[1]
+    _count(ring, tag, scales.shape[0])
+    _append(ring, tag, {Reason.VERIFY_SCALE: (found != want, found, want)}, index // width, index % width,
+            torch.full_like(index, -1))
 
 
 def _count(ring: ViolationRing, tag: int, entries: int) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NoRet
 import pytest
 
 from .canary.seam import UnsupportedAttention
+from .config import PD_TRANSPORTS
 from .gpu import DeviceLeaseError, DeviceLeases, new_lock_dir, remove_lock_dir, runs_on_cpu
 from .handles import factories
 from .handles.factories import (NoParallelEngine, NoPrefillDecodePair, NotAnEngineUnderTest, UnknownEngine,
@@ -295,6 +296,12 @@ def _topology(settings: Settings, node: pytest.Item) -> tuple[int, int]:
                  for name in markers.PARALLEL_FIELDS)
 
 
+def _transport(settings: Settings, node: pytest.Item) -> str:
+    """How the test's pair moves KV: the command line's, else its kv_pd marker's, else the ini's."""
+    marked = _marker_value(markers.pd_transport, node)
+    return settings.pd_transport if "transport" in settings.pinned else marked.get("transport", settings.pd_transport)
+
+
 def _checkout(request: pytest.FixtureRequest, pool: EnginePool, key: EngineKey) -> Any:
     """The handle for key. An engine name nobody builds an engine under test for (a hook that
     returns None or something else) is the run's error, not each test's: this test errors, and
@@ -328,8 +335,9 @@ def _engine_handle(request: pytest.FixtureRequest, kind: str, attention: str) ->
     if problem := parallel_problem(settings.engine, tp, pp):
         field, why = problem
         pytest.skip(f"kv_parallel({field}=...) {why}")
+    transport = _transport(settings, node) if kind == "pd" else PD_TRANSPORTS[0]
     key = EngineKey(kind, canary, settings.engine, attention, _devices(request.config, kind, tp * pp), settings.seed,
-                    model, tp, pp)
+                    model, tp, pp, transport)
     pool: EnginePool = request.getfixturevalue("_kv_engines")
     serial, handle = _checkout(request, pool, key)
     _marker_value(markers.check_perturbs_fit, node, groups=handle.pool_groups(), canary=canary,
@@ -390,7 +398,8 @@ def kv_engine(request: pytest.FixtureRequest, kv_attention_kind: str) -> Iterato
 @pytest.fixture
 def kv_pd(request: pytest.FixtureRequest, kv_attention_kind: str) -> Iterator[Any]:
     """A prefill/decode engine pair handle, reset for this test; on two GPUs when the run has a
-    spare one. Skips when the canary is off, or when the engine has no prefill/decode pair."""
+    spare one; each engine in a process of its own under kv_pd(transport="processes"). Skips when
+    the canary is off, or when the engine has no prefill/decode pair."""
     yield from _engine_handle(request, "pd", kv_attention_kind)
 
 
@@ -416,6 +425,8 @@ def _replay(item: pytest.Item, record: _TestRecord, settings: Settings) -> str:
     engine = [f"{ENGINE_CHECKS.options[name]}={value}" for name, value in settings.engine_options.items() if value]
     key = record.key
     parallel = [f"--kv-canary-tp={key.tp}", f"--kv-canary-pp={key.pp}"] if key.tp * key.pp > 1 else []
+    if key.transport != PD_TRANSPORTS[0]:
+        parallel.append(f"--kv-canary-pd-transport={key.transport}")
     return shlex.join([
         "pytest", target, f"--kv-canary={c.mode}", f"--kv-canary-seed={record.seed}",
         f"--kv-canary-real-data={c.real_data}", f"--kv-canary-sweep-interval={c.sweep_interval}",

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import pytest
 
 from . import gpu
-from .config import ATTENTION_KINDS, CANARY_MODES, REAL_DATA_MODES, CanaryConfig
+from .config import ATTENTION_KINDS, CANARY_MODES, PD_TRANSPORTS, REAL_DATA_MODES, CanaryConfig
 from .gpu import AUTO, DEVICE_SETTINGS, count_gpus, visible_gpu_count
 from .report import report_target, special_file
 from .soak.workload import Workload
@@ -148,11 +148,15 @@ OPTIONS = (
     _Option("kv_canary_pp", "--kv-canary-pp", "N", "1", _integer(1),
             "pipeline-parallel stages of the reference engine each test runs on (as --kv-canary-tp; 1 on "
             "transformers)"),
+    _Option("kv_canary_pd_transport", "--kv-canary-pd-transport", "TRANSPORT", PD_TRANSPORTS[0],
+            _one_of(*PD_TRANSPORTS), "how kv_pd's prefill/decode pair moves KV: local (both engines in the test's "
+            "process) or processes (each engine in a process of its own, the KV over torch.distributed; a kv_pd "
+            "marker sets it per test; this option, given on the command line, wins)"),
 )
 # Options that set a CanaryConfig field; all but the mode, given on the command line, win over markers.
 _CANARY_FIELDS = {"kv_canary": "mode", "kv_canary_real_data": "real_data", "kv_canary_sweep_interval": "sweep_interval"}
-# Options a kv_parallel marker sets per test; given on the command line, they win over it.
-_PARALLEL_FIELDS = {"kv_canary_tp": "tp", "kv_canary_pp": "pp"}
+# Options a kv_parallel (kv_pd) marker sets per test; given on the command line, they win over it.
+_PARALLEL_FIELDS = {"kv_canary_tp": "tp", "kv_canary_pp": "pp", "kv_canary_pd_transport": "transport"}
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,9 @@ class Settings:
 
     pinned: CanaryConfig fields (other than mode) given on the command line, which kv_canary
     markers cannot change, and "tp" / "pp" when given there (kv_parallel markers cannot change
-    them). tp / pp: tensor-parallel ranks and pipeline stages of the engines (1: one process).
+    them), and "transport" (kv_pd markers cannot change it). tp / pp: tensor-parallel ranks and
+    pipeline stages of the engines (1: one process). pd_transport: how kv_pd's pair moves KV
+    (PD_TRANSPORTS).
     model / report / lock_dir: absolute, or None when unset.
     workers_per_gpu: None for auto. soak_rounds / soak_replay: what the stock workload soak runs
     (a seeded workload of that many rounds, or the replay given). engine_options: the options the
@@ -183,6 +189,7 @@ class Settings:
     soak_replay: str | None = None
     tp: int = 1
     pp: int = 1
+    pd_transport: str = PD_TRANSPORTS[0]
     engine_options: Mapping[str, str | None] = field(default_factory=dict)
 
     def header(self) -> str:
@@ -192,6 +199,7 @@ class Settings:
         model = f" model={self.model}" if self.model else ""
         engine = "".join(f" {_shown(name)}={value}" for name, value in self.engine_options.items() if value)
         parallel = f" tp={self.tp} pp={self.pp}" if self.tp * self.pp > 1 else ""
+        parallel += f" pd_transport={self.pd_transport}" if self.pd_transport != PD_TRANSPORTS[0] else ""
         return (f"kv-canary: mode={c.mode} real_data={c.real_data} sweep_interval={c.sweep_interval} "
                 f"seed={self.seed} device={self.device} engine={self.engine}{parallel}{model}{engine}")
 
@@ -262,6 +270,7 @@ def resolve(config: pytest.Config, engines: EngineChecks) -> Settings:
         soak_replay=values["kv_canary_soak_replay"] or None,
         tp=values["kv_canary_tp"],
         pp=values["kv_canary_pp"],
+        pd_transport=values["kv_canary_pd_transport"],
         engine_options={name: _given(config, name) for name in engines.options},
     )
     raw = {name: values[name] for name in sources}

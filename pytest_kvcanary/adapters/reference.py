@@ -13,7 +13,8 @@ from ..reference_engine.weights import read_config
 def reference_config(attention: str, device: str, seed: int, model: str | None = None, *,
                      speculative_k: int = 0, page_size: int = 1, host_num_slots: int = 0,
                      num_slots: int = 1024, swa_num_slots: int = 512, max_running: int = 8,
-                     disk_dir: str | None = None, disk_num_pages: int = 1024) -> EngineConfig:
+                     disk_dir: str | None = None, disk_num_pages: int = 1024, kv_dtype: str = "auto",
+                     kv_scale: str = "tensor") -> EngineConfig:
     """A small Llama-style model on random weights: mha, swa with a window short enough that test
     prompts slide past it, or mla (latent KV pools). model: a local checkpoint directory whose
     weights replace the random ones (mha and swa). speculative_k > 0: speculative decoding with
@@ -23,8 +24,9 @@ def reference_config(attention: str, device: str, seed: int, model: str | None =
     swa_num_slots (multiples of page_size), max_running: the pools and rows (smaller ones put the
     engine under memory pressure: eviction, write-back, retraction); disk_dir: a directory where a
     storage tier under the host tier keeps pages host memory evicts, at most disk_num_pages of them
-    (mha and mla). EngineConfig says more."""
-    shape = dict(attention=attention, window=16, full_every=2)
+    (mha and mla); kv_dtype, kv_scale: what the KV pools store, and FP8's scales (ModelConfig).
+    EngineConfig says more."""
+    shape = dict(attention=attention, window=16, full_every=2, kv_dtype=kv_dtype, kv_scale=kv_scale)
     config = (ModelConfig(seed=seed, max_context=256, **shape) if model is None
               else read_config(model, **shape))
     return EngineConfig(model=config, num_slots=num_slots, swa_num_slots=swa_num_slots, max_running=max_running,

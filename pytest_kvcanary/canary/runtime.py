@@ -19,6 +19,7 @@ from .health import CanaryStats, KvCanaryHealthError, LaunchCounter
 from .host_records import HostRecords
 from .launch_replay import LaunchReplay, buffers_key
 from .seam import GuardedEngine, ForwardView, SlotZeroUnguarded, capabilities_of, optional
+from .scales import ScaleGuard
 from .state import StateGuard
 from .log import ViolationLog
 from .plans import SweepPlan
@@ -34,6 +35,8 @@ def view_tensors(view: ForwardView) -> list[torch.Tensor | None]:
         tensors.extend(view.group_inputs[kind])
     if view.state is not None:
         tensors.extend(view.state)
+    if view.scales is not None:
+        tensors.extend(view.scales)
     return tensors
 
 
@@ -63,6 +66,7 @@ class KernelSet:
         self.stamp_view_parts: Callable = getattr(K, "stamp_view_parts" + suffix)
         self.verify_records: Callable = getattr(K, "verify_records" + suffix)
         self.state_launch: Callable = getattr(K, "state_launch" + suffix)
+        self.verify_scales: Callable = getattr(K, "verify_scales" + suffix)
         self.source_hash_rows_parts: Callable = getattr(K, "source_hash_rows_parts" + suffix)
 
 
@@ -76,7 +80,8 @@ class CanaryRuntime:
     end_forward (every drain_interval forwards) and drain() raise KvCanaryViolationError when new
     violations appeared. host_records: the records of the pages the engine's host tier holds (None
     without one), moved with the bytes. groups: the KV groups (FULL first); state: the STATE
-    group's canary (canary/state.py), None without one."""
+    group's canary (canary/state.py), None without one; scales: the SCALES group's
+    (canary/scales.py), None without one."""
 
     def __init__(
         self,
@@ -96,7 +101,7 @@ class CanaryRuntime:
         self.device = torch.device(device) if device is not None else pools[0].k_layers[0].device
         mode = K.RealDataMode(config.real_data)  # the one conversion (CanaryConfig checked it)
         self.groups = [GroupState.create(pool, mode, self.device, self.capacities, recheck=config.recheck)
-                       for pool in pools if pool.kind is not GroupKind.STATE]
+                       for pool in pools if pool.kind not in (GroupKind.STATE, GroupKind.SCALES)]
         for group in self.groups:
             group.seal_reserved_slot()
         # Slot 0 holds no token: its bytes never change, and a read mapped there is a missing slot.
@@ -111,6 +116,8 @@ class CanaryRuntime:
                  for pool in pools if pool.kind is GroupKind.STATE]
         self.state = None if not state else StateGuard(state[0], self.groups[0], self.kernels.state_launch,
                                                          self.kernels.verify_records)
+        scales = [pool for pool in pools if pool.kind is GroupKind.SCALES]
+        self.scales = ScaleGuard(scales[0], self.kernels.verify_scales) if scales else None
         tier = optional(host, "host_tier")
         held = self.groups + ([] if self.state is None else [self.state.group])
         self.host_records = None if tier is None else HostRecords(held, tier)
@@ -118,14 +125,16 @@ class CanaryRuntime:
         self.log = ViolationLog(self.ring, side, config.mode, jsonl_path)
         phases = [Phase.HEAD, Phase.TAIL] + ([Phase.RECHECK] if config.recheck else [])
         state_tags = [] if self.state is None else self.state.per_forward_tags()
-        self.launches = LaunchCounter(self._tags(phases) + state_tags)
+        scale_tags = [] if self.scales is None else self.scales.phase_tags(Phase.HEAD)
+        self.launches = LaunchCounter(self._tags(phases) + state_tags + scale_tags)
         self.forwards = 0
         self.sweeps = 0
         self._sweep_plan: SweepPlan | None = None
         self._sweep_graph: torch.cuda.CUDAGraph | None = None
         self._swept = [g for g in self.groups if g.swept_by_walk()]  # the groups a cache walk reaches
         self._sweep_tags = self._tags([Phase.SWEEP], self._swept) + (
-            [] if self.state is None else [self.state.tags[Phase.SWEEP]])
+            [] if self.state is None else [self.state.tags[Phase.SWEEP]]) + (
+            [] if self.scales is None else self.scales.phase_tags(Phase.SWEEP))
         full = self.groups[0]  # every token has a FULL-group slot; a walk names FULL slots
         self._walk_tag = launch_tag(Phase.SWEEP, next(iter(full.halves)), full.pool.kind)  # a malformed walk's rows
         self._one_device = self.device.type != "cuda" or torch.cuda.device_count() == 1
@@ -153,8 +162,9 @@ class CanaryRuntime:
 
     @property
     def group_kinds(self) -> list[GroupKind]:
-        """Every guarded group's kind, FULL first, STATE last."""
-        return [g.pool.kind for g in self.groups] + ([] if self.state is None else [GroupKind.STATE])
+        """Every guarded group's kind, FULL first, then STATE and SCALES."""
+        return ([g.pool.kind for g in self.groups] + ([] if self.state is None else [GroupKind.STATE])
+                + ([] if self.scales is None else [GroupKind.SCALES]))
 
     # ForwardHooks ---------------------------------------------------------------------------
 
@@ -169,6 +179,8 @@ class CanaryRuntime:
         self._verify_view(view, Phase.HEAD)
         if self.state is not None:
             self.state.verify(self._state_view(view), self.ring)
+        if self.scales is not None:  # the scales this forward dequantizes with, before it reads KV
+            self.scales.verify(view, self.ring)
 
     def _state_view(self, view: ForwardView) -> ForwardView:
         if view.state is None:
@@ -308,6 +320,8 @@ class CanaryRuntime:
                                             check_tokens=self.config.check_tokens)
         if self.state is not None:  # the checkpoints the prefix cache holds
             self.state.sweep(self.ring)
+        if self.scales is not None:
+            self.scales.sweep(self.ring)
 
     def drain(self) -> list[Violation]:
         """Move every row the device logged so far into `log` (synchronous); returns the new

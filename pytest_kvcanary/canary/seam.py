@@ -11,7 +11,9 @@ An adapter is an `EngineUnderTest`:
 1. What to guard (`GuardedEngine.canary_groups`): one `PoolGroup` per KV pool, FULL first, each
    with the `SlotMapping` that says how (row, position) finds a slot; a hybrid model's recurrent
    state is one more group, kind STATE, whose slots each forward names in `ForwardView.state`
-   (`StateInputs`). `GroupKind` and `Half` name groups and halves.
+   (`StateInputs`); a quantized pool's dequantization scales are one more, kind SCALES, whose
+   scales each forward hands over in `ForwardView.scales` (`ScaleInputs`). `GroupKind` and `Half`
+   name groups and halves.
 2. How big a forward gets (`GuardedEngine.canary_capacities`): `Capacities`.
 3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView` (and
    `GroupInputs` for a pool another model writes).
@@ -25,7 +27,8 @@ An adapter is an `EngineUnderTest`:
    is declared below with its default: a method with a default body (`checkpoint_walk`,
    `request_at`, `finished_requests`, `engine_defects`, `capabilities`), a method *not offered*
    by default (`add_free_listener`, `feed_token`, `serve`, `score_uncached`: the harness falls
-   back as each says), or a data member with a default value (`host_tier`, `prefix_caching`).
+   back as each says), or a data member with a default value (`host_tier`, `prefix_caching`,
+   `routed_experts`).
    `optional(engine, name)` reads one (None for a member not offered). The workload soak uses
    `serve` (requests arriving while others run, each an `Arrival`), `score_uncached` (its oracle,
    `TokenScores`) and `engine_defects` (`EngineDefect`) when an engine offers them.
@@ -74,7 +77,7 @@ from dataclasses import dataclass, fields
 from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Generic, Mapping, Protocol, Sequence, TypeVar,
                     runtime_checkable)
 
-from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping, StateInputs
+from kvcanary_kernels.inputs import ForwardView, GroupInputs, ScaleInputs, SlotMapping, StateInputs
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, UNKNOWN, GroupKind, Half
 
 from ..soak.seam_types import Arrival, EngineDefect, TokenScores
@@ -90,7 +93,7 @@ __all__ = [
     # 2. how big a forward gets
     "Capacities",
     # 3. each forward
-    "ForwardHooks", "ForwardView", "GroupInputs", "StateInputs",
+    "ForwardHooks", "ForwardView", "GroupInputs", "StateInputs", "ScaleInputs",
     # 4. the prefix cache, its frees, its host tier
     "CacheWalk", "PagedWalk", "page_entries", "PREV_CHAIN_HEAD", "UNKNOWN", "CheckpointWalk", "FreeListener",
     "HostTier", "HostPool", "HostTierListener", "copy_runs",
@@ -317,6 +320,11 @@ class EngineUnderTest(GuardedEngine, Protocol):
     # reuse only where it can happen (True, the default: it has one).
     prefix_caching: bool = True
 
+    # Optional data member: True where the model sends each token to some of its experts (a mixture
+    # of experts). Below float32 a router's near tie can go one way in a decode and the other in a
+    # recomputation, moving a logit by far more than rounding; the soak's oracle allows for it.
+    routed_experts: bool = False
+
     def request_at(self, row: int, step: int) -> tuple[str, str] | None:
         """Optional: the (request id, prompt text) that held mapping row `row` at forward `step`
         since the last reset, or None; a failure report then names the request beside the row.
@@ -430,7 +438,8 @@ class UnsupportedAttention(LookupError):
     latent pool for mla); tests of that kind skip with this message, which names the engine."""
 
 
-OPTIONAL_MEMBERS = ("add_free_listener", "feed_token", "host_tier", "checkpoint_walk", "prefix_caching", "request_at",
+OPTIONAL_MEMBERS = ("add_free_listener", "feed_token", "host_tier", "checkpoint_walk", "prefix_caching",
+                    "routed_experts", "request_at",
                     "finished_requests", "serve", "score_uncached", "engine_defects", "liveness", "capabilities")
 
 

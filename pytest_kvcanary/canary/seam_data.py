@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from kvcanary_kernels.checks import check_int
 # The kernels' input types are the seam's: one definition, read by the kernels as they are.
-from kvcanary_kernels.inputs import ForwardView, GroupInputs, SlotMapping, StateInputs
+from kvcanary_kernels.inputs import ForwardView, GroupInputs, ScaleInputs, SlotMapping, StateInputs
 from kvcanary_kernels.records import GroupKind, Half
 
 # The soak's types, defined with the soak; re-exported for the paths documented before they moved.
 from ..soak.seam_types import Arrival, EngineDefect, TokenScores
 
 __all__ = ["Arrival", "CacheWalk", "Capacities", "CheckpointWalk", "EngineDefect", "ForwardView", "GroupInputs",
-           "HostPool", "PagedWalk", "PoolGroup", "SlotMapping", "StateInputs", "TokenScores", "copy_runs",
+           "HostPool", "PagedWalk", "PoolGroup", "ScaleInputs", "SlotMapping", "StateInputs", "TokenScores", "copy_runs",
            "page_entries"]
 
 if TYPE_CHECKING:
@@ -41,7 +41,11 @@ class PoolGroup:
 
     kind: FULL, SWA, DRAFT, or STATE (a hybrid model's recurrent state: k_layers are its state
     layers' buffers, each ``[num_slots, ...]`` with one request's or checkpoint's state per slot,
-    v_layers empty, no mapping: a forward names its state slots in `ForwardView.state`).
+    v_layers empty, no mapping: a forward names its state slots in `ForwardView.state`), or SCALES
+    (a quantized pool's dequantization scales: k_layers and v_layers one float32 buffer each,
+    ``[num_layers, W]``, the scales of every layer, per KV head or per tensor; v_layers empty for a
+    latent pool; num_slots = num_layers, no slot reserved; no mapping: a forward names the scales it
+    uses in `ForwardView.scales`).
     k_layers / v_layers: the per-layer buffers, each ``[num_pages, page_size,
     ...]`` (or ``[num_slots, ...]`` when page_size is 1), slot s at ``[s // page_size, s %
     page_size]``, or ``[num_pages, tiles, tile, ...]`` for a page kept in tiles, slot s at
@@ -85,9 +89,13 @@ class PoolGroup:
                                  f"k_layers[0] (shape {tuple(self.k_layers[0].shape)}); give page_size, the slots "
                                  f"each row of the buffers holds")
             object.__setattr__(self, "page_size", self.num_slots // rows)
-        if (self.mapping is None) != (self.kind is GroupKind.STATE):
-            raise ValueError(f"PoolGroup.mapping must be {'None' if self.kind is GroupKind.STATE else 'a SlotMapping'} "
+        unmapped = self.kind in (GroupKind.STATE, GroupKind.SCALES)
+        if (self.mapping is None) != unmapped:
+            raise ValueError(f"PoolGroup.mapping must be {'None' if unmapped else 'a SlotMapping'} "
                              f"for a {self.kind.name} group; got {type(self.mapping).__name__}")
+        if self.kind is GroupKind.SCALES:
+            _check_scales(self)
+            return
         if self.kind is not GroupKind.STATE:
             for name, layers in (("k_layers", self.k_layers), ("v_layers", self.v_layers)):
                 for i, buffer in enumerate(layers):
@@ -103,6 +111,21 @@ class PoolGroup:
                              "window")
         if self.num_slots < 2:
             raise ValueError(f"PoolGroup.num_slots must be >= 2 (slot 0 is reserved); got {self.num_slots}")
+
+
+def _check_scales(group: PoolGroup) -> None:
+    """A SCALES group: one float32 buffer ``[num_slots, W]`` per half (the layers' scales), contiguous."""
+    import torch
+
+    if len(group.k_layers) != 1 or len(group.v_layers) > 1 or group.window is not None:
+        raise ValueError(f"a SCALES PoolGroup has one k_layers buffer, at most one v_layers buffer and no window; got "
+                         f"{len(group.k_layers)}, {len(group.v_layers)}, window={group.window!r}")
+    for name, layers in (("k_layers", group.k_layers), ("v_layers", group.v_layers)):
+        for buffer in layers:
+            if (buffer.dtype != torch.float32 or buffer.dim() != 2 or buffer.shape[0] != group.num_slots
+                    or not buffer.is_contiguous()):
+                raise ValueError(f"a SCALES PoolGroup's {name}[0] must be a contiguous float32 [num_slots="
+                                 f"{group.num_slots}, W] tensor; got {buffer.dtype} of shape {tuple(buffer.shape)}")
 
 
 def _head_major(buffer: torch.Tensor, page_size: int) -> bool:

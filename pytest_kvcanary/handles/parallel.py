@@ -41,16 +41,21 @@ class RankFailure(RuntimeError):
 class RankProcesses:
     """The processes of one parallel engine. `call(*command)` runs a command on every rank (see
     handles.rank) and returns the results, one per rank; an error rank 0 answers with (a request
-    the engine refuses) is raised as it is, a rank's death as RankFailure."""
+    the engine refuses) is raised as it is, a rank's death as RankFailure. main: what each process
+    runs, main(spec, rank, port, conn, parent) (default: handles.rank's); world: how many (default:
+    spec.topology's); grace_s: how long rank 0 may still answer once another rank died (the
+    prefill/decode pair's decode side reports the requests it aborted)."""
 
-    def __init__(self, spec: RankSpec) -> None:
-        self.world = spec.topology.world
+    def __init__(self, spec: Any, main: Callable[..., None] = rank.main, world: int | None = None,
+                 grace_s: float = 0.0) -> None:
+        self.world = spec.topology.world if world is None else world
+        self._grace_s = grace_s
         self._store: Any = dist.TCPStore(rank.LOCALHOST, 0, is_master=True, wait_for_workers=False,
                                          timeout=timedelta(seconds=spec.timeout_s))
         self.port: int = self._store.port  # the port the ranks meet at (free again once closed)
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self.processes = [context.Process(target=rank.main, name=f"kv-canary rank {r}", daemon=True,
+        self.processes = [context.Process(target=main, name=f"kv-canary rank {r}", daemon=True,
                                           args=(spec, r, self._store.port, child if r == 0 else None, os.getpid()))
                           for r in range(self.world)]
         try:
@@ -71,6 +76,8 @@ class RankProcesses:
 
     def _receive(self) -> Any:
         ready = wait([self._conn, *(p.sentinel for p in self.processes)])
+        if self._conn not in ready and self._grace_s and self.processes[0].is_alive():
+            ready = wait([self._conn], self._grace_s)
         if self._conn in ready:
             try:
                 kind, value = self._conn.recv()
@@ -82,14 +89,18 @@ class RankProcesses:
         self._fail()
 
     def _fail(self) -> NoReturn:
-        """Kill what is left of the engine; raise with what each rank left in the store."""
+        raise self.failure()
+
+    def failure(self) -> RankFailure:
+        """Kill what is left of the engine; the RankFailure naming how each rank ended, with what
+        each left in the store."""
         self.kill()
         ends = ", ".join(f"rank {r} " + ("killed" if p.exitcode == -signal.SIGKILL else f"exited with {p.exitcode}")
                          for r, p in enumerate(self.processes))
         store = self._store
         errors = [] if store is None else [store.get(key).decode() for key in (f"error/{r}" for r in range(self.world))
                                            if store.check([key])]
-        raise RankFailure(f"a rank of the parallel engine died ({ends})" + "".join(f"\n{e}" for e in errors))
+        return RankFailure(f"a rank of the parallel engine died ({ends})" + "".join(f"\n{e}" for e in errors))
 
     def kill(self) -> None:
         for process in self.processes:
@@ -120,14 +131,16 @@ class ParallelHandle(RequestSender):
     Violations, injections and counters are gathered from every rank, each tagged with its rank
     and stage; stats are keyed "<side> rank <r>". ranks: how many. The ranks log; in raise mode
     this handle raises at the drain that ends a generate (the ranks stay in step). call(fn): fn
-    (picklable) run in every rank with its RankContext; the results, by rank."""
+    (picklable) run in every rank with its RankContext; the results, by rank. processes: the ranks'
+    processes when already started (a prefill/decode pair's: handles.pd_processes)."""
 
-    def __init__(self, spec: RankSpec) -> None:
+    def __init__(self, spec: RankSpec, processes: RankProcesses | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.side_names = ("single",) if spec.kind == "single" else ("prefill", "decode")
         self.ranks = spec.topology.world
-        self._processes = RankProcesses(spec)
+        self._processes = RankProcesses(spec) if processes is None else processes
+        self.soak_results: list[Any] = []  # what the plugin reports of a test's soaks: it runs none
         self._reports: list[RankReport] | None = None  # until the ranks run again
         self._raised: set[Violation] = set()
 

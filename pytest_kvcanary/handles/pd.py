@@ -8,17 +8,18 @@ damaged data went.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
+import torch
 from kvcanary_kernels.records import GroupKind
 
 from ..canary.seam import PrefillDecodePair
 from ..config import CanaryConfig
-from ..perturb.ledger import Place
+from ..perturb.ledger import Ledger, Place
 from .sided import Side, SidedHandle
 
 if TYPE_CHECKING:
-    import torch
+    from ..canary.groups import GroupState
 
 
 class PDHandle(SidedHandle):
@@ -54,10 +55,17 @@ class PDHandle(SidedHandle):
         and tell the ledger where each group's data went."""
         sender, receiver = self.prefill.runtime, self.decode.runtime
         receiver.import_records(dst, sender.export_records(src))
-        for src_group, dst_group in zip(sender.groups, receiver.groups, strict=True):
-            src_slots = src_group.to_group_slots(src.to(src_group.device)).tolist()
-            dst_slots = dst_group.to_group_slots(dst.to(dst_group.device)).tolist()
-            group = src_group.pool.kind
-            for full_src, full_dst, s, d in zip(src.tolist(), dst.tolist(), src_slots, dst_slots):
-                if s and d:
-                    self.ledger.moved(self.prefill.name, group, full_src, Place(self.decode.name, d, full_dst))
+        note_moves(self.ledger, sender.groups, src.tolist(), dst.tolist(),
+                   [group.to_group_slots(dst.to(group.device)).tolist() for group in receiver.groups])
+
+
+def note_moves(ledger: Ledger, sender_groups: Sequence[GroupState], src: list[int], dst: list[int],
+               receiver_slots: list[list[int]]) -> None:
+    """Tell the ledger where a transfer took each pool group's data: prefill FULL slots src went
+    to decode FULL slots dst, which are receiver_slots[g] in the decode side's group g (0 where a
+    slot is not resident in the group on either side)."""
+    for group, dst_slots in zip(sender_groups, receiver_slots, strict=True):
+        src_slots = group.to_group_slots(torch.tensor(src, dtype=torch.int64, device=group.device)).tolist()
+        for full_src, full_dst, s, d in zip(src, dst, src_slots, dst_slots):
+            if s and d:
+                ledger.moved("prefill", group.pool.kind, full_src, Place("decode", d, full_dst))

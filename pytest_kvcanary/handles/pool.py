@@ -55,6 +55,7 @@ class EngineKey:
     seed: the run's --kv-canary-seed.
     model: the --kv-canary-model directory, or None for the engine's default.
     tp, pp: tensor-parallel ranks and pipeline stages (1 and 1: one process).
+    transport: how a pair moves KV, "local" (one process) or "processes" (pd_processes).
     """
 
     kind: str
@@ -66,6 +67,7 @@ class EngineKey:
     model: str | None = None
     tp: int = 1
     pp: int = 1
+    transport: str = "local"
 
 
 class Checkout(NamedTuple):

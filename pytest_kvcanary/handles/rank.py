@@ -129,9 +129,11 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _backend(device: torch.device, world: int) -> str:
-    """Make `device` this process's, and name the backend that reaches the other ranks from it."""
-    if "GLOO_SOCKET_IFNAME" not in os.environ:  # every rank is on this host
+def _backend(device: torch.device, world: int, one_host: bool = True) -> str:
+    """Make `device` this process's, and name the backend that reaches the other ranks from it
+    (one_host: every rank is on this host, so gloo binds to the loopback interface unless
+    GLOO_SOCKET_IFNAME says otherwise)."""
+    if one_host and "GLOO_SOCKET_IFNAME" not in os.environ:
         names = {name for _, name in socket.if_nameindex()}
         loopback = next((n for n in ("lo", "lo0") if n in names), None)
         if loopback is not None:

@@ -259,7 +259,8 @@ class SidedHandle(RequestSender):
         printed) and judge each round against the oracle (soak/runner.py). seed: the workload's
         (default: the test's seed); rounds: how many; tie_tolerance: a logit margin within which a
         token that is not the oracle's best is a near tie, not damage (default: by the KV's dtype,
-        1e-3 in float32, 2e-2 in float16, 6e-2 in bfloat16); shrink_trials: runs of
+        1e-3 in float32, 2e-2 in float16, 6e-2 in bfloat16; 0.5 below float32 where the engine
+        declares `routed_experts`); shrink_trials: runs of
         smaller workloads tried to shrink each round that cannot be trusted (0: none); arrivals:
         requests join running batches and are aborted where the engine can serve them (False:
         each round's requests go in `generate` batches). Returns the verdicts

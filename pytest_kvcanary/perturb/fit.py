@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from kvcanary_kernels.records import GroupKind
 
 from ..canary.seam import capabilities_of
-from ..config import FLIP_MODES, PerturbSpec
+from ..config import FLIP_MODES, SCALE_MODES, PerturbSpec
 
 # What a slot must be for each mode to damage it (a slot already damaged never is).
 TARGETS = {
@@ -21,23 +21,34 @@ TARGETS = {
     "real_kv_post_forward": "a slot a forward writes",
     "state_wrong_restore": "a recurrent state a forward starts from past its first token (a restored checkpoint, or "
                            "a decoding request's state) and another checkpoint, or a free state slot, to restore instead",
+    "scale_corrupt": "a scale a forward dequantizes its quantized KV with (every forward of an engine with a scales group)",
+    "scale_reset": "a scale a forward dequantizes its quantized KV with that is not 1.0 already",
 }
 
 
 def misfit(spec: PerturbSpec, groups: Sequence[GroupKind], *, fingerprints_real_kv: bool, engine: str) -> str | None:
     """Why `spec` cannot run on an engine with these pool `groups`, or None when it can: its
-    target_group must be one of the groups (and given when there are several, but for
-    next_token_swap, which is no group's), and a mode that flips real KV bytes needs a canary that
-    fingerprints them. engine: how the message names the engine (e.g. "engine 'reference/swa'")."""
+    target_group must be one of the groups (and given when several could take the mode's damage:
+    a KV mode's are the groups but SCALES; not for next_token_swap, which is no group's), and a
+    mode that flips real KV bytes needs a canary that fingerprints them. engine: how the message names the engine (e.g. "engine 'reference/swa'")."""
     labels = ", ".join(kind.label for kind in groups)
-    if spec.target_group is None and len(groups) > 1 and spec.mode != "next_token_swap":
-        return f"target_group is required: {engine} has pool groups {labels}; allowed: {labels}"
+    damageable = [kind for kind in groups if (kind is GroupKind.SCALES) == (spec.mode in SCALE_MODES)]
+    if spec.target_group is None and len(damageable) > 1 and spec.mode != "next_token_swap":
+        allowed = ", ".join(kind.label for kind in damageable)
+        return f"target_group is required: {engine} has pool groups {labels}; allowed: {allowed}"
     if spec.target_group is not None and GroupKind.from_label(spec.target_group) not in groups:
         return f"target_group={spec.target_group!r} is not a pool group of {engine}; its groups: {labels}"
     state = GroupKind.STATE.label
     if spec.mode == "state_wrong_restore" and spec.target_group != state:
         return (f"mode 'state_wrong_restore' damages a recurrent state: it needs target_group={state!r} (an engine "
                 f"with a STATE group: attention 'hybrid'); got target_group={spec.target_group!r}")
+    scales = GroupKind.SCALES.label
+    if (spec.mode in SCALE_MODES) != (spec.target_group == scales) and spec.mode != "next_token_swap":
+        if spec.mode in SCALE_MODES:
+            return (f"mode {spec.mode!r} damages a dequantization scale: it needs target_group={scales!r} (an engine "
+                    f"with a SCALES group: quantized KV); got target_group={spec.target_group!r}")
+        return (f"mode {spec.mode!r} damages KV slots; the {scales} group holds dequantization scales: use "
+                "'scale_corrupt' or 'scale_reset'")
     if spec.mode == "req_to_token" and spec.target_group == state:
         return (f"mode 'req_to_token' remaps a KV mapping entry; the {state} group has no mapping (its slots come "
                 "with each forward): use 'state_wrong_restore'")

@@ -19,13 +19,13 @@ from kvcanary_kernels.records import GroupKind, Half
 from ..canary.readout import GroupReadout, SlotBytes
 from ..canary.runtime import CanaryRuntime
 from ..canary.seam import GuardedEngine, ForwardView, optional
-from ..config import PerturbSpec
+from ..config import SCALE_MODES, PerturbSpec
 from .fit import misfit, target
 from .ledger import Injection, Ledger, Place
 from .targets import Target, cached_only_targets, feeds, read_targets, written_targets
 
 BEFORE_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "next_token_swap", "real_kv_host",
-                "state_wrong_restore")
+                "state_wrong_restore") + SCALE_MODES
 
 
 class PerturbError(ValueError):
@@ -41,7 +41,8 @@ class FaultInjector:
         self.ledger = ledger
         self.specs: tuple[PerturbSpec, ...] = ()
         self._rng = random.Random(0)
-        self._restore: list[tuple[torch.Tensor, int, int, int]] = []  # (table, row, column, entry) to put back
+        # (table, row, column, entry) to put back: a remapped entry, or a damaged scale (scales, layer, head, scale)
+        self._restore: list[tuple[torch.Tensor, int, int, int | float]] = []
         add_listener = optional(host, "add_free_listener")
         self._hears_frees = add_listener is not None
         if self._hears_frees:
@@ -87,6 +88,9 @@ class FaultInjector:
         for spec in self.specs:
             if not self._due(spec, BEFORE_MODES):
                 continue
+            if spec.mode in SCALE_MODES:
+                self._damage_scale(spec, view)
+                continue
             group = self._group(spec)
             if spec.mode == "real_kv_unused_cache":
                 self._flip(spec, group, cached_only_targets(self.host, group), byte=None)
@@ -102,7 +106,7 @@ class FaultInjector:
                 self._remap(spec, group, view)
 
     def after_stamp(self, view: ForwardView) -> None:
-        # Newest first: where two specs remapped one entry, the first saved the original.
+        # Newest first: where two specs damaged one entry, the first saved the original.
         for table, row, column, entry in reversed(self._restore):
             table[row, column] = entry
         self._restore.clear()
@@ -227,6 +231,31 @@ class FaultInjector:
         table[t.row, col] = wrong
         space, slot = (int(s[0]) for s in group.slots_at(torch.tensor([t.row]), torch.tensor([first])))
         self._record(spec, group, Target(slot, space, first, t.row), -1, None, -1)
+
+    def _damage_scale(self, spec: PerturbSpec, view: ForwardView) -> None:
+        """Damage one scale the forward is handed (the view's, the tensors its attention dequantizes
+        with): one flipped bit (scale_corrupt) or 1.0 (scale_reset). Put back after the forward, so
+        the damage lives for that forward only, which HEAD must report before it reads KV. An entry
+        already damaged in this forward is passed over (a second flip could undo the first)."""
+        used = self.runtime.scales.used(view)
+        half = self._rng.choice(list(used))
+        scales = used[half]
+        layer, head = self._rng.randrange(scales.shape[0]), self._rng.randrange(scales.shape[1])
+        original = float(scales[layer, head])
+        if any(t is scales and (r, c) == (layer, head) for t, r, c, _ in self._restore) or (
+                spec.mode == "scale_reset" and original == 1.0):
+            return
+        self._restore.append((scales, layer, head, original))
+        if spec.mode == "scale_reset":
+            scales[layer, head], byte = 1.0, -1
+        else:
+            bit = self._rng.randrange(32)
+            bits = scales.view(torch.int32)
+            bits[layer, head] = int(bits[layer, head]) ^ (1 << bit if bit < 31 else -(1 << 31))
+            byte = head * scales.element_size() + bit // 8
+        self.ledger.record(Injection(
+            mode=spec.mode, side=self.side, group=GroupKind.SCALES.label, slot=layer, full_slot=layer, position=head,
+            row=-1, byte=byte, step=self.runtime.forwards, half=half.name, layer=layer))
 
     def _wrong_restore(self, spec: PerturbSpec, group: GroupReadout, view: ForwardView) -> None:
         """Restore one row's state (past its first token) from the wrong place, as an engine's

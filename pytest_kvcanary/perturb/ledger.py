@@ -14,6 +14,7 @@ from typing import Any, Iterator, NamedTuple
 from kvcanary_kernels.records import GroupKind
 
 from ..canary.violation import Violation
+from ..config import SCALE_MODES
 
 # Which reasons count as detecting each mode.
 DETECTING_REASONS = {
@@ -27,6 +28,9 @@ DETECTING_REASONS = {
     "next_token_swap": ("write_token", "verify_token"),
     # The state a forward starts from summarizes another prefix than its row's.
     "state_wrong_restore": ("verify_position", "verify_chain_hash"),
+    # The forward was handed a damaged scale: HEAD of that forward, at its layer and head.
+    "scale_corrupt": ("verify_scale",),
+    "scale_reset": ("verify_scale",),
 }
 
 
@@ -50,7 +54,9 @@ class Injection:
     the flipped byte's offset within that row (its bytes in feature order, KV head h from h x
     head bytes on); req_to_token, whose damage is the mapping itself, and next_token_swap, whose
     damage is what the forward wrote at the position it was fed another token at, have none
-    (None, -1, -1). rank / stage: the rank of a parallel engine it was injected on (None elsewhere)."""
+    (None, -1, -1). A scale fault (SCALE_MODES) sits in the SCALES group: slot and layer are the
+    layer, position the KV head (0 per tensor), byte the damaged byte in the layer's row of scales
+    (-1 for a reset). rank / stage: the rank of a parallel engine it was injected on (None elsewhere)."""
 
     mode: str
     side: str
@@ -95,6 +101,8 @@ class Injection:
                 return False
             return v.position == self.position or (v.position == self.position + 1
                                                    and "verify_chain_hash" in v.reasons)
+        if self.mode in SCALE_MODES:  # the damage lives for the forward it was injected in
+            return (v.side, v.step, v.slot, v.position) == (self.side, self.step, self.slot, self.position)
         if "write_token" in v.reasons:  # next_token_swap: TAIL of the forward fed the other token
             return (v.side, v.step, v.row, v.position) == (self.side, self.step, self.row, self.position)
         if v.side == self.side and v.step < self.step:

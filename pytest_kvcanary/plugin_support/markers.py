@@ -1,4 +1,4 @@
-"""Parse and validate a test's kv_perturb, kv_attention, kv_canary and kv_parallel markers (no torch).
+"""Parse and validate a test's kv_perturb, kv_attention, kv_canary, kv_parallel and kv_pd markers (no torch).
 
 Every error is a `MarkerError` whose message shows the marker as written, the bad argument or
 value, and the allowed values; the plugin turns it into an error of that one test. A marker set
@@ -15,7 +15,7 @@ import pytest
 from kvcanary_kernels.checks import is_int
 from kvcanary_kernels.records import GroupKind
 
-from ..config import ATTENTION_KINDS, PERTURB_MODES, CanaryConfig, PerturbSpec
+from ..config import ATTENTION_KINDS, PD_TRANSPORTS, PERTURB_MODES, CanaryConfig, PerturbSpec
 from ..perturb.fit import misfit
 
 # Registered in pytest_configure, so `pytest --markers` lists them and --strict-markers accepts them.
@@ -29,6 +29,8 @@ MARKER_LINES = (
     "command-line options win, except for mode",
     "kv_parallel(tp=1, pp=1): run the test's engine with tp tensor-parallel ranks and pp pipeline "
     "stages, one process and one canary per rank; --kv-canary-tp / --kv-canary-pp on the command line win",
+    f"kv_pd(*, transport='local'): how the test's prefill/decode pair moves KV ({', '.join(PD_TRANSPORTS)}: "
+    "each engine in a process of its own, over torch.distributed); --kv-canary-pd-transport on the command line wins",
 )
 PARALLEL_FIELDS = ("tp", "pp")
 
@@ -41,6 +43,7 @@ MARKER_FIXTURES = {
     "kv_canary": _ENGINE_FIXTURES,
     "kv_attention": (*_ENGINE_FIXTURES, "kv_attention_kind"),
     "kv_parallel": _ENGINE_FIXTURES,
+    "kv_pd": ("kv_pd",),
 }
 
 
@@ -164,4 +167,18 @@ def parallel(node: pytest.Item) -> dict[str, int]:
             raise MarkerError(f"{_show(mark)}: unknown keyword {name!r}; allowed: {', '.join(PARALLEL_FIELDS)}")
         if not is_int(value) or value < 1:
             raise MarkerError(f"{_show(mark)}: {name} must be an integer >= 1; got {value!r}")
+    return dict(mark.kwargs)
+
+
+def pd_transport(node: pytest.Item) -> dict[str, str]:
+    """The transport the closest kv_pd marker sets ({} without one)."""
+    mark = node.get_closest_marker("kv_pd")
+    if mark is None:
+        return {}
+    if mark.args or set(mark.kwargs) - {"transport"}:
+        unknown = [repr(a) for a in mark.args] + sorted(set(mark.kwargs) - {"transport"})
+        raise MarkerError(f"{_show(mark)}: takes the keyword transport only; got {unknown[0]}")
+    if "transport" in mark.kwargs and mark.kwargs["transport"] not in PD_TRANSPORTS:
+        raise MarkerError(f"{_show(mark)}: transport must be one of {', '.join(PD_TRANSPORTS)}; "
+                          f"got {mark.kwargs['transport']!r}")
     return dict(mark.kwargs)

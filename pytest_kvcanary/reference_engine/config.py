@@ -3,6 +3,7 @@ construction, naming the field, the value and what is allowed."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,8 @@ import torch
 
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import GroupKind
+
+from .kv_quant import FP4_BLOCK, KV_DTYPES, KV_SCALES, QUANTIZED, fp4_row_bytes
 
 ATTENTION_KINDS = ("mha", "swa", "mla", "hybrid")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -32,7 +35,10 @@ class ModelConfig:
     decayed per head and token; its state lives in a state pool, model.py's RecurrentMixer). A windowed layer's query at position p sees positions
     [p - window, p], so it reads the last `window` tokens of the cached prefix (SGLang's
     convention; HF's sliding_window is window + 1). qkv_bias: Qwen2-style q/k/v biases (mha, swa).
-    seed: the random weights' seed."""
+    seed: the random weights' seed. kv_dtype: what the KV pools store ("auto": dtype; "float32",
+    "float16", "bfloat16"; or FP8, "fp8_e4m3" / "fp8_e5m2", or FP4, "fp4_e2m1" in NVFP4 blocks, with
+    static per-layer K and V scales, one per KV head when kv_scale is "head", one per layer when
+    "tensor"; kv_quant.py)."""
 
     vocab_size: int = 512
     hidden: int = 64
@@ -56,6 +62,8 @@ class ModelConfig:
     state_heads: int = 4
     state_dim: int = 16
     conv_width: int = 4
+    kv_dtype: str = "auto"
+    kv_scale: str = "tensor"
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -75,12 +83,38 @@ class ModelConfig:
                              f"exist; got {self.full_every}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(map(str, DTYPES))}; got {self.dtype!r}")
-        row_bytes = self.latent_dim * torch.empty(0, dtype=self.dtype).element_size()
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}")
+        if self.kv_scale not in KV_SCALES:
+            raise ValueError(f"kv_scale must be one of {', '.join(KV_SCALES)}; got {self.kv_scale!r}")
+        dims = "kv_lora_rank + qk_rope_head_dim" if self.attention == "mla" else "head_dim"
+        if self.kv_dtype == "fp4_e2m1" and self.kv_head_dim % FP4_BLOCK:
+            raise ValueError(f"kv_dtype 'fp4_e2m1' needs {dims} a multiple of {FP4_BLOCK} (a block scale per "
+                             f"{FP4_BLOCK} values); got {self.kv_head_dim}")
+        row_bytes = math.prod(self.kv_row) * torch.empty(0, dtype=self.kv_storage).element_size()
         if self.attention == "mla" and row_bytes % 16:
             raise ValueError(f"kv_lora_rank + qk_rope_head_dim ({self.latent_dim}) must make a latent row of a "
-                             f"multiple of 16 bytes in {self.dtype}; got {row_bytes} bytes")
+                             f"multiple of 16 bytes in {self.kv_storage}; got {row_bytes} bytes")
+        if self.kv_quantized and row_bytes % 16:
+            raise ValueError(f"num_kv_heads x head_dim ({self.num_kv_heads} x {self.head_dim}) must make a KV row of "
+                             f"a multiple of 16 bytes in {self.kv_storage}; got {row_bytes}")
         if not self.rope_theta > 0 or not self.rms_eps > 0:
             raise ValueError(f"rope_theta and rms_eps must be > 0; got {self.rope_theta!r}, {self.rms_eps!r}")
+
+    @property
+    def kv_storage(self) -> torch.dtype:
+        """The dtype the KV pools store."""
+        return KV_DTYPES[self.kv_dtype] or self.dtype
+
+    @property
+    def kv_quantized(self) -> bool:
+        """KV stored in FP8 or FP4, through per-layer scales."""
+        return self.kv_dtype in QUANTIZED
+
+    @property
+    def scale_width(self) -> int:
+        """Scales per layer and half: one per KV head ("head"; a latent layer has one) or one."""
+        return self.num_kv_heads if self.kv_scale == "head" and self.attention != "mla" else 1
 
     @property
     def latent_dim(self) -> int:
@@ -93,9 +127,16 @@ class ModelConfig:
         return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
+    def kv_head_dim(self) -> int:
+        """Values a KV head holds per token (mla: its one latent row's)."""
+        return self.latent_dim if self.attention == "mla" else self.head_dim
+
+    @property
     def kv_row(self) -> tuple[int, ...]:
-        """One token's row in one layer's K (or V) buffer; mla keeps one latent row and no V."""
-        return (self.latent_dim,) if self.attention == "mla" else (self.num_kv_heads, self.head_dim)
+        """One token's row in one layer's K (or V) buffer, in kv_storage elements (fp4: the bytes of
+        its packed values and block scales); mla keeps one latent row and no V."""
+        dim = fp4_row_bytes(self.kv_head_dim) if self.kv_dtype == "fp4_e2m1" else self.kv_head_dim
+        return (dim,) if self.attention == "mla" else (self.num_kv_heads, dim)
 
     @property
     def layer_groups(self) -> tuple[GroupKind, ...]:
@@ -127,7 +168,8 @@ class EngineConfig:
     ones (`weights.read_config` builds a matching `model`). decode_mode: "eager" (one attention per
     request), "padded" (decode batches padded to fixed sizes, as a graph replays them) or "graph"
     (those padded steps captured in CUDA graphs and replayed; CUDA only). speculative_k: draft
-    tokens proposed per decode step (0: no speculative decoding; mha, mla and hybrid, eager decode), by a
+    tokens proposed per decode step (0: no speculative decoding; mha, mla and hybrid, eager decode, KV in
+    the model's dtype), by a
     draft model made of the target's first draft_layers layers (speculative.py). page_size: tokens
     per KV page (1: SGLang's per-token slots); the pools allocate, and the radix cache matches,
     inserts and evicts, whole pages, and num_slots / swa_num_slots / host_num_slots are multiples
@@ -140,7 +182,9 @@ class EngineConfig:
     tier keeps the pages host memory evicts, as files (None: none; needs a host tier, mha or mla;
     disk_tier.py), at most disk_num_pages of them. jitter_seed: seeded timing jitter at the
     engine's asynchronous points, the host tier's acknowledgements and a pair's transfers (None:
-    off; jitter.py)."""
+    off; jitter.py). async_scheduling: schedule and launch each step before the previous one's
+    results are processed, its decode inputs taken from that step's outputs on the device (vLLM's
+    async scheduling, SGLang's overlap scheduler; async_steps.py; not with speculative_k > 0)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     num_slots: int = 1024
@@ -158,6 +202,7 @@ class EngineConfig:
     disk_dir: str | None = None
     disk_num_pages: int = 1024
     jitter_seed: int | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -175,6 +220,9 @@ class EngineConfig:
         if k and (self.model.attention == "swa" or self.decode_mode != "eager"):
             raise ValueError(f"speculative_k > 0 needs attention mha, mla or hybrid and decode_mode eager; got "
                              f"attention={self.model.attention!r}, decode_mode={self.decode_mode!r}")
+        if k and self.model.kv_dtype != "auto":
+            raise ValueError(f"speculative_k > 0 needs model.kv_dtype 'auto' (the draft pool stores the model's "
+                             f"dtype); got {self.model.kv_dtype!r}")
         if not isinstance(self.draft_layers, int) or not 1 <= self.draft_layers <= self.model.num_layers:
             raise ValueError(f"draft_layers must be an integer in [1, model.num_layers={self.model.num_layers}]; "
                              f"got {self.draft_layers!r}")
@@ -201,6 +249,11 @@ class EngineConfig:
         check_int("disk_num_pages", self.disk_num_pages, 1)
         if self.jitter_seed is not None:
             check_int("jitter_seed", self.jitter_seed, 0)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool; got {self.async_scheduling!r}")
+        if self.async_scheduling and k:
+            raise ValueError(f"async_scheduling=True does not work with speculative_k > 0 (a step's accepted tokens "
+                             f"are unknown until it is processed); got speculative_k={k}")
         if self.model.attention == "hybrid":
             check_int("num_state_slots", self.num_state_slots, 2 * self.max_running + 1,
                       f" (slot 0 is reserved; each of max_running={self.max_running} requests holds a running state "

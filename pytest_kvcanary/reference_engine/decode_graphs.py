@@ -3,7 +3,7 @@
 A decode batch of n requests runs at the smallest captured size B >= n (powers of two up to
 max_running). Everything the step reads lives in static buffers refilled in place before each run:
 input ids, positions (the scheduler's, as an eager forward gets them), the rows' mapping rows and
-prefix lengths (a hybrid model's: their state slots). The canary's ForwardView is those same tensors, so its write-input checks see what
+prefix lengths (a hybrid model's: their state slots; quantized KV's: the model's scales). The canary's ForwardView is those same tensors, so its write-input checks see what
 the model consumed, replayed or not (padding rows: prefix 0, extend 0, writing nothing). With
 graphs, before_forward + the model + after_forward are captured at a size's first step and
 replayed from then on; end_forward runs after each. Observers of the canary (the fault injector)
@@ -18,9 +18,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView, StateInputs
+from pytest_kvcanary.canary.seam import ForwardHooks, ForwardView, ScaleInputs, StateInputs
 
+from .attention import layer_scales
 from .kv_pool import KVPools, token_slots
+from .kv_quant import KVCodec
 from .model import CausalLM
 from .state_access import PaddedDecodeState
 from .state_pool import StatePool
@@ -31,13 +33,16 @@ class PaddedDecodeKV:
     max_context. Each layer writes the rows' new K/V (a latent layer: K only) into their slots (a
     padding row writes slot 0's own bytes back, leaving the reserved slot as it was), tells the store
     listener, then attends to positions [0, prefix] (a windowed layer: [prefix - window, prefix])
-    gathered through each row's table row."""
+    gathered through each row's table row. K/V are stored and read back through codec, FP8 and FP4
+    through the layer's row of scales (the step's view's), as attention.PagedKV does."""
 
     def __init__(self, pools: KVPools, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                 extend_lens: torch.Tensor, on_store: Callable | None) -> None:
+                 extend_lens: torch.Tensor, on_store: Callable | None, codec: KVCodec,
+                 scales: ScaleInputs | None) -> None:
         self.pools, self.table = pools, table
         self.rows, self.prefix_lens, self.valid = rows, prefix_lens, extend_lens > 0
         self.on_store = on_store
+        self.codec, self.scales = codec, scales
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                  window: int | None) -> torch.Tensor:
@@ -48,6 +53,8 @@ class PaddedDecodeKV:
             slots, loc = buf.slot_map[slots], buf.slot_map[loc]
         loc = torch.where(self.valid, loc, 0)
         keep = self.valid[:, None, None]
+        k_scale, v_scale = layer_scales(self.scales, layer)
+        k, v = self.codec.store(k, k_scale), None if v is None else self.codec.store(v, v_scale)
         buf.k[loc] = torch.where(keep, k, buf.k[loc])
         if buf.v is not None:
             buf.v[loc] = torch.where(keep, v, buf.v[loc])
@@ -59,8 +66,8 @@ class PaddedDecodeKV:
         if window is not None:
             mask &= delta <= window
         rep = q.shape[1] // k.shape[1]
-        keys = buf.k[slots].repeat_interleave(rep, dim=2)  # [B, C, H, D]
-        values = keys if buf.v is None else buf.v[slots].repeat_interleave(rep, dim=2)
+        keys = self.codec.load(buf.k[slots], k_scale).repeat_interleave(rep, dim=2)  # [B, C, H, D]
+        values = keys if buf.v is None else self.codec.load(buf.v[slots], v_scale).repeat_interleave(rep, dim=2)
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=mask[:, None, None, :])
         return out[:, :, 0, :]
@@ -77,15 +84,20 @@ class DecodeStep:
         self.size, self.model, self.pools, self.table, self.states = size, model, pools, table, states
         state = None if states is None else StateInputs(zeros(), zeros(), zeros())  # a decode writes no checkpoint
         self.view = ForwardView(rows=zeros(), prefix_lens=zeros(), extend_lens=zeros(), input_ids=zeros(),
-                                positions=zeros(), token_table=token_table, context_keys=zeros(), state=state)
+                                positions=zeros(), token_table=token_table, context_keys=zeros(), state=state,
+                                scales=model.kv_scales)
         self.next_tokens = zeros()
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    def fill(self, rows: list[int], prefix_lens: list[int], input_ids: list[int], positions: list[int],
+    def fill(self, rows: list[int], prefix_lens: list[int], input_ids: torch.Tensor, positions: list[int],
              context_keys: list[int], state_slots: list[int]) -> None:
+        """Refill the static buffers in place (copies in stream order; input_ids, on the host or the
+        device, never read by the host)."""
         pad = self.size - len(rows)
         v = self.view
-        filled = [(v.rows, rows), (v.prefix_lens, prefix_lens), (v.positions, positions), (v.input_ids, input_ids),
+        v.input_ids[len(rows):].zero_()
+        v.input_ids[:len(rows)].copy_(input_ids, non_blocking=True)
+        filled = [(v.rows, rows), (v.prefix_lens, prefix_lens), (v.positions, positions),
                   (v.context_keys, context_keys), (v.extend_lens, [1] * len(rows))]
         if v.state is not None:
             filled.append((v.state.slots, state_slots))
@@ -98,7 +110,7 @@ class DecodeStep:
         if hooks is not None:
             hooks.before_forward(v)
         kv = PaddedDecodeKV(self.pools, self.table, v.rows, v.prefix_lens, v.extend_lens,
-                            None if hooks is None else hooks.kv_stored)
+                            None if hooks is None else hooks.kv_stored, self.model.kv_codec, v.scales)
         states = None if self.states is None else PaddedDecodeState(self.states, v.state.slots, v.extend_lens)
         hidden = self.model(v.input_ids, v.positions, kv, v.context_keys, states)
         if hooks is not None:
@@ -131,11 +143,12 @@ class DecodeGraphs:
         for step in self.steps:
             step.graph = None
 
-    def run(self, hooks: ForwardHooks | None, rows: list[int], prefix_lens: list[int], input_ids: list[int],
-            positions: list[int], context_keys: list[int], state_slots: list[int]) -> list[int]:
+    def run(self, hooks: ForwardHooks | None, rows: list[int], prefix_lens: list[int], input_ids: torch.Tensor,
+            positions: list[int], context_keys: list[int], state_slots: list[int]) -> torch.Tensor:
         """One decode forward of len(rows) requests (one token each: input_ids, at positions; a
-        hybrid model's from their state slots); returns each one's greedy next token. The caller
-        calls hooks.end_forward() after it."""
+        hybrid model's from their state slots); returns each one's greedy next token, on the device
+        (a view of the size's static buffer, which its next run overwrites). The caller calls
+        hooks.end_forward() after it."""
         step = next(s for s in self.steps if s.size >= len(rows))
         step.fill(rows, prefix_lens, input_ids, positions, context_keys, state_slots)
         if not self.use_graphs:
@@ -144,4 +157,4 @@ class DecodeGraphs:
             step.run_and_capture(hooks)
         else:
             step.graph.replay()
-        return step.next_tokens[:len(rows)].tolist()
+        return step.next_tokens[:len(rows)]

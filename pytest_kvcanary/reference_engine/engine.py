@@ -22,6 +22,7 @@ from pytest_kvcanary.canary.seam import (
     RowOwners, SlotMapping, StateInputs, TokenScores,
 )
 
+from .async_steps import AsyncSteps
 from .attention import PagedKV
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs
@@ -93,6 +94,8 @@ class Engine:
         self._decode = None if config.decode_mode == "eager" else DecodeGraphs(
             self.model, self.pools, self.req_to_token_pool.table, self.token_table, config.max_running,
             self.device, use_graphs=config.decode_mode == "graph", states=self.states)
+        self._async = AsyncSteps(self.scheduler, self.token_table, lambda batch: self._forward(batch, on_device=True),
+                                 self._account) if config.async_scheduling else None
 
     @property
     def running(self) -> list[Request]:
@@ -140,8 +143,9 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one forward; returns the requests that finished in it ([] when idle). If the
-        forward raises (a hook, say), its requests go back to waiting and the error propagates."""
-        return self._run(self.scheduler.schedule())
+        forward raises (a hook, say), its requests go back to waiting and the error propagates.
+        With async scheduling: launch one and process the one launched before it (async_steps.py)."""
+        return self._run(self.scheduler.schedule()) if self._async is None else self._async.step()
 
     def prefill_for_transfer(self) -> list[Request]:
         """The prefill side of a disaggregated pair: one prefill forward over waiting requests
@@ -211,6 +215,8 @@ class Engine:
     def reset(self) -> None:
         """Drop all requests and flush the radix cache: every slot and row is free again, handed
         out in a new engine's order (forward_count keeps counting)."""
+        if self._async is not None:
+            self._async.settle()  # every launched forward over, its results dropped
         self.scheduler.reset()
         if self.host_tier is not None:
             self.host_tier.synchronize()  # every load-back over: its lock released
@@ -266,6 +272,9 @@ class Engine:
                                     SlotMapping(table, ps, full_to_group=draft.full_to_draft)))
         if self.states is not None:
             groups.append(PoolGroup(GroupKind.STATE, self.states.buffers, [], self.states.num_slots, None))
+        if (scales := self.model.kv_scales) is not None:  # FP8 KV: the scales every forward dequantizes with
+            groups.append(PoolGroup(GroupKind.SCALES, [scales.k], [] if scales.v is None else [scales.v],
+                                    scales.k.shape[0], None))
         return groups
 
     def canary_capacities(self) -> Capacities:
@@ -301,6 +310,10 @@ class Engine:
         except BaseException:
             self.scheduler.abort(batch)
             raise
+        return self._account(batch, new_tokens)
+
+    def _account(self, batch: Batch, new_tokens: list[list[int]]) -> list[Request]:
+        """Process a forward's results (Scheduler.process); returns the requests that finished."""
         finished = self.scheduler.process(batch, new_tokens)
         if self.host_tier is not None:  # load-backs whose copies are over release their locks
             self.host_tier.acknowledge()
@@ -308,20 +321,22 @@ class Engine:
         return finished
 
     @torch.no_grad()
-    def _forward(self, batch: Batch) -> list[list[int]]:
+    def _forward(self, batch: Batch, on_device: bool = False) -> list[list[int]] | torch.Tensor:
         """The model forward over the batch (hooks around it; the draft model, if any, first,
         inside them); each request's new tokens: its greedy next token, or in a speculative decode
-        the proposals the target accepted and its own next token."""
+        the proposals the target accepted and its own next token. on_device (not speculating): each
+        request's greedy next token as a device tensor, the host not waiting for it. batch.input_ids
+        may be a device tensor (async scheduling fills in tokens the host does not know)."""
         hooks = self._hooks
         if self.host_tier is not None:  # no forward reads a page before it is loaded back, nor
             self.host_tier.wait()  # rewrites one before it is written back
         self._note_rows(batch)
         if not batch.is_prefill and self._decode is not None:
-            tokens = self._decode.run(hooks, [r.row for r in batch.reqs], batch.prefix_lens, batch.input_ids.tolist(),
+            tokens = self._decode.run(hooks, batch.rows, batch.prefix_lens, batch.input_ids,
                                       batch.positions.tolist(), [r.context_key for r in batch.reqs],
                                       batch.state_slots)
             self._forwarded(hooks)
-            return [[t] for t in tokens]
+            return tokens.clone() if on_device else [[t] for t in tokens.tolist()]
         view = self._view(batch)
         if hooks is not None:
             hooks.before_forward(view)
@@ -331,8 +346,9 @@ class Engine:
             draft = view.group_inputs[GroupKind.DRAFT]
             run = self.drafter.prefill if batch.is_prefill else self.drafter.draft
             run(batch, draft.input_ids, view.positions, draft.positions, contexts, on_store)
-        kv = PagedKV(self.pools, self.req_to_token_pool.table, [r.row for r in batch.reqs], batch.prefix_lens,
-                     batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device), on_store=on_store)
+        kv = PagedKV(self.pools, self.req_to_token_pool.table, batch.rows, batch.prefix_lens,
+                     batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device), on_store=on_store,
+                     codec=self.model.kv_codec, scales=view.scales)
         states = None if self.states is None else PooledState(
             self.states, batch.state_slots, batch.prefix_lens, batch.extend_lens, batch.checkpoint_slots,
             batch.checkpoint_lens)
@@ -343,7 +359,8 @@ class Engine:
         if self.drafter is not None and not batch.is_prefill:
             return self.drafter.accept(batch, view.input_ids, self.model.compute_logits(hidden).argmax(-1).tolist())
         last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
-        return [[t] for t in self.model.compute_logits(hidden[last]).argmax(-1).tolist()]
+        tokens = self.model.compute_logits(hidden[last]).argmax(-1)
+        return tokens if on_device else [[t] for t in tokens.tolist()]
 
     def _forwarded(self, hooks: ForwardHooks | None) -> None:
         self.forward_count += 1
@@ -353,13 +370,14 @@ class Engine:
 
     def _note_rows(self, batch: Batch) -> None:
         """Who holds each row from this forward on (request_at), and each row's tokens in
-        token_table: the prefix and what this forward writes (a speculative decode's proposals are
-        filled in by the draft), -1 past it."""
-        for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            self._row_owners.note(req.row, self._steps, req)
+        token_table: the tokens the host knows, -1 past them (a speculative decode's proposals stay
+        -1 until the draft proposes them), but an async step's input, which the step before it
+        sampled and wrote there on the device."""
+        for req, row, prefix, extend in zip(batch.reqs, batch.rows, batch.prefix_lens, batch.extend_lens):
+            self._row_owners.note(row, self._steps, req)
             known = req.token_ids[:prefix + extend]
-            self.token_table[req.row, :len(known)] = torch.tensor(known, dtype=torch.int64)
-            self.token_table[req.row, len(known):] = -1
+            self.token_table[row, :len(known)] = torch.tensor(known, dtype=torch.int64)
+            self.token_table[row, prefix + extend if self._async is not None else len(known):] = -1
 
     def _view(self, batch: Batch) -> ForwardView:
         """The batch on the engine's device. Its input_ids and positions are the tensors the
@@ -383,7 +401,7 @@ class Engine:
                                 on_device([s + [0] * (width - len(s)) for s in batch.checkpoint_slots]),
                                 on_device([n + [0] * (width - len(n)) for n in batch.checkpoint_lens]))
         return ForwardView(
-            rows=on_device([r.row for r in batch.reqs]),
+            rows=on_device(batch.rows),
             prefix_lens=on_device(batch.prefix_lens),
             extend_lens=on_device(batch.extend_lens),
             input_ids=input_ids,
@@ -392,4 +410,5 @@ class Engine:
             context_keys=on_device([r.context_key for r in batch.reqs]),
             group_inputs=draft,
             state=state,
+            scales=self.model.kv_scales,
         )

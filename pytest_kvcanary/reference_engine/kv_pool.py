@@ -23,9 +23,11 @@ from .config import EngineConfig, ModelConfig
 
 def kv_buffers(num_slots: int, num_layers: int, model: ModelConfig,
                device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Zeroed per-layer K and V buffers ``[num_slots, *model.kv_row]``; no V for a latent model."""
+    """Zeroed per-layer K and V buffers ``[num_slots, *model.kv_row]`` in model.kv_storage; no V for
+    a latent model."""
     def zeros() -> list[torch.Tensor]:
-        return [torch.zeros((num_slots, *model.kv_row), dtype=model.dtype, device=device) for _ in range(num_layers)]
+        return [torch.zeros((num_slots, *model.kv_row), dtype=model.kv_storage, device=device)
+                for _ in range(num_layers)]
 
     return zeros(), [] if model.attention == "mla" else zeros()
 

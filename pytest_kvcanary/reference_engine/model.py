@@ -17,10 +17,12 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from kvcanary_kernels.inputs import ScaleInputs
 from kvcanary_kernels.records import GroupKind
 
 from .attention import DenseKV, KVAccess
 from .config import ModelConfig
+from .kv_quant import make_codec, seeded_scales
 
 # A recurrent mixer's states: called as ``states(mixer, u)`` with the mixer's in_proj rows u [T, ...]
 # of the forward's tokens, it runs the mixer over each sequence's tokens from that sequence's state,
@@ -253,7 +255,8 @@ class Decoder(nn.Module):
 
 class CausalLM(nn.Module):
     """Built on CPU with seeded random weights (normal, std = fan_in ** -0.5; norms 1), in
-    cfg.dtype; move it with ``.to(device)``."""
+    cfg.dtype; move it with ``.to(device)``. kv_codec: how its KV is stored (cfg.kv_dtype); with FP8
+    KV (or FP4), its per-layer K and V scales are buffers (float32, seeded; `kv_scales`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -268,6 +271,16 @@ class CausalLM(nn.Module):
                 if "norm" not in name:
                     p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
         self.to(cfg.dtype).requires_grad_(False)
+        self.kv_codec = make_codec(cfg.kv_dtype, cfg.dtype, cfg.kv_head_dim)
+        scales = (seeded_scales(cfg.num_layers, cfg.scale_width, cfg.attention == "mla", cfg.seed + 2)
+                  if cfg.kv_quantized else ScaleInputs(None, None))
+        self.register_buffer("k_scales", scales.k, persistent=False)  # after the cast: float32
+        self.register_buffer("v_scales", scales.v, persistent=False)
+
+    @property
+    def kv_scales(self) -> ScaleInputs | None:
+        """The scales its FP8 or FP4 KV is stored with, ``[num_layers, W]`` each (None: KV not quantized)."""
+        return None if self.k_scales is None else ScaleInputs(self.k_scales, self.v_scales)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
                 context_keys: torch.Tensor | None = None, states: StateAccess | None = None) -> torch.Tensor:
@@ -284,4 +297,5 @@ class CausalLM(nn.Module):
         positions = torch.arange(token_ids.numel(), device=token_ids.device)
         contexts = torch.full_like(positions, context_key)
         states = DenseState() if self.cfg.attention == "hybrid" else None
-        return self.compute_logits(self(token_ids, positions, DenseKV(positions), contexts, states))
+        kv = DenseKV(positions, self.kv_codec, self.kv_scales)
+        return self.compute_logits(self(token_ids, positions, kv, contexts, states))

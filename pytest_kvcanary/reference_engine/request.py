@@ -18,7 +18,10 @@ class Request:
     tokens) and, between a forward that wrote one and its KV's insertion into the radix cache, a
     checkpoint (slot, length); in a speculative decode, rollback_slots (the states after each of
     its proposals but the last, one of which becomes its state when some are rejected). Waiting requests hold nothing (row -1). context_key: the context the tokens are read
-    in (a cache salt or adapter id; 0 = none): KV is shared only between equal contexts."""
+    in (a cache salt or adapter id; 0 = none): KV is shared only between equal contexts. ahead: the
+    positions past kv_len that launched forwards write and whose results are not processed yet
+    (their slots are in the row already); with async scheduling a decode input at one of them is a
+    token the host does not know yet."""
 
     rid: int
     prompt_ids: list[int]
@@ -33,10 +36,16 @@ class Request:
     state_slot: int = 0
     checkpoint: tuple[int, int] | None = None
     rollback_slots: list[int] = field(default_factory=list)
+    ahead: int = 0
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def launched_len(self) -> int:
+        """Positions with KV written or being written: where the next forward starts."""
+        return self.kv_len + self.ahead
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,15 @@ draft KV included, and requeues it first: it is prefilled again, its cached pref
 In a prefill/decode pair the prefill side only runs schedule_prefill, and the decode side admits
 requests with admit_transferred instead of prefilling them.
 
+Positions are accounted when a batch is made: each request's `ahead` counts the positions launched
+forwards write whose results are not processed yet, and the next batch starts past them
+(`launched_len`). Synchronously a batch is processed before the next is made, so `ahead` is 0 between
+steps. With async scheduling (async_steps.py) a decode is made while the previous one runs: each of
+its requests is accounted as having produced one token, whose input id the host does not know yet
+(UNKNOWN_TOKEN: the device fills it in). A request found finished (or aborted) while a later launched
+forward still writes its row retires: its output from that forward is dropped, and it keeps its
+row, slots and locks until that forward is processed.
+
 A hybrid model's request also takes a state slot when it is admitted: the state of its matched
 prefix is copied there from the radix cache's checkpoint, or the slot is cleared. Its prefill
 writes a checkpoint, the state after the last page boundary before its last token, into a slot of
@@ -34,14 +43,17 @@ from .radix_cache import MatchResult, RadixCache
 from .request import Request
 from .state_pool import StatePool
 
-DRAFT_TOKEN = -1  # a speculative decode's input id the draft has not proposed yet
+UNKNOWN_TOKEN = -1  # an input id the host does not know: a draft's proposal, or an async step's sampled token
 
 
 class Batch(NamedTuple):
     """One forward. Per request: prefix_lens (KV already in the cache, read by the forward) and
     extend_lens (tokens written). input_ids / positions / out_cache_loc (FULL slots written):
     CPU int64, row-major in request order; in a speculative decode the input ids after each
-    request's first are DRAFT_TOKEN until the draft proposes them. The slots are already in each
+    request's first are UNKNOWN_TOKEN until the draft proposes them, and with async scheduling a
+    decode's input ids the previous step samples are UNKNOWN_TOKEN until the device fills them in.
+    rows: each request's mapping row when the batch was made (what its forward reads, even where
+    the request leaves its row before a forward launched ahead runs). The slots are already in each
     request's row. A hybrid model's: state_slots (each request's running state), checkpoint_slots
     and checkpoint_lens (the states its forward writes besides the running one, and after how many
     tokens: a prefill's checkpoint, a speculative decode's rollback states), per request; else
@@ -57,6 +69,7 @@ class Batch(NamedTuple):
     state_slots: list[int]
     checkpoint_slots: list[list[int]]
     checkpoint_lens: list[list[int]]
+    rows: list[int]
 
 
 class Scheduler:
@@ -66,22 +79,31 @@ class Scheduler:
         self.states = states
         self.num_restored = 0  # requests admitted with their state copied from a checkpoint (hybrid)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # every request holding a row, in admission order
+        self.running: list[Request] = []  # every request holding a row and still generating, in admission order
+        self.retiring: list[Request] = []  # done while a launched forward still writes their rows (async scheduling)
         self.num_retracted = 0
         self.num_prefix_hits = 0  # requests admitted with a cached prefix (a retracted one's own included)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.retiring)
 
-    def schedule(self) -> Batch | None:
-        return self.schedule_prefill() or self._schedule_decode()
+    def schedule(self, retract: bool = True) -> Batch | None:
+        """The next batch: a prefill of waiting requests, else a decode of every running one. A
+        decode that does not fit retracts the newest requests; retract=False (a forward is in
+        flight, whose requests' slots must stay theirs): None instead."""
+        return self.schedule_prefill() or self._schedule_decode(retract)
 
     def process(self, batch: Batch, new_tokens: list[list[int]]) -> list[Request]:
         """Account a finished forward and each request's new tokens (one, or in a speculative decode
         the accepted proposals and the target's next token); returns the requests that finished.
         A speculative decode keeps the KV of as many positions as it produced tokens and rolls the
-        rest back."""
+        rest back. A request that finishes while a later launched forward writes its row retires
+        until that one is processed; a retiring request's tokens are dropped (its KV is kept: the
+        position it wrote holds its own last token), and it is finished or, aborted, released once
+        no launched forward writes its row. Batches are processed in launch order; a prefill before
+        any later batch is launched (its radix insertion may free duplicate slots the next would
+        read)."""
         finished = []
         for req, extend, tokens in zip(batch.reqs, batch.extend_lens, new_tokens):
             kept = extend if batch.is_prefill else len(tokens)
@@ -89,12 +111,21 @@ class Scheduler:
             if req.rollback_slots:
                 self._roll_back_state(req, kept)
             req.kv_len += kept
+            req.ahead -= extend
+            if req in self.retiring:
+                if not req.ahead:
+                    self._retired(req)
+                continue
             req.output_ids.extend(tokens)
             if req.finished:
-                self.finish(req)
                 finished.append(req)
+                if req.ahead:
+                    self._retire(req)
+                else:
+                    self.finish(req)
                 continue
             if batch.is_prefill:
+                assert not req.ahead, "a prefill is processed before the next batch is launched"
                 self.radix_cache.cache_unfinished_req(req)
             self._slide_window(req)
         return finished
@@ -103,7 +134,7 @@ class Scheduler:
         """The request is done here: cache its KV (the slots stay in the radix cache), free its row
         and state slot."""
         self.radix_cache.cache_finished_req(req)
-        self.running.remove(req)
+        self._leave(req)
         self.req_to_token.free(req.row)
         self._free_state(req, "a finished request's running state")
         req.row = -1
@@ -114,7 +145,7 @@ class Scheduler:
         none of it cached here, and a hybrid model's state slot (req.state_slot). Returns the slots,
         which the caller fills (and the state slot) before the next forward; None (nothing held)
         when no row or memory is free."""
-        if len(self.running) >= self.config.max_running:
+        if self.rows_held >= self.config.max_running:
             return None
         states = self._alloc_states(1)
         pages = None if states is None else self._alloc(self._pages_needed(0, req.kv_len))
@@ -132,30 +163,43 @@ class Scheduler:
         self.running.append(req)
         return slots
 
-    def abort(self, batch: Batch) -> None:
-        """Undo a batch whose forward raised: free what its requests hold, the slots it gave them
-        included, and send them back to the front of the queue (their outputs so far are kept)."""
-        for req, extend in reversed(list(zip(batch.reqs, batch.extend_lens))):
-            self._retract(req, written=extend, cause="batch aborted")
+    @property
+    def rows_held(self) -> int:
+        """Mapping rows in use: the running requests' and the retiring ones'."""
+        return len(self.running) + len(self.retiring)
+
+    def abort(self, *batches: Batch) -> None:
+        """Undo batches whose forwards raised or will not be processed (every one launched and not
+        processed): free what their requests hold, the slots the batches gave them included, and
+        send the running ones back to the front of the queue (their outputs so far are kept); a
+        retiring one is released."""
+        for req in reversed(list(dict.fromkeys(r for b in batches for r in b.reqs))):
+            if req in self.retiring:
+                self._release(req, "batch aborted")
+            else:
+                self._retract(req, "batch aborted")
 
     def abort_request(self, req: Request) -> None:
-        """Drop one request, waiting or running (what it holds is released; its cached prefix
-        stays cached); its output so far is kept."""
-        if req in self.running:
+        """Drop one request, waiting or running (what it holds is released, once no launched
+        forward writes its row; its cached prefix stays cached); its output so far is kept."""
+        if req in self.running and req.ahead:
+            self._retire(req)
+        elif req in self.running:
             self._release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
     def reset(self) -> None:
-        """Drop every request, releasing what the running ones hold."""
-        for req in list(self.running):
+        """Drop every request, releasing what the running and retiring ones hold (no forward may
+        still be in flight)."""
+        for req in self.running + self.retiring:
             self._release(req)
         self.waiting.clear()
 
     def schedule_prefill(self) -> Batch | None:
         """A prefill of the waiting requests that fit (None when none does); never a decode."""
         reqs, locs, budget = [], [], self.config.max_batch_tokens
-        while self.waiting and len(self.running) < self.config.max_running:
+        while self.waiting and self.rows_held < self.config.max_running:
             req = self.waiting[0]
             tokens = req.token_ids
             match = self.radix_cache.match_prefix(tokens[:-1], req.context_key)  # leave one token to compute
@@ -242,11 +286,13 @@ class Scheduler:
             return MatchResult(match.slots, match.node)
         return cache.load_back(match, pages, on_done=lambda: cache.unlock(node))
 
-    def _schedule_decode(self) -> Batch | None:
+    def _schedule_decode(self, retract: bool) -> Batch | None:
         if not self.running:
             return None
         self._alloc_rollback_states()
         while (pages := self._alloc(sum(self._decode_pages()))) is None:
+            if not retract:
+                return None
             assert len(self.running) > 1, "a lone request always fits (checked at submit)"
             self._retract(self.running[-1])
         locs = [self._slots(r, n, p) for r, n, p in zip(self.running, self._decode_lens(),
@@ -284,7 +330,7 @@ class Scheduler:
 
     def _decode_pages(self) -> list[int]:
         """New pages each running request's decode needs."""
-        return [self._pages_needed(r.kv_len, n) for r, n in zip(self.running, self._decode_lens())]
+        return [self._pages_needed(r.launched_len, n) for r, n in zip(self.running, self._decode_lens())]
 
     def _pages_needed(self, start: int, n: int) -> int:
         """New pages positions [start, start + n) of a request take: those past the page holding
@@ -293,9 +339,9 @@ class Scheduler:
         return -(-(start + n) // ps) - -(-start // ps)
 
     def _slots(self, req: Request, n: int, pages: torch.Tensor) -> torch.Tensor:
-        """The slots of positions [kv_len, kv_len + n) of a running request: the rest of its last
-        page, then the new pages'."""
-        ps, start = self.pools.page_size, req.kv_len
+        """The slots of positions [launched_len, launched_len + n) of a running request: the rest of
+        its last page, then the new pages'."""
+        ps, start = self.pools.page_size, req.launched_len
         rest = (-start) % ps
         tail = self.req_to_token.read(req.row, start, start + min(rest, n))  # empty when rest is 0
         return torch.cat([tail, page_slots(pages, ps)])[:n]
@@ -310,17 +356,21 @@ class Scheduler:
             self.pools.free(rejected, "rejected draft position rolled back")
 
     def _batch(self, reqs: list[Request], locs: list[torch.Tensor], is_prefill: bool) -> Batch:
-        ids, positions = [], []
-        for req, loc in zip(reqs, locs):
-            self.req_to_token.write(req.row, req.kv_len, loc)
-            known = req.token_ids[req.kv_len:req.kv_len + loc.numel()]
-            ids.extend(known + [DRAFT_TOKEN] * (loc.numel() - len(known)))
-            positions.append(torch.arange(req.kv_len, req.kv_len + loc.numel()))
+        """The batch writing positions [launched_len, launched_len + len(loc)) of each request
+        (the slots locs, written to its row), which it counts as ahead from now on."""
+        ids, positions, starts = [], [], [r.launched_len for r in reqs]
+        for req, loc, start in zip(reqs, locs, starts):
+            self.req_to_token.write(req.row, start, loc)
+            known = req.token_ids[start:start + loc.numel()]
+            ids.extend(known + [UNKNOWN_TOKEN] * (loc.numel() - len(known)))
+            positions.append(torch.arange(start, start + loc.numel()))
         extras = [self._extra_states(r) for r in reqs] if self.states is not None else []
-        return Batch(reqs, is_prefill, [r.kv_len for r in reqs], [loc.numel() for loc in locs],
+        for req, loc in zip(reqs, locs):
+            req.ahead += loc.numel()
+        return Batch(reqs, is_prefill, starts, [loc.numel() for loc in locs],
                      torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(locs),
                      [r.state_slot for r in reqs] if self.states is not None else [],
-                     [e[0] for e in extras], [e[1] for e in extras])
+                     [e[0] for e in extras], [e[1] for e in extras], [r.row for r in reqs])
 
     @staticmethod
     def _extra_states(req: Request) -> tuple[list[int], list[int]]:
@@ -351,20 +401,36 @@ class Scheduler:
             self.pools.swa.unmap(self.req_to_token.pages(req.row, start, end), "slid out of the attention window")
             req.swa_from = end
 
-    def _retract(self, req: Request, written: int = 0, cause: str = "request released") -> None:
-        """Take memory back from a running request (and the `written` positions past its KV a
-        batch gave it); it goes first in line and later re-prefills its prompt and the tokens it
-        has generated so far."""
-        self._release(req, written, cause)
+    def _retract(self, req: Request, cause: str = "request released") -> None:
+        """Take memory back from a running request (the positions batches gave it included); it
+        goes first in line and later re-prefills its prompt and the tokens it has generated so far."""
+        self._release(req, cause)
         self.waiting.appendleft(req)
         self.num_retracted += 1
 
-    def _release(self, req: Request, written: int = 0, cause: str = "request released") -> None:
-        """Free the request's own pages (those of its positions [prefix_len, kv_len + written)) and
-        row and unlock its cached prefix (which stays cached)."""
+    def _retire(self, req: Request) -> None:
+        """The running request is done (finished or aborted) while a launched forward still writes
+        its row: it keeps its row, slots and locks until that forward is processed (`_retired`)."""
         self.running.remove(req)
-        self.pools.free(self.req_to_token.pages(req.row, req.prefix_len, req.kv_len + written), cause)
+        self.retiring.append(req)
+
+    def _retired(self, req: Request) -> None:
+        """No launched forward writes the retiring request's row any more: finish it, or release it
+        if it was aborted."""
+        if req.finished:
+            self.finish(req)
+        else:
+            self._release(req, "request aborted")
+
+    def _leave(self, req: Request) -> None:
+        (self.retiring if req in self.retiring else self.running).remove(req)
+
+    def _release(self, req: Request, cause: str = "request released") -> None:
+        """Free the request's own pages (those of its positions [prefix_len, launched_len)) and
+        row and unlock its cached prefix (which stays cached)."""
+        self._leave(req)
+        self.pools.free(self.req_to_token.pages(req.row, req.prefix_len, req.launched_len), cause)
         self.radix_cache.unlock(req.last_node)
         self.req_to_token.free(req.row)
         self._free_state(req, cause)
-        req.row, req.kv_len, req.prefix_len, req.swa_from, req.last_node = -1, 0, 0, 0, None
+        req.row, req.kv_len, req.prefix_len, req.swa_from, req.last_node, req.ahead = -1, 0, 0, 0, None, 0

@@ -92,7 +92,7 @@ class Drafter:
         request prefilled again included: its draft KV is recomputed with its target KV). It fills
         draft_positions (the DRAFT group's inputs) with `prefill_positions` and runs there."""
         draft_positions.copy_(self.prefill_positions(batch, positions))
-        kv = PagedKV(self.pool, self.table, [r.row for r in batch.reqs], batch.prefix_lens, batch.extend_lens,
+        kv = PagedKV(self.pool, self.table, batch.rows, batch.prefix_lens, batch.extend_lens,
                      draft_positions, batch.out_cache_loc.to(positions.device), on_store=on_store)
         states = None if self.states is None else DraftState(self.states, batch.state_slots).segments(batch.extend_lens)
         self.model(input_ids, draft_positions, kv, contexts, states)

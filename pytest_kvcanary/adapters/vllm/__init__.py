@@ -8,14 +8,17 @@ scheduler-side account of what each block holds), pools.py (the canary's pool gr
 KV caches), window_map.py (the sliding-window group's full-to-window slot map), states.py (a hybrid
 model's recurrent state, the STATE group over vLLM's mamba blocks), layout.py (where a
 slot's bytes lie in vLLM's CPU cache), isa.py (which CPU attention path, and so which layout, vLLM
-runs), platform.py (CPU build vs CUDA build: device, backends, CUDA graphs), write_through.py
-(what each layer's cache write was handed, for TAIL), checkpoint.py (the default seeded random
-model), versions.py (what differs between the vLLM releases it supports).
+runs), fp8.py and fp8_cache.py (an FP8 KV cache: the setting, the default model's scales, the
+bytes vLLM stores), kv_scales.py (the SCALES group over an FP8 cache's scales), platform.py (CPU
+build vs CUDA build: device, backends, CUDA graphs), write_through.py (what each layer's cache
+write was handed, for TAIL), checkpoint.py (the default seeded random model), versions.py (what
+differs between the vLLM releases it supports).
 
-Besides the connector vLLM loads, the adapter hooks vLLM's objects in four places: a forward
+Besides the connector vLLM loads, the adapter hooks vLLM's objects in five places: a forward
 pre-hook on its model, each attention layer impl's ``do_kv_cache_update`` (write-through), under
-the hybrid KV cache manager the sliding-window managers' ``remove_skipped_blocks``, and for a
-hybrid model ``vllm.v1.worker.mamba_utils.collect_mamba_copy_meta`` (its state copies). Each is
+the hybrid KV cache manager the sliding-window managers' ``remove_skipped_blocks``, for a hybrid
+model ``vllm.v1.worker.mamba_utils.collect_mamba_copy_meta`` (its state copies), and with an FP8
+cache each attention layer's ``_k_scale`` / ``_v_scale`` (made rows of the SCALES group). Each is
 recorded in the engine's Patches (../patches.py, shared with the transformers adapter), and
 ``VllmEngine.close()`` undoes them all and drops the engine from the connector's registry.
 """
@@ -35,11 +38,16 @@ def make_vllm_engine(attention: str, device: str, seed: int, model: str | None, 
     0.28 on, CPU build only; "hybrid": gated delta net layers alternating with full attention, CPU
     build only). device: cpu (vLLM's CPU build) or cuda / cuda:0 (its CUDA build;
     KVCANARY_VLLM_CUDA_GRAPHS=1 runs it in PIECEWISE CUDA graphs, platform.py). settings: other
-    `VllmSettings` fields (the run's --kv-canary-vllm-attention-isa, vllm_hooks.py), the rest
-    at their defaults."""
+    `VllmSettings` fields (the run's --kv-canary-vllm-attention-isa and
+    --kv-canary-vllm-kv-cache-dtype, vllm_hooks.py), the rest at their defaults. With an FP8 KV
+    cache the default model is "mha" or "swa", with calibrated K/V scales for fp8 and fp8_e4m3
+    (fp8_cache.py; fp8_e5m2 runs with scales of 1.0); another kind, or a CPU without AVX-512 or
+    AMX, raises UnsupportedAttention (a test skips, saying why)."""
     from ...canary.seam import UnsupportedAttention
     from .checkpoint import random_checkpoint
     from .engine import VllmEngine, VllmSettings
+    from .fp8 import ATTENTION_KINDS as FP8_ATTENTION_KINDS, no_fp8, quantized
+    from .fp8_cache import scaled_checkpoint
     from .platform import check_device
     from .versions import no_hybrid, no_latent_attention
 
@@ -53,5 +61,15 @@ def make_vllm_engine(attention: str, device: str, seed: int, model: str | None, 
         reason = no_latent_attention() if where == "cpu" else "the adapter knows no CUDA MLA backend's cache yet"
         if reason:
             raise UnsupportedAttention(f"engine 'vllm' has no attention kind 'mla' here: {reason}")
+    s = VllmSettings(device=where, **settings)
     checkpoint = model if model is not None else random_checkpoint(attention, seed)
-    return VllmEngine(checkpoint, seed, VllmSettings(device=where, **settings))
+    if quantized(s.kv_cache_dtype):
+        if reason := no_fp8(where):
+            raise UnsupportedAttention(f"engine 'vllm' runs no {s.kv_cache_dtype} KV cache here: {reason}")
+        if model is None and attention not in FP8_ATTENTION_KINDS:
+            raise UnsupportedAttention(f"engine 'vllm' has no attention kind {attention!r} with a {s.kv_cache_dtype} "
+                                       f"KV cache: its default model is run with one for "
+                                       f"{', '.join(FP8_ATTENTION_KINDS)} only (docs/vllm.md#fp8-kv-cache)")
+        if model is None and s.kv_cache_dtype != "fp8_e5m2":  # vLLM refuses a checkpoint's scales with e5m2
+            checkpoint = scaled_checkpoint(checkpoint, f"kvcanary-vllm-{attention}", seed)
+    return VllmEngine(checkpoint, seed, s)

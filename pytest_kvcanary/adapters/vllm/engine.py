@@ -9,7 +9,8 @@ half's byte order probed at start-up (layout.py); slot = ``block * block_size + 
 (vLLM's null block) the reserved slot. The mapping is a block table the adapter owns, refilled
 before every forward from the one the forward's attention reads (the SWA group maps through it and
 a full-to-window slot map, window_map.py); the slots the forward stores to are checked through
-write-through. A hybrid model's recurrent state is a STATE group over vLLM's mamba blocks (states.py).
+write-through. A hybrid model's recurrent state is a STATE group over vLLM's mamba blocks (states.py);
+an FP8 cache's dequantization scales are a SCALES group, each forward's in its view (kv_scales.py).
 Every vLLM object the adapter patches (the model's pre-hook, each layer impl's cache write, the
 sliding-window managers' drops) is recorded in the engine's Patches (../patches.py), which
 `VllmEngine.close` undoes. docs/vllm.md says how each part is wired and what is and is not guarded.
@@ -36,7 +37,9 @@ from ..patches import Patches
 from . import forward_inputs
 from .blocks import BlockBook, RowPlan
 from .connector import CONFIG_KEY, registry
+from .fp8 import check_kv_cache_dtype, default_kv_cache_dtype, quantized
 from .isa import attention_isa, check_attention_isa, default_attention_isa, latent_backend
+from .kv_scales import KvScales
 from .platform import (
     check_device, check_graph_mode, check_model_runner, default_attention_backend, default_cuda_graphs,
     engine_arguments, engine_environment,
@@ -74,7 +77,9 @@ class VllmSettings:
     and hands over). device: cpu (vLLM's CPU build) or cuda (its CUDA build, platform.py); cuda_graphs
     (CUDA only; default KVCANARY_VLLM_CUDA_GRAPHS): PIECEWISE CUDA graphs instead of eager;
     attention_backend (CUDA only; default KVCANARY_VLLM_ATTENTION_BACKEND): FLASH_ATTN or
-    FLASHINFER, None for vLLM's choice."""
+    FLASHINFER, None for vLLM's choice. kv_cache_dtype: what vLLM's KV cache stores (fp8.py: auto, the
+    model's dtype, or fp8, fp8_e4m3, fp8_e5m2; default the environment variable
+    KVCANARY_VLLM_KV_CACHE_DTYPE, else auto; under pytest the run's --kv-canary-vllm-kv-cache-dtype)."""
 
     block_size: int = 32
     max_num_seqs: int = 8
@@ -87,9 +92,11 @@ class VllmSettings:
     device: str = "cpu"
     cuda_graphs: bool = field(default_factory=default_cuda_graphs)
     attention_backend: str | None = field(default_factory=default_attention_backend)
+    kv_cache_dtype: str = field(default_factory=default_kv_cache_dtype)
 
     def __post_init__(self) -> None:
         check_attention_isa(self.attention_isa)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(self, "device", check_device(self.device))
 
     def llm_arguments(self, model: str | Path, seed: int) -> dict[str, Any]:
@@ -102,7 +109,7 @@ class VllmSettings:
                     async_scheduling=False, block_size=self.block_size, max_model_len=self.max_model_len,
                     max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                     num_gpu_blocks_override=self.num_blocks, enable_prefix_caching=self.prefix_caching,
-                    disable_log_stats=False, **platform, **latent)
+                    kv_cache_dtype=self.kv_cache_dtype, disable_log_stats=False, **platform, **latent)
 
 
 class VllmEngine:
@@ -176,6 +183,11 @@ class VllmEngine:
             layers, kv_groups[recurrent[0]].layer_names, recurrent[0], self._runner.kv_cache_config, self.patches, dev)
         if self._states is not None:
             self._groups.append(self._states.group)
+        # an FP8 cache's dequantization scales (kv_scales.py): the SCALES group
+        self._scales = KvScales([layers[name] for name in attention], self.patches) if quantized(
+            s.kv_cache_dtype) else None
+        if self._scales is not None:
+            self._groups.append(self._scales.group)
         hook = self._runner.model.register_forward_pre_hook(self._model_called, with_kwargs=True)
         self.patches.on_uninstall(hook.remove)
 
@@ -207,6 +219,8 @@ class VllmEngine:
         self._inputs = inputs = forward_inputs.read(self._runner, kwargs, self._group_layers)
         rows = [plan[rid] for rid in inputs.request_ids]
         self._view, index = self._map(inputs, rows)
+        if self._scales is not None:
+            self._view = replace(self._view, scales=self._scales.inputs())
         if self._states is not None:
             self._view = replace(self._view, state=self._states.inputs(len(rows)))
             self._states.announce(self._hooks)  # the state copies made for this forward, before its HEAD
@@ -217,6 +231,8 @@ class VllmEngine:
         self._write_through.start_forward(index)
         if self._hooks is not None:
             self._hooks.before_forward(self._view)
+        if self._scales is not None:
+            self._scales.feed()  # the scales HEAD checked are the ones the ops receive
 
     def _map(self, inputs: forward_inputs.ForwardInputs, rows: list[RowPlan]
              ) -> tuple[ForwardView, torch.Tensor | None]:
@@ -296,6 +312,8 @@ class VllmEngine:
                                f"{self.graph_mode}): the canary's pre-hook saw nothing of it")
         assert view is not None, "wait_for_save without a bound step"
         self._write_through.end_forward()
+        if self._scales is not None:
+            self._scales.restore()
         self.forwards += 1
         if self._hooks is not None:
             self._hooks.after_forward(view)
@@ -410,6 +428,13 @@ class VllmEngine:
         attention whatever the settings ask)."""
         return bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
 
+    @property
+    def routed_experts(self) -> bool:
+        """Whether the model sends each token to some of its experts (Qwen3-Next's num_experts,
+        DeepSeek's n_routed_experts): the soak's oracle then allows a router's near tie."""
+        config = self.llm.llm_engine.vllm_config.model_config.hf_text_config
+        return max(getattr(config, "num_experts", 0) or 0, getattr(config, "n_routed_experts", 0) or 0) > 1
+
     def liveness(self) -> dict[str, int]:
         """Requests vLLM's scheduler admitted with a cached prefix since start-up ("prefix hits")."""
         return {"prefix hits": self.book.prefix_hits}
@@ -465,7 +490,7 @@ class VllmEngine:
         spaces = {group.kind: torch.tensor(blocks, dtype=torch.int64) if group.mapping is None
                   else slots if group.mapping.full_to_group is None
                   else torch.isin(group.mapping.full_to_group, slots.to(self.device)).nonzero().flatten().cpu()
-                  for group in self._groups}
+                  for group in self._groups if group.kind is not GroupKind.SCALES}  # scales: no slots freed
         for listener in self._listeners:
             for kind, space in spaces.items():
                 listener(kind, space, cause)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -130,8 +130,14 @@ def _codes(heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> l
     return [(c + 1).to(dtype) for c in (h, t, d)]
 
 
-def probe(layer: Any, cache: torch.Tensor) -> dict[Half, Order | None]:
-    """Per half of a CPU_ATTN layer: the order its cache write keeps (None: neither)."""
+def probe(layer: Any, cache: torch.Tensor,
+          write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> dict[Half, Order | None]:
+    """Per half of a CPU_ATTN layer: the order its cache write keeps (None: neither). write(tokens,
+    scratch, slots) stores coded tokens (``[block_size, heads, head_size]``, in the cache's dtype)
+    as K and V: the layer's own cache write by default (fp8.probe_write for an FP8 cache)."""
+    if write is None:
+        def write(tokens: torch.Tensor, scratch: torch.Tensor, slots: torch.Tensor) -> None:
+            layer.impl.do_kv_cache_update(layer, tokens, tokens, scratch, slots)
     _, heads, block_size, two_d = cache.shape
     head_size = two_d // 2
     scratch = torch.zeros(2, heads, block_size, two_d, dtype=cache.dtype)
@@ -140,7 +146,7 @@ def probe(layer: Any, cache: torch.Tensor) -> dict[Half, Order | None]:
     for code in _codes(heads, block_size, head_size, cache.dtype):
         scratch.zero_()
         tokens = code.transpose(0, 1).contiguous()  # [block_size, heads, head_size]
-        layer.impl.do_kv_cache_update(layer, tokens, tokens, scratch, slots)
+        write(tokens, scratch, slots)
         if scratch[0].any():
             return {half: None for half in Half}
         for half, order in matches:

@@ -12,6 +12,8 @@ import torch
 
 from pytest_kvcanary.canary.seam import GroupKind, Half, PoolGroup, SlotMapping
 
+from .fp8 import quantized
+from .fp8_cache import probe_write, stored_rows
 from .layout import PagedLayout, half_views, probe, probe_latent, probe_paged
 from .platform import CUDA_BACKENDS
 from .versions import layer_isa
@@ -51,7 +53,9 @@ def pool_groups(layers: dict[str, Any], kv_caches: dict[str, torch.Tensor], tabl
         raise NotImplementedError(f"the vLLM adapter knows the KV layouts of vLLM's CPU_ATTN and CPU_MLA (CPU "
                                   f"build), {' and '.join(CUDA_BACKENDS)} (CUDA build) attention backends; "
                                   f"got {backend}")
-    orders = probe(first, cache)
+    fp8 = quantized(first.kv_cache_dtype)  # one byte a value, in vLLM's own conversion (fp8_cache.py)
+    orders = probe(first, cache, probe_write(first, first.impl.do_kv_cache_update, first.kv_cache_dtype) if fp8
+                   else None)
     if None in orders.values():
         raise NotImplementedError(
             f"vLLM's CPU attention runs its {layer_isa(first)!r} path here, whose KV layout the adapter does not know "
@@ -70,7 +74,9 @@ def pool_groups(layers: dict[str, Any], kv_caches: dict[str, torch.Tensor], tabl
         named = [n for n in names if layers[n].sliding_window == window]
         parts = {half: len(v.views) // (len(named) * heads) for half, v in views.items()}  # views per head
         for i, name in enumerate(named):
-            write_through.wrap(layers[name], kind, i * heads, parts)
+            impl = layers[name].impl
+            stored = stored_rows(layers[name], impl.do_kv_cache_update, orders, bs) if fp8 else None
+            write_through.wrap(layers[name], kind, i * heads, parts, stored)
     return Pools(groups, window_map, None)
 
 

@@ -38,6 +38,8 @@ from ..patches import Patches
 # Called with (kind, index into the group's k_layers or v_layers, K rows, V rows): None for a half
 # this call does not report.
 Report = Callable[[GroupKind, int, "torch.Tensor | None", "torch.Tensor | None"], None]
+# What a cache stores for the K/V rows a write is handed ([tokens, kv_heads, head_size] each).
+Stored = Callable[["torch.Tensor", "torch.Tensor"], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 class WriteThrough:
@@ -56,10 +58,12 @@ class WriteThrough:
     def end_forward(self) -> None:
         self.index = None
 
-    def wrap(self, layer: Any, kind: GroupKind, first_index: int, parts: dict[Half, int]) -> None:
+    def wrap(self, layer: Any, kind: GroupKind, first_index: int, parts: dict[Half, int],
+             stored: Stored | None = None) -> None:
         """Report this CPU_ATTN layer's writes as group `kind`'s layers: head h's K or V, in
         ``parts[half]`` equal parts of its dimensions (one per view of that head), as layers
-        ``(first_index + h) * parts[half] + j`` of that half."""
+        ``(first_index + h) * parts[half] + j`` of that half. stored: what the cache holds for the
+        K/V handed (an FP8 cache's bytes, fp8_cache.stored_rows); None: the K/V as handed."""
         impl = layer.impl
         write = impl.do_kv_cache_update
 
@@ -68,6 +72,8 @@ class WriteThrough:
             write(layer, key, value, kv_cache, slot_mapping)
             if (index := self._rows(slot_mapping)) is None:
                 return
+            if stored is not None:
+                key, value = stored(key, value)
             for head in range(key.shape[1]):
                 for half, rows in ((Half.K, key), (Half.V, value)):
                     n = parts[half]

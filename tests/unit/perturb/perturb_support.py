@@ -14,15 +14,15 @@ import torch
 from pytest_kvcanary.adapters.reference import make_reference_engine
 from pytest_kvcanary.canary.readout import GroupReadout
 from pytest_kvcanary.canary.seam import ForwardView
-from pytest_kvcanary.config import PERTURB_MODES, CanaryConfig
+from pytest_kvcanary.config import PERTURB_MODES, SCALE_MODES, CanaryConfig
 from pytest_kvcanary.handles.sided import Side
 from pytest_kvcanary.handles.single import EngineHandle
 from pytest_kvcanary.perturb.targets import read_targets
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The modes that damage attention KV (state_wrong_restore damages a hybrid model's recurrent state:
-# test_state_faults.py and examples/test_hybrid.py).
-KV_MODES = tuple(mode for mode in PERTURB_MODES if mode != "state_wrong_restore")
+# test_state_faults.py and examples/test_hybrid.py; the scale modes FP8 KV's scales: test_scale_faults.py).
+KV_MODES = tuple(mode for mode in PERTURB_MODES if mode != "state_wrong_restore" and mode not in SCALE_MODES)
 SEED_SWEEP_KERNELS = "triton" if DEVICE == "cuda" else "torch"
 # The pool groups of each attention kind.
 POOL_GROUPS = {"mha": ("full",), "swa": ("full", "swa"), "mla": ("full",)}
@@ -42,8 +42,9 @@ def make_handle(attention: str, **canary: object) -> EngineHandle:
     """A fresh reference engine (window 16, roomy pools) with the canary on; "speculative": mha
     decoding speculatively with 3 draft tokens per step; "host": mha with a host tier (HOST_ENGINE);
     "hybrid": recurrent layers beside full attention (groups full and state); "hybrid-host": that
-    with a host tier (HOST_ENGINE)."""
-    options = {"speculative": {"speculative_k": 3}, "host": HOST_ENGINE, "hybrid-host": HOST_ENGINE}.get(attention, {})
+    with a host tier (HOST_ENGINE); "fp8": mha storing its KV in FP8 (groups full and scales)."""
+    options = {"speculative": {"speculative_k": 3}, "host": HOST_ENGINE, "hybrid-host": HOST_ENGINE,
+               "fp8": {"kv_dtype": "fp8_e4m3"}}.get(attention, {})
     kind = attention if attention in POOL_GROUPS or attention == "hybrid" else (
         "hybrid" if attention == "hybrid-host" else "mha")
     engine = make_reference_engine(kind, DEVICE, seed=0, **options)

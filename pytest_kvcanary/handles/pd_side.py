@@ -1,0 +1,291 @@
+"""One side of a prefill/decode pair whose engines run in processes of their own: the process's
+engine, its canary, the records that travel with its transfers, and the commands it serves.
+
+    main(spec, rank, port, conn, parent)     started by parallel.RankProcesses (spawn)
+    python -m pytest_kvcanary.handles.pd_side --job JOB --out OUT     started by torchrun
+
+Rank 0 runs the decode engine and takes the commands (from the launcher's pipe, or the job file
+under torchrun); it broadcasts each to rank 1, the prefill engine, over the control group, both run
+it, and rank 0 gathers the results. Rank 0 decodes because it outlives a prefill process that
+dies: it then answers with the requests it aborted, and the launcher reads them (RankProcesses'
+grace). A process also dies with the launcher's (handles.rank), and leaves its traceback in the
+store when a command raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from kvcanary_kernels.records import RECORD_WIDTH
+
+from ..adapters.reference import reference_config
+from ..canary.seam import UnsupportedAttention
+from ..config import CanaryConfig
+from ..perturb.ledger import Ledger
+from ..reference_engine.engine import Engine
+from ..reference_engine.pd_remote import DECODE_RANK, DecodeProcess, DecodeResult, Link, PrefillProcess
+from ..reference_engine.pd_transport import TransportFault
+from ..reference_engine.parallel.topology import Topology
+from . import rank as rank_process
+from .pd import note_moves
+from .rank import RankContext, RankReport
+from .sided import Side, SidedHandle
+
+ROLES = ("decode", "prefill")  # by rank
+DEFAULT_TRANSFER_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """A cross-process pair of the reference engine: attention kind, seed and model as for one
+    engine (adapters/reference.py; `engine`: more of reference_config's options), the canary as the
+    test asked (the sides log), devices by side ("prefill", "decode"), and timeout_s: how long a
+    side waits for the other in one exchange (a side that waits longer gives up on the pair)."""
+
+    attention: str
+    seed: int
+    canary: CanaryConfig
+    devices: tuple[str, str] = ("cpu", "cpu")
+    model: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 300.0
+    kind: str = "pd"
+    topology: Topology = Topology()  # each side is one rank
+
+    def __post_init__(self) -> None:
+        if self.attention == "hybrid":
+            raise UnsupportedAttention("kv_pd(transport='processes') does not run attention 'hybrid': its recurrent "
+                                       "state does not travel between processes yet")
+
+    def device(self, role: str) -> str:
+        return self.devices[0 if role == "prefill" else 1]
+
+
+class RecordSidecar:
+    """The transport's Sidecar over a side's canary: every group's records, both halves, as
+    ``[n, groups x halves x RECORD_WIDTH]`` int64; on the prefill side, the ledger hears where
+    the transferred slots went."""
+
+    def __init__(self, side: Side, ledger: Ledger) -> None:
+        self.runtime, self.ledger = side.runtime, ledger
+
+    def width(self) -> int:
+        return sum(len(group.halves) for group in self.runtime.groups) * RECORD_WIDTH
+
+    def export(self, full_slots: torch.Tensor) -> torch.Tensor:
+        return torch.cat([rows for halves in self.runtime.export_records(full_slots) for rows in halves.values()], 1)
+
+    def install(self, full_slots: torch.Tensor, sidecar: torch.Tensor) -> None:
+        columns = iter(sidecar.split(RECORD_WIDTH, 1))
+        self.runtime.import_records(full_slots, [{half: next(columns) for half in group.halves}
+                                                 for group in self.runtime.groups])
+
+    def receipt(self, full_slots: torch.Tensor) -> list[list[int]]:
+        return [group.to_group_slots(full_slots.to(group.device)).tolist() for group in self.runtime.groups]
+
+    def delivered(self, src_full_slots: list[int], dst_full_slots: list[int], receipt: list[list[int]]) -> None:
+        note_moves(self.ledger, self.runtime.groups, src_full_slots, dst_full_slots, receipt)
+
+
+class SideHandle(SidedHandle):
+    """The handle of one side's engine in its process (one Side, named by its role)."""
+
+    def __init__(self, role: str, engine: Engine, canary: CanaryConfig) -> None:
+        super().__init__()
+        self.sides = [Side(role, engine, canary, self.ledger)]
+
+
+class SideServer:
+    """This process's engine, its handle, its half of the pair, and the commands it runs."""
+
+    def __init__(self, spec: PairSpec, rank: int, link: Link) -> None:
+        self.role = ROLES[rank]
+        config = reference_config(spec.attention, spec.device(self.role), spec.seed, spec.model, **spec.engine)
+        self.engine = Engine(config)
+        self.handle = SideHandle(self.role, self.engine, replace(spec.canary, mode="log"))
+        sidecar = RecordSidecar(self.handle.sides[0], self.handle.ledger)
+        self.half = (DecodeProcess(self.engine, link, sidecar, spec.timeout_s) if self.role == "decode"
+                     else PrefillProcess(self.engine, link, sidecar))
+        self.context = RankContext(rank, 0, self.handle, {self.role: self.engine})
+        self.dangling = 0  # receives that never drained: their slots may still be written
+
+    def run(self, command: tuple) -> Any:
+        name, *args = command
+        if name == "generate":
+            prompts, max_new_tokens, context_keys, timeout_s, faults = args
+            if isinstance(self.half, PrefillProcess):
+                return self.half.generate(prompts, max_new_tokens, context_keys or [0] * len(prompts), faults)
+            result = self.half.generate(len(prompts), timeout_s, faults)
+            self.dangling += result.dangling
+            return result
+        if name == "reset":
+            seed, perturbs = args
+            if isinstance(self.half, DecodeProcess):
+                self.half.reset()
+            return self.handle.reset(seed, tuple(p for p in perturbs if p.side in (None, self.role)))
+        if name == "collect":
+            handle = self.handle
+            found = handle.violations()
+            return RankReport(found, [handle.request_label(v) for v in found], handle.injections(), handle.stats(),
+                              handle.healthy() and not self.dangling)
+        if name == "call":
+            return args[0](self.context)
+        if name == "close":
+            return self.handle.close()
+        raise ValueError(f"unknown command {name!r}")
+
+    def serve(self, control: Any, commands: Iterator[tuple] | None,
+              reply: Callable[[tuple, list[Any]], None] | None) -> bool:
+        """Run commands until "close" (rank 0 takes them from `commands` and hands each with the
+        results of both sides to `reply`; an exhausted iterator closes). Returns False when the
+        other side died during a command (rank 0 has replied with its own result)."""
+        while True:
+            holder = [next(commands, ("close",)) if commands is not None else None]
+            dist.broadcast_object_list(holder, src=DECODE_RANK, group=control)
+            command = holder[0]
+            result = self.run(command)
+            results: list[Any] | None = [None, None] if commands is not None else None
+            try:
+                dist.gather_object(result, results, dst=DECODE_RANK, group=control)
+            except RuntimeError:  # the other side is gone: answer with what this side saw
+                if reply is not None:
+                    reply(command, [result, None])
+                return False
+            if reply is not None:
+                reply(command, results)
+            if command[0] == "close":
+                return True
+
+    def check_request(self, command: tuple) -> None:
+        """Raise what the engine raises for a request of a generate command it would refuse."""
+        if command[0] == "generate":
+            prompts, max_new_tokens, context_keys = command[1:4]
+            for i, prompt in enumerate(prompts):
+                self.engine.encode_request(prompt, max_new_tokens, 0 if context_keys is None else context_keys[i])
+
+
+def _join(spec: PairSpec, rank: int, backend: str, store: Any | None) -> tuple[SideServer, Any]:
+    """Join the pair's world (through `store`, else env://, as torchrun starts it) and build this side."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    device = torch.device(spec.device(ROLES[rank]))
+    init = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(backend, rank=rank, world_size=2, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None, **init)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return SideServer(spec, rank, Link(rank, backend, control)), control
+
+
+def _commands(conn: Connection, server: SideServer) -> Iterator[tuple]:
+    """The launcher's commands; a generate the engine would refuse is answered here, as an error."""
+    while True:
+        try:
+            command = conn.recv()
+        except EOFError:  # the launcher is gone
+            return
+        try:
+            server.check_request(command)
+        except Exception as e:
+            conn.send(("error", e))
+            continue
+        yield command
+
+
+def main(spec: PairSpec, rank: int, port: int, conn: Connection | None, parent: int) -> None:
+    """A side's process, started by RankProcesses: see the module docstring."""
+    rank_process._die_with_parent(parent)
+    store = None
+    try:
+        role = ROLES[rank]
+        backend = rank_process._backend(torch.device(spec.device(role)), 2)
+        store = dist.TCPStore(rank_process.LOCALHOST, port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+        server, control = _join(spec, rank, backend, store)
+        if conn is not None:
+            conn.send(("ready", server.handle.pool_groups()))
+        whole = server.serve(control, None if conn is None else _commands(conn, server),
+                             None if conn is None else lambda _, results: conn.send(("ok", results)))
+        if whole:
+            dist.destroy_process_group()
+    except BaseException:
+        message = f"{ROLES[rank]} process (rank {rank}): {traceback.format_exc()}"
+        if store is not None:
+            store.set(f"error/{rank}", message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)
+    os._exit(0)  # a receive left posted (a pair whose other side died) must not abort the exit
+
+
+def _job_result(name: str, results: list[Any]) -> Any:
+    """A command's results (rank 0's first) as the job's output file holds them."""
+    if name == "generate":
+        decoded: DecodeResult = results[0]
+        return {"outputs": decoded.outputs, "aborted": {str(i): why for i, why in decoded.aborted.items()},
+                "failure": decoded.failure}
+    if name == "collect":
+        return {ROLES[r]: {"violations": [v.to_json() for v in report.violations],
+                           "injections": [i.to_json() for i in report.injections], "healthy": report.healthy}
+                for r, report in enumerate(results) if report is not None}
+    raise ValueError(f"no result of {name!r} goes to the job's output")
+
+
+def _job_commands(job: dict[str, Any]) -> Iterator[tuple]:
+    """A job file's commands as the server takes them: a "fault" arms the generates after it,
+    until the next reset."""
+    faults: list[TransportFault] = []
+    for name, *rest in job["commands"]:
+        if name == "fault":
+            faults.append(TransportFault(*rest))
+        elif name == "reset":
+            faults.clear()
+            yield ("reset", rest[0], ())
+        elif name == "generate":
+            yield ("generate", rest[0], rest[1], None, DEFAULT_TRANSFER_TIMEOUT_S, tuple(faults))
+        else:
+            yield (name,)
+
+
+def torchrun_main(argv: list[str]) -> None:
+    """The entry point under torchrun (env://, two processes: RANK 0 decodes, RANK 1 prefills).
+    --job: a JSON file of {"spec": {attention, seed, canary?, model?, engine?, devices?},
+    "commands": [...]}, each command ["reset", seed] / ["generate", prompts, max_new_tokens] /
+    ["fault", name, transfer] / ["collect"]; rank 0 writes one JSON line per generate and collect
+    to --out (docs/pd-processes.md)."""
+    parser = argparse.ArgumentParser(prog="python -m pytest_kvcanary.handles.pd_side")
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    with open(args.job) as f:
+        job = json.load(f)
+    rank = int(os.environ["RANK"])
+    if (world := os.environ["WORLD_SIZE"]) != "2":
+        raise SystemExit(f"a prefill/decode pair is two processes: WORLD_SIZE must be 2; got {world}")
+    fields = job["spec"]
+    local, here = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    own = f"cuda:{local}" if torch.cuda.device_count() >= here else "cpu"  # a GPU each, or the CPU
+    spec = PairSpec(fields["attention"], fields.get("seed", 0), CanaryConfig(**fields.get("canary", {})),
+                    tuple(fields.get("devices") or (own, own)), fields.get("model"), fields.get("engine", {}))
+    backend = rank_process._backend(torch.device(spec.device(ROLES[rank])), 2, one_host=here == 2)
+    server, control = _join(spec, rank, backend, None)
+
+    def reply(command: tuple, results: list[Any]) -> None:
+        if command[0] in ("generate", "collect"):
+            with open(args.out, "a") as out:
+                out.write(json.dumps({"command": command[0], "result": _job_result(command[0], results)}) + "\n")
+
+    lead = rank == DECODE_RANK
+    if server.serve(control, _job_commands(job) if lead else None, reply if lead else None):
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    torchrun_main(sys.argv[1:])

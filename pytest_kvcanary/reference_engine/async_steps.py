@@ -1,0 +1,162 @@
+"""Async scheduling (`EngineConfig.async_scheduling`): each step is scheduled and launched before the
+results of the step before it are processed, as vLLM's async scheduling and SGLang's overlap
+scheduler run.
+
+    Engine.step   schedule N+1      every request of N counted as having produced one token
+                                    (Scheduler.schedule(retract=False))
+                  launch N+1        its input ids for N's requests gathered on the device from N's
+                                    sampled tokens; the forward is the engine's own, hooks included
+                  process N         wait for N's tokens; a request that finished at N retires: it
+                                    still had a row in N+1, whose token is dropped, and keeps its
+                                    slots until N+1 is processed
+
+A launched step writes each request's sampled token into the engine's token table, on the device,
+at the position it goes to, right after sampling. So the next step's TAIL checks the input ids that
+step gathered (by its own index into these tokens) against the token table, on the device and in
+stream order; once the host processes N, the table holds its copy of the token and the HEAD after
+that checks each stamped record against the host's bookkeeping.
+
+On CUDA a launch is asynchronous by itself: the tokens are copied to pinned host memory behind the
+forward and the host waits on an event when it processes the step. On a CPU the forward of a
+launched step runs, by default, when the host first waits for its results, as late as a device may
+run it. Whatever the host does meanwhile (scheduling the next step, loading pages back, receiving a
+prefill/decode transfer) then lands before it, the worst case of copies that do not wait for the
+device (a transfer over RDMA, vLLM #45357). `AsyncSteps.run_at_launch` runs it at once instead, in
+CUDA's order, where the host learns a step's tokens only after the next step ran. That is why every
+slot, row and lock a launched step uses stays held until the step is processed: a decode that would
+retract, and any step after a prefill (whose radix insertion may free duplicate slots the next step
+reads), first process the step in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .request import Request
+from .scheduler import Batch, Scheduler
+
+
+@dataclass(eq=False)
+class Launched:
+    """A launched step: its batch; on a CPU its forward while not run yet (run); once run, each
+    request's sampled token on the device (tokens) and, on CUDA, their pinned host copy and the
+    event that says it landed."""
+
+    batch: Batch
+    run: Callable[[], None] | None = None
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    landed: torch.cuda.Event | None = None
+
+
+class AsyncSteps:
+    """An engine's steps launched and not processed yet, oldest first (at most two, within a step).
+    The engine is given by its scheduler, its token table ([rows, max_context], on its device), its
+    forward (over a batch: each request's greedy next token on the device, the host not waiting) and
+    its account (processes a forward's results, returns the requests that finished). run_at_launch:
+    a launched step's forward runs at once (CUDA's order: the host learns a step's tokens after the
+    next step ran; the default on CUDA, and a CPU can run so too) or when the host first waits for
+    its results (a CPU's default)."""
+
+    def __init__(self, scheduler: Scheduler, token_table: torch.Tensor, forward: Callable[[Batch], torch.Tensor],
+                 account: Callable[[Batch, list[list[int]]], list[Request]]) -> None:
+        self.scheduler, self.token_table, self.forward, self.account = scheduler, token_table, forward, account
+        self.device = token_table.device
+        self.launched: deque[Launched] = deque()
+        self.run_at_launch = self.device.type == "cuda"
+
+    def step(self) -> list[Request]:
+        """Launch the next step and process the one before it; returns the requests that finished
+        in the processed one. RuntimeError when requests wait but nothing can run; if a forward
+        raises, every launched step is undone (their requests back to waiting) and it propagates."""
+        try:
+            return self._step()
+        except BaseException:
+            batches = [s.batch for s in self.launched]
+            self.launched.clear()
+            self.scheduler.abort(*batches)
+            raise
+
+    def settle(self) -> None:
+        """Let every launched forward run to its end and forget their results (the engine's reset)."""
+        while self.launched:
+            self._wait(self.launched.popleft())
+
+    def _step(self) -> list[Request]:
+        scheduler, finished = self.scheduler, []
+        if self.launched and self.launched[-1].batch.is_prefill:
+            finished += self._process()
+        batch = scheduler.schedule(retract=not self.launched)
+        if batch is None and self.launched:  # nothing to overlap (or it would retract): the step in flight first
+            finished += self._process()
+            batch = scheduler.schedule()
+        if batch is None:
+            if scheduler.waiting:
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return finished
+        self._launch(batch)
+        if len(self.launched) > 1:
+            finished += self._process()
+        return finished
+
+    def _launch(self, batch: Batch) -> None:
+        """Launch the batch's forward: now (run_at_launch), else when the host first waits for it."""
+        device, prev = self.device, self.launched[-1] if self.launched else None
+        carried = [] if prev is None else self._carried(batch, prev.batch)
+        next_pos = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+        fits = [b for b, pos in enumerate(next_pos) if pos < self.token_table.shape[1]]
+        at = [torch.tensor(x, dtype=torch.int64, device=device)
+              for x in ([batch.rows[b] for b in fits], [next_pos[b] for b in fits], fits)]
+        step = Launched(batch)
+
+        def run() -> None:
+            ran = batch
+            if carried:  # the tokens the step before samples, never seen by the host
+                dst, src = (torch.tensor(x, dtype=torch.int64, device=device) for x in zip(*carried))
+                ids = batch.input_ids.to(device, copy=True)
+                ids[dst] = prev.tokens[src]
+                ran = batch._replace(input_ids=ids)
+            step.tokens = self.forward(ran)
+            self.token_table[at[0], at[1]] = step.tokens[at[2]]
+            if device.type == "cuda":
+                step.host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
+                step.host.copy_(step.tokens, non_blocking=True)
+                step.landed = torch.cuda.Event()
+                step.landed.record()
+
+        self.launched.append(step)  # before it runs: a forward that raises is undone with it
+        if self.run_at_launch:
+            run()
+        else:
+            step.run = run
+
+    @staticmethod
+    def _carried(batch: Batch, prev: Batch) -> list[tuple[int, int]]:
+        """(token index in batch, request index in prev) of each input id of batch that prev samples:
+        the first token of each request prev also runs."""
+        index = {req: i for i, req in enumerate(prev.reqs)}
+        starts = torch.tensor([0, *batch.extend_lens[:-1]]).cumsum(0).tolist()
+        return [(start, index[req]) for req, start in zip(batch.reqs, starts) if req in index]
+
+    def _wait(self, step: Launched) -> None:
+        """Until the step's tokens are there: on a CPU run the launched forwards up to it, in order."""
+        for s in self.launched if step in self.launched else [step]:
+            if s.run is not None:
+                run, s.run = s.run, None
+                run()
+            if s is step:
+                break
+        if step.landed is not None:
+            step.landed.synchronize()
+
+    def _process(self) -> list[Request]:
+        """Wait for the oldest launched step and process its results."""
+        step = self.launched[0]
+        self._wait(step)
+        self.launched.popleft()
+        tokens = (step.host if step.host is not None else step.tokens).tolist()
+        return self.account(step.batch, [[t] for t in tokens])

@@ -1,0 +1,93 @@
+"""A lifetime bug of async scheduling (vLLM #45357-like), put into the reference engine's real code
+path: a request found finished at step N still has a row in step N+1, already launched; the bug
+drops that row's output and frees the slot it writes at once, while N+1 is in flight. The slot
+becomes a prefill/decode transfer's receive target, the transfer lands, then N+1 writes the
+finished request's KV over it. The damage is proven without the canary (the receiving request's KV
+against a no-cache forward), the canary names the slot at the first forward that reads it, and the
+same workload without the bug is clean.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+
+from pytest_kvcanary.canary.runtime import CanaryRuntime
+from pytest_kvcanary.reference_engine import Engine, Request
+from pytest_kvcanary.reference_engine.pd import PDPair
+from pytest_kvcanary.reference_engine.scheduler import Scheduler
+
+from scenario_support import attach_canary, first_reports, kv_off_reference, make_engine, off_greedy_reference, tokens
+
+
+class Run(NamedTuple):
+    decode: Engine
+    canary: CanaryRuntime
+    finished: Request  # the request that finished at step N
+    receiver: Request  # the request transferred while step N+1 was in flight (or once it could be)
+    off: set[tuple[str, int]]  # the receiver's (group, position)s whose KV differ from a no-cache forward's
+    place: tuple[int, int, int]  # the receiver's (slot, position, row) of its last prompt position
+
+
+def finish_then_receive() -> Run:
+    """A prefill engine prefills R (20 tokens, 3 new) and Y (20 tokens, 4 new); R moves to an async
+    decode engine of 42 usable slots and decodes until a step in which it finished is processed
+    (R holds positions 0-22, the last written by step N+1, in flight); Y moves there as soon as the
+    decode engine can hold it (19 slots are free, so it gets one R freed), and decodes to its end."""
+    pair = PDPair(make_engine(), make_engine(num_slots=43, async_scheduling=True))
+    pair.decode._async.run_at_launch = False  # a launched step runs as late as it may: after a transfer meanwhile
+    prefill, decode = attach_canary(pair.prefill), attach_canary(pair.decode)
+    pair.add_transfer_listener(lambda src, dst: decode.import_records(dst, prefill.export_records(src)))
+    sent = [pair.prefill.submit(tokens(200, 20), 3), pair.prefill.submit(tokens(201, 20), 4)]
+    assert pair.prefill.prefill_for_transfer() == sent
+    r = pair._transfer(sent[0])
+    pair.prefill.scheduler.finish(sent[0])
+    while not r.finished:
+        pair.decode.step()
+    while (y := pair._transfer(sent[1])) is None:
+        pair.decode.step()
+    pair.prefill.scheduler.finish(sent[1])
+    place = (int(pair.decode.req_to_token_pool.read(y.row, 19, 20)), 19, y.row)
+    pair.decode.step()  # step N+1 has run by now
+    off = kv_off_reference(pair.decode, y)
+    while pair.decode.scheduler.has_work:
+        pair.decode.step()
+    return Run(pair.decode, decode, r, y, off, place)
+
+
+def free_the_dropped_slot_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug: the slot step N+1 writes for a request that finished at N is freed when N is
+    processed (its output is dropped anyway), not once N+1 is."""
+    retire, retired = Scheduler._retire, Scheduler._retired
+
+    def retire_freeing(self: Scheduler, req: Request) -> None:
+        self.pools.free(self.req_to_token.pages(req.row, req.kv_len, req.launched_len), "its next output is dropped")
+        retire(self, req)
+
+    def retired_without_it(self: Scheduler, req: Request) -> None:
+        req.kv_len -= 1  # the position step N+1 wrote: its slot was freed already
+        retired(self, req)
+
+    monkeypatch.setattr(Scheduler, "_retire", retire_freeing)
+    monkeypatch.setattr(Scheduler, "_retired", retired_without_it)
+
+
+def test_without_the_bug_the_receiver_waits_for_the_slot_and_stays_clean():
+    run = finish_then_receive()
+    assert run.off == set() and not off_greedy_reference(run.decode, run.receiver)
+    assert not off_greedy_reference(run.decode, run.finished) and len(run.finished.output_ids) == 3
+    assert first_reports(run.canary) == (None, set())
+
+
+def test_slot_freed_while_the_next_step_is_in_flight_is_caught_where_the_receiver_reads_it(monkeypatch):
+    free_the_dropped_slot_at_once(monkeypatch)
+    run = finish_then_receive()
+    assert run.off == {("FULL", 19)}, "step N+1 wrote the finished request's KV over the received one"
+    assert off_greedy_reference(run.decode, run.receiver)
+    step, found = first_reports(run.canary)
+    assert step == 3  # the receiver's first decode (steps 0-2 decoded R, step 2 its dropped row)
+    slot, position, row = run.place
+    assert {(v[0], v[2], v[4], v[5], v[6]) for v in found} == {(phase, "FULL", slot, position, row)
+                                                                for phase in ("HEAD", "RECHECK")}
+    assert {v[3] for v in found} == {("verify_position", "verify_token", "verify_chain_hash")}
