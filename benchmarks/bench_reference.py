@@ -5,6 +5,7 @@ GPU, and tensor-parallel on two (NCCL) with and without the cross-rank compariso
     python benchmarks/bench_reference.py --tp 2 --batches 1 32  # tp=2 on cuda:0 and cuda:1
     python benchmarks/bench_reference.py --batches 8 --runs 7
     python benchmarks/bench_reference.py --attention hybrid     # every 4th layer attention, the rest recurrent
+    python benchmarks/bench_reference.py --kv-dtype fp8_e4m3    # KV stored in FP8 with per-layer scales
     python benchmarks/bench_reference.py --breakdown            # also each variant's device time per kernel
     python benchmarks/bench_reference.py --smoke [--tp 2]       # tiny shapes on the CPU (padded decode): checks the script
 
@@ -301,6 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", default="mha", choices=["mha", "hybrid"])
     parser.add_argument("--full-every", type=int, default=4, help="hybrid: every Nth layer is full attention")
     parser.add_argument("--state-dim", type=int, default=64, help="hybrid: a state head's key and value size")
+    parser.add_argument("--kv-dtype", default="auto", help="what the KV pools store (ModelConfig.kv_dtype: auto, "
+                        "float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, fp4_e2m1)")
     parser.add_argument("--real-data", nargs="+", default=["partial"], choices=["none", "partial", "all"])
     parser.add_argument("--sweep-interval", type=int, default=4)
     parser.add_argument("--breakdown", action="store_true",
@@ -328,7 +331,8 @@ def engine_config(args: argparse.Namespace, batch: int) -> EngineConfig:
     model = ModelConfig(vocab_size=32000, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
                         max_context=context, dtype=args.dtype, seed=0, attention=args.attention,
-                        full_every=args.full_every, state_heads=args.heads, state_dim=args.state_dim)
+                        full_every=args.full_every, state_heads=args.heads, state_dim=args.state_dim,
+                        kv_dtype=args.kv_dtype)
     return EngineConfig(model=model, num_slots=batch * context + 1, max_running=batch,
                         max_batch_tokens=max(context, 8192), device=args.devices[0], decode_mode=args.decode_mode,
                         num_state_slots=2 * batch + 1)
@@ -339,7 +343,7 @@ def main() -> None:
     devices, dtype, decode_mode, kernels = args.devices, args.dtype, args.decode_mode, args.kernels
     variants = ("off", "canary") + (("cross-rank",) if args.tp > 1 else ())
     name = "cpu" if args.smoke else torch.cuda.get_device_name(0)
-    print(f"tp={args.tp} on {', '.join(devices)} ({name}); attention={args.attention}"
+    print(f"tp={args.tp} on {', '.join(devices)} ({name}); attention={args.attention}; kv_dtype={args.kv_dtype}"
           + (f" (full every {args.full_every}, state {args.heads} x {args.state_dim}^2)" if args.attention == "hybrid" else "")
           + f"; decode_mode={decode_mode}; prompt {args.prompt}, "
           f"{args.steps} timed steps x {args.runs} runs; hidden {args.hidden}, {args.layers} layers, {args.heads} heads "

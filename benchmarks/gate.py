@@ -69,12 +69,12 @@ def alternate(i: int, measure: Callable[[bool], float]) -> tuple[float, float]:
     return ms[False], ms[True]
 
 
-def reference(attention: str, batch: int) -> Callable[[bool], tuple[Pair, Callable[[], None]]]:
+def reference(attention: str, batch: int, kv_dtype: str = "auto") -> Callable[[bool], tuple[Pair, Callable[[], None]]]:
     def open_row(smoke: bool) -> tuple[Pair, Callable[[], None]]:
         import bench_reference as bench
         from pytest_kvcanary.config import CanaryConfig
 
-        args = bench.parse_args(["--attention", attention] + (["--smoke"] if smoke else []))
+        args = bench.parse_args(["--attention", attention, "--kv-dtype", kv_dtype] + (["--smoke"] if smoke else []))
         one = bench.OneEngine(bench.engine_config(args, batch),
                               CanaryConfig(real_data="partial", sweep_interval=args.sweep_interval, kernels=args.kernels))
 
@@ -138,6 +138,10 @@ ROWS: dict[str, Row] = {
     "reference-hybrid-b1": Row(3.0, "reference engine, hybrid model, graph decode at batch 1", reference("hybrid", 1)),
     "reference-hybrid-b32": Row(2.0, "reference engine, hybrid model, graph decode at batch 32",
                                 reference("hybrid", 32)),
+    "reference-fp8-b1": Row(3.0, "reference engine, KV in FP8 (e4m3), graph decode at batch 1",
+                            reference("mha", 1, "fp8_e4m3")),
+    "reference-fp8-b32": Row(2.0, "reference engine, KV in FP8 (e4m3), graph decode at batch 32",
+                             reference("mha", 32, "fp8_e4m3")),
 }
 
 

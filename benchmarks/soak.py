@@ -38,15 +38,18 @@ DEVICE = "cuda:0" if CUDA else "cpu"
 
 
 def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 0, page_size: int = 1,
-               host_num_slots: int = 0, num_state_slots: int = 64, disk: bool = False, jitter: bool = False) -> Any:
+               host_num_slots: int = 0, num_state_slots: int = 64, disk: bool = False, jitter: bool = False,
+               async_scheduling: bool = False, kv_dtype: str = "auto") -> Any:
     from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig
 
-    model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0)
+    model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0, kv_dtype=kv_dtype,
+                        kv_scale="head")
     return Engine(EngineConfig(model=model, num_slots=512, swa_num_slots=256, max_running=8, max_batch_tokens=512,
                                device=DEVICE, decode_mode=decode_mode, speculative_k=speculative_k,
                                draft_layers=2 if attention == "hybrid" else 1,
                                page_size=page_size, host_num_slots=host_num_slots, num_state_slots=num_state_slots,
-                               disk_dir=_scratch_dir() if disk else None, jitter_seed=0 if jitter else None))
+                               disk_dir=_scratch_dir() if disk else None, jitter_seed=0 if jitter else None,
+                               async_scheduling=async_scheduling))
 
 
 def _scratch_dir() -> str:
@@ -121,6 +124,21 @@ def configurations() -> dict[str, Config]:
         lambda: _reference("mha", page_size=16, host_num_slots=1024, jitter=True), None, hits + ("host loads",))
     configs["reference-pd-mha-jitter"] = Config(
         lambda: ("pd", _reference("mha", jitter=True), _reference("mha")), None, hits + ("transfers",))
+    # Async scheduling: each step launched before the one before it is processed (in a pair, the
+    # decode side; graph decode needs CUDA).
+    configs["reference-mha-host-async"] = Config(
+        lambda: _reference("mha", page_size=16, host_num_slots=1024, async_scheduling=True), None,
+        hits + ("host loads",))
+    configs["reference-swa-padded-async"] = Config(lambda: _reference("swa", "padded", async_scheduling=True), None,
+                                                   hits)
+    configs["reference-mha-graph-async"] = Config(lambda: _reference("mha", "graph", async_scheduling=True),
+                                                  None if CUDA else "needs CUDA", hits)
+    configs["reference-pd-mha-async"] = Config(
+        lambda: ("pd", _reference("mha"), _reference("mha", async_scheduling=True)), None, hits + ("transfers",))
+    # Quantized KV (FP8 with per-head scales; FP4 in NVFP4 blocks), with pages and a host tier.
+    configs["reference-mha-fp8"] = Config(
+        lambda: _reference("mha", page_size=16, host_num_slots=1024, kv_dtype="fp8_e4m3"), None, hits + ("host loads",))
+    configs["reference-mla-fp4"] = Config(lambda: _reference("mla", "padded", kv_dtype="fp4_e2m1"), None, hits)
     # A disk tier under a small host tier (16 pages of 16 tokens), so host memory evicts to disk.
     # Not hybrid: the disk tier keeps no checkpoints.
     for attention in ("mha", "mla"):
