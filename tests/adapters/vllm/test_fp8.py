@@ -102,18 +102,26 @@ def test_a_clean_workload_is_clean_and_matches_uncached_scoring(engine):
         assert scored_damage(output, s.best, s.runner_up, s.margin, tolerance)[0] is None, (prompt, output, s)
 
 
-@pytest.mark.parametrize("mode", ["scale_reset", "scale_corrupt"])
-def test_a_damaged_scale_is_caught_at_head_of_its_forward(engine, mode):
+def detections(engine, spec: PerturbSpec) -> list:
+    """(injection, the violation that detected it) of every fault `spec` injected over SEEDS; each
+    seed injects one at least, and every injection is detected."""
+    found = []
     for seed in SEEDS:
-        handle = make_handle(engine, (PerturbSpec(mode, target_group="scales", warmup_steps=1, prob=0.5),), seed)
+        handle = make_handle(engine, (spec,), seed)
         workload(handle, seed)
         injections = handle.injections()
         assert injections, f"seed {seed}: no fault was injected"
         for inj in injections:
             assert inj.status == "detected", inj
-            v = inj.detected_by
-            assert (v.group, v.phase, v.reasons, v.slot, v.position, v.half) == (
-                "SCALES", "HEAD", ("verify_scale",), inj.layer, 0, inj.half), (inj, v)
+            found.append((inj, inj.detected_by))
+    return found
+
+
+@pytest.mark.parametrize("mode", ["scale_reset", "scale_corrupt"])
+def test_a_damaged_scale_is_caught_at_head_of_its_forward(engine, mode):
+    for inj, v in detections(engine, PerturbSpec(mode, target_group="scales", warmup_steps=1, prob=0.5)):
+        assert (v.group, v.phase, v.reasons, v.slot, v.position, v.half) == (
+            "SCALES", "HEAD", ("verify_scale",), inj.layer, 0, inj.half), (inj, v)
 
 
 def test_a_scale_fed_as_1_changes_what_vllm_computes(engine):
@@ -164,15 +172,8 @@ def test_a_damaged_scale_tensor_is_caught_by_the_sweep(engine):
 
 
 def test_a_flipped_fp8_byte_is_caught_at_its_slot(engine):
-    for seed in SEEDS:
-        handle = make_handle(engine, (PerturbSpec("real_kv_used", target_group="full", warmup_steps=2),), seed)
-        workload(handle, seed)
-        injections = handle.injections()
-        assert injections, f"seed {seed}: no fault was injected"
-        for inj in injections:
-            assert inj.status == "detected", inj
-            v = inj.detected_by
-            assert (v.phase, v.slot, v.half, v.reasons) == ("HEAD", inj.slot, "V", ("verify_real_kv_hash",)), (inj, v)
+    for inj, v in detections(engine, PerturbSpec("real_kv_used", target_group="full", warmup_steps=2)):
+        assert (v.phase, v.slot, v.half, v.reasons) == ("HEAD", inj.slot, "V", ("verify_real_kv_hash",)), (inj, v)
 
 
 def test_a_flipped_byte_in_vllms_cache_is_caught_at_its_slot(engine):

@@ -11,21 +11,12 @@ import pytest
 import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
-from pytest_kvcanary.config import CanaryConfig
 from pytest_kvcanary.reference_engine import EngineConfig, ModelConfig
 from pytest_kvcanary.reference_engine.async_steps import AsyncSteps
 from pytest_kvcanary.reference_engine.pd import PDPair
 from pytest_kvcanary.reference_engine.scheduler import Scheduler
 
-from test_host_tier import tight
-
-KERNELS = "triton" if torch.cuda.is_available() else "torch"
-
-
-def attach(engine) -> CanaryRuntime:
-    runtime = CanaryRuntime(CanaryConfig(real_data="all", sweep_interval=2, kernels=KERNELS), engine)
-    engine.set_forward_hooks(runtime)
-    return runtime
+from test_host_tier import attach, tight
 
 
 def assert_silent(runtime: CanaryRuntime) -> None:
