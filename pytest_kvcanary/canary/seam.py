@@ -164,6 +164,7 @@ class Capabilities:
 
 # Called with (group, slots of that group's mapping space, cause) whenever slots stop holding their
 # data, before they are released. For a group mapped through full_to_group the slots are FULL slots.
+# Never for a SCALES group: its rows are layers, which no request holds or frees.
 FreeListener = Callable[[GroupKind, "torch.Tensor", str], None]
 
 
