@@ -39,11 +39,12 @@ DEVICE = "cuda:0" if CUDA else "cpu"
 
 def _reference(attention: str, decode_mode: str = "eager", speculative_k: int = 0, page_size: int = 1,
                host_num_slots: int = 0, num_state_slots: int = 64, disk: bool = False, jitter: bool = False,
-               async_scheduling: bool = False, kv_dtype: str = "auto") -> Any:
+               async_scheduling: bool = False, kv_dtype: str = "auto", **shape: int) -> Any:
+    """The soak's reference engine; ``shape``: ModelConfig fields besides the defaults (head_dim, ...)."""
     from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig
 
     model = ModelConfig(attention=attention, window=16, full_every=2, max_context=256, seed=0, kv_dtype=kv_dtype,
-                        kv_scale="head")
+                        kv_scale="head", **shape)
     return Engine(EngineConfig(model=model, num_slots=512, swa_num_slots=256, max_running=8, max_batch_tokens=512,
                                device=DEVICE, decode_mode=decode_mode, speculative_k=speculative_k,
                                draft_layers=2 if attention == "hybrid" else 1,
@@ -135,10 +136,33 @@ def configurations() -> dict[str, Config]:
                                                   None if CUDA else "needs CUDA", hits)
     configs["reference-pd-mha-async"] = Config(
         lambda: ("pd", _reference("mha"), _reference("mha", async_scheduling=True)), None, hits + ("transfers",))
+    # Async scheduling with seeded jitter: each launched step's forward runs at a drawn point (at
+    # launch, once the step before it is processed, or when waited for), load-backs are acknowledged
+    # late and out of order, a pair's transfers held back and reordered; the workloads' rounds of
+    # pauses hold requests mid-decode meanwhile.
+    configs["reference-mha-host-async-jitter"] = Config(
+        lambda: _reference("mha", page_size=16, host_num_slots=1024, jitter=True, async_scheduling=True), None,
+        hits + ("host loads", "pauses"))
+    configs["reference-pd-mha-async-jitter"] = Config(
+        lambda: ("pd", _reference("mha", jitter=True), _reference("mha", jitter=True, async_scheduling=True)), None,
+        hits + ("transfers",))
+    # Each side in a process of its own, the KV moved by torch.distributed sends (gloo on the CPU;
+    # NCCL on two GPUs), the records with it (docs/pd-processes.md).
+    for attention in ("mha", "mla"):
+        configs[f"reference-pd-processes-{attention}"] = Config(
+            lambda a=attention: ("pd-processes", a), "needs two GPUs" if CUDA and torch.cuda.device_count() < 2
+            else None, hits + ("transfers",))
     # Quantized KV (FP8 with per-head scales; FP4 in NVFP4 blocks), with pages and a host tier.
     configs["reference-mha-fp8"] = Config(
         lambda: _reference("mha", page_size=16, host_num_slots=1024, kv_dtype="fp8_e4m3"), None, hits + ("host loads",))
     configs["reference-mla-fp4"] = Config(lambda: _reference("mla", "padded", kv_dtype="fp4_e2m1"), None, hits)
+    # MXFP4 (a power-of-two scale per 32 values), so heads and latent rows of a multiple of 32 values.
+    configs["reference-mha-mxfp4"] = Config(lambda: _reference("mha", kv_dtype="mxfp4", head_dim=32), None, hits)
+    configs["reference-mla-mxfp4"] = Config(
+        lambda: _reference("mla", "padded", kv_dtype="mxfp4", kv_lora_rank=48), None, hits)
+    # Sparse attention (DeepSeek-V3.2-style: each query attends to the 16 tokens its indexer selects,
+    # fewer than most contexts hold), with pages: the indexer keys guarded as a group, every selection checked.
+    configs["reference-sparse"] = Config(lambda: _reference("sparse", page_size=16), None, hits)
     # A disk tier under a small host tier (16 pages of 16 tokens), so host memory evicts to disk.
     # Not hybrid: the disk tier keeps no checkpoints.
     for attention in ("mha", "mla"):
@@ -164,6 +188,12 @@ def soak_canary(real_data: str) -> CanaryConfig:
 
 def _handle(engine: Any, canary: CanaryConfig) -> tuple[Any, Any]:
     """The handle, and the engine or pair it drives (whose `liveness()` counts, where it has one)."""
+    if isinstance(engine, tuple) and engine[0] == "pd-processes":  # the pair's own liveness counts
+        from pytest_kvcanary.handles.pd_processes import start_pd_processes
+
+        handle = start_pd_processes(engine[1], 0, canary, ["cuda:0", "cuda:1"] if CUDA else ["cpu"],
+                                    num_slots=512, swa_num_slots=256)
+        return handle, handle
     if isinstance(engine, tuple):
         from pytest_kvcanary.reference_engine.pd import PDPair
 
@@ -190,7 +220,8 @@ def soak(name: str, build: Callable[[], Any], forwards: int, seconds: float, rou
         result = handle.run_workload(seed=seed, rounds=rounds, arrivals=arrivals)
         data = result.to_json()
         after = counters() if counters is not None else {}
-        restores = handle.sides[0].runtime.readout().state_restores()  # a hybrid model's liveness
+        # a hybrid model's liveness (a cross-process pair runs none, and its sides are in its processes)
+        restores = handle.sides[0].runtime.readout().state_restores() if hasattr(handle, "sides") else None
         rows.append({"config": name + ("" if arrivals else " (batches)"),
                      "device": torch.cuda.get_device_name() if CUDA else "cpu", "real_data": real_data,
                      "seeds": [seed], "rounds": data["rounds"], "forwards": data["forwards"],

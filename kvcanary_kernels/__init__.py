@@ -36,6 +36,7 @@ _LAZY = {
     "GroupInputs": "inputs",
     "StateInputs": "inputs",
     "ScaleInputs": "inputs",
+    "SelectedInputs": "inputs",
     "verify_records": "verify",
     "state_launch": "state_view",
     "verify_view": "view_verify",
@@ -61,6 +62,8 @@ _LAZY = {
     "verify_view_ref": "reference",
     "verify_scales": "scale_check",
     "verify_scales_ref": "reference",
+    "verify_selected": "index_check",
+    "verify_selected_ref": "reference",
     "verify_view_parts_ref": "reference",
 }
 

@@ -98,7 +98,9 @@ def element_source_hash(elements, row_stride, per_slot, per_tile, slots, mask, R
         for j in tl.static_range(PER_WORD):
             at = ((start + cols) * PER_WORD + j) * STRIDE
             e = tl.load(elements + base[:, None] + at[None, :], mask=mask[:, None] & on[None, :], other=0)
-            if SAMPLE_BYTES == 2:
+            if SAMPLE_BYTES == 1:
+                u = e.to(tl.uint8, bitcast=True).to(tl.uint64)
+            elif SAMPLE_BYTES == 2:
                 u = e.to(tl.uint16, bitcast=True).to(tl.uint64)
             elif SAMPLE_BYTES == 4:
                 u = e.to(tl.uint32, bitcast=True).to(tl.uint64)

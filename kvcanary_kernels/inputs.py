@@ -114,6 +114,19 @@ class ScaleInputs(NamedTuple):
     v: torch.Tensor | None
 
 
+class SelectedInputs(NamedTuple):
+    """The tokens a sparse attention layer's indexer selected for each query token: int64 ``[T,
+    topk]`` on the engine's device, row t for view token t (its batch row and position as the view
+    gives them), refilled in place by each sparse layer of the forward. positions: the selected
+    positions of the query's sequence (-1: unused, where the query sees fewer than topk tokens);
+    slots: the FULL slots the attention reads for them, the very tensor it gathers its KV through.
+    The SELECT check (after each layer's selection, before its attention reads) requires of every
+    used entry ``0 <= position <= the query's position`` and ``slot == mapping(row, position)``."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+
+
 @dataclass(frozen=True)
 class ForwardView:
     """One forward as the canary sees it: int64 tensors on the engine's device, fixed shapes.
@@ -138,7 +151,9 @@ class ForwardView:
     pool), what that model consumed: TAIL stamps and checks that group from it (the kernels read
     input_ids / positions only: the runtime hands them the group's view, ``for_group``); state: a
     hybrid model's state slots (`StateInputs`); scales: the dequantization scales of a quantized
-    pool the forward reads its KV through (`ScaleInputs`; an engine with a SCALES group).
+    pool the forward reads its KV through (`ScaleInputs`; an engine with a SCALES group); selected:
+    the tokens a sparse attention's indexer selected for each query token (`SelectedInputs`; an
+    engine with an INDEXER group), filled inside the forward.
 
     The slots a forward writes are mapping(row, prefix_len + j): they must be in the mapping
     before before_forward.
@@ -154,6 +169,7 @@ class ForwardView:
     group_inputs: Mapping[GroupKind, GroupInputs] | None = None
     state: StateInputs | None = None
     scales: ScaleInputs | None = None
+    selected: SelectedInputs | None = None
 
     def for_group(self, kind: GroupKind) -> ForwardView:
         """The view as the kernels read it for one group: fed by what that group's writer consumed
@@ -163,7 +179,7 @@ class ForwardView:
             return self
         return ForwardView(self.rows, self.prefix_lens, self.extend_lens, own.input_ids, own.positions,
                            self.token_table, self.context_keys, state=self.state,
-                           scales=self.scales)
+                           scales=self.scales, selected=self.selected)
 
 
 class VerifyEntries(NamedTuple):

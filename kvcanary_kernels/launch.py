@@ -408,6 +408,28 @@ def row_grid(batch: int, span_cap: int, block: int, device: torch.device) -> tup
     return max(batch, 1), per_row
 
 
+def check_selected(records: torch.Tensor, mapping: SlotMapping, view: ForwardView, ring: ViolationRing,
+                   tag: int) -> None:
+    """A selection check's inputs: the view (with ``selected``, two contiguous int64 ``[T, topk]``
+    tensors, T the view's tokens), the mapping and the records on the ring's device; a tag in range."""
+    check_common(records, (), ring, tag)
+    check_mapping(mapping, records.device)
+    check_view(view, records.device)
+    if view.selected is None:
+        raise ValueError("ForwardView.selected is None: a SELECT check needs the indexer's selection (SelectedInputs)")
+    shape = (view.input_ids.shape[0],)
+    for name, t in zip(("positions", "slots"), view.selected):
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 2 or not t.is_contiguous()
+                or t.shape[:1] != shape):
+            raise ValueError(f"ForwardView.selected.{name} must be a contiguous int64 tensor [T={shape[0]}, topk]; "
+                             f"got {_desc(t)}")
+        if t.device != records.device:
+            raise ValueError(f"ForwardView.selected.{name} is on {t.device}; records are on {records.device}")
+    if view.selected.positions.shape != view.selected.slots.shape:
+        raise ValueError(f"ForwardView.selected: positions {tuple(view.selected.positions.shape)} and slots "
+                         f"{tuple(view.selected.slots.shape)} differ in shape")
+
+
 def check_scales(scales: torch.Tensor, guarded: torch.Tensor, ring: ViolationRing, tag: int) -> None:
     """A scale check's inputs: ``scales`` and ``guarded`` float32 ``[num_layers, W]`` tensors of
     one shape, contiguous, on the ring's device; a tag in range."""

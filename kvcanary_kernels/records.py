@@ -49,6 +49,10 @@ class Reason(IntEnum):
     # A scale a forward dequantizes with (or one a pool holds) is not the layer's guarded scale
     # (the slot column holds the layer, the position column the head; stored/expected: float32 bits).
     VERIFY_SCALE = 32768
+    # A sparse attention's selected index does not point at its own row's slot of that position, or
+    # at a position the query sees (the slot column holds the selected slot, the position column
+    # the selected position; stored/expected: the selected slot and the row's slot there).
+    VERIFY_INDEX = 65536
 
     @property
     def label(self) -> str:
@@ -65,6 +69,7 @@ PRIMARY_REASON_ORDER = (
     Reason.WALK_POSITION_GAP,
     Reason.RESERVED_SLOT_WRITTEN,
     Reason.VERIFY_SCALE,
+    Reason.VERIFY_INDEX,
     Reason.VERIFY_MISSING_SLOT,
     Reason.VERIFY_POSITION,
     Reason.VERIFY_TOKEN,
@@ -82,12 +87,15 @@ def reasons_from_bits(bits: int) -> tuple[Reason, ...]:
 
 class Phase(IntEnum):
     """HEAD: before a forward, its read set. TAIL: after it, the slots it wrote. SWEEP: what the
-    prefix cache holds. RECHECK: after a forward, its read set again (damage done inside it)."""
+    prefix cache holds. RECHECK: after a forward, its read set again (damage done inside it).
+    SELECT: inside a forward, after a sparse layer's indexer selected the tokens each query attends
+    to and before its attention reads them."""
 
     HEAD = 0
     TAIL = 1
     SWEEP = 2
     RECHECK = 3
+    SELECT = 4
 
 
 class Half(IntEnum):
@@ -101,10 +109,12 @@ class GroupKind(IntEnum):
     DRAFT = 2  # a speculative-decoding draft model's own KV pool
     STATE = 3  # a hybrid model's recurrent state: one slot per running request or cached checkpoint
     SCALES = 4  # a quantized pool's dequantization scales: one slot per layer
+    INDEXER = 5  # a sparse attention's indexer keys: one row per FULL slot, the same slots
 
     @property
     def label(self) -> str:
-        """The name reports, markers and the terminal use ("full", "swa", "draft", "state", "scales")."""
+        """The name reports, markers and the terminal use ("full", "swa", "draft", "state", "scales",
+        "indexer")."""
         return self.name.lower()
 
     @classmethod

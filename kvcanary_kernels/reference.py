@@ -17,7 +17,8 @@ from .checks import check_int
 from .inputs import ForwardView, SlotMapping, VerifyEntries
 from .hashing import head_hash_int, head_hash_torch, link_int, link_torch, mix_torch, to_signed
 from .launch import (
-    Tiling, check_common, check_entries, check_prev_records, check_scales, check_stamp_launch, check_state_launch, check_vector, check_view_launch,
+    Tiling, check_common, check_entries, check_prev_records, check_scales, check_selected, check_stamp_launch,
+    check_state_launch, check_vector, check_view_launch,
     RowsPart, StampPart, ViewPart, check_parts, rows_source,
 )
 from .records import (
@@ -379,6 +380,29 @@ def verify_scales_ref(scales: torch.Tensor, guarded: torch.Tensor, ring: Violati
     _count(ring, tag, scales.shape[0])
     _append(ring, tag, {Reason.VERIFY_SCALE: (found != want, found, want)}, index // width, index % width,
             torch.full_like(index, -1))
+
+
+def verify_selected_ref(records: torch.Tensor, mapping: SlotMapping, view: ForwardView, ring: ViolationRing,
+                        tag: int) -> None:
+    """``index_check.verify_selected``: a verify_index row per used selected entry outside its query's
+    positions or not at its row's slot there."""
+    check_selected(records, mapping, view, ring, tag)
+    positions, slots = view.selected
+    topk, n_tokens = positions.shape[1], positions.shape[0]
+    extend = view.extend_lens.clamp(min=0)
+    start = torch.cumsum(extend, 0) - extend
+    extend = torch.minimum(extend, (n_tokens - start).clamp(min=0))
+    b, j = _batch_entries(extend)
+    t = start[b] + j
+    position, slot = positions[t].reshape(-1), slots[t].reshape(-1)
+    b, query = b.repeat_interleave(topk), (view.prefix_lens[b] + j).repeat_interleave(topk)
+    rows = view.rows[b]
+    used = position != -1
+    visible = used & (position >= 0) & (position <= query)
+    expected = torch.where(visible, map_slot_ref(mapping, rows, position, records.shape[0]), 0)
+    _count(ring, tag, int(used.sum()))
+    _append(ring, tag, {Reason.VERIFY_INDEX: (used & (~visible | (slot != expected)), slot, expected)}, slot,
+            position, rows)
 
 
 def _count(ring: ViolationRing, tag: int, entries: int) -> None:

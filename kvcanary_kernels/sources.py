@@ -3,10 +3,10 @@
 A fingerprint reads a slot's bytes in samples: ``read_bytes // sample_bytes`` of them, the k-th at
 byte ``sample_offset + k * sample_stride`` of the slot. A sample is 16 bytes where a slot's
 features lie in runs (``sample_stride == 16``: one run from ``sample_offset``), or one element
-(2, 4 or 8 bytes) where they lie one element every ``sample_stride`` bytes: a feature-major page,
-as vLLM's CPU attention keeps K (a block's dimension d of every token together). ``all`` mode
-reads the whole slot; ``partial`` mode reads 16 bytes of each KV head the layer is dealt
-(``layer_source``), so a fault confined to one head is seen.
+(1, 2, 4 or 8 bytes) where they lie one element every ``sample_stride`` bytes: a feature-major
+page, as vLLM's CPU attention keeps K (a block's dimension d of every token together; one byte a
+value in an FP8 cache). ``all`` mode reads the whole slot; ``partial`` mode reads 16 bytes of each
+KV head the layer is dealt (``layer_source``), so a fault confined to one head is seen.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .inputs import RealDataMode
 ALIGN = 16
 PARTIAL_READ_BYTES = 16
 MAX_SOURCES = 4
-SAMPLE_BYTES = (2, 4, 8, ALIGN)  # an element of a feature-major page, or a 16-byte run
-_UNSIGNED_AS_SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+SAMPLE_BYTES = (1, 2, 4, 8, ALIGN)  # an element of a feature-major page, or a 16-byte run
+_UNSIGNED_AS_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class RealKvSource:
     page to the next. A page may hold its slots in tiles of ``tile`` slots, ``tile_stride`` bytes
     apart: slot ``s`` then starts at byte ``(s % page_size) // tile * tile_stride + s % tile *
     slot_stride`` of its row (``slot_offset``; default: one tile, the whole page).
-    ``sample_bytes`` 16: a sample is a 16-byte run; 2, 4 or 8: one element (one group of features),
+    ``sample_bytes`` 16: a sample is a 16-byte run; 1, 2, 4 or 8: one element (one group of features),
     the samples being consecutive features ``sample_stride`` apart (a feature-major page:
     ``token_stride == sample_bytes``, ``sample_stride == page_size * sample_bytes``).
 
@@ -219,9 +219,9 @@ def strided_read(layer: torch.Tensor, page_size: int, mode: RealDataMode = RealD
     tile, *features]`` with ``tiles * tile == page_size``) element by element in ``mode`` (all or
     partial: the first 16 bytes of its features), or None when it cannot be read so: each page
     must be one contiguous run of ``page_size * features`` elements, the slots of a tile evenly
-    spaced, and the features (in order) in runs of 2, 4 or 8 bytes evenly spaced, a multiple of
-    16 bytes in all. Feature-major pages (vLLM's CPU K) and tiled, pair-packed ones
-    (its AMX path) are read so."""
+    spaced, and the features (in order) in runs of 1, 2, 4 or 8 bytes evenly spaced (the longest
+    run that fits), a multiple of 16 bytes in all. Feature-major pages (vLLM's CPU K, FP8 included)
+    and tiled, pair-packed ones (its AMX path) are read so."""
     slot_dims = 1 if layer.dim() >= 3 and layer.shape[1] == page_size else 2
     if layer.dim() < 2 + slot_dims or (slot_dims == 2 and layer.shape[1] * layer.shape[2] != page_size):
         return None
@@ -231,7 +231,7 @@ def strided_read(layer: torch.Tensor, page_size: int, mode: RealDataMode = RealD
     offsets = torch.zeros((), dtype=torch.int64)  # each feature's element offset, in feature order
     for size, stride in zip(shape, strides):
         offsets = (offsets[..., None] + torch.arange(size) * stride).flatten()
-    run = next((r for r in (8 // elem, 4 // elem, 2 // elem) if r and features % r == 0
+    run = next((r for r in (8 // elem, 4 // elem, 2 // elem, 1 // elem) if r and features % r == 0
                 and torch.equal(offsets.view(-1, r) - offsets.view(-1, r)[:, :1], torch.arange(r).expand(features // r, r))), 0)
     if not run or features * elem % ALIGN:
         return None

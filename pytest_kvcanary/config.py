@@ -17,12 +17,12 @@ from kvcanary_kernels.records import GroupKind
 CANARY_MODES = ("off", "log", "raise")
 REAL_DATA_MODES = tuple(mode.value for mode in RealDataMode)
 PERTURB_MODES = ("req_to_token", "real_kv_used", "real_kv_unused_cache", "real_kv_post_forward", "next_token_swap",
-                 "real_kv_host", "state_wrong_restore", "scale_corrupt", "scale_reset")
+                 "real_kv_host", "state_wrong_restore", "scale_corrupt", "scale_reset", "index_stale")
 FLIP_MODES = tuple(mode for mode in PERTURB_MODES if mode.startswith("real_kv"))  # they flip real KV bytes
 SCALE_MODES = tuple(mode for mode in PERTURB_MODES if mode.startswith("scale_"))  # they damage quantized KV's scales
 SIDES = ("prefill", "decode")
 TARGET_GROUPS = tuple(kind.label for kind in GroupKind)
-ATTENTION_KINDS = ("mha", "swa", "mla", "hybrid")
+ATTENTION_KINDS = ("mha", "swa", "mla", "hybrid", "sparse")
 # How kv_pd's pair moves KV: both engines in the test's process, or each in a process of its own.
 PD_TRANSPORTS = ("local", "processes")
 KERNELS = ("triton", "torch")

@@ -33,7 +33,7 @@ def pytest_kvcanary_make_engine(spec: EngineSpec, name: str, attention: str, dev
     """Build the engine `spec` describes, or return None when this implementation does not know
     spec.name (the --kv-canary-engine / kv_canary_engine setting).
 
-    spec.attention: "mha", "swa", "mla" or "hybrid" (raise `UnsupportedAttention` for a kind the
+    spec.attention: "mha", "swa", "mla", "hybrid" or "sparse" (raise `UnsupportedAttention` for a kind the
     engine lacks); spec.device: a torch device string such as "cpu" or "cuda:1"; spec.seed: the
     run's --kv-canary-seed; spec.model: the --kv-canary-model checkpoint directory, or None;
     spec.config: the run's pytest config, for options the implementation's plugin registered. The

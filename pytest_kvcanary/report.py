@@ -111,7 +111,8 @@ def ledger_table(injections: Sequence[Any]) -> str:
 class EngineRef:
     """An engine handle as the results name it: the worker process holding it, its number there
     (`handle`), and the configuration it runs (`canary`: the CanaryConfig's fields; tp / pp: the
-    ranks of a parallel engine, whose device names each rank's, in rank order)."""
+    ranks of a parallel engine, whose device names each rank's, in rank order; transport: how a
+    prefill/decode pair moves its KV, "local" or "processes")."""
 
     worker: str
     handle: int
@@ -122,6 +123,7 @@ class EngineRef:
     canary: dict[str, Any]
     tp: int = 1
     pp: int = 1
+    transport: str = "local"
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class ReportEntry:
     soaks: list[dict[str, Any]] = field(default_factory=list)
     tp: int = 1
     pp: int = 1
+    transport: str = "local"
 
     @classmethod
     def guarded(cls, nodeid: str, outcome: str, served_by: EngineRef, *, seed: int, perturbs: Sequence[Any],
@@ -202,11 +205,16 @@ def failure_section(seed: int, replay: str, violations: Sequence[Violation], req
     return "\n".join(lines)
 
 
+def _transport(transport: str) -> str:
+    """A pair's transport as labels show it: nothing for the default (one process)."""
+    return "" if transport == "local" else f" transport={transport}"
+
+
 def _where(engine: dict[str, Any]) -> str:
     tp, pp = engine.get("tp", 1), engine.get("pp", 1)
     parallel = f" tp={tp} pp={pp}" if tp * pp > 1 else ""
-    return (f"{engine['engine']}/{engine['kind']}/{engine['attention']}{parallel} on {engine['device']} "
-            f"[worker {engine['worker']}")
+    return (f"{engine['engine']}/{engine['kind']}/{engine['attention']}{parallel}"
+            f"{_transport(engine.get('transport', 'local'))} on {engine['device']} [worker {engine['worker']}")
 
 
 def _distinctions(engines: Sequence[dict[str, Any]]) -> list[str]:
@@ -328,7 +336,7 @@ class RunResults:
             lines.append(f"unexpected violations: {_count(n, 'violation')} in {_count(len(unexpected), 'test')} "
                          "that neither injected faults nor checked them with kv_canary")
             for t in unexpected:
-                lines += [f"{t.nodeid} (seed {t.seed}, {t.kind}/{t.attention} on {t.device}):",
+                lines += [f"{t.nodeid} (seed {t.seed}, {t.kind}/{t.attention}{_transport(t.transport)} on {t.device}):",
                           violations_table(*t.violation_rows())]
         lines += self.soak_lines()
         if self.interrupted:

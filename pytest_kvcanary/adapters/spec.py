@@ -14,7 +14,7 @@ class EngineSpec:
 
     name: the engine's name, the --kv-canary-engine setting; an implementation returns None for
     a name it does not know.
-    attention: the attention kind the test asks for, "mha", "swa", "mla" or "hybrid"; an engine
+    attention: the attention kind the test asks for, "mha", "swa", "mla", "hybrid" or "sparse"; an engine
     without it raises `UnsupportedAttention` (the test skips, naming the engine).
     device: a torch device string, "cpu" or "cuda:1"; for a pair, the prefill side's.
     seed: the run's --kv-canary-seed (a default model's random weights come from it).

@@ -22,6 +22,15 @@ def pick_layers(num_layers: int, count: int = MAX_SOURCES) -> list[int]:
     return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
 
 
+def sampled_mode(real_data: RealDataMode, j: int) -> RealDataMode:
+    """How the j-th sampled layer of a half is read. ``all`` reads every byte of the first and
+    partial's samples of the others (their share of the KV heads), so each byte of one layer is
+    fingerprinted and every head of the others sampled, and RECHECK, which re-reads the last,
+    reads samples; whole rows of every sampled layer cost four to five times the bytes
+    (docs/how-it-works.md)."""
+    return RealDataMode.PARTIAL if real_data is RealDataMode.ALL and j > 0 else real_data
+
+
 @dataclass
 class HalfState:
     """One half (K or V) of a group: its records, the sources its fingerprints fold (one per
@@ -63,7 +72,7 @@ class GroupState:
             if not layers:
                 continue
             readable = [] if half in pool.opaque_halves else pick_layers(len(layers))
-            picked = [(i, layer_source(layers[i], pool.page_size, real_data, share=(j, len(readable))))
+            picked = [(i, layer_source(layers[i], pool.page_size, sampled_mode(real_data, j), share=(j, len(readable))))
                       for j, i in enumerate(readable)]
             picked = [(i, s) for i, s in picked if s is not None]
             halves[half] = HalfState(
@@ -86,9 +95,9 @@ class GroupState:
         return next(iter(self.halves.values())).records.device
 
     def swept_by_walk(self) -> bool:
-        """A cache walk names FULL slots: it reaches the FULL group and groups mapped through
-        full_to_group."""
-        return self.pool.kind is GroupKind.FULL or self.mapping.full_to_group is not None
+        """A cache walk names FULL slots: it reaches the FULL group, the INDEXER group (the FULL
+        group's slots) and groups mapped through full_to_group."""
+        return self.pool.kind in (GroupKind.FULL, GroupKind.INDEXER) or self.mapping.full_to_group is not None
 
     def has_sources(self) -> bool:
         return any(h.sources for h in self.halves.values())

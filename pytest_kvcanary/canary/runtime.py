@@ -37,6 +37,8 @@ def view_tensors(view: ForwardView) -> list[torch.Tensor | None]:
         tensors.extend(view.state)
     if view.scales is not None:
         tensors.extend(view.scales)
+    if view.selected is not None:
+        tensors.extend(view.selected)
     return tensors
 
 
@@ -54,6 +56,9 @@ class ForwardObserver(Protocol):
     def states_copied(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """After the engine copied recurrent states (and the runtime their records)."""
 
+    def indices_selected(self, view: ForwardView, layer: int) -> None:
+        """After a sparse layer's indexer filled view.selected, before SELECT checks it."""
+
 
 class KernelSet:
     """The launch functions: Triton kernels (compiled on a GPU, interpreted on a CPU) or their
@@ -67,6 +72,7 @@ class KernelSet:
         self.verify_records: Callable = getattr(K, "verify_records" + suffix)
         self.state_launch: Callable = getattr(K, "state_launch" + suffix)
         self.verify_scales: Callable = getattr(K, "verify_scales" + suffix)
+        self.verify_selected: Callable = getattr(K, "verify_selected" + suffix)
         self.source_hash_rows_parts: Callable = getattr(K, "source_hash_rows_parts" + suffix)
 
 
@@ -81,7 +87,8 @@ class CanaryRuntime:
     violations appeared. host_records: the records of the pages the engine's host tier holds (None
     without one), moved with the bytes. groups: the KV groups (FULL first); state: the STATE
     group's canary (canary/state.py), None without one; scales: the SCALES group's
-    (canary/scales.py), None without one."""
+    (canary/scales.py), None without one; indexer: the INDEXER group (one of ``groups``, guarded as
+    the FULL group is), whose selections SELECT checks, None without one."""
 
     def __init__(
         self,
@@ -126,7 +133,10 @@ class CanaryRuntime:
         phases = [Phase.HEAD, Phase.TAIL] + ([Phase.RECHECK] if config.recheck else [])
         state_tags = [] if self.state is None else self.state.per_forward_tags()
         scale_tags = [] if self.scales is None else self.scales.phase_tags(Phase.HEAD)
-        self.launches = LaunchCounter(self._tags(phases) + state_tags + scale_tags)
+        self.indexer = next((g for g in self.groups if g.pool.kind is GroupKind.INDEXER), None)
+        self._select_tag = launch_tag(Phase.SELECT, Half.K, GroupKind.INDEXER)
+        select_tags = [] if self.indexer is None else [self._select_tag] * len(self.indexer.pool.k_layers)
+        self.launches = LaunchCounter(self._tags(phases) + state_tags + scale_tags + select_tags)
         self.forwards = 0
         self.sweeps = 0
         self._sweep_plan: SweepPlan | None = None
@@ -214,6 +224,18 @@ class CanaryRuntime:
                 self.kernels.source_hash_rows_parts(parts)
         for state, i in stored:
             state.stored.add(i)
+
+    def indices_selected(self, view: ForwardView, layer: int) -> None:
+        """SELECT: every entry layer ``layer``'s indexer selected points at its query's own slot of a
+        position the query sees (kvcanary_kernels/index_check.py), before the attention reads them."""
+        if self.indexer is None:
+            raise ValueError("indices_selected: this engine's canary_groups() has no INDEXER group")
+        if self.observers and not _capturing():
+            for observer in self.observers:
+                observer.indices_selected(view, layer)
+        with self._on_device():
+            self.kernels.verify_selected(next(iter(self.indexer.halves.values())).records, self.groups[0].mapping,
+                                         view, self.ring, self._select_tag)
 
     def after_forward(self, view: ForwardView) -> None:
         with self._on_device():

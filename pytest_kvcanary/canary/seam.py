@@ -12,8 +12,10 @@ An adapter is an `EngineUnderTest`:
    with the `SlotMapping` that says how (row, position) finds a slot; a hybrid model's recurrent
    state is one more group, kind STATE, whose slots each forward names in `ForwardView.state`
    (`StateInputs`); a quantized pool's dequantization scales are one more, kind SCALES, whose
-   scales each forward hands over in `ForwardView.scales` (`ScaleInputs`). `GroupKind` and `Half`
-   name groups and halves.
+   scales each forward hands over in `ForwardView.scales` (`ScaleInputs`); a sparse attention's
+   indexer keys are one more, kind INDEXER (the FULL group's slots and mapping), whose selections
+   each forward fills in `ForwardView.selected` (`SelectedInputs`). `GroupKind` and `Half` name
+   groups and halves.
 2. How big a forward gets (`GuardedEngine.canary_capacities`): `Capacities`.
 3. Each forward calls the `ForwardHooks` set by `set_forward_hooks`, with a `ForwardView` (and
    `GroupInputs` for a pool another model writes).
@@ -48,7 +50,10 @@ Call order (one engine, eager or inside a CUDA graph):
         and writes) and fills the view's tensors
         hooks.before_forward(view)              HEAD: verify every slot the forward will read
         forward                                 may call hooks.kv_stored(...) at its KV-store
-                                                point (write-through fingerprints, optional)
+                                                point (write-through fingerprints, optional);
+                                                with an INDEXER group, hooks.indices_selected(view,
+                                                layer) after each sparse layer's selection, before
+                                                its attention reads (SELECT)
         hooks.after_forward(view)               RECHECK the read set, TAIL-stamp the written slots
         hooks.end_forward(device_work)          host side, outside any graph: count the forward,
                                                 sweep the prefix cache every sweep_interval
@@ -61,9 +66,10 @@ Call order (one engine, eager or inside a CUDA graph):
                                                 saved or restored, a slot cleared from slot 0):
                                                 their records follow the bytes
 
-before_forward, kv_stored, after_forward and states_copied launch device work only: no host copy, no host sync,
-no grid that depends on data. An engine may capture them with its forward in one CUDA graph and
-replay it with the view's tensors refilled in place; end_forward is never captured.
+before_forward, kv_stored, indices_selected, after_forward and states_copied launch device work
+only: no host copy, no host sync, no grid that depends on data. An engine may capture them with its
+forward in one CUDA graph and replay it with the view's tensors refilled in place; end_forward is
+never captured.
 
 The types also import from where they are defined (`canary/seam_data.py`, `kvcanary_kernels.inputs`,
 `kvcanary_kernels.records`, `soak/seam_types.py`): those paths keep working.
@@ -77,7 +83,7 @@ from dataclasses import dataclass, fields
 from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Generic, Mapping, Protocol, Sequence, TypeVar,
                     runtime_checkable)
 
-from kvcanary_kernels.inputs import ForwardView, GroupInputs, ScaleInputs, SlotMapping, StateInputs
+from kvcanary_kernels.inputs import ForwardView, GroupInputs, ScaleInputs, SelectedInputs, SlotMapping, StateInputs
 from kvcanary_kernels.records import PREV_CHAIN_HEAD, UNKNOWN, GroupKind, Half
 
 from ..soak.seam_types import Arrival, EngineDefect, TokenScores
@@ -93,7 +99,7 @@ __all__ = [
     # 2. how big a forward gets
     "Capacities",
     # 3. each forward
-    "ForwardHooks", "ForwardView", "GroupInputs", "StateInputs", "ScaleInputs",
+    "ForwardHooks", "ForwardView", "GroupInputs", "StateInputs", "ScaleInputs", "SelectedInputs",
     # 4. the prefix cache, its frees, its host tier
     "CacheWalk", "PagedWalk", "page_entries", "PREV_CHAIN_HEAD", "UNKNOWN", "CheckpointWalk", "FreeListener",
     "HostTier", "HostPool", "HostTierListener", "copy_runs",
@@ -272,6 +278,12 @@ class ForwardHooks(Protocol):
         token order, any strides (only the layers the canary samples are copied, and only when
         not contiguous past dim 0). TAIL then checks each written slot holds exactly that.
         Device work only."""
+
+    def indices_selected(self, view: ForwardView, layer: int) -> None:
+        """With an INDEXER group, inside the forward: sparse layer ``layer`` (an index into the
+        group's k_layers) wrote its tokens' KV and indexer keys, its indexer filled
+        ``view.selected`` (`SelectedInputs`), and its attention has not read them yet. SELECT
+        checks every selected entry against the query's own row. Device work only."""
 
     def after_forward(self, view: ForwardView) -> None:
         """After the forward wrote its KV, before its samples are used. Device work only."""

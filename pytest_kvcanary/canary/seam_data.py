@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from kvcanary_kernels.checks import check_int
 # The kernels' input types are the seam's: one definition, read by the kernels as they are.
-from kvcanary_kernels.inputs import ForwardView, GroupInputs, ScaleInputs, SlotMapping, StateInputs
+from kvcanary_kernels.inputs import ForwardView, GroupInputs, ScaleInputs, SelectedInputs, SlotMapping, StateInputs
 from kvcanary_kernels.records import GroupKind, Half
 
 # The soak's types, defined with the soak; re-exported for the paths documented before they moved.
 from ..soak.seam_types import Arrival, EngineDefect, TokenScores
 
 __all__ = ["Arrival", "CacheWalk", "Capacities", "CheckpointWalk", "EngineDefect", "ForwardView", "GroupInputs",
-           "HostPool", "PagedWalk", "PoolGroup", "ScaleInputs", "SlotMapping", "StateInputs", "TokenScores", "copy_runs",
-           "page_entries"]
+           "HostPool", "PagedWalk", "PoolGroup", "ScaleInputs", "SelectedInputs", "SlotMapping", "StateInputs",
+           "TokenScores", "copy_runs", "page_entries"]
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,10 @@ class PoolGroup:
     (a quantized pool's dequantization scales: k_layers and v_layers one float32 buffer each,
     ``[num_layers, W]``, the scales of every layer, per KV head or per tensor; v_layers empty for a
     latent pool; num_slots = num_layers, no slot reserved; no mapping: a forward names the scales it
-    uses in `ForwardView.scales`).
+    uses in `ForwardView.scales`), or INDEXER (a sparse attention's indexer keys: k_layers one
+    buffer per sparse layer, a row per slot, v_layers empty, the FULL group's num_slots and mapping:
+    slot s holds the indexer key of the token whose latent KV FULL slot s holds; a forward names the
+    slots its indexer selected in `ForwardView.selected`).
     k_layers / v_layers: the per-layer buffers, each ``[num_pages, page_size,
     ...]`` (or ``[num_slots, ...]`` when page_size is 1), slot s at ``[s // page_size, s %
     page_size]``, or ``[num_pages, tiles, tile, ...]`` for a page kept in tiles, slot s at
@@ -78,6 +81,9 @@ class PoolGroup:
             raise ValueError(f"an SWA PoolGroup needs window >= 1; got {self.window!r}")
         if self.kind is GroupKind.FULL and self.window is not None:
             raise ValueError(f"a FULL PoolGroup takes no window; got {self.window!r}")
+        if self.kind is GroupKind.INDEXER and (self.window is not None or self.v_layers):
+            raise ValueError(f"an INDEXER PoolGroup has k_layers only and no window; got {len(self.v_layers)} "
+                             f"v_layers, window={self.window!r}")
         if not self.k_layers:
             raise ValueError("PoolGroup.k_layers must hold at least one layer")
         if self.page_size is None:

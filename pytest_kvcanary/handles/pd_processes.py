@@ -6,22 +6,27 @@ reference_engine/pd_remote.py and pd_transport.py, the transfers). What kv_pd ha
 It is a parallel.ParallelHandle of two processes (RankProcesses starts and watches them), whose
 sides are "prefill" and "decode" and whose generate also reports the requests whose transfer was
 given up. The fault ledger's injections are matched here, against both sides' violations: damage
-injected in the prefill process is detected in the decode process.
+injected in the prefill process is detected in the decode process. `run_workload` runs the workload
+soak in the decode process, which drives both (handles/pd_soak.py).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from ..config import PerturbSpec
-from ..perturb.ledger import Injection, Ledger
+from ..perturb.ledger import Injection
 from ..reference_engine.pd_remote import DecodeResult
 from ..reference_engine.pd_transport import TransportFault
 from . import pd_side
 from .parallel import ParallelHandle, RankFailure, RankProcesses, _unsupported
 from .pd_side import DEFAULT_TRANSFER_TIMEOUT_S, PairSpec
+from .pd_soak import match_across
 from .protocol import ArgumentError
+
+if TYPE_CHECKING:
+    from ..soak.verdicts import SoakResult
 
 
 class PairFailure(RuntimeError):
@@ -44,11 +49,13 @@ class ProcessPairHandle(ParallelHandle):
         self.transfer_timeout_s = DEFAULT_TRANSFER_TIMEOUT_S
         self._faults: list[TransportFault] = []
         self._aborted: list[Aborted] = []
+        self.armed: tuple[int, tuple[PerturbSpec, ...]] = (0, ())  # the last reset's seed and faults
 
     def reset(self, seed: int, perturbs: tuple[PerturbSpec, ...]) -> None:
         super().reset(seed, perturbs)
         self.transfer_timeout_s = DEFAULT_TRANSFER_TIMEOUT_S
         self._faults, self._aborted = [], []
+        self.armed, self.soak_results = (seed, perturbs), []
 
     def arm_transport_fault(self, fault: str, transfer: int = 0) -> None:
         """Put a transport fault on transfer number `transfer` since the reset, until the next
@@ -99,10 +106,32 @@ class ProcessPairHandle(ParallelHandle):
 
     def injections(self) -> list[Injection]:
         """Both sides' injections, matched against both sides' violations."""
-        ledger = Ledger()
-        ledger.injections = super().injections()
-        ledger.match(self.violations())
-        return ledger.injections
+        return match_across(super().injections(), self.violations())
+
+    def run_workload(self, seed: int | None = None, rounds: int = 12, **options: Any) -> SoakResult:
+        """The workload soak (SidedHandle.run_workload: the same arguments and result), run in
+        the decode process over both, from the pair's current state; each generate call runs with
+        this handle's transfer timeout and armed transport faults. The pair soaks in generate
+        batches (no request joins a running batch: neither side serves arrivals)."""
+        self._reports = None
+        try:
+            result = self.processes.call("soak", self.armed, self.transfer_timeout_s, tuple(self._faults),
+                                         {"seed": seed, "rounds": rounds, **options})[0]
+        except RankFailure as e:
+            raise PairFailure(f"the prefill/decode pair's processes died during a soak: {e}") from None
+        if isinstance(result, ArgumentError):
+            raise result
+        self.soak_results.append(result)
+        return result
+
+    def liveness(self) -> dict[str, int]:
+        """Both engines' `Engine.liveness` counts added up, and the transfers the decode side
+        landed, since the pair started (a soak's liveness gate)."""
+        counts: dict[str, int] = {}
+        for side in self.processes.call("liveness"):
+            for name, n in side.items():
+                counts[name] = counts.get(name, 0) + n
+        return counts
 
 
 def start_pd_processes(attention: str, seed: int, canary: Any, devices: Sequence[str], model: str | None = None,

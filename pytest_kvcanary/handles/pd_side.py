@@ -6,10 +6,11 @@ engine, its canary, the records that travel with its transfers, and the commands
 
 Rank 0 runs the decode engine and takes the commands (from the launcher's pipe, or the job file
 under torchrun); it broadcasts each to rank 1, the prefill engine, over the control group, both run
-it, and rank 0 gathers the results. Rank 0 decodes because it outlives a prefill process that
-dies: it then answers with the requests it aborted, and the launcher reads them (RankProcesses'
-grace). A process also dies with the launcher's (handles.rank), and leaves its traceback in the
-store when a command raises.
+it, and rank 0 gathers the results. A "soak" command rank 0 runs itself (handles.pd_soak): the
+workload soak drives the pair from there, each of its steps a command of its own. Rank 0 decodes
+because it outlives a prefill process that dies: it then answers with the requests it aborted, and
+the launcher reads them (RankProcesses' grace). A process also dies with the launcher's
+(handles.rank), and leaves its traceback in the store when a command raises.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from kvcanary_kernels.records import RECORD_WIDTH
+from kvcanary_kernels.records import RECORD_WIDTH, GroupKind
 
 from ..adapters.reference import reference_config
 from ..canary.seam import UnsupportedAttention
-from ..config import CanaryConfig
+from ..config import CanaryConfig, PerturbSpec
 from ..perturb.ledger import Ledger
 from ..reference_engine.engine import Engine
 from ..reference_engine.pd_remote import DECODE_RANK, DecodeProcess, DecodeResult, Link, PrefillProcess
@@ -38,6 +39,8 @@ from ..reference_engine.pd_transport import TransportFault
 from ..reference_engine.parallel.topology import Topology
 from . import rank as rank_process
 from .pd import note_moves
+from .pd_soak import PairSoakHandle
+from .protocol import ArgumentError
 from .rank import RankContext, RankReport
 from .sided import Side, SidedHandle
 
@@ -63,21 +66,50 @@ class PairSpec:
     topology: Topology = Topology()  # each side is one rank
 
     def __post_init__(self) -> None:
-        if self.attention == "hybrid":
-            raise UnsupportedAttention("kv_pd(transport='processes') does not run attention 'hybrid': its recurrent "
-                                       "state does not travel between processes yet")
+        stays = {"hybrid": "its recurrent state does", "sparse": "its indexer keys do"}.get(self.attention)
+        if stays:
+            raise UnsupportedAttention(f"kv_pd(transport='processes') does not run attention {self.attention!r}: "
+                                       f"{stays} not travel between processes yet")
 
     def device(self, role: str) -> str:
         return self.devices[0 if role == "prefill" else 1]
 
 
+class PeerGone(RuntimeError):
+    """The other side of the pair died during `command`; `result`: what this side's run returned."""
+
+    def __init__(self, command: tuple, result: Any) -> None:
+        super().__init__(f"the other side died during {command[0]!r}")
+        self.command, self.result = command, result
+
+
 class RecordSidecar:
     """The transport's Sidecar over a side's canary: every group's records, both halves, as
     ``[n, groups x halves x RECORD_WIDTH]`` int64; on the prefill side, the ledger hears where
-    the transferred slots went."""
+    the transferred slots went, and which of them the decode side freed (noted there while
+    `follow_frees`: faults are armed on the prefill side)."""
 
     def __init__(self, side: Side, ledger: Ledger) -> None:
         self.runtime, self.ledger = side.runtime, ledger
+        self.follow_frees = False
+        self._frees: list[tuple[GroupKind, list[int], str, int]] = []  # (group, its slots, cause, forward)
+        if side.name == "decode":
+            side.engine.add_free_listener(self._on_free)
+
+    def _on_free(self, kind: GroupKind, slots: torch.Tensor, cause: str) -> None:
+        """Decode side (a FreeListener): note the freed slots in the group's own numbering, which
+        the prefill ledger's places use (an SWA slot is still mapped from its FULL slot here)."""
+        if self.follow_frees:
+            freed = self.runtime.readout().group(kind).group_slots(slots.to(torch.int64))
+            self._frees.append((kind, freed[freed != 0].tolist(), cause, self.runtime.forwards))
+
+    def take_frees(self) -> list[tuple[GroupKind, list[int], str, int]]:
+        frees, self._frees = self._frees, []
+        return frees
+
+    def note_frees(self, frees: list[tuple[GroupKind, list[int], str, int]]) -> None:
+        for kind, slots, cause, step in frees:
+            self.ledger.escape("decode", kind, set(slots), cause, step)
 
     def width(self) -> int:
         return sum(len(group.halves) for group in self.runtime.groups) * RECORD_WIDTH
@@ -113,9 +145,9 @@ class SideServer:
         config = reference_config(spec.attention, spec.device(self.role), spec.seed, spec.model, **spec.engine)
         self.engine = Engine(config)
         self.handle = SideHandle(self.role, self.engine, replace(spec.canary, mode="log"))
-        sidecar = RecordSidecar(self.handle.sides[0], self.handle.ledger)
-        self.half = (DecodeProcess(self.engine, link, sidecar, spec.timeout_s) if self.role == "decode"
-                     else PrefillProcess(self.engine, link, sidecar))
+        self.sidecar = RecordSidecar(self.handle.sides[0], self.handle.ledger)
+        self.half = (DecodeProcess(self.engine, link, self.sidecar, spec.timeout_s) if self.role == "decode"
+                     else PrefillProcess(self.engine, link, self.sidecar))
         self.context = RankContext(rank, 0, self.handle, {self.role: self.engine})
         self.dangling = 0  # receives that never drained: their slots may still be written
 
@@ -128,11 +160,25 @@ class SideServer:
             result = self.half.generate(len(prompts), timeout_s, faults)
             self.dangling += result.dangling
             return result
-        if name == "reset":
-            seed, perturbs = args
+        if name == "reset":  # (seed, perturbs[, keep_counts]): a soak's own resets keep the counts
+            seed, perturbs, *keep = args
             if isinstance(self.half, DecodeProcess):
                 self.half.reset()
-            return self.handle.reset(seed, tuple(p for p in perturbs if p.side in (None, self.role)))
+            self.sidecar.take_frees()
+            self.sidecar.follow_frees = any(p.side in (None, "prefill") for p in perturbs)
+            return self.handle.reset(seed, tuple(p for p in perturbs if p.side in (None, self.role)),
+                                     keep_counts=bool(keep and keep[0]))
+        if name == "forwards":
+            return self.handle.sides[0].runtime.forwards
+        if name == "sweep":  # (role): that side's canary sweeps its prefix cache
+            if args[0] == self.role:
+                self.handle.sides[0].runtime.sweep()
+            return None
+        if name == "liveness":
+            counts = dict(self.engine.liveness())
+            if isinstance(self.half, DecodeProcess):
+                counts["transfers"] = self.half.num_landed
+            return counts
         if name == "collect":
             handle = self.handle
             found = handle.violations()
@@ -144,27 +190,53 @@ class SideServer:
             return self.handle.close()
         raise ValueError(f"unknown command {name!r}")
 
+    def exchange(self, control: Any, command: tuple | None) -> tuple[tuple, list[Any]]:
+        """Run one command on both sides: rank 0 passes it and broadcasts it, rank 1 passes None
+        and receives it. Returns the command and, on rank 0, both results by rank (rank 1: its
+        own alone). Raises PeerGone when the other side died during the command."""
+        holder = [command]
+        dist.broadcast_object_list(holder, src=DECODE_RANK, group=control)
+        command = holder[0]
+        result = self.run(command)
+        results: list[Any] | None = [None, None] if self.role == "decode" else None
+        try:
+            dist.gather_object(result, results, dst=DECODE_RANK, group=control)
+        except RuntimeError:
+            raise PeerGone(command, result) from None
+        return command, results if results is not None else [result]
+
     def serve(self, control: Any, commands: Iterator[tuple] | None,
               reply: Callable[[tuple, list[Any]], None] | None) -> bool:
         """Run commands until "close" (rank 0 takes them from `commands` and hands each with the
         results of both sides to `reply`; an exhausted iterator closes). Returns False when the
         other side died during a command (rank 0 has replied with its own result)."""
         while True:
-            holder = [next(commands, ("close",)) if commands is not None else None]
-            dist.broadcast_object_list(holder, src=DECODE_RANK, group=control)
-            command = holder[0]
-            result = self.run(command)
-            results: list[Any] | None = [None, None] if commands is not None else None
-            try:
-                dist.gather_object(result, results, dst=DECODE_RANK, group=control)
-            except RuntimeError:  # the other side is gone: answer with what this side saw
+            command = next(commands, ("close",)) if commands is not None else None
+            if command is not None and command[0] == "soak":  # rank 0 drives it: its steps are commands
                 if reply is not None:
-                    reply(command, [result, None])
+                    reply(command, [self.soak(control, *command[1:]), None])
+                continue
+            try:
+                command, results = self.exchange(control, command)
+            except PeerGone as gone:  # answer with what this side saw
+                if reply is not None:
+                    reply(gone.command, [gone.result, None])
                 return False
             if reply is not None:
                 reply(command, results)
             if command[0] == "close":
                 return True
+
+    def soak(self, control: Any, armed: tuple[int, tuple[PerturbSpec, ...]], transfer_timeout_s: float,
+             faults: tuple[TransportFault, ...], options: dict[str, Any]) -> Any:
+        """Rank 0: the workload soak (SidedHandle.run_workload's options) over the pair, from its
+        current state; its SoakResult, or the ArgumentError its options got."""
+        handle = PairSoakHandle(self.handle.sides[0], lambda c: self.exchange(control, c)[1], armed,
+                                transfer_timeout_s, faults)
+        try:
+            return handle.run_workload(**options)
+        except ArgumentError as e:
+            return e
 
     def check_request(self, command: tuple) -> None:
         """Raise what the engine raises for a request of a generate command it would refuse."""

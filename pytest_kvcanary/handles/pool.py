@@ -49,7 +49,7 @@ class EngineKey:
     kind: "single" (kv_engine) or "pd" (kv_pd, a prefill/decode pair).
     canary: the canary's configuration for the test (its markers applied).
     engine: the engine's name, the --kv-canary-engine setting.
-    attention: "mha", "swa", "mla" or "hybrid".
+    attention: "mha", "swa", "mla", "hybrid" or "sparse".
     device: the handle's devices, "cpu" or "cuda:0"; for a pair on two GPUs, or a parallel
     engine's ranks, comma-separated ("cuda:0,cuda:1").
     seed: the run's --kv-canary-seed.
@@ -91,7 +91,8 @@ class EnginePool:
     def describe(self, key: EngineKey, serial: int) -> EngineRef:
         """The handle for key, numbered `serial`, as the results name it."""
         return EngineRef(worker=self._worker, handle=serial, engine=key.engine, kind=key.kind,
-                         attention=key.attention, device=key.device, canary=asdict(key.canary), tp=key.tp, pp=key.pp)
+                         attention=key.attention, device=key.device, canary=asdict(key.canary), tp=key.tp, pp=key.pp,
+                         transport=key.transport)
 
     def checkout(self, key: EngineKey) -> Checkout:
         """The handle for key, started on first use (whatever starting raises propagates)."""

@@ -23,6 +23,8 @@ TARGETS = {
                            "a decoding request's state) and another checkpoint, or a free state slot, to restore instead",
     "scale_corrupt": "a scale a forward dequantizes its quantized KV with (every forward of an engine with a scales group)",
     "scale_reset": "a scale a forward dequantizes its quantized KV with that is not 1.0 already",
+    "index_stale": "an entry a sparse layer's indexer selected (every forward of an engine with an indexer group) and "
+                   "a slot its row does not hold, freed since or another request's, to point it at",
 }
 
 
@@ -32,13 +34,17 @@ def misfit(spec: PerturbSpec, groups: Sequence[GroupKind], *, fingerprints_real_
     a KV mode's are the groups but SCALES; not for next_token_swap, which is no group's), and a
     mode that flips real KV bytes needs a canary that fingerprints them. engine: how the message names the engine (e.g. "engine 'reference/swa'")."""
     labels = ", ".join(kind.label for kind in groups)
-    damageable = [kind for kind in groups if (kind is GroupKind.SCALES) == (spec.mode in SCALE_MODES)]
+    damageable = [kind for kind in groups if (kind is GroupKind.SCALES) == (spec.mode in SCALE_MODES)
+                  and (kind is GroupKind.INDEXER or spec.mode != "index_stale")]
     if spec.target_group is None and len(damageable) > 1 and spec.mode != "next_token_swap":
         allowed = ", ".join(kind.label for kind in damageable)
         return f"target_group is required: {engine} has pool groups {labels}; allowed: {allowed}"
     if spec.target_group is not None and GroupKind.from_label(spec.target_group) not in groups:
         return f"target_group={spec.target_group!r} is not a pool group of {engine}; its groups: {labels}"
-    state = GroupKind.STATE.label
+    state, indexer = GroupKind.STATE.label, GroupKind.INDEXER.label
+    if spec.mode == "index_stale" and spec.target_group != indexer:
+        return (f"mode 'index_stale' damages a sparse attention's selection: it needs target_group={indexer!r} (an "
+                f"engine with an INDEXER group: attention 'sparse'); got target_group={spec.target_group!r}")
     if spec.mode == "state_wrong_restore" and spec.target_group != state:
         return (f"mode 'state_wrong_restore' damages a recurrent state: it needs target_group={state!r} (an engine "
                 f"with a STATE group: attention 'hybrid'); got target_group={spec.target_group!r}")

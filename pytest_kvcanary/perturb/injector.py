@@ -41,6 +41,7 @@ class FaultInjector:
         self.ledger = ledger
         self.specs: tuple[PerturbSpec, ...] = ()
         self._rng = random.Random(0)
+        self._freed: dict[int, None] = {}  # INDEXER slots freed since arm, in order (index_stale's targets)
         # (table, row, column, entry) to put back: a remapped entry, or a damaged scale (scales, layer, head, scale)
         self._restore: list[tuple[torch.Tensor, int, int, int | float]] = []
         add_listener = optional(host, "add_free_listener")
@@ -58,6 +59,8 @@ class FaultInjector:
         the slots (a device sync) only while the ledger follows damage in that group."""
         if self.ledger.follows_frees(self.side, kind):
             self._escape(self.readout.group(kind), slots, cause)
+        if kind is GroupKind.INDEXER and any(s.mode == "index_stale" for s in self.specs):
+            self._freed.update(dict.fromkeys(slots.tolist()))
 
     def _escape(self, group: GroupReadout, full_slots: torch.Tensor, cause: str) -> None:
         slots = full_slots if group.kind is GroupKind.STATE else group.group_slots(full_slots.to(torch.int64))
@@ -76,6 +79,7 @@ class FaultInjector:
         self.specs = tuple(s for s in specs if s.side in (None, self.side))
         self._rng = random.Random(zlib.crc32(f"{seed}/{self.side}".encode()))
         self._restore.clear()
+        self._freed.clear()
 
     def _group(self, spec: PerturbSpec) -> GroupReadout:
         return self.readout.group(target(spec, self.runtime.group_kinds))
@@ -120,6 +124,40 @@ class FaultInjector:
             if self._due(spec, ("real_kv_post_forward",)):
                 group = self._group(spec)
                 self._flip(spec, group, written_targets(view, group), byte=None)
+
+    def indices_selected(self, view: ForwardView, layer: int) -> None:
+        for spec in self.specs:
+            if self._due(spec, ("index_stale",)):
+                self._stale_index(spec, view, layer)
+
+    def _stale_index(self, spec: PerturbSpec, view: ForwardView, layer: int) -> None:
+        """Point one entry sparse layer ``layer`` selected at a slot its row does not hold: one freed
+        since the faults were armed and not live in this forward, else one only the prefix cache
+        holds (a finished request's), else another request's slot of this forward (SGLang's class:
+        an indexer entry left pointing at a freed slot). The layer's attention then reads another
+        token's KV; its SELECT check must name the slot at the selected position. The selection
+        is refilled by the next layer."""
+        positions, slots = (t.cpu() for t in view.selected)
+        used = (positions != -1).nonzero().tolist()
+        if not used:
+            return
+        t, k = self._rng.choice(used)
+        starts = view.extend_lens.cpu().cumsum(0)
+        b = int((starts <= t).sum())
+        row, position = int(view.rows[b]), int(positions[t, k])
+        group = self.readout.group(GroupKind.INDEXER)
+        live = read_targets(view, group) + written_targets(view, group)
+        own = {o.slot for o in live if o.row == row}
+        held = {o.slot for o in live}
+        candidates = (sorted(set(self._freed) - held) or sorted({o.slot for o in cached_only_targets(self.host, group)})
+                      or sorted(held - own))
+        made = {(i.step, i.slot, i.position) for i in self.ledger.injections if i.mode == "index_stale"}
+        candidates = [s for s in candidates if (self.runtime.forwards, s, position) not in made]
+        if not candidates:
+            return
+        stale = self._rng.choice(candidates)
+        view.selected.slots[t, k] = stale
+        self._record(spec, group, Target(stale, stale, position, row), -1, None, layer)
 
     def _flip(self, spec: PerturbSpec, group: GroupReadout, targets: list[Target], byte: int | None) -> None:
         """Flip one bit of a byte the fingerprint reads (``byte``: the index among its sampled bytes,

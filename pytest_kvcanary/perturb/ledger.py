@@ -31,7 +31,12 @@ DETECTING_REASONS = {
     # The forward was handed a damaged scale: HEAD of that forward, at its layer and head.
     "scale_corrupt": ("verify_scale",),
     "scale_reset": ("verify_scale",),
+    # A sparse layer read a selected index pointing at a slot its row does not hold there: SELECT of
+    # that layer, at the stale slot and the selected position.
+    "index_stale": ("verify_index",),
 }
+# Modes whose damage lives for the forward it was injected in, at (slot, position): put back after it.
+FORWARD_MODES = SCALE_MODES + ("index_stale",)
 
 
 class Place(NamedTuple):
@@ -101,7 +106,7 @@ class Injection:
                 return False
             return v.position == self.position or (v.position == self.position + 1
                                                    and "verify_chain_hash" in v.reasons)
-        if self.mode in SCALE_MODES:  # the damage lives for the forward it was injected in
+        if self.mode in FORWARD_MODES:  # the damage lives for the forward it was injected in
             return (v.side, v.step, v.slot, v.position) == (self.side, self.step, self.slot, self.position)
         if "write_token" in v.reasons:  # next_token_swap: TAIL of the forward fed the other token
             return (v.side, v.step, v.row, v.position) == (self.side, self.step, self.row, self.position)
@@ -140,8 +145,9 @@ class Ledger:
 
     def _slot_damage(self, group: GroupKind) -> Iterator[Injection]:
         """The injections whose damage sits in slots of this pool group (all but req_to_token, whose
-        damage is the mapping itself)."""
-        return (inj for inj in self.injections if inj.group == group.label and inj.mode != "req_to_token")
+        damage is the mapping itself, and index_stale, whose damage is a selection)."""
+        return (inj for inj in self.injections
+                if inj.group == group.label and inj.mode not in ("req_to_token", "index_stale"))
 
     def damaged(self, side: str, group: GroupKind) -> set[int]:
         """Slots of a side's pool group that hold damage (flipped bytes, a swapped token's KV) not yet

@@ -26,6 +26,12 @@ CUDA's order, where the host learns a step's tokens only after the next step ran
 slot, row and lock a launched step uses stays held until the step is processed: a decode that would
 retract, and any step after a prefill (whose radix insertion may free duplicate slots the next step
 reads), first process the step in flight.
+
+With seeded jitter (`EngineConfig.jitter_seed`, jitter.py) each launched step draws where its
+forward runs, on either device: at launch, once the host has processed the step before it (its
+frees, finished requests and radix insertions land first), or when the host first waits for it
+(the next step's scheduling, load-backs and transfers land first). A lifetime bug that needs one of
+those orders meets it, reproducibly from the seed.
 """
 
 from __future__ import annotations
@@ -36,17 +42,23 @@ from typing import Callable
 
 import torch
 
+from .jitter import Jitter
 from .request import Request
 from .scheduler import Batch, Scheduler
+
+# Where a launched step's forward runs (Launched.runs): jitter draws one per step.
+AT_LAUNCH, AFTER_PREVIOUS, WHEN_WAITED = "at launch", "once the step before it is processed", "when waited for"
+RUN_POINTS = (AT_LAUNCH, AFTER_PREVIOUS, WHEN_WAITED)
 
 
 @dataclass(eq=False)
 class Launched:
-    """A launched step: its batch; on a CPU its forward while not run yet (run); once run, each
-    request's sampled token on the device (tokens) and, on CUDA, their pinned host copy and the
-    event that says it landed."""
+    """A launched step: its batch, where its forward runs (one of RUN_POINTS), its forward until it
+    runs (run); once run, each request's sampled token on the device (tokens) and, on CUDA,
+    their pinned host copy and the event that says it landed."""
 
     batch: Batch
+    runs: str = AT_LAUNCH
     run: Callable[[], None] | None = None
     tokens: torch.Tensor | None = None
     host: torch.Tensor | None = None
@@ -60,11 +72,12 @@ class AsyncSteps:
     its account (processes a forward's results, returns the requests that finished). run_at_launch:
     a launched step's forward runs at once (CUDA's order: the host learns a step's tokens after the
     next step ran; the default on CUDA, and a CPU can run so too) or when the host first waits for
-    its results (a CPU's default)."""
+    its results (a CPU's default); a jitter with a seed draws that per step instead, from RUN_POINTS."""
 
     def __init__(self, scheduler: Scheduler, token_table: torch.Tensor, forward: Callable[[Batch], torch.Tensor],
-                 account: Callable[[Batch, list[list[int]]], list[Request]]) -> None:
+                 account: Callable[[Batch, list[list[int]]], list[Request]], jitter: Jitter | None = None) -> None:
         self.scheduler, self.token_table, self.forward, self.account = scheduler, token_table, forward, account
+        self.jitter = jitter if jitter is not None else Jitter(None)
         self.device = token_table.device
         self.launched: deque[Launched] = deque()
         self.run_at_launch = self.device.type == "cuda"
@@ -101,17 +114,20 @@ class AsyncSteps:
         self._launch(batch)
         if len(self.launched) > 1:
             finished += self._process()
+        if self.launched[-1].runs == AFTER_PREVIOUS:
+            self._run_to(self.launched[-1])
         return finished
 
     def _launch(self, batch: Batch) -> None:
-        """Launch the batch's forward: now (run_at_launch), else when the host first waits for it."""
+        """Launch the batch's forward: now (run_at_launch), else when the host first waits for it;
+        with jitter, at the point drawn (RUN_POINTS)."""
         device, prev = self.device, self.launched[-1] if self.launched else None
         carried = [] if prev is None else self._carried(batch, prev.batch)
         next_pos = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
         fits = [b for b, pos in enumerate(next_pos) if pos < self.token_table.shape[1]]
         at = [torch.tensor(x, dtype=torch.int64, device=device)
               for x in ([batch.rows[b] for b in fits], [next_pos[b] for b in fits], fits)]
-        step = Launched(batch)
+        step = Launched(batch, self.jitter.choose(RUN_POINTS, AT_LAUNCH if self.run_at_launch else WHEN_WAITED))
 
         def run() -> None:
             ran = batch
@@ -128,11 +144,10 @@ class AsyncSteps:
                 step.landed = torch.cuda.Event()
                 step.landed.record()
 
+        step.run = run
         self.launched.append(step)  # before it runs: a forward that raises is undone with it
-        if self.run_at_launch:
-            run()
-        else:
-            step.run = run
+        if step.runs == AT_LAUNCH:  # the forwards launched before it first: a device runs them in order
+            self._run_to(step)
 
     @staticmethod
     def _carried(batch: Batch, prev: Batch) -> list[tuple[int, int]]:
@@ -142,14 +157,19 @@ class AsyncSteps:
         starts = torch.tensor([0, *batch.extend_lens[:-1]]).cumsum(0).tolist()
         return [(start, index[req]) for req, start in zip(batch.reqs, starts) if req in index]
 
-    def _wait(self, step: Launched) -> None:
-        """Until the step's tokens are there: on a CPU run the launched forwards up to it, in order."""
+    def _run_to(self, step: Launched) -> None:
+        """Run the launched forwards not run yet up to this step's, in launch order."""
         for s in self.launched if step in self.launched else [step]:
             if s.run is not None:
                 run, s.run = s.run, None
                 run()
             if s is step:
                 break
+
+    def _wait(self, step: Launched) -> None:
+        """Until the step's tokens are there: its forward (and those before it) run, and on CUDA
+        their copy to the host landed."""
+        self._run_to(step)
         if step.landed is not None:
             step.landed.synchronize()
 

@@ -12,10 +12,17 @@ import torch
 from kvcanary_kernels.checks import check_int
 from kvcanary_kernels.records import GroupKind
 
-from .kv_quant import FP4_BLOCK, KV_DTYPES, KV_SCALES, QUANTIZED, fp4_row_bytes
+from .kv_quant import FP4_BLOCKS, KV_DTYPES, KV_SCALES, QUANTIZED, stored_head_dim
 
-ATTENTION_KINDS = ("mha", "swa", "mla", "hybrid")
+ATTENTION_KINDS = ("mha", "swa", "mla", "hybrid", "sparse")
+LATENT = ("mla", "sparse")  # one latent row a token
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_SCALE_BYTES = 4  # a sparse model's index key: a float32 scale, then FP8 codes (sparse.py)
+
+
+def index_row_bytes(dim: int) -> int:
+    """Bytes of one token's stored index key: its scale, its dim codes, zeros to a multiple of 16."""
+    return -(-(INDEX_SCALE_BYTES + dim) // 16) * 16
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -32,11 +39,15 @@ class ModelConfig:
     up-projected; num_kv_heads is unused) or "hybrid" (every `full_every`-th layer full attention,
     the rest a recurrent mixer, Mamba2/SSD-style: a causal convolution of conv_width over the
     mixer's inputs and a matrix state of state_dim x state_dim per each of state_heads heads,
-    decayed per head and token; its state lives in a state pool, model.py's RecurrentMixer). A windowed layer's query at position p sees positions
+    decayed per head and token; its state lives in a state pool, model.py's RecurrentMixer) or
+    "sparse" (mla's latent KV, each layer's attention over only the index_topk tokens its indexer
+    selects, DeepSeek-V3.2-style: index_n_heads heads of index_head_dim, keys kept in FP8 beside the
+    latent KV; sparse.py; kv_dtype "auto" only). A windowed layer's query at position p sees positions
     [p - window, p], so it reads the last `window` tokens of the cached prefix (SGLang's
     convention; HF's sliding_window is window + 1). qkv_bias: Qwen2-style q/k/v biases (mha, swa).
     seed: the random weights' seed. kv_dtype: what the KV pools store ("auto": dtype; "float32",
-    "float16", "bfloat16"; or FP8, "fp8_e4m3" / "fp8_e5m2", or FP4, "fp4_e2m1" in NVFP4 blocks, with
+    "float16", "bfloat16"; or FP8, "fp8_e4m3" / "fp8_e5m2", or FP4, "fp4_e2m1" in NVFP4 blocks or
+    "mxfp4" in MX blocks, with
     static per-layer K and V scales, one per KV head when kv_scale is "head", one per layer when
     "tensor"; kv_quant.py)."""
 
@@ -64,18 +75,24 @@ class ModelConfig:
     conv_width: int = 4
     kv_dtype: str = "auto"
     kv_scale: str = "tensor"
+    index_head_dim: int = 32
+    index_n_heads: int = 4
+    index_topk: int = 16
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "intermediate", "max_context", "window", "full_every", "kv_lora_rank", "qk_rope_head_dim",
-                  "state_heads", "state_dim")
+                  "state_heads", "state_dim", "index_head_dim", "index_n_heads", "index_topk")
         check_int("conv_width", self.conv_width, 2)
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}; got {self.attention!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads; got {self.num_kv_heads}")
+        if self.attention == "sparse" and self.kv_dtype != "auto":
+            raise ValueError(f"attention 'sparse' needs kv_dtype 'auto' (its latent KV in the model's dtype; the "
+                             f"indexer keys are FP8 of their own); got kv_dtype={self.kv_dtype!r}")
         if self.rope_dim % 2:
-            name = "qk_rope_head_dim" if self.attention == "mla" else "head_dim"
+            name = "qk_rope_head_dim" if self.attention in LATENT else "head_dim"
             raise ValueError(f"{name} must be even (RoPE rotates pairs); got {self.rope_dim}")
         if self.attention in ("swa", "hybrid") and not 2 <= self.full_every <= self.num_layers:
             raise ValueError(f"full_every must be in [2, num_layers={self.num_layers}] for {self.attention} so both "
@@ -87,12 +104,12 @@ class ModelConfig:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}")
         if self.kv_scale not in KV_SCALES:
             raise ValueError(f"kv_scale must be one of {', '.join(KV_SCALES)}; got {self.kv_scale!r}")
-        dims = "kv_lora_rank + qk_rope_head_dim" if self.attention == "mla" else "head_dim"
-        if self.kv_dtype == "fp4_e2m1" and self.kv_head_dim % FP4_BLOCK:
-            raise ValueError(f"kv_dtype 'fp4_e2m1' needs {dims} a multiple of {FP4_BLOCK} (a block scale per "
-                             f"{FP4_BLOCK} values); got {self.kv_head_dim}")
+        dims = "kv_lora_rank + qk_rope_head_dim" if self.attention in LATENT else "head_dim"
+        if (block := FP4_BLOCKS.get(self.kv_dtype)) and self.kv_head_dim % block:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} needs {dims} a multiple of {block} (a block scale per "
+                             f"{block} values); got {self.kv_head_dim}")
         row_bytes = math.prod(self.kv_row) * torch.empty(0, dtype=self.kv_storage).element_size()
-        if self.attention == "mla" and row_bytes % 16:
+        if self.attention in LATENT and row_bytes % 16:
             raise ValueError(f"kv_lora_rank + qk_rope_head_dim ({self.latent_dim}) must make a latent row of a "
                              f"multiple of 16 bytes in {self.kv_storage}; got {row_bytes} bytes")
         if self.kv_quantized and row_bytes % 16:
@@ -114,7 +131,7 @@ class ModelConfig:
     @property
     def scale_width(self) -> int:
         """Scales per layer and half: one per KV head ("head"; a latent layer has one) or one."""
-        return self.num_kv_heads if self.kv_scale == "head" and self.attention != "mla" else 1
+        return self.num_kv_heads if self.kv_scale == "head" and self.attention not in LATENT else 1
 
     @property
     def latent_dim(self) -> int:
@@ -124,19 +141,19 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """The dimensions RoPE rotates per head."""
-        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        return self.qk_rope_head_dim if self.attention in LATENT else self.head_dim
 
     @property
     def kv_head_dim(self) -> int:
         """Values a KV head holds per token (mla: its one latent row's)."""
-        return self.latent_dim if self.attention == "mla" else self.head_dim
+        return self.latent_dim if self.attention in LATENT else self.head_dim
 
     @property
     def kv_row(self) -> tuple[int, ...]:
         """One token's row in one layer's K (or V) buffer, in kv_storage elements (fp4: the bytes of
         its packed values and block scales); mla keeps one latent row and no V."""
-        dim = fp4_row_bytes(self.kv_head_dim) if self.kv_dtype == "fp4_e2m1" else self.kv_head_dim
-        return (dim,) if self.attention == "mla" else (self.num_kv_heads, dim)
+        dim = stored_head_dim(self.kv_dtype, self.kv_head_dim)
+        return (dim,) if self.attention in LATENT else (self.num_kv_heads, dim)
 
     @property
     def layer_groups(self) -> tuple[GroupKind, ...]:
@@ -262,6 +279,8 @@ class EngineConfig:
                 raise ValueError(f"speculative_k > 0 on attention='hybrid' needs draft_layers >= model.full_every "
                                  f"({self.model.full_every}), so the draft has an attention layer; got "
                                  f"draft_layers={self.draft_layers!r}")
+        if self.model.attention == "sparse":
+            _sparse_supported(self)
         if self.decode_mode == "graph" and torch.device(self.device).type != "cuda":
             raise ValueError(f"decode_mode='graph' needs a CUDA device; got device={self.device!r}")
         try:
@@ -269,3 +288,14 @@ class EngineConfig:
         except (RuntimeError, TypeError):
             raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0'; "
                              f"got {self.device!r}") from None
+
+
+def _sparse_supported(config: EngineConfig) -> None:
+    """attention 'sparse' runs eager decode, pages and the radix cache; what else it is refused with."""
+    unsupported = {"speculative_k": config.speculative_k != 0, "host_num_slots": config.host_num_slots != 0,
+                   "decode_mode": config.decode_mode != "eager", "async_scheduling": config.async_scheduling}
+    for name, value in unsupported.items():
+        if value:
+            raise ValueError(f"attention 'sparse' does not work with {name}={getattr(config, name)!r} (its indexer "
+                             f"selects inside an eager forward, over the pools alone); use {name}="
+                             f"{EngineConfig.__dataclass_fields__[name].default!r}")

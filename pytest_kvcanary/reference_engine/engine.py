@@ -34,6 +34,7 @@ from .model import CausalLM
 from .radix_cache import RadixCache
 from .request import Request
 from .scheduler import Batch, Scheduler
+from .sparse import PagedSparseKV, empty_selection
 from .speculative import Drafter
 from .state_access import PooledState
 from .state_pool import StatePool
@@ -95,7 +96,7 @@ class Engine:
             self.model, self.pools, self.req_to_token_pool.table, self.token_table, config.max_running,
             self.device, use_graphs=config.decode_mode == "graph", states=self.states)
         self._async = AsyncSteps(self.scheduler, self.token_table, lambda batch: self._forward(batch, on_device=True),
-                                 self._account) if config.async_scheduling else None
+                                 self._account, self.jitter) if config.async_scheduling else None
 
     @property
     def running(self) -> list[Request]:
@@ -172,10 +173,13 @@ class Engine:
     def serve(self, arrivals: Sequence[Arrival]) -> list[list[int]]:
         """Greedy output ids per arrival: each submitted once this call ran `at_forward` forwards
         (at once when nothing is left to run before it), aborted `abort_after` forwards after
-        that (keeping its tokens so far); runs until every request is done or aborted."""
+        that (keeping its tokens so far), paused as its `pause` says (Scheduler.pause: forwards
+        pass while only paused requests are left); runs until every request is done or aborted."""
         order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].at_forward)
         reqs: list[Request | None] = [None] * len(arrivals)
         aborts: list[tuple[int, Request]] = []  # (the forward to abort at, the request)
+        pauses: list[tuple[int, Request, int]] = []  # (the forward to pause at, the request, for how long)
+        resumes: list[tuple[int, Request]] = []  # (the forward to resume at, the request)
         start, idle = self.forward_count, 0  # idle: forwards skipped while nothing ran
         while order or self.scheduler.has_work:
             now = self.forward_count - start + idle
@@ -187,12 +191,25 @@ class Engine:
                 reqs[i] = self.submit(list(a.prompt), a.max_new_tokens, a.context_key)
                 if a.abort_after is not None:
                     aborts.append((now + a.abort_after, reqs[i]))
+                if a.pause is not None:
+                    pauses.append((now + a.pause[0], reqs[i], a.pause[1]))
             for at, req in [x for x in aborts if x[0] <= now]:
                 aborts.remove((at, req))
                 if not req.finished:
                     self.scheduler.abort_request(req)
+            for at, req in [x for x in resumes if x[0] <= now]:
+                resumes.remove((at, req))
+                self.scheduler.resume(req)
+            for at, req, length in [x for x in pauses if x[0] <= now]:
+                pauses.remove((at, req, length))
+                if req in self.scheduler.running:
+                    self.scheduler.pause(req)
+                    resumes.append((now + length, req))
+            ran = self.forward_count
             if self.scheduler.has_work:
                 self.step()
+            if self.forward_count == ran and resumes:  # only paused requests left: their pauses run out
+                idle += max(0, min(at for at, _ in resumes) - now)
         return [r.output_ids for r in reqs]
 
     @torch.no_grad()
@@ -236,9 +253,10 @@ class Engine:
 
     def liveness(self) -> dict[str, int]:
         """What the engine's workloads exercised since it started, for a soak's liveness gate:
-        requests admitted with a cached prefix, retractions, and per path the engine has, pages
+        requests admitted with a cached prefix, retractions, pauses, and per path the engine has, pages
         loaded back from host memory, pages loaded from disk, proposals the target rejected."""
-        counts = {"prefix hits": self.scheduler.num_prefix_hits, "retractions": self.scheduler.num_retracted}
+        counts = {"prefix hits": self.scheduler.num_prefix_hits, "retractions": self.scheduler.num_retracted,
+                  "pauses": self.scheduler.num_paused}
         if self.host_tier is not None:
             counts["host loads"] = self.host_tier.num_loaded_back
         if self.disk_tier is not None:
@@ -272,6 +290,8 @@ class Engine:
                                     SlotMapping(table, ps, full_to_group=draft.full_to_draft)))
         if self.states is not None:
             groups.append(PoolGroup(GroupKind.STATE, self.states.buffers, [], self.states.num_slots, None))
+        if self.pools.indexer:  # sparse attention: the indexer keys, slot for slot the FULL pool's
+            groups.append(PoolGroup(GroupKind.INDEXER, self.pools.indexer, [], full.num_slots, SlotMapping(table, ps)))
         if (scales := self.model.kv_scales) is not None:  # FP8 KV: the scales every forward dequantizes with
             groups.append(PoolGroup(GroupKind.SCALES, [scales.k], [] if scales.v is None else [scales.v],
                                     scales.k.shape[0], None))
@@ -348,7 +368,8 @@ class Engine:
             run(batch, draft.input_ids, view.positions, draft.positions, contexts, on_store)
         kv = PagedKV(self.pools, self.req_to_token_pool.table, batch.rows, batch.prefix_lens,
                      batch.extend_lens, view.positions, batch.out_cache_loc.to(self.device), on_store=on_store,
-                     codec=self.model.kv_codec, scales=view.scales)
+                     codec=self.model.kv_codec, scales=view.scales) if view.selected is None else PagedSparseKV(
+            self.pools, self.req_to_token_pool.table, batch, view, batch.out_cache_loc.to(self.device), hooks)
         states = None if self.states is None else PooledState(
             self.states, batch.state_slots, batch.prefix_lens, batch.extend_lens, batch.checkpoint_slots,
             batch.checkpoint_lens)
@@ -411,4 +432,6 @@ class Engine:
             group_inputs=draft,
             state=state,
             scales=self.model.kv_scales,
+            selected=empty_selection(positions.shape[0], self.config.model.index_topk, self.device)
+            if self.pools.indexer else None,  # sparse attention: each layer's indexer fills it
         )

@@ -7,7 +7,9 @@ the engine draws, at each point, a choice a real engine's timing could make:
 - a finished load-back from the host tier is acknowledged 0 to `MAX_DELAY` acknowledgements late
   (its path stays locked that long; the next ones may be acknowledged before it);
 - a pair's transfers wait 0 to `MAX_DELAY` decode steps while the decode side has work, and a
-  waiting prefilled request other than the first may move first.
+  waiting prefilled request other than the first may move first;
+- with async scheduling, each launched step's forward runs at launch, once the host has processed
+  the step before it, or when the host first waits for its results (async_steps.py's RUN_POINTS).
 On a GPU the host tier's copies run on a copy stream of their own, and the device decides when
 they finish: with a seed, a spin-wait of 0 to `MAX_SPIN_CYCLES` clock cycles is queued on that
 stream ahead of each batch of copies (`spin`), so a copy lands late against the forwards and
@@ -21,11 +23,13 @@ choice is the engine's natural one and nothing is drawn.
 from __future__ import annotations
 
 import random
+from typing import Sequence, TypeVar
 
 import torch
 
 MAX_DELAY = 2
 MAX_SPIN_CYCLES = 2_000_000  # about a millisecond at a GPU's clock
+T = TypeVar("T")
 
 
 class Jitter:
@@ -53,6 +57,10 @@ class Jitter:
     def pick(self, n: int) -> int:
         """Which of n waiting items goes first, 0 when off (n >= 1)."""
         return 0 if self._rng is None else self._rng.randrange(n)
+
+    def choose(self, options: Sequence[T], natural: T) -> T:
+        """One of options, drawn from the seed; natural (the engine's own choice) when off."""
+        return natural if self._rng is None else options[self._rng.randrange(len(options))]
 
     def spin(self) -> int:
         """Queue a seeded spin-wait on the current CUDA stream (0 to MAX_SPIN_CYCLES clock cycles,

@@ -18,7 +18,7 @@ import torch
 from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.seam import FreeListener
 
-from .config import EngineConfig, ModelConfig
+from .config import LATENT, EngineConfig, ModelConfig, index_row_bytes
 
 
 def kv_buffers(num_slots: int, num_layers: int, model: ModelConfig,
@@ -29,7 +29,7 @@ def kv_buffers(num_slots: int, num_layers: int, model: ModelConfig,
         return [torch.zeros((num_slots, *model.kv_row), dtype=model.kv_storage, device=device)
                 for _ in range(num_layers)]
 
-    return zeros(), [] if model.attention == "mla" else zeros()
+    return zeros(), [] if model.attention in LATENT else zeros()
 
 
 def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -179,7 +179,9 @@ class DraftPool:
 
 class KVPools:
     """The FULL pool (slot ids everyone uses) and, for swa models, the SWA pool behind it; with
-    speculative decoding, the draft pool beside it. alloc/free work on FULL pages and keep the SWA
+    speculative decoding, the draft pool beside it; for a sparse model, ``indexer``: per layer, the
+    indexer's key rows, uint8 ``[num_slots, index_row_bytes]``, slot for slot the FULL pool's
+    (sparse.py). alloc/free work on FULL pages and keep the SWA
     side in step. free_listeners hear of every free (as FULL slots) with its cause (the fault ledger
     uses it to tell why damage was never read)."""
 
@@ -195,6 +197,8 @@ class KVPools:
                             ps) if swa_layers else None)
         self.draft = (DraftPool(config.num_slots, replace(m, num_layers=config.draft_layers), device, ps)
                       if config.speculative_k else None)
+        self.indexer = [torch.zeros((config.num_slots, index_row_bytes(m.index_head_dim)), dtype=torch.uint8,
+                                    device=device) for _ in full_layers] if m.attention == "sparse" else []
         self._layers = {i: layer_kv(self.full.k_layers, self.full.v_layers, j, None, GroupKind.FULL)
                         for j, i in enumerate(full_layers)}
         if self.swa is not None:
@@ -222,7 +226,8 @@ class KVPools:
         """Return FULL pages (and their SWA pages); listeners hear their slots first."""
         if self.swa is not None:
             self.swa.unmap(pages, cause)
-        kinds = [GroupKind.FULL] + ([GroupKind.DRAFT] if self.draft is not None else [])
+        kinds = ([GroupKind.FULL] + ([GroupKind.DRAFT] if self.draft is not None else [])
+                 + ([GroupKind.INDEXER] if self.indexer else []))
         slots = page_slots(pages, self.page_size)
         for listener in self.free_listeners:
             for kind in kinds:

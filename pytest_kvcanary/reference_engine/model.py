@@ -21,8 +21,9 @@ from kvcanary_kernels.inputs import ScaleInputs
 from kvcanary_kernels.records import GroupKind
 
 from .attention import DenseKV, KVAccess
-from .config import ModelConfig
+from .config import LATENT, ModelConfig
 from .kv_quant import make_codec, seeded_scales
+from .sparse import DenseSparseKV, Indexer
 
 # A recurrent mixer's states: called as ``states(mixer, u)`` with the mixer's in_proj rows u [T, ...]
 # of the forward's tokens, it runs the mixer over each sequence's tokens from that sequence's state,
@@ -108,6 +109,27 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = self.up_projections()
         q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), apply_rope(q_rope, cos, sin)], dim=-1)
         out = kv(self.layer, q * self.q_scale, self.latent(x, cos, sin)[:, None, :], None, None)
+        return self.o_proj(torch.einsum("thr,hdr->thd", out[..., :self.rank], w_uv).reshape(t, -1))
+
+
+class SparseAttention(LatentAttention):
+    """Latent attention over only the tokens its indexer selects (sparse.py): the KV access is a
+    sparse one, called as ``kv(layer, q, latent, index)`` with the indexer's keys and queries of the
+    tokens' input embeddings."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.indexer = Indexer(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAccess,
+                embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        if embeddings is None:
+            raise ValueError("a sparse layer needs the tokens' input embeddings (Decoder.run_layers' embeddings)")
+        t = x.shape[0]
+        q_nope, q_rope = self.q_proj(x).view(t, self.num_heads, -1).split([self.head_dim, self.rope], dim=-1)
+        w_uk, w_uv = self.up_projections()
+        q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), apply_rope(q_rope, cos, sin)], dim=-1)
+        out = kv(self.layer, q * self.q_scale, self.latent(x, cos, sin), self.indexer(embeddings))
         return self.o_proj(torch.einsum("thr,hdr->thd", out[..., :self.rank], w_uv).reshape(t, -1))
 
 
@@ -212,14 +234,20 @@ class DecoderLayer(nn.Module):
         if cfg.layer_groups[layer] is GroupKind.STATE:
             self.mixer = RecurrentMixer(cfg, layer)
         else:
-            self.self_attn = LatentAttention(cfg, layer) if cfg.attention == "mla" else Attention(cfg, layer)
+            kind = {"mla": LatentAttention, "sparse": SparseAttention}.get(cfg.attention, Attention)
+            self.self_attn = kind(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAccess,
-                states: StateAccess | None = None) -> torch.Tensor:
+                states: StateAccess | None = None, embeddings: torch.Tensor | None = None) -> torch.Tensor:
         h = self.input_layernorm(x)
-        x = x + (self.mixer(h, states) if hasattr(self, "mixer") else self.self_attn(h, cos, sin, kv))
+        if hasattr(self, "mixer"):
+            x = x + self.mixer(h, states)
+        elif isinstance(self.self_attn, SparseAttention):
+            x = x + self.self_attn(h, cos, sin, kv, embeddings)
+        else:
+            x = x + self.self_attn(h, cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -235,7 +263,8 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
                 context_keys: torch.Tensor | None = None, states: StateAccess | None = None) -> torch.Tensor:
-        return self.norm(self.run_layers(self.embed(input_ids, context_keys), positions, kv, states))
+        x = self.embed(input_ids, context_keys)
+        return self.norm(self.run_layers(x, positions, kv, states, embeddings=x))
 
     def embed(self, input_ids: torch.Tensor, context_keys: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states [T, hidden] the first layer reads."""
@@ -245,11 +274,12 @@ class Decoder(nn.Module):
         return x
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
-                   states: StateAccess | None = None) -> torch.Tensor:
-        """Every decoder layer over hidden states x (a pipeline stage runs its own layers)."""
+                   states: StateAccess | None = None, embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """Every decoder layer over hidden states x (a pipeline stage runs its own layers);
+        embeddings: the tokens' input embeddings, which a sparse model's indexers read."""
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, states)
+            x = layer(x, cos, sin, kv, states, embeddings)
         return x
 
 
@@ -272,7 +302,7 @@ class CausalLM(nn.Module):
                     p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
         self.to(cfg.dtype).requires_grad_(False)
         self.kv_codec = make_codec(cfg.kv_dtype, cfg.dtype, cfg.kv_head_dim)
-        scales = (seeded_scales(cfg.num_layers, cfg.scale_width, cfg.attention == "mla", cfg.seed + 2)
+        scales = (seeded_scales(cfg.num_layers, cfg.scale_width, cfg.attention in LATENT, cfg.seed + 2)
                   if cfg.kv_quantized else ScaleInputs(None, None))
         self.register_buffer("k_scales", scales.k, persistent=False)  # after the cast: float32
         self.register_buffer("v_scales", scales.v, persistent=False)
@@ -297,5 +327,6 @@ class CausalLM(nn.Module):
         positions = torch.arange(token_ids.numel(), device=token_ids.device)
         contexts = torch.full_like(positions, context_key)
         states = DenseState() if self.cfg.attention == "hybrid" else None
-        kv = DenseKV(positions, self.kv_codec, self.kv_scales)
+        kv = (DenseSparseKV(positions, self.cfg.index_topk) if self.cfg.attention == "sparse"
+              else DenseKV(positions, self.kv_codec, self.kv_scales))
         return self.compute_logits(self(token_ids, positions, kv, contexts, states))

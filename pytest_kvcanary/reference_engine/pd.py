@@ -23,7 +23,7 @@ from typing import ContextManager, Sequence
 
 import torch
 
-from ..canary.seam import TransferListener
+from ..canary.seam import TransferListener, UnsupportedAttention
 from .engine import Engine
 from .kv_pool import KVPool, slot_pages
 from .request import Request
@@ -48,6 +48,9 @@ class PDPair:
     def __init__(self, prefill: Engine, decode: Engine) -> None:
         if (prefill.config.model, prefill.config.checkpoint) != (decode.config.model, decode.config.checkpoint):
             raise ValueError("a prefill/decode pair needs the same model (config and weights) on both sides")
+        if prefill.config.model.attention == "sparse":
+            raise UnsupportedAttention("the reference prefill/decode pair has no attention kind 'sparse': its transfer "
+                                       "moves no indexer keys; run a single engine")
         self.prefill, self.decode = prefill, decode
         self._transfer_listeners: list[TransferListener] = []
         self.num_transferred = 0  # requests moved to the decode side since the pair started

@@ -8,7 +8,7 @@ one decode step), then the two exchange one control message over a gloo group (`
                         on the prefill side (max_new_tokens 1)
     decode -> prefill   accepts (the transfer's number and the slots it allocated), transfers
                         landed, transfers given up (timed out or failed: the request is aborted),
-                        whether every request is resolved
+                        the slots it freed (for the fault ledger), whether every request is resolved
 
 The prefill side posts a transfer's sends once it hears the accept, and keeps the request (its KV
 in the prefill radix cache) until it hears that the transfer landed or was given up. The decode
@@ -110,6 +110,7 @@ class PrefillProcess:
             for seq, i, dst, receipt in reply["landed"]:
                 self.sidecar.delivered(sending[seq][0], dst, receipt)
                 engine.scheduler.finish(held.pop(i))
+            self.sidecar.note_frees(reply["freed"])  # after the landings: a slot freed now held what landed
             for seq, i, after in reply["gave_up"]:
                 if seq in late:
                     late[seq][3] = after
@@ -157,9 +158,11 @@ class _Call:
     landed: list[tuple[int, int, list[int], Any]] = field(default_factory=list)
     gave_up: list[tuple[int, int, int]] = field(default_factory=list)
 
-    def report(self, done: bool) -> dict[str, Any]:
-        """This tick's message, and a fresh start for the next one's."""
-        message = {"accepts": self.accepts, "landed": self.landed, "gave_up": self.gave_up, "done": done}
+    def report(self, done: bool, freed: Any) -> dict[str, Any]:
+        """This tick's message (freed: the sidecar's frees since the last one), and a fresh start
+        for the next one's."""
+        message = {"accepts": self.accepts, "landed": self.landed, "gave_up": self.gave_up, "freed": freed,
+                   "done": done}
         self.accepts, self.landed, self.gave_up = [], [], []
         return message
 
@@ -174,6 +177,7 @@ class DecodeProcess:
         self.drain_timeout_s = drain_timeout_s
         self.seq = 0  # transfers admitted since the reset (a fault's `transfer` counts them)
         self.tag = 0  # transfers posted since the process started (the messages' tags: never reused)
+        self.num_landed = 0  # transfers landed since the process started (a soak's liveness)
         self.held: list[Request] = []  # admitted, held out of the scheduler: receiving, or given up and draining
 
     def reset(self) -> None:
@@ -194,7 +198,7 @@ class DecodeProcess:
             call.outputs |= {i: r.output_ids for i, r in call.decoding.items() if r.finished}
             done = len(call.outputs) == n and not call.cancelled
             try:
-                reply = self.link.exchange(call.report(done))
+                reply = self.link.exchange(call.report(done, self.sidecar.take_frees()))
             except RuntimeError as e:
                 return self._lost(n, call, f"the prefill process is gone ({e})")
             if done:
@@ -219,6 +223,7 @@ class DecodeProcess:
             if complete:
                 call.live.remove(inc)
                 self._land(inc, faults)
+                self.num_landed += 1
                 call.decoding[inc.offer.index] = inc.request
                 call.landed.append((inc.seq, inc.offer.index, inc.slots.tolist(), self.sidecar.receipt(inc.slots)))
             elif why or now > inc.deadline:

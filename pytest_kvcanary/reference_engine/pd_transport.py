@@ -75,6 +75,12 @@ class Sidecar(Protocol):
     def delivered(self, src_full_slots: list[int], dst_full_slots: list[int], receipt: Any) -> None:
         """Prefill side: the transfer of src landed at dst (the fault ledger follows damage there)."""
 
+    def take_frees(self) -> Any:
+        """Decode side: the frees of its slots since the last call (picklable), for `note_frees`."""
+
+    def note_frees(self, frees: Any) -> None:
+        """Prefill side: the decode side freed these slots (damage moved there is gone with them)."""
+
 
 @dataclass(frozen=True)
 class Offer:

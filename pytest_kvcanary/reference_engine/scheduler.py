@@ -8,6 +8,8 @@ its last page before a new one is taken. A prefill whose cached prefix runs on i
 device pages for that part first and its KV loaded back into them. A prefill that still does not
 fit waits, a decode that does not fit retracts the newest running request (frees what it owns,
 draft KV included, and requeues it first: it is prefilled again, its cached prefix reused).
+A paused request (`pause`) keeps its row, KV and locks and sits out the decodes until `resume`;
+memory pressure retracts paused requests first.
 In a prefill/decode pair the prefill side only runs schedule_prefill, and the decode side admits
 requests with admit_transferred instead of prefilling them.
 
@@ -81,6 +83,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # every request holding a row and still generating, in admission order
         self.retiring: list[Request] = []  # done while a launched forward still writes their rows (async scheduling)
+        self.paused: list[Request] = []  # running requests left out of the decodes until resumed, oldest pause first
+        self.num_paused = 0  # pauses since the scheduler started
         self.num_retracted = 0
         self.num_prefix_hits = 0  # requests admitted with a cached prefix (a retracted one's own included)
 
@@ -89,10 +93,31 @@ class Scheduler:
         return bool(self.waiting or self.running or self.retiring)
 
     def schedule(self, retract: bool = True) -> Batch | None:
-        """The next batch: a prefill of waiting requests, else a decode of every running one. A
-        decode that does not fit retracts the newest requests; retract=False (a forward is in
-        flight, whose requests' slots must stay theirs): None instead."""
-        return self.schedule_prefill() or self._schedule_decode(retract)
+        """The next batch: a prefill of waiting requests, else a decode of every running one not
+        paused. A decode that does not fit retracts paused requests (the latest paused first), then
+        the newest running ones; so does a queue that only paused requests keep from moving.
+        retract=False (a forward is in flight, whose requests' slots must stay theirs): None instead."""
+        while ((batch := self.schedule_prefill() or self._schedule_decode(retract)) is None and retract
+               and self.waiting and self.paused):
+            self._retract(self.paused[-1], "paused request retracted for the queue")
+        return batch
+
+    def pause(self, req: Request) -> None:
+        """Leave the running request out of the decodes until `resume`: it keeps its row, KV, state
+        and radix locks, nothing it holds is freed or reused, and a launched forward that writes its
+        row is processed as usual (its token kept). Memory pressure retracts paused requests before
+        any other (one retracted waits again, no longer paused). ValueError unless it is running."""
+        if req not in self.running:
+            raise ValueError(f"only a running request can be paused; request {req.rid} is not running")
+        if req not in self.paused:
+            self.paused.append(req)
+            self.num_paused += 1
+
+    def resume(self, req: Request) -> None:
+        """Schedule the paused request again from the next decode; nothing when it is not paused
+        (never was, or since finished, aborted or retracted)."""
+        if req in self.paused:
+            self.paused.remove(req)
 
     def process(self, batch: Batch, new_tokens: list[list[int]]) -> list[Request]:
         """Account a finished forward and each request's new tokens (one, or in a speculative decode
@@ -286,37 +311,42 @@ class Scheduler:
             return MatchResult(match.slots, match.node)
         return cache.load_back(match, pages, on_done=lambda: cache.unlock(node))
 
+    def _decoding(self) -> list[Request]:
+        """The running requests a decode takes: those not paused."""
+        return [r for r in self.running if r not in self.paused]
+
     def _schedule_decode(self, retract: bool) -> Batch | None:
-        if not self.running:
+        if not self._decoding():
             return None
         self._alloc_rollback_states()
         while (pages := self._alloc(sum(self._decode_pages()))) is None:
             if not retract:
                 return None
-            assert len(self.running) > 1, "a lone request always fits (checked at submit)"
-            self._retract(self.running[-1])
-        locs = [self._slots(r, n, p) for r, n, p in zip(self.running, self._decode_lens(),
-                                                         pages.split(self._decode_pages()))]
-        return self._batch(list(self.running), locs, is_prefill=False)
+            assert self.paused or len(self.running) > 1, "a lone request always fits (checked at submit)"
+            self._retract((self.paused or self.running)[-1])
+        reqs = self._decoding()
+        locs = [self._slots(r, n, p) for r, n, p in zip(reqs, self._decode_lens(), pages.split(self._decode_pages()))]
+        return self._batch(reqs, locs, is_prefill=False)
 
     def _decode_lens(self) -> list[int]:
-        """Positions each running request's decode writes: 1, or with speculative decoding up to
+        """Positions each decoding request's decode writes: 1, or with speculative decoding up to
         k + 1, never more than the tokens it still needs (so never past its submitted size) nor,
         in a hybrid model, than its rollback states allow."""
-        lens = [self._wanted_len(r) for r in self.running]
+        reqs = self._decoding()
+        lens = [self._wanted_len(r) for r in reqs]
         if self.states is not None:
-            return [min(n, 1 + len(r.rollback_slots)) for r, n in zip(self.running, lens)]
+            return [min(n, 1 + len(r.rollback_slots)) for r, n in zip(reqs, lens)]
         return lens
 
     def _wanted_len(self, req: Request) -> int:
         return min(self.config.speculative_k + 1, req.max_new_tokens - len(req.output_ids))
 
     def _alloc_rollback_states(self) -> None:
-        """A hybrid model's speculative decode: each running request's rollback_slots, one per
+        """A hybrid model's speculative decode: each decoding request's rollback_slots, one per
         proposal but the last (none where the state pool cannot give them: it decodes one token)."""
         if self.states is None or not self.config.speculative_k:
             return
-        for req in self.running:
+        for req in self._decoding():
             req.rollback_slots = self._alloc_states(self._wanted_len(req) - 1) or []
 
     def _roll_back_state(self, req: Request, kept: int) -> None:
@@ -329,8 +359,8 @@ class Scheduler:
         req.state_slot, req.rollback_slots = keep, []
 
     def _decode_pages(self) -> list[int]:
-        """New pages each running request's decode needs."""
-        return [self._pages_needed(r.launched_len, n) for r, n in zip(self.running, self._decode_lens())]
+        """New pages each decoding request's decode needs."""
+        return [self._pages_needed(r.launched_len, n) for r, n in zip(self._decoding(), self._decode_lens())]
 
     def _pages_needed(self, start: int, n: int) -> int:
         """New pages positions [start, start + n) of a request take: those past the page holding
@@ -424,6 +454,7 @@ class Scheduler:
 
     def _leave(self, req: Request) -> None:
         (self.retiring if req in self.retiring else self.running).remove(req)
+        self.resume(req)
 
     def _release(self, req: Request, cause: str = "request released") -> None:
         """Free the request's own pages (those of its positions [prefix_len, launched_len)) and

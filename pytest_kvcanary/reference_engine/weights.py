@@ -37,9 +37,10 @@ def read_config(path: str | Path, **overrides: Any) -> ModelConfig:
     hf = json.loads((Path(path) / "config.json").read_text())
     if hf.get("model_type") not in MODEL_TYPES:
         raise ValueError(f"config.json model_type must be one of {', '.join(MODEL_TYPES)}; got {hf.get('model_type')!r}")
-    if overrides.get("attention") in ("mla", "hybrid"):
+    if overrides.get("attention") in ("mla", "hybrid", "sparse"):
         raise UnsupportedAttention(f"engine 'reference' runs the {hf['model_type']} checkpoint {str(path)!r} as mha or "
-                                   "swa only: it has no mla (latent attention) or hybrid (recurrent mixer) tensors")
+                                   "swa only: it has no mla (latent attention), hybrid (recurrent mixer) or sparse "
+                                   "(indexer) tensors")
     if hf.get("rope_scaling"):
         raise ValueError(f"config.json rope_scaling is not supported; got {hf['rope_scaling']!r}")
     if hf.get("hidden_act", "silu") != "silu":

@@ -74,6 +74,18 @@ def geometry(handle: SoakedHandle, arrivals: bool = True) -> Geometry:
                     max_batch=caps.max_batch, contexts=handle.takes_context_keys(), serves=arrivals and handle.serves())
 
 
+def timing(handle: SoakedHandle) -> str:
+    """What a replay needs of the engine besides its workload: the seed each side whose engine draws
+    its timings from one (the reference engine's `jitter`) was given, as "jitter seed 3" (a pair's
+    sides named where they differ); "" for none."""
+    seeds = [(side.name, getattr(getattr(side.engine, "jitter", None), "seed", None)) for side in handle.sides]
+    if {seed for _, seed in seeds} == {None}:
+        return ""
+    if len({seed for _, seed in seeds}) == 1:
+        return f"jitter seed {seeds[0][1]}"
+    return ", ".join(f"{name} jitter seed {'none' if seed is None else seed}" for name, seed in seeds)
+
+
 class Soak:
     """Runs workloads on one handle; `describe()` says where it is (a progress line reads it)."""
 
@@ -128,7 +140,7 @@ class Soak:
         """Every round of the workload from the handle's current state, then each untrustworthy
         round shrunk with up to shrink_trials runs (up to SHRUNK_FAILURES of them; the handle is
         reset for that)."""
-        result = SoakResult(workload.seed, workload.to_text(), oracle=self.oracle)
+        result = SoakResult(workload.seed, workload.to_text(), oracle=self.oracle, timing=timing(self.handle))
         result.rounds = self._rounds(workload, report=True)
         self._done = result.rounds
         for rnd in [r for r in result.rounds if r.verdict in UNTRUSTWORTHY]:
@@ -177,7 +189,7 @@ class Soak:
         contexts = [q.context for q in rnd.requests]
         if self.geometry.serves:
             starts = [0, *accumulate(rnd.gaps)]
-            return self.handle.serve([Arrival(p, q.max_new_tokens, starts[q.wave], q.context, q.abort_after)
+            return self.handle.serve([Arrival(p, q.max_new_tokens, starts[q.wave], q.context, q.abort_after, q.pause)
                                       for p, q in zip(prompts, rnd.requests)])
         outputs: list[list[int]] = [[] for _ in prompts]
         groups: dict[int, list[int]] = {}
@@ -209,7 +221,7 @@ class Soak:
         result.violations = [v.describe() for v in unexplained[:KEPT_VIOLATIONS]]
 
     def _verdict(self, result: RoundResult) -> str:
-        return verdict_of(bool(result.damage), result.unexplained, sum(result.engine_defects.values()))
+        return verdict_of(bool(result.damage), result.unexplained, sum(result.engine_defects.values()), result.injected)
 
     def _scores(self, rnd: Round, prompts: list[list[int]], outputs: list[list[int]]) -> list[TokenScores]:
         """The oracle's scores of the round's outputs (an engine may run forwards for them)."""

@@ -20,13 +20,16 @@ class Arrival(NamedTuple):
     it is submitted once the serve call has run that many forwards (at once when the engine has
     nothing left to run before); context_key: its context (0 = none); abort_after: forwards after
     its submission at which it is aborted, keeping the tokens it generated so far (None: it runs
-    to the end)."""
+    to the end); pause: (after, length): `after` forwards after its submission, if it is running
+    then, it is paused for `length` forwards (it keeps its KV and is not scheduled), then resumed
+    (None: never; an engine that cannot pause runs it on)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
     at_forward: int = 0
     context_key: int = 0
     abort_after: int | None = None
+    pause: tuple[int, int] | None = None
 
 
 class TokenScores(NamedTuple):

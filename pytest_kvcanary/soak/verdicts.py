@@ -9,7 +9,8 @@ violations the canary logged in that round (no torch).
     suspected false alarm  the canary reported something and every output is right
 
 Violations the fault ledger matches to a fault the test injected (kv_perturb) are the test's own:
-they do not make a round a suspected false alarm.
+they do not make a round a suspected false alarm, and they are what detected the damage their
+faults did to an output.
 """
 
 from __future__ import annotations
@@ -84,11 +85,11 @@ class RoundResult:
     near_ties: int = 0
 
 
-def verdict_of(damaged: bool, unexplained: int, engine_defects: int = 0) -> str:
+def verdict_of(damaged: bool, unexplained: int, engine_defects: int = 0, injected: int = 0) -> str:
     """The verdict from whether an output is wrong and the violations the round logged: those
-    nothing explains, and those a documented engine defect does."""
+    nothing explains, those a documented engine defect does, and those of injected faults."""
     if damaged:
-        return DETECTED if unexplained or engine_defects else MISSED
+        return DETECTED if unexplained or engine_defects or injected else MISSED
     if unexplained:
         return FALSE_ALARM
     return ENGINE_DEFECT if engine_defects else CLEAN
@@ -115,6 +116,7 @@ class SoakResult:
     rounds: list[RoundResult] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     oracle: str = ""  # how outputs were checked
+    timing: str = ""  # what a replay needs of the engine besides its workload ("jitter seed 3"), "" for none
 
     @property
     def forwards(self) -> int:
@@ -152,7 +154,8 @@ class SoakResult:
                     if rnd.damage else f"violations {'; '.join(rnd.violations[:3])}")
             again = "" if f.reproduced else " (did not reproduce after a reset: the replay is the whole workload)"
             lines.append(f"round {f.round}: {f.verdict}: {what}{again}")
-            lines.append(f"  replay ({f.requests} requests): run_workload(replay={f.replay!r})")
+            on = f", on an engine of {self.timing}" if self.timing else ""
+            lines.append(f"  replay ({f.requests} requests{on}): run_workload(replay={f.replay!r})")
         return lines
 
     def failure_message(self) -> str:
@@ -169,7 +172,8 @@ class SoakResult:
             raise AssertionError(self.failure_message())
 
     def to_json(self) -> dict[str, Any]:
-        return {"seed": self.seed, "oracle": self.oracle, "rounds": len(self.rounds), "forwards": self.forwards,
+        return {"seed": self.seed, "oracle": self.oracle, "timing": self.timing, "rounds": len(self.rounds),
+                "forwards": self.forwards,
                 "verdicts": self.counts(), "near_ties": sum(r.near_ties for r in self.rounds),
                 "engine_defects": self.engine_defects(),
                 "failures": [asdict(f) for f in self.failures],

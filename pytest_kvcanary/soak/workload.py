@@ -2,8 +2,8 @@
 
 A workload is rounds of requests; the engine keeps its cache from one round to the next. Each
 request is a recipe: part of a shared "system prompt" (a stem), then a random tail drawn from its
-own seed, how many tokens to generate, the wave it arrives in, its context key and when it is
-aborted. Prompts are token ids, so lengths are exact (whole pages, one token either side of them).
+own seed, how many tokens to generate, the wave it arrives in, its context key, when it is
+aborted and when it is paused. Prompts are token ids, so lengths are exact (whole pages, one token either side of them).
 Pure Python: no torch.
 """
 
@@ -40,7 +40,8 @@ class Recipe:
     """One request. stem: index of the workload's shared prompt it starts with (-1: none), of
     which stem_len tokens; then tail_len random tokens drawn from seed `tail`. wave: it arrives
     with the round's wave of that number; abort_after: forwards after its arrival at which it is
-    aborted (None: never)."""
+    aborted (None: never); pause: (after, length), forwards after its arrival at which it is paused
+    and for how many forwards (None: never; Arrival.pause)."""
 
     stem: int
     stem_len: int
@@ -50,6 +51,7 @@ class Recipe:
     wave: int = 0
     context: int = 0
     abort_after: int | None = None
+    pause: tuple[int, int] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -83,7 +85,7 @@ class Workload:
 
     def to_text(self) -> str:
         """One line: `seed/round/round...`, a round `gaps:request;request`, a request
-        `stem.stem_len+tail.tail_len*max_new@wave[~context][!abort_after]`."""
+        `stem.stem_len+tail.tail_len*max_new@wave[~context][!abort_after][^pause_after.pause_length]`."""
         return "/".join([str(self.seed), *(_round_text(r) for r in self.rounds)])
 
     @classmethod
@@ -115,13 +117,14 @@ def _tokens(seed: int, n: int, high: int) -> list[int]:
     return [rng.randrange(1, high) for _ in range(n)]
 
 
-_REQUEST = re.compile(r"(-?\d+)\.(\d+)\+(\d+)\.(\d+)\*(\d+)@(\d+)(?:~(\d+))?(?:!(\d+))?")
+_REQUEST = re.compile(r"(-?\d+)\.(\d+)\+(\d+)\.(\d+)\*(\d+)@(\d+)(?:~(\d+))?(?:!(\d+))?(?:\^(\d+)\.(\d+))?")
 
 
 def _round_text(r: Round) -> str:
     def one(q: Recipe) -> str:
         text = f"{q.stem}.{q.stem_len}+{q.tail}.{q.tail_len}*{q.max_new_tokens}@{q.wave}"
-        return text + (f"~{q.context}" if q.context else "") + (f"!{q.abort_after}" if q.abort_after is not None else "")
+        text += (f"~{q.context}" if q.context else "") + (f"!{q.abort_after}" if q.abort_after is not None else "")
+        return text + (f"^{q.pause[0]}.{q.pause[1]}" if q.pause is not None else "")
 
     return ",".join(map(str, r.gaps)) + ":" + ";".join(map(one, r.requests))
 
@@ -154,10 +157,12 @@ def _parse_round(text: str) -> Round:
     for part in filter(None, requests.split(";")):
         m = _REQUEST.fullmatch(part)
         if m is None:
-            raise ValueError(f"a request reads 'stem.stem_len+tail.tail_len*max_new@wave[~context][!abort]'; got {part!r}")
-        stem, stem_len, tail, tail_len, new, wave, context, abort = m.groups()
+            raise ValueError("a request reads 'stem.stem_len+tail.tail_len*max_new@wave[~context][!abort]"
+                             f"[^pause_after.pause_length]'; got {part!r}")
+        stem, stem_len, tail, tail_len, new, wave, context, abort, pause_after, pause_length = m.groups()
         recipes.append(Recipe(int(stem), int(stem_len), int(tail), int(tail_len), int(new), int(wave),
-                              int(context or 0), None if abort is None else int(abort)))
+                              int(context or 0), None if abort is None else int(abort),
+                              None if pause_after is None else (int(pause_after), int(pause_length))))
     return Round(tuple(recipes), tuple(int(g) for g in gaps.split(",") if g))
 
 
@@ -209,10 +214,11 @@ class _Maker:
     def round(self, kind: str) -> Round:
         """A round of this kind: "plain", "pressure" (more than the pool holds), "burst" (earlier
         requests again, then at the next forward a pressure wave that evicts while their prefixes
-        load back) or "abort storm" (half the round aborted at one forward)."""
+        load back), "abort storm" (half the round aborted at one forward) or "pauses" (a third of
+        the round paused at one forward for 1 to 4 forwards, a pressure wave arriving meanwhile)."""
         if kind == "burst":
             return self._burst()
-        pressure = kind == "pressure"
+        pressure = kind in ("pressure", "pauses")
         g, rng = self.g, self.rng
         n = rng.randrange(2, max(3, g.max_batch + g.max_batch // 2) + 1)
         if pressure:  # more than the pool holds, so the cache evicts and the scheduler retracts
@@ -236,6 +242,11 @@ class _Maker:
             wave, after = rng.randrange(waves), rng.randrange(1, 4)
             storm = set(rng.sample(range(len(placed)), len(placed) // 2))
             placed = [replace(q, wave=wave, abort_after=after) if j in storm else q for j, q in enumerate(placed)]
+        if kind == "pauses":  # clients that stop reading for a while, mid-decode, while others keep arriving
+            after, length = rng.randrange(1, 4), rng.randrange(1, 5)
+            paused = set(rng.sample(range(len(placed)), max(1, len(placed) // 3)))
+            placed = [replace(q, wave=0, abort_after=None, pause=(after, length)) if j in paused else q
+                      for j, q in enumerate(placed)]
         self.seen += requests
         return Round(tuple(placed), gaps)
 
@@ -254,8 +265,9 @@ def make_workload(seed: int, rounds: int, geometry: Geometry) -> Workload:
     k pages and k pages +- 1, prompts and decodes past the window, single-token outputs, waves
     joining a running batch and aborts (engines that serve), context keys (engines that take
     them), and every third round more than the pool holds. On engines that serve, every sixth of
-    those is a burst (earlier requests again, a pressure wave one forward later), and every sixth
-    round from the fourth an abort storm."""
+    those is a burst (earlier requests again, a pressure wave one forward later), every sixth
+    round from the fourth an abort storm, and every sixth from the fifth a round of pauses (a third
+    of its requests paused mid-decode while a pressure wave arrives)."""
     maker = _Maker(seed, geometry)
     return Workload(seed, tuple(maker.round(_kind(i, geometry.serves)) for i in range(rounds)))
 
@@ -265,6 +277,8 @@ def _kind(i: int, serves: bool) -> str:
         return "burst"
     if serves and i % 6 == 3:
         return "abort storm"
+    if serves and i % 6 == 4:
+        return "pauses"
     return "pressure" if i % 3 == 2 else "plain"
 
 
@@ -286,7 +300,8 @@ def subsets(workload: Workload) -> Iterator[Workload]:
         for j, q in enumerate(rounds[i].requests):
             for smaller in (replace(q, tail_len=max(1, q.tail_len // 2)), replace(q, stem=-1, stem_len=0),
                             replace(q, max_new_tokens=max(1, q.max_new_tokens // 2)),
-                            replace(q, abort_after=None), replace(q, wave=0), replace(q, context=0)):
+                            replace(q, abort_after=None), replace(q, pause=None), replace(q, wave=0),
+                            replace(q, context=0)):
                 if smaller != q:
                     requests = rounds[i].requests
                     yield _with_round(workload, i, replace(rounds[i], requests=requests[:j] + (smaller,) + requests[j + 1:]))

@@ -81,8 +81,8 @@ def test_filters_match_case_insensitively_and_on_any_reason() -> None:
                                     "verify_token, write_token, write_position, verify_missing_slot, "
                                     "reserved_slot_written, write_real_kv_hash, walk_duplicate_slot, "
                                     "walk_slot_out_of_range, walk_too_large, walk_position_gap, "
-                                    "view_out_of_range, rank_divergence, verify_scale; got 'verify_hash'"),
-        ({"phase": "BODY"}, "phase must be one of HEAD, TAIL, SWEEP, RECHECK; got 'BODY'"),
+                                    "view_out_of_range, rank_divergence, verify_scale, verify_index; got 'verify_hash'"),
+        ({"phase": "BODY"}, "phase must be one of HEAD, TAIL, SWEEP, RECHECK, SELECT; got 'BODY'"),
         ({"group": "local"}, f"group must be one of {', '.join(TARGET_GROUPS)}; got 'local'"),
         ({"side": "single"}, "side must be one of prefill, decode; got 'single'"),
         ({"half": "Q"}, "half must be one of K, V; got 'Q'"),

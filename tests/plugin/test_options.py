@@ -162,6 +162,10 @@ def test_precedence_cli_marker_ini(kvtester: pytest.Pytester, args: tuple[str, .
         (["--kv-canary", "--kv-canary-tp=2", "--kv-canary-engine=elsewhere"], "",
          "ERROR: --kv-canary-tp needs an engine that runs parallel here: reference (tp x pp), transformers (tp); "
          "engine 'elsewhere' runs in one process only; got '2'"),
+        (["--kv-canary-reference-scheduling=overlap"], "",
+         "ERROR: --kv-canary-reference-scheduling must be one of sync, async; got 'overlap'"),
+        ([], "kv_canary_reference_jitter_seed = -1",
+         "ERROR: ini option kv_canary_reference_jitter_seed must be an integer >= 0; got '-1'"),
     ],
 )
 def test_bad_values_are_usage_errors(kvtester: pytest.Pytester, args: list[str], ini: str, message: str) -> None:

@@ -50,9 +50,9 @@ def test_a_soak_whose_cache_path_is_switched_off_fails_naming_it(realtester: pyt
     result = realtester.runpytest("--kv-canary", *MHA, "--kv-canary-soak-rounds=2")
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(["*_ test_workload_soak?mha? _*",
-                                 "E *the soak reused no cached prefix (prefix hits 0, retractions *)*",
+                                 "E *the soak reused no cached prefix (pauses 0, prefix hits 0, retractions *)*",
                                  "*_ test_workload_soak_prefill_decode?mha? _*",
-                                 "E *the soak reused no cached prefix (prefix hits 0, *)*"])
+                                 "E *the soak reused no cached prefix (pauses 0, prefix hits 0, *)*"])
 
 
 def test_a_soak_that_reuses_prefixes_passes(realtester: pytest.Pytester):

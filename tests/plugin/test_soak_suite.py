@@ -69,8 +69,8 @@ def test_a_suspected_false_alarm_fails_with_a_replay_the_option_reruns(realteste
 
 @pytest.mark.parametrize(("option", "message"), [
     ("--kv-canary-soak-replay=7/2:x", "--kv-canary-soak-replay must be a workload as a soak failure prints it "
-                                      "(a request reads 'stem.stem_len+tail.tail_len*max_new@wave[~context][!abort]'; "
-                                      "got 'x'); got '7/2:x'"),
+                                      "(a request reads 'stem.stem_len+tail.tail_len*max_new@wave[~context][!abort]"
+                                      "[^pause_after.pause_length]'; got 'x'); got '7/2:x'"),
     ("--kv-canary-soak-rounds=0", "--kv-canary-soak-rounds must be an integer >= 1; got '0'"),
 ])
 def test_a_bad_soak_option_is_a_usage_error(realtester: pytest.Pytester, option: str, message: str):

@@ -57,6 +57,8 @@ def make_vllm_engine(attention: str, device: str, seed: int, model: str | None, 
         if reason:
             raise UnsupportedAttention(f"engine 'vllm' has no attention kind 'hybrid' here: {reason} "
                                        "(docs/vllm.md#hybrid-models)")
+    if model is None and attention == "sparse":
+        raise UnsupportedAttention("engine 'vllm' has no attention kind 'sparse': its default models have no indexer")
     if model is None and attention == "mla":
         reason = no_latent_attention() if where == "cpu" else "the adapter knows no CUDA MLA backend's cache yet"
         if reason:

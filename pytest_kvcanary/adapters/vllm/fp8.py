@@ -13,8 +13,8 @@ model's scales and reading the quantized cache are fp8_cache.py's.
   and scales calibrated as llm-compressor does (each layer's K and V amax over seeded calibration
   tokens, over e4m3's largest value), so the layers' scales differ.
 - The cache (fp8_cache.py): one byte a value (``uint8``), K dimension-major and V token by token
-  inside a block, as on the ``vec`` path in the model's dtype; the bytes a write stores are taken
-  from vLLM's own cache write.
+  inside a block, as on the ``vec`` path in the model's dtype, both fingerprinted (K byte by byte);
+  the bytes a write stores are taken from vLLM's own cache write.
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ class Topology:
         m, tp, pp = config.model, self.tp, self.pp
         if m.attention == "hybrid" and self.world > 1:
             raise ValueError(f"attention 'hybrid' runs on one rank (its state pool is not sharded); got tp={tp}, pp={pp}")
+        if m.attention == "sparse" and self.world > 1:
+            raise ValueError(f"attention 'sparse' runs on one rank (its indexer keys are not sharded); got tp={tp}, "
+                             f"pp={pp}")
         shared = [("num_heads", m.num_heads), ("intermediate", m.intermediate)]
         if m.attention != "mla":  # a latent row is replicated on every rank
             shared.append(("num_kv_heads", m.num_kv_heads))

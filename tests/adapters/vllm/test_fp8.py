@@ -1,9 +1,9 @@
 """vLLM with an FP8 KV cache (``kv_cache_dtype="fp8"``, vLLM's CPU attention): the random model with
-calibrated per-layer K/V scales, the quantized bytes fingerprinted (V; K is kept dimension-major,
-one byte a value, which the fingerprint does not read), the scales guarded as the SCALES group. A
-clean workload stays clean and matches vLLM's own uncached scoring; a scale reset to 1.0 (by the
-fault injector, or in vLLM's own layer), scales swapped between layers, a scale tensor damaged and
-a bit flipped in a stored FP8 byte are each reported with their reason at their layer or slot."""
+calibrated per-layer K/V scales, the quantized bytes fingerprinted (V token by token; K, kept
+dimension-major, byte by byte), the scales guarded as the SCALES group. A clean workload stays clean
+and matches vLLM's own uncached scoring; a scale reset to 1.0 (by the fault injector, or in vLLM's
+own layer), scales swapped between layers, a scale tensor damaged and a bit flipped in a stored FP8
+byte of K or V are each reported with their reason at their layer or slot."""
 
 from __future__ import annotations
 
@@ -73,12 +73,15 @@ def test_a_kv_cache_dtype_is_checked_where_it_is_given(pytestconfig, monkeypatch
 
 
 def test_the_cache_is_fp8_and_the_layers_have_calibrated_scales(engine):
-    from kvcanary_kernels.records import GroupKind, Half
+    from kvcanary_kernels.records import GroupKind
+    from kvcanary_kernels.sources import strided_read
 
     groups = {g.kind: g for g in engine.canary_groups()}
     assert set(groups) == {GroupKind.FULL, GroupKind.SCALES}
     full, scales = groups[GroupKind.FULL], groups[GroupKind.SCALES]
-    assert full.k_layers[0].dtype == torch.uint8 and full.opaque_halves == frozenset({Half.K})
+    assert full.k_layers[0].dtype == torch.uint8 and full.opaque_halves == frozenset()
+    k_view = full.k_layers[0]  # one head's K: dimension d of a block's tokens together, a byte each
+    assert k_view.stride()[1:] == (1, k_view.shape[1]) and strided_read(k_view, k_view.shape[1]).sample_bytes == 1
     k, v = scales.k_layers[0], scales.v_layers[0]
     assert k.shape == v.shape == (2, 1)
     assert len({*k.flatten().tolist(), *v.flatten().tolist()}) == 4 and 1.0 not in k and 1.0 not in v
@@ -172,13 +175,17 @@ def test_a_damaged_scale_tensor_is_caught_by_the_sweep(engine):
 
 
 def test_a_flipped_fp8_byte_is_caught_at_its_slot(engine):
-    for inj, v in detections(engine, PerturbSpec("real_kv_used", target_group="full", warmup_steps=2)):
-        assert (v.phase, v.slot, v.half, v.reasons) == ("HEAD", inj.slot, "V", ("verify_real_kv_hash",)), (inj, v)
+    found = detections(engine, PerturbSpec("real_kv_used", target_group="full", warmup_steps=2))
+    for inj, v in found:
+        assert (v.phase, v.slot, v.half, v.reasons) == ("HEAD", inj.slot, inj.half, ("verify_real_kv_hash",)), (inj, v)
+    assert {inj.half for inj, _ in found} == {"K", "V"}
 
 
-def test_a_flipped_byte_in_vllms_cache_is_caught_at_its_slot(engine):
-    """A bit flipped in a cached block's V (vLLM's own tensor, addressed through its layout): the
-    next request hitting that prefix is reported at HEAD, at that slot, on half V."""
+@pytest.mark.parametrize("half", ["K", "V"])
+def test_a_flipped_byte_in_vllms_cache_is_caught_at_its_slot(engine, half):
+    """A bit flipped in a cached block's K or V (vLLM's own tensor, addressed through its layout: K
+    dimension-major, V token by token): the next request hitting that prefix is reported at HEAD,
+    at that slot, on that half."""
     from kvcanary_kernels.records import GroupKind, Half
 
     handle = make_handle(engine, sweep_interval=0)
@@ -188,11 +195,12 @@ def test_a_flipped_byte_in_vllms_cache_is_caught_at_its_slot(engine):
     walk = engine.cache_walk()
     slot = int(walk.slots[walk.positions == 40][0])
     bs = group.pool.page_size
-    v = group.pool.v_layers[group.halves[Half.V].source_layers[0]]  # [blocks, block_size, head_size] uint8
-    v[slot // bs, slot % bs, 5] ^= 0x40  # the top bit of value 5's exponent
+    layers = group.pool.k_layers if half == "K" else group.pool.v_layers
+    kv = layers[group.halves[Half[half]].source_layers[0]]  # [blocks, block_size, head_size] uint8, any strides
+    kv[slot // bs, slot % bs, 5] ^= 0x40  # the top bit of value 5's exponent
     handle.generate([prompt + [9, 9]], 2)
     found = {(v.phase, v.slot, v.half, v.reasons) for v in handle.violations()}
-    assert found == {("HEAD", slot, "V", ("verify_real_kv_hash",))}
+    assert found == {("HEAD", slot, half, ("verify_real_kv_hash",))}
 
 
 def test_fp8_e5m2_runs_clean_with_scales_of_1():

@@ -67,10 +67,14 @@ def test_slot_bytes_are_the_pools_and_the_fingerprints(make_host, real_data, pag
     assert full.fingerprinted() == {Half.K: (0, 1), Half.V: (0, 1)}
     assert all(a is b for a, b in zip(full.buffers(Half.K), host.k)) and list(full.buffers(Half.V)) == host.v
     slot = host.slot(0, 2)
-    got = full.slot_bytes(Half.V, 1, slot)
-    pool = host.v[1].view(-1, 8).view(torch.uint8)[slot]  # the slot's 64 bytes, a view
+    # all: every byte of the first sampled layer, partial's samples of the others
+    assert full.slot_bytes(Half.V, 0, slot).sampled == tuple(range(64 if real_data == "all" else 16))
+    layer = 0 if real_data == "all" else 1
+    got = full.slot_bytes(Half.V, layer, slot)
+    pool = host.v[layer].view(-1, 8).view(torch.uint8)[slot]  # the slot's 64 bytes, a view
     before = pool.clone()
     assert got.sampled == tuple(range(64 if real_data == "all" else 16))
+    assert full.slot_bytes(Half.V, 1, slot).sampled == tuple(range(16))
     assert torch.equal(got.data, pool[:len(got.data)])
     got.data[got.sampled[-1]] ^= 0x20  # a byte the fingerprint reads, written through the view
     assert (pool ^ before).nonzero().flatten().tolist() == [got.sampled[-1]]

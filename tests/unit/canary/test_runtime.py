@@ -174,7 +174,7 @@ def test_sweep_sees_corruption_no_forward_reads(make_host):
     host.forward({3: [1, 2, 3, 4]})
     host.cached = [(3, 4)]
     slot = host.slot(3, 1)
-    host.v[1].view(-1, 8).view(torch.uint8)[slot, 40] ^= 0x80
+    host.v[0].view(-1, 8).view(torch.uint8)[slot, 40] ^= 0x80  # all: every byte of the first sampled layer
     host.forward({0: [7]})
     assert host.runtime.log.violations == []
     host.runtime.sweep()

@@ -12,7 +12,7 @@ import torch
 
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.reference_engine import EngineConfig, ModelConfig
-from pytest_kvcanary.reference_engine.async_steps import AsyncSteps
+from pytest_kvcanary.reference_engine.async_steps import RUN_POINTS, WHEN_WAITED, AsyncSteps
 from pytest_kvcanary.reference_engine.pd import PDPair
 from pytest_kvcanary.reference_engine.scheduler import Scheduler
 
@@ -247,3 +247,50 @@ def test_a_forward_that_raises_undoes_every_launched_step(at_launch, make_engine
         engine.step()
     assert_reference(engine, prompts, [r.output_ids for r in reqs])
     engine.reset()
+
+
+def record_run_points(monkeypatch) -> list[str]:
+    """Where each launched step's forward ran (Launched.runs), in launch order, over the test."""
+    points: list[str] = []
+    launch = AsyncSteps._launch
+
+    def recorded(self, batch):
+        launch(self, batch)
+        points.append(self.launched[-1].runs)
+
+    monkeypatch.setattr(AsyncSteps, "_launch", recorded)
+    return points
+
+
+@pytest.mark.parametrize("feature", ["mha-pages-retracting", "swa-padded", "mla-pages", "hybrid"])
+def test_jitter_draws_where_each_step_runs_and_outputs_stay_the_sync_engine_s(
+        feature, make_engine, random_prompts, assert_reference, monkeypatch):
+    attention, fields, seed = FEATURES[feature]
+    prompts = random_prompts(seed, 5)
+    expected = make_engine(attention, **fields).generate(prompts, 6)
+    points = record_run_points(monkeypatch)
+    engine = make_engine(attention, async_scheduling=True, jitter_seed=seed, **fields)
+    runtime = attach(engine)
+    outputs = engine.generate(prompts, 6)
+    assert outputs == expected
+    assert_reference(engine, prompts, outputs)
+    assert set(points) == set(RUN_POINTS), points
+    assert_silent(runtime)
+
+
+def test_a_jitter_seed_replays_its_run_points_after_a_reset_and_another_seed_draws_others(
+        make_engine, random_prompts, monkeypatch):
+    prompts = random_prompts(1, 5)
+    fields = FEATURES["mha-pages-retracting"][1]
+    points = record_run_points(monkeypatch)
+    engine = make_engine("mha", async_scheduling=True, jitter_seed=4, **fields)
+    first = engine.generate(prompts, 6), list(points)
+    engine.reset()
+    points.clear()
+    assert (engine.generate(prompts, 6), points) == first
+    points.clear()
+    other = make_engine("mha", async_scheduling=True, jitter_seed=5, **fields).generate(prompts, 6)
+    assert other == first[0] and points != first[1]
+    points.clear()
+    make_engine("mha", async_scheduling=True, **fields).generate(prompts, 6)
+    assert set(points) == {WHEN_WAITED}, "without a seed a CPU runs each step when it is waited for"

@@ -9,7 +9,7 @@ from pytest_kvcanary.reference_engine import ByteTokenizer, Engine, EngineConfig
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(attention="gqa"), "attention must be one of mha, swa, mla, hybrid; got 'gqa'"),
+    (dict(attention="gqa"), "attention must be one of mha, swa, mla, hybrid, sparse; got 'gqa'"),
     (dict(hidden=0), "hidden must be an integer >= 1; got 0"),
     (dict(num_layers=2.5), "num_layers must be an integer >= 1; got 2.5"),
     (dict(num_heads=4, num_kv_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads; got 3"),

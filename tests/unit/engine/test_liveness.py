@@ -17,7 +17,7 @@ def test_a_prefix_hit_and_a_host_load_are_counted_once_each(make_engine):
     rng = random.Random(0)
     first = _prompt(rng, 20)
     engine.generate([first], 1)
-    assert engine.liveness() == {"prefix hits": 0, "retractions": 0, "host loads": 0}
+    assert engine.liveness() == {"prefix hits": 0, "retractions": 0, "pauses": 0, "host loads": 0}
     engine.generate([first + [7]], 1)  # the first prompt's pages, still on the device
     assert engine.liveness()["prefix hits"] == 1 and engine.liveness()["host loads"] == 0
     for _ in range(3):  # other prompts push it out of the 11-page pool, into host memory

@@ -130,8 +130,10 @@ def test_an_fp8_view_without_scales_is_refused_naming_the_field():
 
 
 @pytest.mark.parametrize("model,engine_kw,message", [
-    (dict(kv_dtype="fp8"), {}, "kv_dtype must be one of auto, float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, fp4_e2m1; "
-                                  "got 'fp8'"),
+    (dict(kv_dtype="fp8"), {}, "kv_dtype must be one of auto, float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, fp4_e2m1, "
+                                  "mxfp4; got 'fp8'"),
+    (dict(kv_dtype="mxfp4"), {}, "kv_dtype 'mxfp4' needs head_dim a multiple of 32 \\(a block scale per 32 values\\); "
+                                 "got 16"),
     (dict(kv_dtype="fp4_e2m1", head_dim=8, num_kv_heads=4, num_heads=4), {},
      "kv_dtype 'fp4_e2m1' needs head_dim a multiple of 16 \\(a block scale per 16 values\\); got 8"),
     (dict(kv_dtype="fp8_e4m3", kv_scale="block"), {}, "kv_scale must be one of tensor, head; got 'block'"),

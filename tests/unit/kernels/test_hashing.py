@@ -181,27 +181,31 @@ def test_all_mode_catches_a_flip_past_byte_16(world_factory):
     assert [r[0] for r in rows] == [Reason.VERIFY_REAL_KV_HASH]
 
 
-# (spec, slots per tile, bytes per sample): feature-major pages (vLLM's CPU K), and tiled packed
-# ones (its AMX path: K in 16-slot tiles of dimension pairs, V in slot pairs)
+# (spec, slots per tile, bytes per sample): feature-major pages (vLLM's CPU K; in an FP8 cache one
+# byte a value), and tiled packed ones (its AMX path: K in 16-slot tiles of dimension pairs, V in
+# slot pairs)
 PACKED = {
     "feature-major": ((torch.bfloat16, 8, 32, "all", 0, 1, (0, 1), True), 0, 2),
+    "fp8-feature-major": ((torch.float8_e4m3fn, 16, 32, "all", 0, 1, (0, 1), True), 0, 1),
     "amx-k": ((torch.bfloat16, 32, 32, "all", 0, 1, (0, 1), True, 16, 2), 16, 4),
     "amx-v": ((torch.bfloat16, 32, 32, "all", 0, 1, (0, 1), True, 2), 2, 2),
 }
 
 
 @pytest.mark.parametrize("packing", PACKED)
-@pytest.mark.parametrize("mode, features_read", [("partial", 8), ("all", 32)])
-def test_a_packed_page_is_read_feature_by_feature(world_factory, packing, mode, features_read):
+@pytest.mark.parametrize("mode", ["partial", "all"])
+def test_a_packed_page_is_read_feature_by_feature(world_factory, packing, mode):
     """A page keeping its slots' features apart (feature-major, or tiled and packed): a flip in a
     feature the mode reads changes that slot's fingerprint alone, one past them changes nothing,
     and each slot's features hash as they would as one contiguous run (what write-through hashes)."""
     spec, tile, sample_bytes = PACKED[packing]
+    elem = spec[0].itemsize
+    features_read = 16 // elem if mode == "partial" else 32  # partial: the first 16 bytes
     w = world_factory(8, specs=((*spec[:3], mode, *spec[4:]),))
     (source,) = w.sources
-    assert (source.tile, source.sample_bytes, source.read_bytes) == (tile, sample_bytes, 2 * features_read)
+    assert (source.tile, source.sample_bytes, source.read_bytes) == (tile, sample_bytes, elem * features_read)
     slots = torch.arange(1, 128, device=w.device)
-    runs = torch.stack([w.kv_bytes(0, s).reshape(-1) for s in range(128)]).view(torch.bfloat16)  # features in order
+    runs = torch.stack([w.kv_bytes(0, s).reshape(-1) for s in range(128)]).view(spec[0])  # features in order
     out = torch.empty(runs.shape[0], dtype=torch.int64, device=w.device)
     K.source_hash_rows(runs, source.read_bytes, out, **dict(zip(("sample_offset", "sample_stride"), source.row_read())))
     before = K.fingerprint_ref([source], slots)
@@ -212,9 +216,10 @@ def test_a_packed_page_is_read_feature_by_feature(world_factory, packing, mode, 
             if feature == 32:
                 continue
             samples = w.kv_bytes(0, slot)  # [samples, sample bytes]
-            per = sample_bytes // 2
-            samples[feature // per, 2 * (feature % per) + 1] ^= 0x10
+            per = sample_bytes // elem  # features a sample
+            at = feature // per, elem * (feature % per) + elem - 1  # the feature's top byte
+            samples[at] ^= 0x10
             after = K.fingerprint_ref([source], slots)
             changed = (after != before).nonzero().flatten().add(1).tolist()
             assert changed == ([slot] if seen else []), (slot, feature, changed)
-            samples[feature // per, 2 * (feature % per) + 1] ^= 0x10
+            samples[at] ^= 0x10

@@ -30,6 +30,9 @@ LAYOUTS = {
     # feature-major pages (vLLM's CPU K), read element by element, beside a page of runs
     "3src-feature-major": ((BF16, 4, 32, "all", 0, 1, (0, 1), True), (FP32, 2, 8, "partial", 4),
                            (FP16, 8, 16, "partial", 8, 1, (0, 1), True)),
+    # feature-major pages of one byte a value (vLLM's CPU K in an FP8 cache), read byte by byte
+    "2src-fp8-feature-major": ((torch.float8_e4m3fn, 16, 32, "all", 0, 1, (0, 1), True),
+                               (torch.uint8, 4, 48, "partial", 0, 1, (0, 1), True)),
     # tiled, packed pages (vLLM's AMX path: K in 16-slot tiles of dimension pairs, V in slot pairs)
     "4src-tiled": ((BF16, 32, 32, "all", 0, 1, (0, 1), True, 16, 2), (BF16, 32, 32, "partial", 0, 1, (0, 1), True, 2),
                    (FP32, 2, 8, "partial", 4), (FP16, 8, 16, "all", 8, 1, (0, 1), True, 4, 4)),
@@ -53,6 +56,8 @@ CASES = [
     ("token", "3src-feature-major", "default", 22, False),
     ("block16", "4src-tiled", "small", 23, True),
     ("token", "4src-tiled", "default", 24, False),
+    ("block16", "2src-fp8-feature-major", "small", 25, True),
+    ("block4", "2src-fp8-feature-major", "default", 26, False),
 ]
 
 

@@ -106,7 +106,7 @@ def _bf16(*shape: int) -> torch.Tensor:
         (dict(tensor=_bf16(8, 16), page_size=2, num_bytes_per_token=32, read_bytes=32), "row holds"),
         (dict(tensor=_bf16(8, 20)[:, :16], page_size=1, num_bytes_per_token=32, read_bytes=32), "16-byte"),
         (dict(tensor=_bf16(8, 64), page_size=4, num_bytes_per_token=32, read_bytes=32, sample_bytes=3),
-         "sample_bytes must be one of 2, 4, 8, 16; got 3"),
+         "sample_bytes must be one of 1, 2, 4, 8, 16; got 3"),
         (dict(tensor=_bf16(8, 64), page_size=4, num_bytes_per_token=32, read_bytes=32, sample_bytes=2,
               sample_stride=8, token_stride=3), "multiples of sample_bytes"),
         (dict(tensor=_bf16(8, 64), page_size=4, num_bytes_per_token=32, read_bytes=32, sample_bytes=2,

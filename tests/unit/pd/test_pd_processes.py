@@ -1,6 +1,8 @@
 """A prefill/decode pair across processes (gloo on the CPU): it decodes what one engine does, its
 records travel with the KV, each transport defect is reported where it did its damage, a late
-transfer aborts its request, and a prefill process killed mid-transfer fails the call at once.
+transfer aborts its request, a prefill process killed mid-transfer fails the call at once, and the
+workload soak drives it from the decode process: clean without faults, and a fault injected on the
+prefill side mid-soak detected by the decode side and matched by the ledger.
 
 The pairs are started once per module (process start-up is the cost) and reset before each use;
 the kill test starts its own.
@@ -14,10 +16,11 @@ import pytest
 import torch
 
 from pytest_kvcanary.adapters.reference import make_reference_engine
-from pytest_kvcanary.config import CanaryConfig
+from pytest_kvcanary.config import CanaryConfig, PerturbSpec
 from pytest_kvcanary.handles.pd_processes import PairFailure, start_pd_processes
 from pytest_kvcanary.handles.protocol import ArgumentError
 from pytest_kvcanary.handles.rank import RankContext
+from pytest_kvcanary.soak.verdicts import CLEAN
 
 from test_pd_outputs import mixed_prompts
 
@@ -151,3 +154,37 @@ def test_the_prefill_process_killed_mid_transfer_fails_the_call_at_once():
         assert not handle.healthy()
     finally:
         handle.close()
+
+
+def test_the_soak_drives_the_pair_from_the_decode_process_and_reads_clean(pair):
+    """Three rounds (shared stems, duplicates, a round larger than the pools) in generate batches:
+    every output is what the oracle (a no-cache recomputation, in the decode process) picks, no
+    side reports anything, and the workload moved transfers and hit the prefill side's cache."""
+    pair.reset(0, ())
+    before = pair.liveness()
+    result = pair.run_workload(seed=2, rounds=3, shrink_trials=0)
+    after = pair.liveness()
+    assert result.counts()[CLEAN] == 3 and result.forwards > 200, result.summary()
+    assert pair.soak_results == [result] and pair.violations() == [] and pair.healthy()
+    assert after["transfers"] - before["transfers"] >= 20 and after["prefix hits"] > before["prefix hits"]
+    with pytest.raises(ArgumentError, match="replay 'no workload' is not a workload a soak prints"):
+        pair.run_workload(replay="no workload")  # answered by the decode process, which stays up
+    assert pair.healthy()
+
+
+def test_a_fault_injected_mid_soak_is_detected_in_the_decode_process(pair):
+    """A bit flipped after the prefill side's stamp, at every prefill forward from the 6th on:
+    the flips travel with the transfers, the decode process's HEAD reports them, the ledger
+    (matched across both processes) owns every such report, and no round's verdict blames the
+    canary. When the decode side frees a damaged copy (the pressure round evicts it), the prefill
+    process's ledger hears it: that copy is gone."""
+    spec = PerturbSpec("real_kv_post_forward", side="prefill", target_group="full", warmup_steps=6)
+    pair.reset(0, (spec,))
+    result = pair.run_workload(seed=3, rounds=3, shrink_trials=0)
+    assert result.trustworthy and all(r.unexplained == 0 for r in result.rounds), result.summary()
+    assert result.rounds[0].injected == 0 < result.rounds[1].injected
+    injections = pair.injections()
+    assert injections and min(i.step for i in injections) >= 6
+    seen = [v for v in pair.violations() if (v.side, v.phase) == ("decode", "HEAD")]
+    assert seen and all(any(i.matches(v) for i in injections) for v in seen)
+    assert any(p.side == "decode" for i in injections for p in i.gone)

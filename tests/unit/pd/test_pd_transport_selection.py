@@ -84,7 +84,8 @@ def test_a_bad_option_is_a_usage_error_naming_the_allowed_values(pdtester):
     ({"engine": "transformers"}, "NoPrefillDecodePair", r"runs the reference engine's pair; engine 'transformers'"),
     ({"device": "cuda:0"}, "NoParallelEngine", r"on GPUs needs two, one a side"),
     ({"attention": "hybrid"}, "UnsupportedAttention", r"does not run attention 'hybrid'"),
-], ids=["parallel", "engine", "one-gpu", "hybrid"])
+    ({"attention": "sparse"}, "UnsupportedAttention", r"does not run attention 'sparse': its indexer keys"),
+], ids=["parallel", "engine", "one-gpu", "hybrid", "sparse"])
 def test_what_the_cross_process_pair_does_not_run_skips_saying_why(changes, error, message):
     """Raised before any process starts; the plugin turns each into a skip of the test."""
     import pytest_kvcanary.handles.start as start

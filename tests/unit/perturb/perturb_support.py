@@ -21,8 +21,10 @@ from pytest_kvcanary.perturb.targets import read_targets
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The modes that damage attention KV (state_wrong_restore damages a hybrid model's recurrent state:
-# test_state_faults.py and examples/test_hybrid.py; the scale modes FP8 KV's scales: test_scale_faults.py).
-KV_MODES = tuple(mode for mode in PERTURB_MODES if mode != "state_wrong_restore" and mode not in SCALE_MODES)
+# test_state_faults.py and examples/test_hybrid.py; the scale modes FP8 KV's scales: test_scale_faults.py;
+# index_stale a sparse attention's selection: test_index_faults.py).
+KV_MODES = tuple(mode for mode in PERTURB_MODES
+                 if mode not in ("state_wrong_restore", "index_stale") and mode not in SCALE_MODES)
 SEED_SWEEP_KERNELS = "triton" if DEVICE == "cuda" else "torch"
 # The pool groups of each attention kind.
 POOL_GROUPS = {"mha": ("full",), "swa": ("full", "swa"), "mla": ("full",)}
@@ -42,10 +44,11 @@ def make_handle(attention: str, **canary: object) -> EngineHandle:
     """A fresh reference engine (window 16, roomy pools) with the canary on; "speculative": mha
     decoding speculatively with 3 draft tokens per step; "host": mha with a host tier (HOST_ENGINE);
     "hybrid": recurrent layers beside full attention (groups full and state); "hybrid-host": that
-    with a host tier (HOST_ENGINE); "fp8": mha storing its KV in FP8 (groups full and scales)."""
+    with a host tier (HOST_ENGINE); "fp8": mha storing its KV in FP8 (groups full and scales);
+    "sparse": sparse attention (groups full and indexer)."""
     options = {"speculative": {"speculative_k": 3}, "host": HOST_ENGINE, "hybrid-host": HOST_ENGINE,
                "fp8": {"kv_dtype": "fp8_e4m3"}}.get(attention, {})
-    kind = attention if attention in POOL_GROUPS or attention == "hybrid" else (
+    kind = attention if attention in POOL_GROUPS or attention in ("hybrid", "sparse") else (
         "hybrid" if attention == "hybrid-host" else "mha")
     engine = make_reference_engine(kind, DEVICE, seed=0, **options)
     return EngineHandle(engine, CanaryConfig(**{"kernels": SEED_SWEEP_KERNELS, **canary}))

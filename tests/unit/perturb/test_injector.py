@@ -65,7 +65,8 @@ def test_no_fault_armed_no_violation_and_an_empty_ledger(attention):
 def test_nothing_is_injected_before_the_warm_up_ends(mode):
     warmup = 5
     engine, group = {"real_kv_host": ("host", "full"), "state_wrong_restore": ("hybrid", "state"),
-                     "scale_corrupt": ("fp8", "scales"), "scale_reset": ("fp8", "scales")}.get(mode, ("swa", "swa"))
+                     "scale_corrupt": ("fp8", "scales"), "scale_reset": ("fp8", "scales"),
+                     "index_stale": ("sparse", "indexer")}.get(mode, ("swa", "swa"))
     handle = make_handle(engine)
     handle.reset(0, (PerturbSpec(mode, target_group=group, warmup_steps=warmup),))
     send_waves(handle, seed=0)
@@ -113,7 +114,8 @@ def test_each_wrong_mapping_is_one_of_its_own_and_detected():
         assert all(i.status == "detected" for i in handle.injections()), [i.describe() for i in handle.injections()]
 
 
-@pytest.mark.parametrize("mode", [m for m in PERTURB_MODES if m != "next_token_swap" and m not in SCALE_MODES])
+@pytest.mark.parametrize("mode", [m for m in PERTURB_MODES
+                                  if m not in ("next_token_swap", "index_stale") and m not in SCALE_MODES])
 def test_a_model_with_two_pool_groups_needs_target_group(mode):
     with pytest.raises(PerturbError, match=r"target_group is required: this engine has pool groups full, swa; allowed: full, swa$"):
         make_handle("swa").reset(0, (PerturbSpec(mode),))

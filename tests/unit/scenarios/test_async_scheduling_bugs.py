@@ -1,10 +1,16 @@
-"""A lifetime bug of async scheduling (vLLM #45357-like), put into the reference engine's real code
-path: a request found finished at step N still has a row in step N+1, already launched; the bug
-drops that row's output and frees the slot it writes at once, while N+1 is in flight. The slot
-becomes a prefill/decode transfer's receive target, the transfer lands, then N+1 writes the
-finished request's KV over it. The damage is proven without the canary (the receiving request's KV
-against a no-cache forward), the canary names the slot at the first forward that reads it, and the
-same workload without the bug is clean.
+"""Lifetime bugs of async scheduling, put into the reference engine's real code paths; each one's
+damage is proven without the canary (the request's KV or outputs against a no-cache forward), the
+canary names the slot at the first forward that reads it, and the same workload without the bug is
+clean.
+
+- vLLM #45357-like: a request found finished at step N still has a row in step N+1, already
+  launched; the bug drops that row's output and frees the slot it writes at once, while N+1 is in
+  flight. The slot becomes a prefill/decode transfer's receive target, the transfer lands, then N+1
+  writes the finished request's KV over it.
+- vLLM #47728's class: a sliding-window model frees the SWA pages its window slid past by the
+  optimistic count (the positions launched, step N+1's in flight included) instead of the processed
+  one, so the page of the oldest position step N+1 still reads is freed before N+1 runs: its window
+  has a hole.
 """
 
 from __future__ import annotations
@@ -12,13 +18,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import pytest
+import torch
 
+from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.reference_engine import Engine, Request
 from pytest_kvcanary.reference_engine.pd import PDPair
 from pytest_kvcanary.reference_engine.scheduler import Scheduler
 
-from scenario_support import attach_canary, first_reports, kv_off_reference, make_engine, off_greedy_reference, tokens
+from scenario_support import (
+    WINDOW, attach_canary, first_reports, kv_off_reference, make_engine, off_greedy_reference, reports, tokens,
+)
 
 
 class Run(NamedTuple):
@@ -91,3 +101,69 @@ def test_slot_freed_while_the_next_step_is_in_flight_is_caught_where_the_receive
     assert {(v[0], v[2], v[4], v[5], v[6]) for v in found} == {(phase, "FULL", slot, position, row)
                                                                 for phase in ("HEAD", "RECHECK")}
     assert {v[3] for v in found} == {("verify_position", "verify_token", "verify_chain_hash")}
+
+
+class SlideRun(NamedTuple):
+    canary: CanaryRuntime
+    req: Request
+    off: set[tuple[str, int]]  # (group, position)s whose KV differ from a no-cache forward's, step 5 processed
+    freed: list[tuple[int, int]]  # (forwards run, position) of each SWA page the window slid past, as freed
+
+
+def slide_past_the_window() -> SlideRun:
+    """A sliding-window engine (window 4) with async scheduling decodes one request (a 6-token prompt,
+    14 new tokens) to its end, each launched step run as late as it may (when first waited for)."""
+    engine = make_engine("swa", async_scheduling=True)
+    engine._async.run_at_launch = False
+    canary = attach_canary(engine)
+    req = engine.submit(tokens(300, 6), 14)
+    freed: list[tuple[int, int]] = []
+
+    def slid(kind: GroupKind, slots: torch.Tensor, cause: str) -> None:
+        if cause == "slid out of the attention window":
+            row = engine.req_to_token_pool.read(req.row, 0, req.launched_len).tolist()
+            freed.extend((engine.forward_count, row.index(s)) for s in slots.tolist())
+
+    engine.add_free_listener(slid)
+    while engine.forward_count < 6:  # until step 5, which writes position 10, is processed
+        engine.step()
+    off = kv_off_reference(engine, req)
+    while engine.scheduler.has_work:
+        engine.step()
+    return SlideRun(canary, req, off, freed)
+
+
+def slide_by_the_launched_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug: the window slides by the positions launched (kv_len + ahead: the token of the step in
+    flight counted as if processed), not by the positions processed."""
+    slide = Scheduler._slide_window
+
+    def slide_optimistically(self: Scheduler, req: Request) -> None:
+        processed = req.kv_len
+        req.kv_len = req.launched_len
+        try:
+            slide(self, req)
+        finally:
+            req.kv_len = processed
+
+    monkeypatch.setattr(Scheduler, "_slide_window", slide_optimistically)
+
+
+def test_without_the_bug_the_window_slides_by_the_processed_count_and_stays_clean():
+    run = slide_past_the_window()
+    assert run.off == set() and not off_greedy_reference(make_engine("swa"), run.req)
+    # position p's SWA page goes once the step reading it was processed: kv_len = p + WINDOW + 1
+    assert run.freed[0] == (6, 6), run.freed
+    assert first_reports(run.canary) == (None, set())
+
+
+def test_a_window_slid_by_the_optimistic_count_is_caught_where_the_step_in_flight_reads_the_hole(monkeypatch):
+    slide_by_the_launched_count(monkeypatch)
+    run = slide_past_the_window()
+    # processing step 4 (kv_len 10) freed position 6, which step 5 (in flight: position 10, window 6-9) reads
+    assert run.freed[0] == (5, 6), run.freed
+    assert {p for group, p in run.off if group == "FULL"} == {10}, "step 5 computed position 10 from a holed window"
+    assert off_greedy_reference(make_engine("swa"), run.req)
+    step, found = first_reports(run.canary)
+    assert step == 5
+    assert found == reports(("K", "V"), ("HEAD", "RECHECK"), "SWA", ("verify_missing_slot",), [(0, 10 - WINDOW, 0)])

@@ -118,3 +118,16 @@ def test_kv_damaged_after_the_store_is_damage_the_canary_detects_unless_it_reads
     rnd = result.rounds[0]
     assert rnd.verdict == verdict and rnd.damage, rnd
     assert (rnd.unexplained > 0) == (verdict == DETECTED)
+
+
+@pytest.mark.parametrize("jitter_seed", [None, 3])
+def test_a_replay_names_the_jitter_seed_its_engine_draws_timings_from(monkeypatch, jitter_seed):
+    """A replay reruns only on an engine that meets the same timings: the line names its seed."""
+    damaged_store(monkeypatch)
+    engine = make_reference_engine("mha", DEVICE, 0, async_scheduling=True, jitter_seed=jitter_seed)
+    handle = EngineHandle(engine, CanaryConfig(real_data="none", kernels=KERNELS))
+    handle.reset(0, ())
+    result = handle.run_workload(seed=1, rounds=1, shrink_trials=0)
+    replay = [line for line in result.describe_failures() if "run_workload(replay=" in line]
+    assert len(replay) == 1 and result.to_json()["timing"] == ("" if jitter_seed is None else "jitter seed 3")
+    assert (", on an engine of jitter seed 3): " in replay[0]) == (jitter_seed is not None), replay

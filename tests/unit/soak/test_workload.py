@@ -58,12 +58,26 @@ def test_an_engine_that_serves_gets_bursts_and_abort_storms():
     assert {3, 9} <= set(storms)
 
 
+def test_an_engine_that_serves_gets_rounds_of_pauses_mid_decode_under_pressure():
+    """Every sixth round from the fifth: a third of it paused at one forward after its arrival (past
+    its prefill) for 1 to 4 forwards, the rest more than the pool holds; no other round pauses."""
+    workload = make_workload(2, 12, GEOMETRY)
+    paused = {i: [q for q in r.requests if q.pause is not None] for i, r in enumerate(workload.rounds)}
+    assert [i for i, qs in paused.items() if qs] == [4, 10]
+    for i in (4, 10):
+        requests = workload.rounds[i].requests
+        assert len(paused[i]) == max(1, len(requests) // 3) and len({q.pause for q in paused[i]}) == 1
+        after, length = paused[i][0].pause
+        assert 1 <= after <= 3 and 1 <= length <= 4 and all(q.wave == 0 for q in paused[i])
+        assert sum(len(workload.prompt(q)) + q.max_new_tokens for q in requests) > GEOMETRY.capacity
+
+
 def test_an_engine_that_neither_serves_nor_takes_contexts_gets_neither():
     plain = Geometry(page_size=1, window=None, capacity=1023, max_context=256, max_batch=8, contexts=False,
                      serves=False)
     workload = make_workload(1, 9, plain)
     requests = [q for r in workload.rounds for q in r.requests]
-    assert all(q.wave == 0 and q.abort_after is None and q.context == 0 for q in requests)
+    assert all(q.wave == 0 and q.abort_after is None and q.pause is None and q.context == 0 for q in requests)
     assert all(r.gaps == () for r in workload.rounds)
     assert all(len(workload.prompt(q)) + q.max_new_tokens <= plain.max_context for q in requests)
 
@@ -71,9 +85,10 @@ def test_an_engine_that_neither_serves_nor_takes_contexts_gets_neither():
 def test_the_text_of_a_workload_reads_back_as_it():
     workload = make_workload(7, 5, GEOMETRY)
     assert Workload.from_text(workload.to_text()) == workload
-    small = Workload(2, (Round((Recipe(-1, 0, 9, 3, 1), Recipe(4, 17, 5, 2, 6, wave=1, context=2, abort_after=3)),
-                               (4,)),))
-    assert small.to_text() == "2/4:-1.0+9.3*1@0;4.17+5.2*6@1~2!3"
+    small = Workload(2, (Round((Recipe(-1, 0, 9, 3, 1), Recipe(4, 17, 5, 2, 6, wave=1, context=2, abort_after=3),
+                                Recipe(1, 3, 8, 1, 9, pause=(2, 4))), (4,)),))
+    assert small.to_text() == "2/4:-1.0+9.3*1@0;4.17+5.2*6@1~2!3;1.3+8.1*9@0^2.4"
+    assert Workload.from_text(small.to_text()) == small
 
 
 @pytest.mark.parametrize(("text", "names"), [
