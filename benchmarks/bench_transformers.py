@@ -172,13 +172,14 @@ class StepTimer:
                 setattr(obj, name, saved)
 
 
-def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: int) -> tuple[float, dict[str, float]]:
+def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: int,
+        warmup: bool = True) -> tuple[float, dict[str, float]]:
     """(median decode-step ms, mean canary host us per decode step by phase) over `repeats`
-    generations of `batch` fresh prompts, after one that warms up."""
+    generations of `batch` fresh prompts, after one that warms up (none with warmup False)."""
     timer = StepTimer(engine, batch)
     gen = torch.Generator().manual_seed(batch)
-    for repeat in range(repeats + 1):
-        if repeat == 1:
+    for repeat in range(repeats + warmup):
+        if repeat == 1 and warmup:
             timer.decode.clear()
             timer.host.clear()
         engine.generate(torch.randint(0, 256, (batch, prompt), generator=gen).tolist(), max_new_tokens=new)

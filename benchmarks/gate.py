@@ -5,6 +5,8 @@ a 95% interval and held to a budget.
     python benchmarks/gate.py --rows reference-b1 decode-tinyllama-b1
     python benchmarks/gate.py --list                            # the rows and their budgets
     python benchmarks/gate.py --smoke --rows reference-b1       # tiny shapes on the CPU: checks the script
+    python benchmarks/gate.py --rows ... --json gpu0.jsonl      # each row's reading kept as it ends
+    python benchmarks/gate.py --table gpu0.jsonl gpu1.jsonl     # the table of readings made apart
 
 A row is one measurement of the committed benchmarks, canary off versus on in one process:
 transformers continuous batching with CUDA graphs (bench_transformers.py: a decode step's median
@@ -15,26 +17,30 @@ decode (bench_reference.py: a decode step's median time). A pair is one off run 
 Per row, pairs are measured until the 95% interval of the median cost (a seeded bootstrap over
 the pairs, at least --min-pairs of them) is decided against the row's budget: entirely at or
 under it (within), entirely over it (over). A row whose interval still straddles its budget after
---max-pairs pairs or --seconds reads "unreadable": its spread is wider than its margin, and it
-gates nothing. Each pair prints a progress line; the table comes last.
+--max-pairs pairs or --seconds (--prefill-seconds for a prefill row) reads "unreadable": its spread
+is wider than its margin, and it gates nothing. Each pair prints a progress line; the table comes
+last. A decode row's side of a pair is one generation of DECODE_NEW tokens, its median step (the
+row's engine warmed once a mode when it opens); a prefill row's, one warmed prefill.
 
 Exit status: 0 when every row is within its budget, 1 when a row is over, 2 when none is over
-but a row could not be read.
+but a row could not be read (with --table: or was not read at all).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).parent))  # the benchmarks the rows run
 
 WITHIN, OVER, UNREADABLE = "within", "over", "unreadable"
+DECODE_NEW = 32  # tokens a decode row's generation decodes: one generation a side of a pair, its median step
 Pair = Callable[[int], tuple[float, float]]  # pair i -> (off ms, on ms)
 
 
@@ -104,13 +110,15 @@ def transformers(shape: str, batch: int, prefill: int | None = None) -> Callable
             def pair(i: int) -> tuple[float, float]:
                 return bench.measure_prefill(engine, rows, prompt, "partial", kernels, i)
         else:
-            rows, (prompt, new) = (2 if smoke else batch), ((24, 8) if smoke else (bench.PROMPT, bench.NEW))
+            rows, (prompt, new) = (2 if smoke else batch), ((24, 8) if smoke else (bench.PROMPT, DECODE_NEW))
             engine = bench.decode_engine(model, tokenizer, rows, prompt, new, not smoke, "sync")
 
             def step_ms(canary: bool) -> float:
                 def work(_: object = None) -> float:
-                    return bench.run(engine, rows, prompt, new, 1 if smoke else 3)[0]
+                    return bench.run(engine, rows, prompt, new, 1, warmup=False)[0]
                 return bench.with_canary(engine, "partial", kernels, work) if canary else work()
+
+            step_ms(False), step_ms(True)  # the compiles and the engine's graph captures, once a mode
 
             def pair(i: int) -> tuple[float, float]:
                 return alternate(i, step_ms)
@@ -125,14 +133,14 @@ def transformers(shape: str, batch: int, prefill: int | None = None) -> Callable
     return open_row
 
 
-ROWS: dict[str, Row] = {
+ROWS: dict[str, Row] = {  # in an order that deals the rows out to GPUs evenly (gpu_run.sh's gate step)
     "prefill-tinyllama-32x16384": Row(1.0, "transformers, TinyLlama shape: time to first token of 32 x 16384",
                                       transformers("tinyllama", 32, 16384)),
     "prefill-llama3-8b-8x16384": Row(1.0, "transformers, Llama-3-8B shape: time to first token of 8 x 16384",
                                      transformers("llama3-8b", 8, 16384)),
     **{f"decode-{shape}-b{batch}": Row(budget, f"transformers, {shape} shape, CUDA graphs: decode step at batch {batch}",
                                         transformers(shape, batch))
-       for shape in ("tinyllama", "llama3-8b") for batch, budget in ((1, 1.5), (64, 0.5), (128, 0.5))},
+       for batch, budget in ((128, 0.5), (64, 0.5), (1, 1.5)) for shape in ("tinyllama", "llama3-8b")},
     "reference-b1": Row(2.0, "reference engine, graph decode at batch 1", reference("mha", 1)),
     "reference-b32": Row(2.0, "reference engine, graph decode at batch 32", reference("mha", 32)),
     "reference-hybrid-b1": Row(3.0, "reference engine, hybrid model, graph decode at batch 1", reference("hybrid", 1)),
@@ -181,11 +189,37 @@ def table(readings: list[Reading]) -> str:
     lines = ["| row | budget | pairs | off ms | on ms | cost (median) | 95% interval | verdict | time |",
              "|---|---:|---:|---:|---:|---:|---|---|---:|"]
     for r in readings:
+        if not r.costs:
+            lines.append(f"| {r.name} | {ROWS[r.name].budget:.1f}% | 0 | | | | | {r.verdict} | {r.seconds:.0f} s |")
+            continue
         low, high = median_interval(r.costs)
         lines.append(f"| {r.name} | {ROWS[r.name].budget:.1f}% | {len(r.costs)} | {statistics.median(r.off_ms):.3f} | "
                      f"{statistics.median(r.on_ms):.3f} | {statistics.median(r.costs):+.2f}% | "
                      f"{low:+.2f}..{high:+.2f}% | {r.verdict} | {r.seconds:.0f} s |")
     return "\n".join(lines)
+
+
+def load(paths: Sequence[str]) -> list[Reading]:
+    """The readings --json wrote to these files, in ROWS' order (a row read twice: its last)."""
+    readings: dict[str, Reading] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            reading = Reading(**json.loads(line))
+            if reading.name not in ROWS:
+                raise SystemExit(f"--table: {path} holds a reading of {reading.name!r}, which is no row; the rows are "
+                                 f"{', '.join(ROWS)}")
+            readings[reading.name] = reading
+    return [readings[name] for name in ROWS if name in readings]
+
+
+def finish(readings: list[Reading], expected: Sequence[str]) -> None:
+    """Print the table (and the expected rows with no reading), then exit with the gate's status."""
+    print(table(readings), flush=True)
+    missing = [name for name in expected if name not in {r.name for r in readings}]
+    if missing:
+        print(f"not read: {', '.join(missing)}")
+    verdicts = {r.verdict for r in readings}
+    sys.exit(1 if OVER in verdicts else 2 if UNREADABLE in verdicts or missing else 0)
 
 
 def main() -> None:
@@ -195,6 +229,11 @@ def main() -> None:
     parser.add_argument("--min-pairs", type=int, default=7)
     parser.add_argument("--max-pairs", type=int, default=41)
     parser.add_argument("--seconds", type=float, default=300.0, help="at most this long a row")
+    parser.add_argument("--prefill-seconds", type=float, help="at most this long a prefill row (default: --seconds)")
+    parser.add_argument("--json", metavar="PATH", help="append each row's reading to PATH as a JSON line as it ends")
+    parser.add_argument("--table", nargs="+", metavar="PATH",
+                        help="print the table of the readings --json wrote to these files (every row expected), "
+                             "exit with the gate's status, and read nothing")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, 2 pairs a row: checks the script")
     args = parser.parse_args()
     unknown = [name for name in args.rows if name not in ROWS]
@@ -207,12 +246,21 @@ def main() -> None:
         for name, row in ROWS.items():
             print(f"{name}: <= {row.budget:.1f}%  ({row.what})")
         return
+    if args.table:
+        missing = [path for path in args.table if not Path(path).is_file()]
+        if missing:
+            parser.error(f"--table: no such file: {', '.join(missing)}")
+        finish(load(args.table), args.rows)
     if args.smoke:
         args.min_pairs = args.max_pairs = 2
-    readings = [read(name, ROWS[name], args.smoke, args.min_pairs, args.max_pairs, args.seconds) for name in args.rows]
-    print(table(readings), flush=True)
-    verdicts = {r.verdict for r in readings}
-    sys.exit(1 if OVER in verdicts else 2 if UNREADABLE in verdicts else 0)
+    readings = []
+    for name in args.rows:
+        seconds = args.prefill_seconds if name.startswith("prefill-") and args.prefill_seconds else args.seconds
+        readings.append(read(name, ROWS[name], args.smoke, args.min_pairs, args.max_pairs, seconds))
+        if args.json:
+            with open(args.json, "a") as out:
+                out.write(json.dumps(asdict(readings[-1])) + "\n")
+    finish(readings, args.rows)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@
 # transformers and on the release whose wheel is in .whl/tf523/, all at once: SOAK_SECONDS each,
 # SOAK_SEED the first seed, SOAK_ROUNDS rounds a seed, SOAK_EXTRA more configurations such as
 # reference-mha-graph; NAME*3 runs three copies on seeds 100 apart; processes take the GPUs in turn),
-# gate (benchmarks/gate.py: the rows GATE_ROWS names, default all, each held to its budget; GATE_SECONDS
-# for them all; not in the default steps). Wheels the machine lacks (pytest-xdist, execnet) may be placed
+# gate (benchmarks/gate.py: the rows GATE_ROWS names, default all, each held to its budget, dealt out to
+# the GPUs in turn, a gate process a GPU; GATE_SECONDS for each process, GATE_ARGS more of gate.py's
+# options such as --seconds; one table from the readings; not in the default steps). Wheels the machine lacks (pytest-xdist, execnet) may be placed
 # in .whl/ beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,8 +87,22 @@ if wants tf-bench; then  # decode B1..B128 and a long prefill per shape (prefill
       --runs 3 --repeats 1
   done
 fi
-# shellcheck disable=SC2086  # GATE_ROWS: row names, word-split on purpose
-wants gate && step gate "${GATE_SECONDS:-580}" python3 benchmarks/gate.py ${GATE_ROWS:+--rows $GATE_ROWS}
+if wants gate; then  # the rows dealt out to the GPUs in turn, one gate process a GPU side by side; one table
+  read -ra names <<<"${GATE_ROWS:-$(python3 benchmarks/gate.py --list | cut -d: -f1 | tr "\n" " ")}"
+  gpus=$(nvidia-smi -L | wc -l) start=$SECONDS
+  for ((gpu = 0; gpu < gpus && gpu < ${#names[@]}; gpu++)); do
+    mine=()
+    for ((i = gpu; i < ${#names[@]}; i += gpus)); do mine+=("${names[i]}"); done
+    rm -f "$OUT/gate-$gpu.jsonl"
+    # shellcheck disable=SC2086  # GATE_ARGS: more of gate.py's options, word-split on purpose
+    CUDA_VISIBLE_DEVICES=$gpu timeout "${GATE_SECONDS:-580}" python3 benchmarks/gate.py --rows "${mine[@]}" \
+      --json "$OUT/gate-$gpu.jsonl" ${GATE_ARGS:-} >"$OUT/gate-$gpu.log" 2>&1 &
+  done
+  wait
+  python3 benchmarks/gate.py --table "$OUT"/gate-*.jsonl --rows "${names[@]}" >"$OUT/gate.log" 2>&1
+  printf '| gate | %s | %ss | %s |\n' "$?" "$((SECONDS - start))" "$(grep -c '| within |' "$OUT/gate.log") of \
+${#names[@]} rows within" >>"$summary"
+fi
 wants reference && step reference 300 python3 benchmarks/bench_reference.py --batches 1 32 --real-data partial all
 if wants parallel; then  # two GPUs: tp=2 graph decode and the divergence scenario, then its cost
   step parallel-tests 200 python3 -m pytest -q -p no:cacheprovider tests/unit/engine/test_parallel.py \
@@ -146,7 +161,7 @@ echo
 echo "| step | exit | time | result |"
 echo "|---|---|---|---|"
 cat "$summary"
-for f in kernels overhead tf-bench-tinyllama tf-bench-llama3-8b async-bench reference parallel; do
+for f in kernels overhead tf-bench-tinyllama tf-bench-llama3-8b async-bench reference parallel gate; do
   [ -f "$OUT/$f.log" ] && { echo; echo "== $f"; grep -E '^(\||device)' "$OUT/$f.log"; }
 done
 [ -f "$OUT/soak.jsonl" ] && { echo; echo "== soak"; python3 benchmarks/soak.py --table "$OUT/soak.jsonl"; }

@@ -42,3 +42,37 @@ def test_a_row_that_stays_undecided_reads_unreadable_and_the_worst_verdict_sets_
 def test_bad_arguments_are_refused_by_name(argv, message):
     result = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr
+
+
+def _reading(name: str, costs: list[float], verdict: str) -> str:
+    return gate.json.dumps(gate.asdict(gate.Reading(name, costs, [100.0] * len(costs),
+                                                    [100.0 + c for c in costs], verdict, 10.0)))
+
+
+def test_readings_made_apart_merge_into_one_table_in_row_order_and_exit_by_the_worst(tmp_path):
+    first, second = tmp_path / "gpu0.jsonl", tmp_path / "gpu1.jsonl"
+    first.write_text(_reading("reference-b32", [0.5] * 7, gate.WITHIN) + "\n")
+    second.write_text(_reading("reference-b1", [1.0] * 7, gate.WITHIN) + "\n")
+    rows = ["reference-b1", "reference-b32"]
+    both = subprocess.run([sys.executable, str(SCRIPT), "--table", str(first), str(second), "--rows", *rows],
+                          capture_output=True, text=True)
+    assert both.returncode == 0, both.stdout + both.stderr
+    lines = [line for line in both.stdout.splitlines() if line.startswith("| reference")]
+    assert [line.split("|")[1].strip() for line in lines] == rows and "+1.00%" in lines[0]
+    one = subprocess.run([sys.executable, str(SCRIPT), "--table", str(first), "--rows", *rows],
+                         capture_output=True, text=True)
+    assert one.returncode == 2 and "not read: reference-b1" in one.stdout
+    second.write_text(_reading("reference-b1", [5.0] * 7, gate.OVER) + "\n")
+    over = subprocess.run([sys.executable, str(SCRIPT), "--table", str(first), str(second), "--rows", *rows],
+                          capture_output=True, text=True)
+    assert over.returncode == 1
+
+
+def test_a_table_of_a_missing_file_or_an_unknown_row_is_refused_by_name(tmp_path):
+    missing = subprocess.run([sys.executable, str(SCRIPT), "--table", str(tmp_path / "none.jsonl")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "--table: no such file" in missing.stderr
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(_reading("decode-b3", [1.0], gate.WITHIN) + "\n")
+    unknown = subprocess.run([sys.executable, str(SCRIPT), "--table", str(odd)], capture_output=True, text=True)
+    assert unknown.returncode == 1 and "holds a reading of 'decode-b3', which is no row" in unknown.stderr
