@@ -78,6 +78,14 @@ class ProcessPairHandle(ParallelHandle):
             raise ArgumentError(f"set_transfer_timeout: seconds must be a number > 0; got {seconds!r}")
         self.transfer_timeout_s = float(seconds)
 
+    def set_canary(self, on: bool) -> None:
+        """Attach both sides' canaries (as the pair starts) or detach them: a detached pair stamps
+        and verifies nothing (no HEAD on the decode side) and its transfers carry no sidecar.
+        Then resets the pair with the last reset's seed and faults: records stamped before a detach
+        are stale after it. In the same processes, so a benchmark pairs canary on and off."""
+        self.processes.call("canary", bool(on))
+        self.reset(*self.armed)
+
     def transfer_aborts(self) -> list[Aborted]:
         """The requests whose transfer was given up since the reset, in the order they were sent."""
         return list(self._aborted)

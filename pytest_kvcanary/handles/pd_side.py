@@ -33,9 +33,10 @@ from ..adapters.reference import reference_config
 from ..canary.seam import UnsupportedAttention
 from ..config import CanaryConfig, PerturbSpec
 from ..perturb.ledger import Ledger
+from ..reference_engine.config import EngineConfig
 from ..reference_engine.engine import Engine
 from ..reference_engine.pd_remote import DECODE_RANK, DecodeProcess, DecodeResult, Link, PrefillProcess
-from ..reference_engine.pd_transport import TransportFault
+from ..reference_engine.pd_transport import NoRecords, TransportFault
 from ..reference_engine.parallel.topology import Topology
 from . import rank as rank_process
 from .pd import note_moves
@@ -53,7 +54,9 @@ class PairSpec:
     """A cross-process pair of the reference engine: attention kind, seed and model as for one
     engine (adapters/reference.py; `engine`: more of reference_config's options), the canary as the
     test asked (the sides log), devices by side ("prefill", "decode"), and timeout_s: how long a
-    side waits for the other in one exchange (a side that waits longer gives up on the pair)."""
+    side waits for the other in one exchange (a side that waits longer gives up on the pair).
+    config: both engines' EngineConfig instead of reference_config's (a benchmark's shapes; each
+    side's device replaces its own; its model's attention is `attention`; model and engine unused)."""
 
     attention: str
     seed: int
@@ -64,8 +67,12 @@ class PairSpec:
     timeout_s: float = 300.0
     kind: str = "pd"
     topology: Topology = Topology()  # each side is one rank
+    config: EngineConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.config is not None and self.config.model.attention != self.attention:
+            raise ValueError(f"config's model has attention {self.config.model.attention!r}; the pair's is "
+                             f"{self.attention!r}")
         stays = {"hybrid": "its recurrent state does", "sparse": "its indexer keys do"}.get(self.attention)
         if stays:
             raise UnsupportedAttention(f"kv_pd(transport='processes') does not run attention {self.attention!r}: "
@@ -73,6 +80,12 @@ class PairSpec:
 
     def device(self, role: str) -> str:
         return self.devices[0 if role == "prefill" else 1]
+
+    def engine_config(self, role: str) -> EngineConfig:
+        """The engine of side `role`, on its device."""
+        if self.config is not None:
+            return replace(self.config, device=self.device(role))
+        return reference_config(self.attention, self.device(role), self.seed, self.model, **self.engine)
 
 
 class PeerGone(RuntimeError):
@@ -142,14 +155,20 @@ class SideServer:
 
     def __init__(self, spec: PairSpec, rank: int, link: Link) -> None:
         self.role = ROLES[rank]
-        config = reference_config(spec.attention, spec.device(self.role), spec.seed, spec.model, **spec.engine)
-        self.engine = Engine(config)
+        self.engine = Engine(spec.engine_config(self.role))
         self.handle = SideHandle(self.role, self.engine, replace(spec.canary, mode="log"))
         self.sidecar = RecordSidecar(self.handle.sides[0], self.handle.ledger)
         self.half = (DecodeProcess(self.engine, link, self.sidecar, spec.timeout_s) if self.role == "decode"
                      else PrefillProcess(self.engine, link, self.sidecar))
         self.context = RankContext(rank, 0, self.handle, {self.role: self.engine})
         self.dangling = 0  # receives that never drained: their slots may still be written
+
+    def set_canary(self, on: bool) -> None:
+        """Attach this side's canary (its forward hooks, and the records its transfers carry) or
+        detach it: a detached side stamps and verifies nothing, and its transfers carry the KV
+        alone (NoRecords). Records go stale while it is detached: reset before the next generate."""
+        self.engine.set_forward_hooks(self.handle.sides[0].runtime if on else None)
+        self.half.sidecar = self.sidecar if on else NoRecords()
 
     def run(self, command: tuple) -> Any:
         name, *args = command
@@ -168,6 +187,8 @@ class SideServer:
             self.sidecar.follow_frees = any(p.side in (None, "prefill") for p in perturbs)
             return self.handle.reset(seed, tuple(p for p in perturbs if p.side in (None, self.role)),
                                      keep_counts=bool(keep and keep[0]))
+        if name == "canary":  # (on): both sides attach or detach their canaries
+            return self.set_canary(bool(args[0]))
         if name == "forwards":
             return self.handle.sides[0].runtime.forwards
         if name == "sweep":  # (role): that side's canary sweeps its prefix cache
@@ -254,7 +275,21 @@ def _join(spec: PairSpec, rank: int, backend: str, store: Any | None) -> tuple[S
     dist.init_process_group(backend, rank=rank, world_size=2, timeout=timeout,
                             device_id=device if device.type == "cuda" else None, **init)
     control = dist.new_group(backend="gloo", timeout=timeout)
+    if backend == "nccl":
+        _connect(rank, device)
     return SideServer(spec, rank, Link(rank, backend, control)), control
+
+
+def _connect(rank: int, device: torch.device) -> None:
+    """One blocking send, prefill to decode, as the pair starts. NCCL creates two ranks'
+    point-to-point connection at their first send/receive, with both taking part: a receive the
+    decode side posts first would wait in its host call for a prefill side that waits for it in
+    the control exchange."""
+    probe = torch.zeros(1, device=device)
+    if rank == DECODE_RANK:
+        dist.recv(probe, 1 - rank)
+    else:
+        dist.send(probe, 1 - rank)
 
 
 def _commands(conn: Connection, server: SideServer) -> Iterator[tuple]:

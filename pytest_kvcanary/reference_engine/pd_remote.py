@@ -59,15 +59,33 @@ class Link:
         return out[self.peer]
 
 
+class TransferTimes(NamedTuple):
+    """A transfer the decode side landed: its number since the reset (seq), its prompt's index, the
+    bytes of its KV message and of its sidecar (0: no records travelled), and time.monotonic()
+    readings (the processes of one host share that clock): its receives posted (at admission), both
+    messages found in (polled), and landed (bytes and records written into its slots, the engine's
+    stream synchronized: the copies done)."""
+
+    seq: int
+    index: int
+    kv_bytes: int
+    sidecar_bytes: int
+    posted: float
+    received: float
+    landed: float
+
+
 class DecodeResult(NamedTuple):
     """outputs: per prompt, its output ids (an aborted request's: those it had when its transfer
     was given up); aborted: prompt index -> why its transfer was given up; failure: why the pair
-    broke (the prefill process is gone), else None; dangling: receives that never drained."""
+    broke (the prefill process is gone), else None; dangling: receives that never drained;
+    transfers: the transfers landed, in landing order."""
 
     outputs: list[list[int]]
     aborted: dict[int, str]
     failure: str | None
     dangling: int
+    transfers: tuple[TransferTimes, ...] = ()
 
 
 class PrefillProcess:
@@ -77,8 +95,10 @@ class PrefillProcess:
         self.engine, self.link, self.sidecar = engine, link, sidecar
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int, context_keys: Sequence[int],
-                 faults: Sequence[TransportFault]) -> None:
-        """Run the prefill side of one generate call until the decode side says it is done."""
+                 faults: Sequence[TransportFault]) -> dict[int, float]:
+        """Run the prefill side of one generate call until the decode side says it is done. Returns
+        when it began sending each transfer (by number: time.monotonic() before it gathered the KV
+        and records and posted the sends)."""
         engine = self.engine
         reqs = [engine.submit(p, max_new_tokens, k) for p, k in zip(prompts, context_keys)]
         index = {r.rid: i for i, r in enumerate(reqs)}
@@ -87,6 +107,7 @@ class PrefillProcess:
         sending: dict[int, tuple[list[int], list[Any]]] = {}  # seq -> (src, its works and buffers), kept to the end
         late: dict[int, list[Any]] = {}  # seq -> [tag, kv, sidecar, the decode side's seq when it gave up, or None]
         reported: set[int] = set()
+        began: dict[int, float] = {}  # seq -> when its sending began
         while True:
             new = []
             if not held and engine.scheduler.waiting:
@@ -98,9 +119,11 @@ class PrefillProcess:
             reported |= finished.keys()
             reply = self.link.exchange({"offers": new, "finished": finished})
             for seq, tag, i, dst in reply["accepts"]:
+                began[seq] = time.monotonic()
                 src = engine.req_to_token_pool.read(held[i].row, 0, held[i].kv_len)
                 read = source_slots(src, engine.config.page_size, armed(faults, "logical_ids", seq))
-                kv, car = gather_kv(engine.pools, read, offers[i].swa_resident), self.sidecar.export(read)
+                kv = gather_kv(engine.pools, read, offers[i].swa_resident)
+                car = self.sidecar.export(read) if self.sidecar.width() else None
                 if armed(faults, "late_transfer", seq):
                     late[seq] = [tag, kv, car, None]
                 elif armed(faults, "prefill_killed", seq):
@@ -122,7 +145,7 @@ class PrefillProcess:
                     sending[seq] = ([], [*post_send(None, self.link.peer, tag, kv, car), kv, car])
                     del late[seq]
             if reply["done"]:
-                return
+                return began
 
     def _die_mid_transfer(self, tag: int, kv: torch.Tensor) -> None:
         """The prefill_killed failure: the transfer's KV message goes out, its sidecar never does."""
@@ -157,6 +180,7 @@ class _Call:
     accepts: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
     landed: list[tuple[int, int, list[int], Any]] = field(default_factory=list)
     gave_up: list[tuple[int, int, int]] = field(default_factory=list)
+    times: list[TransferTimes] = field(default_factory=list)  # the transfers landed, in order
 
     def report(self, done: bool, freed: Any) -> dict[str, Any]:
         """This tick's message (freed: the sidecar's frees since the last one), and a fresh start
@@ -202,7 +226,8 @@ class DecodeProcess:
             except RuntimeError as e:
                 return self._lost(n, call, f"the prefill process is gone ({e})")
             if done:
-                return DecodeResult([call.outputs[i] for i in range(n)], call.aborted, None, call.dangling)
+                return DecodeResult([call.outputs[i] for i in range(n)], call.aborted, None, call.dangling,
+                                    tuple(call.times))
             call.outputs |= reply["finished"]
             call.offers.extend(reply["offers"])
             while call.offers and (inc := self._admit(call.offers[0], timeout_s, call.recycled)) is not None:
@@ -222,7 +247,11 @@ class DecodeProcess:
                 complete, why = False, f"failed: {e}"
             if complete:
                 call.live.remove(inc)
+                received = time.monotonic()
                 self._land(inc, faults)
+                call.times.append(TransferTimes(inc.seq, inc.offer.index, inc.kv.numel(),
+                                                0 if inc.sidecar is None else inc.sidecar.numel() * 8, inc.posted,
+                                                received, self._clock()))
                 self.num_landed += 1
                 call.decoding[inc.offer.index] = inc.request
                 call.landed.append((inc.seq, inc.offer.index, inc.slots.tolist(), self.sidecar.receipt(inc.slots)))
@@ -292,9 +321,11 @@ class DecodeProcess:
             slots = mine
         device = engine.pools.full.k_layers[0].device
         kv = torch.empty(kv_bytes(engine.pools, slots.numel(), offer.swa_resident), dtype=torch.uint8, device=device)
-        car = torch.empty((slots.numel(), self.sidecar.width()), dtype=torch.int64, device=device)
+        width = self.sidecar.width()
+        car = torch.empty((slots.numel(), width), dtype=torch.int64, device=device) if width else None
         completion = post_receive(None, self.link.backend, self.link.peer, self.tag, kv, car)
-        inc = Incoming(self.seq, self.tag, offer, req, slots, kv, car, completion, time.monotonic() + timeout_s)
+        posted = time.monotonic()
+        inc = Incoming(self.seq, self.tag, offer, req, slots, kv, car, completion, posted + timeout_s, posted)
         self.seq, self.tag = self.seq + 1, self.tag + 1
         return inc
 
@@ -303,10 +334,19 @@ class DecodeProcess:
         is False, let its request decode."""
         if not armed(faults, "stale_bytes", inc.seq):
             scatter_kv(self.engine.pools, inc.slots, inc.offer.swa_resident, inc.kv)
-        self.sidecar.install(inc.slots, inc.sidecar)
+        if inc.sidecar is not None:
+            self.sidecar.install(inc.slots, inc.sidecar)
         if run:
             self.held.remove(inc.request)
             self.engine.scheduler.running.append(inc.request)
+
+    def _clock(self) -> float:
+        """time.monotonic() once the engine's stream finished what was queued on it (a landing's
+        copies). The stream alone: a device-wide synchronize would also wait for receives posted
+        since, whose sends the prefill side posts only after the next exchange."""
+        if self.engine.device.type == "cuda":
+            torch.cuda.current_stream(self.engine.device).synchronize()
+        return time.monotonic()
 
     def _release(self, req: Request) -> None:
         """Free a request held out of the scheduler (its row and slots)."""
@@ -319,4 +359,4 @@ class DecodeProcess:
         for inc in call.live + call.cancelled:
             call.aborted.setdefault(inc.offer.index, f"transfer {inc.seq} never completed")
             call.outputs.setdefault(inc.offer.index, inc.offer.output_ids)
-        return DecodeResult([call.outputs.get(i, []) for i in range(n)], call.aborted, failure, 0)
+        return DecodeResult([call.outputs.get(i, []) for i in range(n)], call.aborted, failure, 0, tuple(call.times))

@@ -3,7 +3,8 @@ point-to-point (gloo on a CPU, NCCL on GPUs), and the faults a transfer engine c
 
 A transfer is two messages on the data group, tagged with its number: the KV of every
 pool the request holds (FULL, a draft pool, the SWA slots still resident on the prefill side), as
-one byte buffer, then a sidecar with the canary's records of the same slots. The sender posts both
+one byte buffer, then a sidecar with the canary's records of the same slots (none where the sides'
+canaries are detached: NoRecords). The sender posts both
 with `isend`; the receiver posts `irecv`s into staging buffers and polls their completion (NCCL:
 `is_completed`; gloo, whose receives complete only in `wait`: a thread per receive waits, as a
 transfer engine's progress thread does), then writes the staging buffers into the slots it
@@ -80,6 +81,32 @@ class Sidecar(Protocol):
 
     def note_frees(self, frees: Any) -> None:
         """Prefill side: the decode side freed these slots (damage moved there is gone with them)."""
+
+
+class NoRecords:
+    """The Sidecar of a side whose canary is detached: no records travel (width 0), so a transfer
+    is its KV message alone, and nothing is installed, followed or noted."""
+
+    def width(self) -> int:
+        return 0
+
+    def export(self, full_slots: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a transfer without records has no sidecar to export")
+
+    def install(self, full_slots: torch.Tensor, sidecar: torch.Tensor) -> None:
+        raise RuntimeError("a transfer without records has no sidecar to install")
+
+    def receipt(self, full_slots: torch.Tensor) -> Any:
+        return None
+
+    def delivered(self, src_full_slots: list[int], dst_full_slots: list[int], receipt: Any) -> None:
+        pass
+
+    def take_frees(self) -> Any:
+        return []
+
+    def note_frees(self, frees: Any) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -180,7 +207,8 @@ class Completion:
 class Incoming:
     """A transfer the decode side is receiving: its number since the reset (seq) and its messages'
     tag, the request it admitted (held out of its scheduler until landed), its slots, the staging
-    buffers, the completion and its deadline."""
+    buffers (sidecar None: no records travel), the completion, its deadline and when its receives
+    were posted (time.monotonic())."""
 
     seq: int
     tag: int
@@ -188,19 +216,25 @@ class Incoming:
     request: Any
     slots: torch.Tensor
     kv: torch.Tensor
-    sidecar: torch.Tensor
+    sidecar: torch.Tensor | None
     completion: Completion
     deadline: float
+    posted: float
 
 
-def post_receive(group: Any, backend: str, src: int, seq: int, kv: torch.Tensor, sidecar: torch.Tensor) -> Completion:
-    """irecv both messages of transfer `seq` from rank src into the staging buffers."""
-    works = [dist.irecv(kv, src, group=group, tag=2 * seq), dist.irecv(sidecar, src, group=group, tag=2 * seq + 1)]
+def post_receive(group: Any, backend: str, src: int, seq: int, kv: torch.Tensor,
+                 sidecar: torch.Tensor | None) -> Completion:
+    """irecv both messages of transfer `seq` from rank src into the staging buffers (sidecar None:
+    the KV message alone, no records travel)."""
+    works = [dist.irecv(kv, src, group=group, tag=2 * seq)]
+    if sidecar is not None:
+        works.append(dist.irecv(sidecar, src, group=group, tag=2 * seq + 1))
     return Completion(works, backend)
 
 
 def post_send(group: Any, dst: int, seq: int, kv: torch.Tensor, sidecar: torch.Tensor | None) -> list[Any]:
-    """isend transfer `seq`'s KV message and (unless None: the process dies before it) its sidecar."""
+    """isend transfer `seq`'s KV message and its sidecar (None: none goes, as when no records travel
+    or the process dies before it)."""
     works = [dist.isend(kv, dst, group=group, tag=2 * seq)]
     if sidecar is not None:
         works.append(dist.isend(sidecar, dst, group=group, tag=2 * seq + 1))
