@@ -146,6 +146,11 @@ def configurations() -> dict[str, Config]:
     configs["reference-pd-mha-async-jitter"] = Config(
         lambda: ("pd", _reference("mha", jitter=True), _reference("mha", jitter=True, async_scheduling=True)), None,
         hits + ("transfers",))
+    # Speculative decoding under async scheduling: each decode launched before the speculative one
+    # in flight is processed, moved back on the device by the proposals that one rejected.
+    configs["reference-mha-spec-async-jitter"] = Config(
+        lambda: _reference("mha", speculative_k=3, jitter=True, async_scheduling=True), None,
+        hits + ("rejected proposals", "in-flight rollbacks", "pauses"))
     # Each side in a process of its own, the KV moved by torch.distributed sends (gloo on the CPU;
     # NCCL on two GPUs), the records with it (docs/pd-processes.md).
     for attention in ("mha", "mla"):

@@ -201,7 +201,8 @@ class EngineConfig:
     engine's asynchronous points, the host tier's acknowledgements and a pair's transfers (None:
     off; jitter.py). async_scheduling: schedule and launch each step before the previous one's
     results are processed, its decode inputs taken from that step's outputs on the device (vLLM's
-    async scheduling, SGLang's overlap scheduler; async_steps.py; not with speculative_k > 0)."""
+    async scheduling, SGLang's overlap scheduler; async_steps.py; with speculative_k > 0, each
+    decode placed as if the one in flight kept every position, moved back on the device)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     num_slots: int = 1024
@@ -268,9 +269,6 @@ class EngineConfig:
             check_int("jitter_seed", self.jitter_seed, 0)
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool; got {self.async_scheduling!r}")
-        if self.async_scheduling and k:
-            raise ValueError(f"async_scheduling=True does not work with speculative_k > 0 (a step's accepted tokens "
-                             f"are unknown until it is processed); got speculative_k={k}")
         if self.model.attention == "hybrid":
             check_int("num_state_slots", self.num_state_slots, 2 * self.max_running + 1,
                       f" (slot 0 is reserved; each of max_running={self.max_running} requests holds a running state "

@@ -254,7 +254,8 @@ class Engine:
     def liveness(self) -> dict[str, int]:
         """What the engine's workloads exercised since it started, for a soak's liveness gate:
         requests admitted with a cached prefix, retractions, pauses, and per path the engine has, pages
-        loaded back from host memory, pages loaded from disk, proposals the target rejected."""
+        loaded back from host memory, pages loaded from disk, proposals the target rejected and, with
+        async scheduling, decodes moved back behind a launched decode's rejected proposals."""
         counts = {"prefix hits": self.scheduler.num_prefix_hits, "retractions": self.scheduler.num_retracted,
                   "pauses": self.scheduler.num_paused}
         if self.host_tier is not None:
@@ -263,6 +264,8 @@ class Engine:
             counts["disk loads"] = self.disk_tier.num_loaded
         if self.drafter is not None:
             counts["rejected proposals"] = self.drafter.proposed - self.drafter.accepted
+            if self._async is not None:
+                counts["in-flight rollbacks"] = self._async.num_moved_back
         return counts
 
     def request_at(self, row: int, step: int) -> tuple[int, str] | None:
@@ -334,6 +337,8 @@ class Engine:
 
     def _account(self, batch: Batch, new_tokens: list[list[int]]) -> list[Request]:
         """Process a forward's results (Scheduler.process); returns the requests that finished."""
+        if self.drafter is not None and not batch.is_prefill:
+            self.drafter.count(batch.extend_lens, new_tokens)
         finished = self.scheduler.process(batch, new_tokens)
         if self.host_tier is not None:  # load-backs whose copies are over release their locks
             self.host_tier.acknowledge()
@@ -341,12 +346,14 @@ class Engine:
         return finished
 
     @torch.no_grad()
-    def _forward(self, batch: Batch, on_device: bool = False) -> list[list[int]] | torch.Tensor:
+    def _forward(self, batch: Batch,
+                 on_device: bool = False) -> list[list[int]] | tuple[torch.Tensor, torch.Tensor]:
         """The model forward over the batch (hooks around it; the draft model, if any, first,
         inside them); each request's new tokens: its greedy next token, or in a speculative decode
-        the proposals the target accepted and its own next token. on_device (not speculating): each
-        request's greedy next token as a device tensor, the host not waiting for it. batch.input_ids
-        may be a device tensor (async scheduling fills in tokens the host does not know)."""
+        the proposals the target accepted and its own next token. on_device: the same on the
+        device, the host not waiting for them: the tokens padded ([B, max extend]) and how many are
+        each request's ([B]). batch.input_ids, positions and out_cache_loc may be device tensors
+        (async scheduling fills in what the host does not know)."""
         hooks = self._hooks
         if self.host_tier is not None:  # no forward reads a page before it is loaded back, nor
             self.host_tier.wait()  # rewrites one before it is written back
@@ -356,7 +363,7 @@ class Engine:
                                       batch.positions.tolist(), [r.context_key for r in batch.reqs],
                                       batch.state_slots)
             self._forwarded(hooks)
-            return tokens.clone() if on_device else [[t] for t in tokens.tolist()]
+            return (tokens.clone()[:, None], torch.ones_like(tokens)) if on_device else [[t] for t in tokens.tolist()]
         view = self._view(batch)
         if hooks is not None:
             hooks.before_forward(view)
@@ -378,10 +385,13 @@ class Engine:
             hooks.after_forward(view)
         self._forwarded(hooks)
         if self.drafter is not None and not batch.is_prefill:
-            return self.drafter.accept(batch, view.input_ids, self.model.compute_logits(hidden).argmax(-1).tolist())
+            predicted = self.model.compute_logits(hidden).argmax(-1)
+            if on_device:
+                return self.drafter.accept_on_device(batch, view.input_ids, predicted)
+            return self.drafter.accept(batch, view.input_ids, predicted.tolist())
         last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
         tokens = self.model.compute_logits(hidden[last]).argmax(-1)
-        return tokens if on_device else [[t] for t in tokens.tolist()]
+        return (tokens[:, None], torch.ones_like(tokens)) if on_device else [[t] for t in tokens.tolist()]
 
     def _forwarded(self, hooks: ForwardHooks | None) -> None:
         self.forward_count += 1

@@ -17,7 +17,9 @@ class Request:
     window). A hybrid model's running request holds a state slot (its recurrent state after kv_len
     tokens) and, between a forward that wrote one and its KV's insertion into the radix cache, a
     checkpoint (slot, length); in a speculative decode, rollback_slots (the states after each of
-    its proposals but the last, one of which becomes its state when some are rejected). Waiting requests hold nothing (row -1). context_key: the context the tokens are read
+    its proposals but the last, one of which becomes its state when some are rejected; under async
+    scheduling those of the decode in flight, then the next one's). Waiting requests hold nothing
+    (row -1). context_key: the context the tokens are read
     in (a cache salt or adapter id; 0 = none): KV is shared only between equal contexts. ahead: the
     positions past kv_len that launched forwards write and whose results are not processed yet
     (their slots are in the row already); with async scheduling a decode input at one of them is a

@@ -18,18 +18,22 @@ forwards write whose results are not processed yet, and the next batch starts pa
 (`launched_len`). Synchronously a batch is processed before the next is made, so `ahead` is 0 between
 steps. With async scheduling (async_steps.py) a decode is made while the previous one runs: each of
 its requests is accounted as having produced one token, whose input id the host does not know yet
-(UNKNOWN_TOKEN: the device fills it in). A request found finished (or aborted) while a later launched
-forward still writes its row retires: its output from that forward is dropped, and it keeps its
-row, slots and locks until that forward is processed.
+(UNKNOWN_TOKEN: the device fills it in); a speculative decode's requests are accounted as having
+kept every position it writes (its slots past them allocated, the worst case), and the decode after
+it is moved back on the device by the positions it rejects (async_steps.py), whose slots are freed
+when it is processed but those the decode after it writes (`_roll_back`). A request found finished
+(or aborted) while a later launched forward still writes its row retires: its output from that
+forward is dropped, and it keeps its row, slots and locks until that forward is processed.
 
 A hybrid model's request also takes a state slot when it is admitted: the state of its matched
 prefix is copied there from the radix cache's checkpoint, or the slot is cleared. Its prefill
 writes a checkpoint, the state after the last page boundary before its last token, into a slot of
 its own, which the radix cache takes with the request's KV (a later request with the same prompt
 matches up to there). With speculative decoding, each decode also takes a slot for the state
-after each of its proposals but the last (rollback_slots): the forward writes them all, and
-`process` keeps the one of the accepted length as the request's state (a slot swap, no copy) and
-frees the rest; a decode that finds no slot for them runs without proposals.
+after each of its proposals but the last (in rollback_slots, with those of a decode in flight): the
+forward writes them all, and `process` keeps the one of the accepted length as the request's state
+(a slot swap, no copy; the decode launched after it started from that one) and frees the rest; a
+decode that finds no slot for them runs without proposals.
 """
 
 from __future__ import annotations
@@ -130,11 +134,13 @@ class Scheduler:
         any later batch is launched (its radix insertion may free duplicate slots the next would
         read)."""
         finished = []
-        for req, extend, tokens in zip(batch.reqs, batch.extend_lens, new_tokens):
+        for i, (req, extend, tokens) in enumerate(zip(batch.reqs, batch.extend_lens, new_tokens)):
             kept = extend if batch.is_prefill else len(tokens)
             self._roll_back(req, kept, extend)
-            if req.rollback_slots:
+            if not batch.is_prefill and self.states is not None and (n := len(batch.checkpoint_slots[i])):
+                later, req.rollback_slots = req.rollback_slots[n:], req.rollback_slots[:n]  # a decode's in flight
                 self._roll_back_state(req, kept)
+                req.rollback_slots = later
             req.kv_len += kept
             req.ahead -= extend
             if req in self.retiring:
@@ -318,49 +324,63 @@ class Scheduler:
     def _schedule_decode(self, retract: bool) -> Batch | None:
         if not self._decoding():
             return None
-        self._alloc_rollback_states()
-        while (pages := self._alloc(sum(self._decode_pages()))) is None:
+        rollback = self._alloc_rollback_states()
+        while (pages := self._alloc(sum(self._decode_pages(rollback)))) is None:
             if not retract:
+                for req, slots in rollback.items():
+                    self.states.free(slots, "decode could not be scheduled")
+                    req.rollback_slots = req.rollback_slots[:-len(slots)]
                 return None
             assert self.paused or len(self.running) > 1, "a lone request always fits (checked at submit)"
             self._retract((self.paused or self.running)[-1])
         reqs = self._decoding()
-        locs = [self._slots(r, n, p) for r, n, p in zip(reqs, self._decode_lens(), pages.split(self._decode_pages()))]
+        lens, counts = self._decode_lens(rollback), self._decode_pages(rollback)
+        locs = [self._slots(r, n, p) for r, n, p in zip(reqs, lens, pages.split(counts))]
         return self._batch(reqs, locs, is_prefill=False)
 
-    def _decode_lens(self) -> list[int]:
+    def _decode_lens(self, rollback: dict[Request, list[int]]) -> list[int]:
         """Positions each decoding request's decode writes: 1, or with speculative decoding up to
         k + 1, never more than the tokens it still needs (so never past its submitted size) nor,
-        in a hybrid model, than its rollback states allow."""
+        in a hybrid model, than its rollback states (`rollback`) allow."""
         reqs = self._decoding()
         lens = [self._wanted_len(r) for r in reqs]
         if self.states is not None:
-            return [min(n, 1 + len(r.rollback_slots)) for r, n in zip(reqs, lens)]
+            return [min(n, 1 + len(rollback.get(r, []))) for r, n in zip(reqs, lens)]
         return lens
 
     def _wanted_len(self, req: Request) -> int:
-        return min(self.config.speculative_k + 1, req.max_new_tokens - len(req.output_ids))
+        """Up to k + 1 positions, as many as the request still needs tokens once every forward
+        launched for it accepted all it wrote (`ahead`, async scheduling: it may need fewer), and
+        at least 1 (the request may finish in a launched forward: then it retires, and the one
+        position written holds its own last token)."""
+        return min(self.config.speculative_k + 1, max(1, req.max_new_tokens - len(req.output_ids) - req.ahead))
 
-    def _alloc_rollback_states(self) -> None:
-        """A hybrid model's speculative decode: each decoding request's rollback_slots, one per
-        proposal but the last (none where the state pool cannot give them: it decodes one token)."""
+    def _alloc_rollback_states(self) -> dict[Request, list[int]]:
+        """A hybrid model's speculative decode: each decoding request's rollback states for it, one
+        per proposal but the last (none where the state pool cannot give them: it decodes one
+        token), added to its rollback_slots (those of its launched decodes)."""
+        rollback = {}
         if self.states is None or not self.config.speculative_k:
-            return
+            return rollback
         for req in self._decoding():
-            req.rollback_slots = self._alloc_states(self._wanted_len(req) - 1) or []
+            if slots := self._alloc_states(self._wanted_len(req) - 1):
+                rollback[req] = slots
+                req.rollback_slots = req.rollback_slots + slots
+        return rollback
 
     def _roll_back_state(self, req: Request, kept: int) -> None:
-        """After a hybrid model's speculative decode that kept `kept` of its positions: the
-        request's state becomes the one after them (its running slot when all were kept, else the
-        rollback slot of that length); the other slots are freed."""
+        """After a hybrid model's speculative decode that kept `kept` of its positions (its rollback
+        states in rollback_slots): the request's state becomes the one after them (its running slot
+        when all were kept, else the rollback slot of that length, where a decode launched after it
+        started from: AsyncSteps._follow); the other slots are freed."""
         states = [req.state_slot, *req.rollback_slots]
         keep = states[kept % len(states)]
         self.states.free([s for s in states if s != keep], "speculative state rolled back")
         req.state_slot, req.rollback_slots = keep, []
 
-    def _decode_pages(self) -> list[int]:
+    def _decode_pages(self, rollback: dict[Request, list[int]]) -> list[int]:
         """New pages each decoding request's decode needs."""
-        return [self._pages_needed(r.launched_len, n) for r, n in zip(self._decoding(), self._decode_lens())]
+        return [self._pages_needed(r.launched_len, n) for r, n in zip(self._decoding(), self._decode_lens(rollback))]
 
     def _pages_needed(self, start: int, n: int) -> int:
         """New pages positions [start, start + n) of a request take: those past the page holding
@@ -379,10 +399,14 @@ class Scheduler:
     def _roll_back(self, req: Request, kept: int, written: int) -> None:
         """Free the pages of the positions [kv_len + kept, kv_len + written) a speculative decode
         wrote and rejected, but the page the last kept one is in (their row entries lie past
-        kv_len: stale, never read)."""
+        kv_len: stale, never read). A decode launched after it (async scheduling) was placed as if
+        every position were kept and runs written - kept positions back (AsyncSteps._follow), over
+        the rejected ones: the pages freed are then those of as many positions past its end,
+        [launched_len - (written - kept), launched_len); what it writes is rolled back once it is
+        processed."""
         if kept < written:
-            ps, end = self.pools.page_size, req.kv_len + kept
-            rejected = self.req_to_token.pages(req.row, -(-end // ps) * ps, req.kv_len + written)
+            ps, end = self.pools.page_size, req.launched_len - (written - kept)
+            rejected = self.req_to_token.pages(req.row, -(-end // ps) * ps, req.launched_len)
             self.pools.free(rejected, "rejected draft position rolled back")
 
     def _batch(self, reqs: list[Request], locs: list[torch.Tensor], is_prefill: bool) -> Batch:
@@ -394,7 +418,8 @@ class Scheduler:
             known = req.token_ids[start:start + loc.numel()]
             ids.extend(known + [UNKNOWN_TOKEN] * (loc.numel() - len(known)))
             positions.append(torch.arange(start, start + loc.numel()))
-        extras = [self._extra_states(r) for r in reqs] if self.states is not None else []
+        extras = ([self._extra_states(r, start, 0 if is_prefill else loc.numel() - 1)
+                   for r, start, loc in zip(reqs, starts, locs)] if self.states is not None else [])
         for req, loc in zip(reqs, locs):
             req.ahead += loc.numel()
         return Batch(reqs, is_prefill, starts, [loc.numel() for loc in locs],
@@ -403,12 +428,14 @@ class Scheduler:
                      [e[0] for e in extras], [e[1] for e in extras], [r.row for r in reqs])
 
     @staticmethod
-    def _extra_states(req: Request) -> tuple[list[int], list[int]]:
-        """The states a hybrid request's forward writes besides its running one, and their lengths:
-        its checkpoint, or its rollback states (after each proposal but the last)."""
+    def _extra_states(req: Request, start: int, proposals: int) -> tuple[list[int], list[int]]:
+        """The states a hybrid request's forward from position `start` writes besides its running
+        one, and their lengths: its checkpoint, or in a decode of `proposals` + 1 positions its
+        rollback states (the last `proposals` of rollback_slots, allocated for it)."""
         if req.checkpoint:
             return [req.checkpoint[0]], [req.checkpoint[1]]
-        return list(req.rollback_slots), [req.kv_len + j for j in range(1, len(req.rollback_slots) + 1)]
+        slots = req.rollback_slots[len(req.rollback_slots) - proposals:] if proposals else []
+        return slots, [start + j for j in range(1, len(slots) + 1)]
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         """n FULL (+ SWA) pages, evicting the radix cache for what the free lists lack."""

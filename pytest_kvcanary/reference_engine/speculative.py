@@ -26,8 +26,9 @@ checks both pools' slots of [0, L), TAIL after the target stamps both pools' slo
 with the tokens written there, rejected proposals included; the DRAFT group's write-input checks
 compare what the draft forwards consumed with the bookkeeping (a draft forward at position L + j + 1
 writing the slot of L + j is a write_position). The scheduler then frees the slots of
-the rejected positions (`Scheduler.process`); their records are stamped again when a forward
-writes the slots next.
+the rejected positions (`Scheduler.process`; under async scheduling, a decode launched behind this
+one runs over them, moved back on the device, and they are freed once it is processed:
+async_steps.py); their records are stamped again when a forward writes the slots next.
 
 In a hybrid model the draft's recurrent layers are the target's: they start from each request's
 running state (a private copy, `DraftState`; the pool is written by the target only), and the
@@ -146,14 +147,23 @@ class Drafter:
     def accept(self, batch: Batch, input_ids: torch.Tensor, predicted: list[int]) -> list[list[int]]:
         """Per request, the new tokens: the proposals the target's greedy predictions (one per
         token of the forward) agree with, in order, then the target's prediction after the last."""
-        ids = input_ids.tolist()
-        out, t = [], 0
-        for extend in batch.extend_lens:
-            n = 0
-            while n + 1 < extend and ids[t + n + 1] == predicted[t + n]:
-                n += 1
-            out.append(predicted[t:t + n + 1])
-            self.proposed += extend - 1
-            self.accepted += n
-            t += extend
-        return out
+        tokens, counts = self.accept_on_device(batch, input_ids, torch.tensor(predicted, device=input_ids.device))
+        return [row[:n] for row, n in zip(tokens.tolist(), counts.tolist())]
+
+    @staticmethod
+    def accept_on_device(batch: Batch, input_ids: torch.Tensor,
+                         predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`accept` on the device, the host not waiting: each request's new tokens, padded to the
+        longest extend ([B, max extend]), and how many of them are its (counts [B], 1..extend)."""
+        device, last = predicted.device, predicted.numel() - 1
+        extend = torch.tensor(batch.extend_lens, device=device)
+        j = torch.arange(max(batch.extend_lens), device=device)
+        index = (extend.cumsum(0) - extend)[:, None] + j
+        at = index.clamp(max=last)  # past a request's tokens: masked out (agree) or past its count
+        agree = (j < extend[:, None] - 1) & (input_ids[(index + 1).clamp(max=last)] == predicted[at])
+        return predicted[at], 1 + agree.long().cumprod(1).sum(1)
+
+    def count(self, extend_lens: list[int], new_tokens: list[list[int]]) -> None:
+        """Count a processed decode's proposals and, of them, those accepted."""
+        self.proposed += sum(extend_lens) - len(extend_lens)
+        self.accepted += sum(map(len, new_tokens)) - len(new_tokens)

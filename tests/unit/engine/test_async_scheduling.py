@@ -1,9 +1,10 @@
 """Async scheduling (`EngineConfig.async_scheduling`): each step launched before the one before it is
 processed, its decode inputs taken from that step's sampled tokens on the device. Greedy outputs
 equal the synchronous engine's and a no-cache recomputation over pages, the radix cache, eager and
-padded decode, the host tier, sliding windows and a prefill/decode pair; the canary stays silent;
-a request finishing at step N keeps its row and slots until step N+1, which still wrote them, is
-processed."""
+padded decode, the host tier, sliding windows, speculative decoding and a prefill/decode pair;
+the canary stays silent; a request finishing at step N keeps its row and slots until step N+1,
+which still wrote them, is processed; the slots of a speculative decode's rejected positions that
+the decode launched after it writes are freed only once that one is processed."""
 
 from __future__ import annotations
 
@@ -46,9 +47,7 @@ def count_overlap(monkeypatch) -> dict[str, int]:
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="async_scheduling must be a bool; got 'yes'"):
         EngineConfig(async_scheduling="yes")
-    with pytest.raises(ValueError, match=r"async_scheduling=True does not work with speculative_k > 0.*got "
-                                         r"speculative_k=2"):
-        EngineConfig(async_scheduling=True, speculative_k=2)
+    assert EngineConfig(async_scheduling=True, speculative_k=2).speculative_k == 2, "speculation runs async too"
 
 
 FEATURES = {  # (attention, EngineConfig fields, prompts' seed); "at launch": each step run when launched (CUDA's order)
@@ -294,3 +293,144 @@ def test_a_jitter_seed_replays_its_run_points_after_a_reset_and_another_seed_dra
     points.clear()
     make_engine("mha", async_scheduling=True, **fields).generate(prompts, 6)
     assert set(points) == {WHEN_WAITED}, "without a seed a CPU runs each step when it is waited for"
+
+
+SPECULATIVE = {  # (attention, EngineConfig fields, prompts' seed): speculative_k 3, a draft of 3 layers
+    "mha": ("mha", {}, 11),
+    "mha-pages-retracting": ("mha", {"page_size": 4, "num_slots": 48, "max_running": 4}, 12),
+    "mla-pages": ("mla", {"page_size": 2, "max_running": 3}, 13),
+    "hybrid": ("hybrid", {"max_running": 3}, 14),
+    "hybrid-pages": ("hybrid", {"page_size": 2, "max_running": 3}, 15),
+}
+TIMINGS = ("when waited", "at launch", "jitter")
+
+
+def count_moved_back(monkeypatch) -> list[int]:
+    """Per step launched behind a speculative decode, the positions its requests moved back on the
+    device (the proposals that decode had them write and rejected), over the test."""
+    moved: list[int] = []
+    follow = AsyncSteps._follow
+
+    def counted(self, batch, prev, carried):
+        ran = follow(self, batch, prev, carried)
+        moved.append(sum(batch.prefix_lens) - sum(ran.prefix_lens))
+        return ran
+
+    monkeypatch.setattr(AsyncSteps, "_follow", counted)
+    return moved
+
+
+@pytest.mark.parametrize("timing", TIMINGS)
+@pytest.mark.parametrize("feature", SPECULATIVE)
+def test_speculative_decoding_under_async_scheduling_equals_the_sync_engine_with_the_canary_silent(
+        feature, timing, make_engine, random_prompts, assert_reference, monkeypatch):
+    """Each decode is scheduled while the one before it is in flight, placed as if that one kept
+    every position it wrote, and moved back on the device by the proposals it rejected."""
+    attention, fields, seed = SPECULATIVE[feature]
+    fields = {"speculative_k": 3, "draft_layers": 3, **fields}
+    prompts = random_prompts(seed, 5)
+    expected = make_engine(attention, **fields).generate(prompts, 9)
+    counts = count_overlap(monkeypatch)
+    engine = make_engine(attention, async_scheduling=True, jitter_seed=seed if timing == "jitter" else None, **fields)
+    engine._async.run_at_launch = timing == "at launch"
+    runtime = attach(engine)
+    outputs = engine.generate(prompts, 9)
+    assert outputs == expected
+    assert_reference(engine, prompts, outputs)
+    assert counts["overlapped"] > 0 and counts["retired"] > 0, counts
+    assert engine.liveness()["in-flight rollbacks"] > 0, "no decode ran behind a rejected proposal"
+    assert 0 < engine.drafter.accepted < engine.drafter.proposed
+    if feature == "mha-pages-retracting":
+        assert engine.scheduler.num_retracted > 0 and engine.scheduler.num_prefix_hits > 0
+    assert_silent(runtime)
+    engine.reset()
+    assert not engine.scheduler.has_work and not engine._async.launched
+
+
+class FreedUnderLaunchedSteps:
+    """Forward hooks and a free listener that fail the step at once where a slot some launched,
+    unprocessed step writes (mapping(row, prefix_len + j) of its view) is freed: at the free if the
+    step ran already, else when it runs. Forwards run in launch order: the k-th runs batches[k]."""
+
+    def __init__(self, engine, batches: list) -> None:
+        self.engine, self.batches, self.written, self.freed = engine, batches, {}, {}
+        engine.set_forward_hooks(self)
+        engine.add_free_listener(self.heard)
+
+    def heard(self, kind, slots, cause) -> None:
+        for step in self.engine._async.launched if kind.name == "FULL" else ():
+            written = self.written.get(id(step.batch), set())
+            assert not set(slots.tolist()) & written, f"freed after its step ran: {cause}"
+            self.freed.setdefault(id(step.batch), set()).update(slots.tolist())
+
+    def before_forward(self, view) -> None:
+        batch, table = self.batches[len(self.written)], self.engine.req_to_token_pool
+        self.written[id(batch)] = set(torch.cat([table.read(r, p, p + e) for r, p, e in zip(
+            view.rows.tolist(), view.prefix_lens.tolist(), view.extend_lens.tolist())]).tolist())
+        assert not self.written[id(batch)] & self.freed.get(id(batch), set()), "freed before its step ran"
+
+    def kv_stored(self, kind, layer, k, v) -> None:
+        pass
+
+    def after_forward(self, view) -> None:
+        pass
+
+    def states_copied(self, src, dst) -> None:
+        pass
+
+    def end_forward(self, device_work=None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("at_launch", [False, True])
+def test_the_slots_a_launched_step_writes_are_not_freed_before_it_is_processed(at_launch, make_engine, random_prompts,
+                                                                              monkeypatch):
+    """Processing a speculative decode frees the slots of its rejected positions but those the decode
+    launched after it writes (it runs from where the kept ones end, over the rejected ones): those
+    are rolled back once that decode is processed."""
+    batches, moved = [], count_moved_back(monkeypatch)
+    launch = AsyncSteps._launch
+
+    def noted(self, batch):
+        batches.append(batch)
+        launch(self, batch)
+
+    monkeypatch.setattr(AsyncSteps, "_launch", noted)
+    engine = make_engine("mha", speculative_k=3, draft_layers=3, async_scheduling=True, page_size=2)
+    engine._async.run_at_launch = at_launch
+    checks = FreedUnderLaunchedSteps(engine, batches)
+    engine.generate(random_prompts(16, 5), 9)
+    assert any(moved) and len(checks.written) == len(batches)
+    assert any(checks.freed.values()), "nothing was freed while a step was in flight"
+
+
+def test_a_request_finishing_inside_accepted_proposals_retires_until_the_step_after_is_processed(
+        make_engine, assert_reference):
+    """The draft is the whole target: every proposal is accepted. `short` (5 new tokens) gets 1 from
+    its prefill and 4 from its first decode (step N), finishing inside N's accepted proposals while
+    step N+1, scheduled as if it still needed a token, has a position for it."""
+    fields = {"speculative_k": 3, "draft_layers": 4}
+    engine = make_engine("mha", async_scheduling=True, **fields)
+    runtime = attach(engine)
+    prompts = [list(range(1, 9)), list(range(20, 30))]
+    short, long = engine.submit(prompts[0], 5), engine.submit(prompts[1], 12)
+    while not engine.step():  # until a step is processed in which `short` finished
+        pass
+    assert short.finished and len(short.output_ids) == 5
+    (in_flight,) = engine._async.launched
+    assert in_flight.batch.extend_lens[in_flight.batch.reqs.index(short)] == 1, "step N+1 has one position for it"
+    assert short in engine.scheduler.retiring and short.row >= 0 and short.ahead == 1
+    held = set(engine.req_to_token_pool.read(short.row, 0, short.launched_len).tolist())
+    assert not held & set(engine.pools.full.free_slots.tolist())
+    written = engine.req_to_token_pool.read(short.row, short.kv_len, short.launched_len).tolist()
+    engine.step()  # processes step N+1: its tokens for `short` are dropped, then it finishes
+    assert short not in engine.scheduler.retiring and short.row == -1 and len(short.output_ids) == 5
+    assert set(written) <= set(engine.cache_walk().slots.tolist()), "its last token's KV, written at N+1, is cached"
+    while engine.scheduler.has_work:
+        engine.step()
+    outputs = [short.output_ids, long.output_ids]
+    assert outputs == make_engine("mha", **fields).generate(prompts[:1], 5) + make_engine(
+        "mha", **fields).generate(prompts[1:], 12)
+    assert_reference(engine, prompts, outputs)
+    assert engine.drafter.accepted == engine.drafter.proposed > 0
+    assert_silent(runtime)

@@ -11,6 +11,11 @@ clean.
   optimistic count (the positions launched, step N+1's in flight included) instead of the processed
   one, so the page of the oldest position step N+1 still reads is freed before N+1 runs: its window
   has a hole.
+- vLLM #47728's class under speculative decoding: when step N+1 is scheduled, the positions of step
+  N (in flight) past the one token N is sure to produce are rolled back at once, on that count,
+  instead of once N's acceptance is known: their slots are freed while step N+1, placed on the
+  device after the positions N kept, writes them. A prefill takes them, then writes its KV over the
+  request's.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from kvcanary_kernels.records import GroupKind
 from pytest_kvcanary.canary.runtime import CanaryRuntime
 from pytest_kvcanary.reference_engine import Engine, Request
 from pytest_kvcanary.reference_engine.pd import PDPair
-from pytest_kvcanary.reference_engine.scheduler import Scheduler
+from pytest_kvcanary.reference_engine.scheduler import Batch, Scheduler
 
 from scenario_support import (
     WINDOW, attach_canary, first_reports, kv_off_reference, make_engine, off_greedy_reference, reports, tokens,
@@ -167,3 +172,91 @@ def test_a_window_slid_by_the_optimistic_count_is_caught_where_the_step_in_fligh
     step, found = first_reports(run.canary)
     assert step == 5
     assert found == reports(("K", "V"), ("HEAD", "RECHECK"), "SWA", ("verify_missing_slot",), [(0, 10 - WINDOW, 0)])
+
+
+class SpecRun(NamedTuple):
+    canary: CanaryRuntime
+    req: Request  # the speculating request
+    other: Request  # the request prefilled while step N+1 was in flight (or once it could be)
+    off: set[tuple[str, int]]  # req's (group, position)s whose KV differ from a no-cache forward's, other prefilled
+    outputs: list[int]  # req's first 13 outputs: its prefill's token and three decodes of 4
+    rolled_back: list[tuple[int, list[int]]]  # (forwards run, FULL slots) of each rollback
+
+
+def speculate_then_prefill() -> SpecRun:
+    """An async engine with speculative decoding (k = 3, the draft the whole target: every proposal
+    accepted) of 23 usable slots, each launched step run as late as it may, decodes R (an 8-token
+    prompt, 16 new: slots 1-8) by 4 positions a step: step 1 writes positions 8-11 (slots 9-12),
+    step 2, scheduled while step 1 is in flight, positions 12-15 (slots 13-16). Y (a 10-token
+    prompt) arrives once step 2 is launched; it is prefilled as soon as it fits."""
+    engine = make_engine(speculative_k=3, draft_layers=4, num_slots=24, async_scheduling=True)
+    engine._async.run_at_launch = False
+    canary = attach_canary(engine)
+    rolled_back: list[tuple[int, list[int]]] = []
+    engine.add_free_listener(lambda kind, slots, cause: kind == GroupKind.FULL and "rolled back" in cause
+                             and rolled_back.append((engine.forward_count, slots.tolist())))
+    req = engine.submit(tokens(500, 8), 16)
+    for _ in range(3):  # R's prefill, then steps 1 and 2 launched (step 1 processed)
+        engine.step()
+    other = engine.submit(tokens(501, 10), 2)
+    while engine.forward_count < 4:  # step 3 has run: Y's prefill, if Y fit
+        engine.step()
+    off = kv_off_reference(engine, req)
+    while len(req.output_ids) < 13:  # R's decode reading positions 12-15 (step 4) processed
+        engine.step()
+    return SpecRun(canary, req, other, off, req.output_ids[:13], rolled_back)
+
+
+def roll_back_on_the_optimistic_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug: a decode scheduled while a speculative decode of the same request is in flight rolls
+    that one back at once, as if it kept one position (the one token it is sure to produce): it frees
+    the pages past where the new decode would then end, and the rollback once step N is processed
+    frees only what is left."""
+    schedule, freed_early = Scheduler._schedule_decode, set()
+
+    def schedule_rolling_back(self: Scheduler, retract: bool) -> Batch | None:
+        in_flight = [r for r in self._decoding() if r.ahead > 1]
+        batch = schedule(self, retract)
+        for req, extend in zip(() if batch is None else batch.reqs, () if batch is None else batch.extend_lens):
+            if req in in_flight:
+                ps, end = self.pools.page_size, req.kv_len + 1 + extend
+                pages = self.req_to_token.pages(req.row, -(-end // ps) * ps, req.launched_len)
+                freed_early.update(pages.tolist())
+                self.pools.free(pages, "rejected draft position rolled back")
+        return batch
+
+    def roll_back_the_rest(self: Scheduler, req: Request, kept: int, written: int) -> None:
+        if kept < written:
+            ps, end = self.pools.page_size, req.launched_len - (written - kept)
+            pages = self.req_to_token.pages(req.row, -(-end // ps) * ps, req.launched_len).tolist()
+            self.pools.free(torch.tensor([p for p in pages if p not in freed_early], dtype=torch.int64),
+                            "rejected draft position rolled back")
+
+    monkeypatch.setattr(Scheduler, "_schedule_decode", schedule_rolling_back)
+    monkeypatch.setattr(Scheduler, "_roll_back", roll_back_the_rest)
+
+
+def test_without_the_bug_the_rejected_positions_wait_for_the_acceptance_and_the_run_stays_clean():
+    run = speculate_then_prefill()
+    assert run.off == set() and not off_greedy_reference(make_engine(), run.req)
+    assert run.outputs == make_engine().generate([run.req.prompt_ids], 13)[0]
+    assert run.rolled_back == [] and run.other.kv_len == 0, "nothing rejected; Y waits for room"
+    assert first_reports(run.canary) == (None, set())
+
+
+def test_positions_rolled_back_on_the_optimistic_count_are_caught_where_the_prefill_overwrote_them(monkeypatch):
+    roll_back_on_the_optimistic_count(monkeypatch)
+    run = speculate_then_prefill()
+    # scheduling step 2 freed the slots of positions 13-15 (14-16), which step 2 writes, before step 1 even ran
+    assert run.rolled_back[0] == (1, [14, 15, 16]), run.rolled_back
+    assert run.off == {(group, p) for group in ("FULL", "DRAFT") for p in (13, 14, 15)}, "Y's KV over R's"
+    assert run.outputs != make_engine().generate([run.req.prompt_ids], 13)[0]
+    assert off_greedy_reference(make_engine(), run.req)
+    step, found = first_reports(run.canary)
+    assert step == 4  # R's decode after Y's prefill (step 3) reads positions 13-15
+    row = run.req.row
+    expected = (reports(("K", "V"), ("HEAD", "RECHECK"), group, ("verify_position", "verify_token",
+                                                                "verify_chain_hash"), [(14, 13, row)]) |
+                reports(("K", "V"), ("HEAD", "RECHECK"), group, ("verify_position", "verify_token"),
+                        [(15, 14, row), (16, 15, row)]) for group in ("FULL", "DRAFT"))
+    assert found == set().union(*expected)
