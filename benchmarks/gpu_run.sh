@@ -55,6 +55,7 @@ if wants tests; then  # kernel compiles dominate: spread them over workers when 
   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
   step tests 400 python3 -m pytest -q -p no:cacheprovider -x $workers --durations=5 tests/unit/kernels \
     tests/unit/canary tests/unit/engine/test_cuda_graph_canary.py tests/unit/engine/test_padded_decode.py \
+    tests/unit/engine/test_jitter.py tests/unit/engine/test_async_scheduling.py \
     tests/unit/scenarios tests/adapters/transformers/test_cuda_graphs.py \
     tests/adapters/transformers/test_forward_inputs.py tests/adapters/transformers/test_faults.py \
     tests/adapters/transformers/test_async_batching.py tests/adapters/transformers/test_model_hooks.py \

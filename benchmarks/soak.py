@@ -146,6 +146,11 @@ def configurations() -> dict[str, Config]:
     configs["reference-pd-mha-async-jitter"] = Config(
         lambda: ("pd", _reference("mha", jitter=True), _reference("mha", jitter=True, async_scheduling=True)), None,
         hits + ("transfers",))
+    # On a GPU the jitter also spins inside each forward, around the canary's phases, captured in
+    # the decode graphs with them.
+    configs["reference-mha-graph-async-jitter"] = Config(
+        lambda: _reference("mha", "graph", page_size=16, host_num_slots=1024, jitter=True, async_scheduling=True),
+        None if CUDA else "needs CUDA", hits + ("host loads", "pauses"))
     # Speculative decoding under async scheduling: each decode launched before the speculative one
     # in flight is processed, moved back on the device by the proposals that one rejected.
     configs["reference-mha-spec-async-jitter"] = Config(

@@ -77,11 +77,13 @@ class DecodeStep:
     """The static buffers of one batch size and the step over them (captured on demand)."""
 
     def __init__(self, size: int, model: CausalLM, pools: KVPools, table: torch.Tensor,
-                 token_table: torch.Tensor, device: torch.device, states: StatePool | None) -> None:
+                 token_table: torch.Tensor, device: torch.device, states: StatePool | None,
+                 spin: Callable[[], object] = lambda: None) -> None:
         def zeros() -> torch.Tensor:
             return torch.zeros(size, dtype=torch.int64, device=device)
 
         self.size, self.model, self.pools, self.table, self.states = size, model, pools, table, states
+        self.spin = spin
         state = None if states is None else StateInputs(zeros(), zeros(), zeros())  # a decode writes no checkpoint
         self.view = ForwardView(rows=zeros(), prefix_lens=zeros(), extend_lens=zeros(), input_ids=zeros(),
                                 positions=zeros(), token_table=token_table, context_keys=zeros(), state=state,
@@ -105,16 +107,21 @@ class DecodeStep:
             dst.copy_(torch.tensor(values + [0] * pad, dtype=torch.int64), non_blocking=True)
 
     def forward(self, hooks: ForwardHooks | None) -> None:
-        """before_forward, the model, after_forward, greedy tokens into next_tokens (no end_forward)."""
+        """before_forward, the model, after_forward, greedy tokens into next_tokens (no end_forward);
+        spin() at the four spin points around them (jitter.py)."""
         v = self.view
+        self.spin()
         if hooks is not None:
             hooks.before_forward(v)
+        self.spin()
         kv = PaddedDecodeKV(self.pools, self.table, v.rows, v.prefix_lens, v.extend_lens,
                             None if hooks is None else hooks.kv_stored, self.model.kv_codec, v.scales)
         states = None if self.states is None else PaddedDecodeState(self.states, v.state.slots, v.extend_lens)
         hidden = self.model(v.input_ids, v.positions, kv, v.context_keys, states)
+        self.spin()
         if hooks is not None:
             hooks.after_forward(v)
+        self.spin()
         self.next_tokens.copy_(self.model.compute_logits(hidden).argmax(-1))
 
     def run_and_capture(self, hooks: ForwardHooks | None) -> None:
@@ -134,9 +141,11 @@ class DecodeGraphs:
     """Padded decode steps per captured size; graphs captured lazily, dropped when the hooks change."""
 
     def __init__(self, model: CausalLM, pools: KVPools, table: torch.Tensor, token_table: torch.Tensor,
-                 max_running: int, device: torch.device, use_graphs: bool, states: StatePool | None = None) -> None:
+                 max_running: int, device: torch.device, use_graphs: bool, states: StatePool | None = None,
+                 spin: Callable[[], object] = lambda: None) -> None:
+        """spin: called at each step's spin points (the engine's seeded jitter on a GPU)."""
         sizes = [1 << i for i in range(max_running.bit_length()) if 1 << i < max_running] + [max_running]
-        self.steps = [DecodeStep(s, model, pools, table, token_table, device, states) for s in sizes]
+        self.steps = [DecodeStep(s, model, pools, table, token_table, device, states, spin) for s in sizes]
         self.use_graphs = use_graphs
 
     def invalidate(self) -> None:

@@ -94,7 +94,8 @@ class Engine:
         self._row_owners: RowOwners[Request] = RowOwners()
         self._decode = None if config.decode_mode == "eager" else DecodeGraphs(
             self.model, self.pools, self.req_to_token_pool.table, self.token_table, config.max_running,
-            self.device, use_graphs=config.decode_mode == "graph", states=self.states)
+            self.device, use_graphs=config.decode_mode == "graph", states=self.states,
+            spin=lambda: self.jitter.spin_at(self.device))
         self._async = AsyncSteps(self.scheduler, self.token_table, lambda batch: self._forward(batch, on_device=True),
                                  self._account, self.jitter) if config.async_scheduling else None
 
@@ -365,8 +366,11 @@ class Engine:
             self._forwarded(hooks)
             return (tokens.clone()[:, None], torch.ones_like(tokens)) if on_device else [[t] for t in tokens.tolist()]
         view = self._view(batch)
+        spin = self.jitter.spin_at  # a GPU's spin points (jitter.py); nothing on a CPU or when off
+        spin(self.device)
         if hooks is not None:
             hooks.before_forward(view)
+        spin(self.device)
         on_store = None if hooks is None else hooks.kv_stored
         contexts = view.context_keys.repeat_interleave(view.extend_lens)
         if self.drafter is not None:
@@ -381,8 +385,10 @@ class Engine:
             self.states, batch.state_slots, batch.prefix_lens, batch.extend_lens, batch.checkpoint_slots,
             batch.checkpoint_lens)
         hidden = self.model(view.input_ids, view.positions, kv, contexts, states)
+        spin(self.device)
         if hooks is not None:
             hooks.after_forward(view)
+        spin(self.device)
         self._forwarded(hooks)
         if self.drafter is not None and not batch.is_prefill:
             predicted = self.model.compute_logits(hidden).argmax(-1)

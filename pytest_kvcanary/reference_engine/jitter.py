@@ -13,7 +13,11 @@ the engine draws, at each point, a choice a real engine's timing could make:
 On a GPU the host tier's copies run on a copy stream of their own, and the device decides when
 they finish: with a seed, a spin-wait of 0 to `MAX_SPIN_CYCLES` clock cycles is queued on that
 stream ahead of each batch of copies (`spin`), so a copy lands late against the forwards and
-acknowledgements around it, as it could under load.
+acknowledgements around it, as it could under load. A forward on a GPU spins too (`spin_at`), at
+four points on its stream: before the canary's HEAD, between HEAD and the model, between the model
+and TAIL, and after TAIL; so the forward, and each of the canary's phases, ends late against the
+host's frees and schedules, the copy streams and a pair's transfers. A graph decode step captures
+its spins with it (the cycles drawn at capture, the same at each replay).
 Each choice comes from `random.Random(seed)` in the order the engine asks (the spins from a
 generator of their own, so the CPU choices are the same on either device), restarted by the
 engine's reset: a workload replayed after a reset meets the same choices. Off (seed None), every
@@ -72,3 +76,7 @@ class Jitter:
         if cycles:
             torch.cuda._sleep(cycles)
         return cycles
+
+    def spin_at(self, device: torch.device) -> int:
+        """spin() where the device is a GPU (a forward's spin points); 0, nothing drawn, on a CPU."""
+        return self.spin() if device.type == "cuda" else 0

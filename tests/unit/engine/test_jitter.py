@@ -125,6 +125,53 @@ def test_copies_spun_late_on_the_copy_stream_keep_outputs_exact_and_the_canary_s
     assert runtime.log.violations == [] and runtime.health_problems() == []
 
 
+def test_spin_at_spins_on_a_gpu_only_and_draws_nothing_on_a_cpu(monkeypatch):
+    slept = _recorded_spins(monkeypatch)
+    on_gpu, on_both = Jitter(7), Jitter(7)
+    spins = [on_gpu.spin_at(torch.device("cuda")) for _ in range(10)]
+    mixed = []
+    for _ in range(10):
+        assert on_both.spin_at(torch.device("cpu")) == 0
+        mixed.append(on_both.spin_at(torch.device("cuda:0")))
+    assert mixed == spins and max(spins) > 0, "a CPU's spin point drew a spin"
+    assert slept == [c for c in spins if c] * 2
+
+
+@pytest.mark.parametrize("decode_mode, async_scheduling", [("eager", False), ("padded", False), ("eager", True)])
+def test_a_forward_spins_before_and_after_each_of_the_canary_s_phases(decode_mode, async_scheduling, make_engine,
+                                                                       random_prompts, monkeypatch):
+    engine = make_engine("mha", jitter_seed=2, decode_mode=decode_mode, async_scheduling=async_scheduling)
+    runtime = CanaryRuntime(CanaryConfig(sweep_interval=0, kernels=KERNELS), engine)
+    engine.set_forward_hooks(runtime)
+    events = []
+    monkeypatch.setattr(engine.jitter, "spin_at", lambda device: events.append("spin") or 0)
+    for name, phase in (("before_forward", "HEAD"), ("after_forward", "TAIL")):
+        hook = getattr(runtime, name)
+        monkeypatch.setattr(runtime, name, lambda view, hook=hook, phase=phase: (events.append(phase), hook(view))[1])
+    engine.generate(random_prompts(3, 6), max_new_tokens=4)
+    forward = ["spin", "HEAD", "spin", "spin", "TAIL", "spin"]
+    assert events == forward * engine.forward_count and engine.forward_count > 1
+    runtime.drain()
+    assert runtime.log.violations == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a forward's spins need CUDA")
+@pytest.mark.parametrize("decode_mode", ["eager", "graph"])
+def test_forwards_spun_late_under_async_scheduling_keep_outputs_exact_and_the_canary_silent(
+        decode_mode, make_engine, random_prompts, assert_reference, check_invariants, monkeypatch):
+    sleep, spins = torch.cuda._sleep, []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: (spins.append(cycles), sleep(cycles)))
+    engine = make_engine("mha", jitter_seed=13, decode_mode=decode_mode, async_scheduling=True, **tight(4))
+    runtime = CanaryRuntime(CanaryConfig(real_data="partial", sweep_interval=2, kernels=KERNELS), engine)
+    engine.set_forward_hooks(runtime)
+    prompts, outputs = a_b_a(engine, random_prompts)
+    assert_reference(engine, prompts, outputs)
+    check_invariants(engine)
+    assert len(spins) > 0
+    runtime.drain()
+    assert runtime.log.violations == [] and runtime.health_problems() == []
+
+
 def test_a_negative_seed_is_refused_by_name():
     with pytest.raises(ValueError, match="jitter_seed must be an integer >= 0; got -1"):
         EngineConfig(model=ModelConfig(), jitter_seed=-1)
