@@ -17,8 +17,9 @@ decode (bench_reference.py: a decode step's median time). A pair is one off run 
 Per row, pairs are measured until the 95% interval of the median cost (a seeded bootstrap over
 the pairs, at least --min-pairs of them) is decided against the row's budget: entirely at or
 under it (within), entirely over it (over). A row whose interval still straddles its budget after
---max-pairs pairs or --seconds (--prefill-seconds for a prefill row) reads "unreadable": its spread
-is wider than its margin, and it gates nothing. Each pair prints a progress line; the table comes
+--max-pairs pairs or --seconds (--prefill-seconds for a prefill row; no new pair starts past them,
+but the first --min-pairs always run) reads "unreadable": its spread is wider than its margin, and it
+gates nothing. Each pair prints a progress line; the table comes
 last. A decode row's side of a pair is one generation of DECODE_NEW tokens, its median step (the
 row's engine warmed once a mode when it opens); a prefill row's, one warmed prefill.
 
@@ -143,9 +144,9 @@ ROWS: dict[str, Row] = {  # in an order that deals the rows out to GPUs evenly (
        for batch, budget in ((128, 0.5), (64, 0.5), (1, 1.5)) for shape in ("tinyllama", "llama3-8b")},
     "reference-b1": Row(2.0, "reference engine, graph decode at batch 1", reference("mha", 1)),
     "reference-b32": Row(2.0, "reference engine, graph decode at batch 32", reference("mha", 32)),
-    "reference-hybrid-b1": Row(3.0, "reference engine, hybrid model, graph decode at batch 1", reference("hybrid", 1)),
     "reference-hybrid-b32": Row(2.0, "reference engine, hybrid model, graph decode at batch 32",
                                 reference("hybrid", 32)),
+    "reference-hybrid-b1": Row(3.0, "reference engine, hybrid model, graph decode at batch 1", reference("hybrid", 1)),
     "reference-fp8-b1": Row(3.0, "reference engine, KV in FP8 (e4m3), graph decode at batch 1",
                             reference("mha", 1, "fp8_e4m3")),
     "reference-fp8-b32": Row(2.0, "reference engine, KV in FP8 (e4m3), graph decode at batch 32",
@@ -164,13 +165,15 @@ class Reading:
 
 
 def read(name: str, row: Row, smoke: bool, min_pairs: int, max_pairs: int, seconds: float) -> Reading:
-    """Pairs until the row's verdict is decided, or the pairs or seconds run out (unreadable)."""
+    """Pairs until the row's verdict is decided, or the pairs or seconds run out (unreadable); the
+    first min_pairs pairs whatever the seconds (nothing is decided on fewer)."""
     start = time.perf_counter()
     pair, close = row.open(smoke)
     costs, offs, ons = [], [], []
     try:
         decided = None
-        while decided is None and len(costs) < max_pairs and time.perf_counter() - start < seconds:
+        while decided is None and len(costs) < max_pairs and (len(costs) < min_pairs
+                                                                or time.perf_counter() - start < seconds):
             off, on = pair(len(costs))
             offs.append(off)
             ons.append(on)

@@ -76,3 +76,10 @@ def test_a_table_of_a_missing_file_or_an_unknown_row_is_refused_by_name(tmp_path
     odd.write_text(_reading("decode-b3", [1.0], gate.WITHIN) + "\n")
     unknown = subprocess.run([sys.executable, str(SCRIPT), "--table", str(odd)], capture_output=True, text=True)
     assert unknown.returncode == 1 and "holds a reading of 'decode-b3', which is no row" in unknown.stderr
+
+
+def test_a_slow_row_gets_its_minimum_pairs_whatever_the_seconds_and_no_pair_after():
+    noisy = iter([-4.0, 6.0, 1.5, 2.5, -1.0])
+    row = gate.Row(2.0, "a slow row", lambda smoke: ((lambda i: (100.0, 100.0 + next(noisy))), lambda: None))
+    reading = gate.read("slow", row, smoke=True, min_pairs=3, max_pairs=9, seconds=0)
+    assert len(reading.costs) == 3 and reading.verdict == gate.UNREADABLE
