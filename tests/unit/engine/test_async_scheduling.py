@@ -98,12 +98,13 @@ def test_host_tier_loads_back_under_async_scheduling(make_engine, random_prompts
     assert_silent(runtime)
 
 
-def test_a_prefill_decode_pair_with_an_async_decode_side(make_engine, random_prompts, assert_reference,
+@pytest.mark.parametrize("speculative_k", [0, 2])
+def test_a_prefill_decode_pair_with_an_async_decode_side(speculative_k, make_engine, random_prompts, assert_reference,
                                                         monkeypatch):
     prompts = random_prompts(6, 4)
     counts = count_overlap(monkeypatch)
-    pair = PDPair(make_engine("mha", page_size=2), make_engine("mha", page_size=2, async_scheduling=True,
-                                                                 max_running=3))
+    pair = PDPair(make_engine("mha", page_size=2, speculative_k=speculative_k),
+                  make_engine("mha", page_size=2, async_scheduling=True, max_running=3, speculative_k=speculative_k))
     prefill, decode = attach(pair.prefill), attach(pair.decode)
     pair.add_transfer_listener(lambda src, dst: decode.import_records(dst, prefill.export_records(src)))
     outputs = pair.generate(prompts, 6)
