@@ -22,6 +22,7 @@ from pytest_kvcanary.canary.seam import (
     RowOwners, SlotMapping, StateInputs, TokenScores,
 )
 
+from .arrivals import serve_arrivals
 from .async_steps import AsyncSteps
 from .attention import PagedKV
 from .config import EngineConfig
@@ -176,42 +177,7 @@ class Engine:
         (at once when nothing is left to run before it), aborted `abort_after` forwards after
         that (keeping its tokens so far), paused as its `pause` says (Scheduler.pause: forwards
         pass while only paused requests are left); runs until every request is done or aborted."""
-        order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].at_forward)
-        reqs: list[Request | None] = [None] * len(arrivals)
-        aborts: list[tuple[int, Request]] = []  # (the forward to abort at, the request)
-        pauses: list[tuple[int, Request, int]] = []  # (the forward to pause at, the request, for how long)
-        resumes: list[tuple[int, Request]] = []  # (the forward to resume at, the request)
-        start, idle = self.forward_count, 0  # idle: forwards skipped while nothing ran
-        while order or self.scheduler.has_work:
-            now = self.forward_count - start + idle
-            if order and not self.scheduler.has_work and arrivals[order[0]].at_forward > now:
-                idle, now = idle + arrivals[order[0]].at_forward - now, arrivals[order[0]].at_forward
-            while order and arrivals[order[0]].at_forward <= now:
-                i = order.pop(0)
-                a = arrivals[i]
-                reqs[i] = self.submit(list(a.prompt), a.max_new_tokens, a.context_key)
-                if a.abort_after is not None:
-                    aborts.append((now + a.abort_after, reqs[i]))
-                if a.pause is not None:
-                    pauses.append((now + a.pause[0], reqs[i], a.pause[1]))
-            for at, req in [x for x in aborts if x[0] <= now]:
-                aborts.remove((at, req))
-                if not req.finished:
-                    self.scheduler.abort_request(req)
-            for at, req in [x for x in resumes if x[0] <= now]:
-                resumes.remove((at, req))
-                self.scheduler.resume(req)
-            for at, req, length in [x for x in pauses if x[0] <= now]:
-                pauses.remove((at, req, length))
-                if req in self.scheduler.running:
-                    self.scheduler.pause(req)
-                    resumes.append((now + length, req))
-            ran = self.forward_count
-            if self.scheduler.has_work:
-                self.step()
-            if self.forward_count == ran and resumes:  # only paused requests left: their pauses run out
-                idle += max(0, min(at for at, _ in resumes) - now)
-        return [r.output_ids for r in reqs]
+        return serve_arrivals(self, arrivals)
 
     @torch.no_grad()
     def score_uncached(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]],

@@ -39,6 +39,12 @@ def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return (pages[:, None] * page_size + torch.arange(page_size, device=pages.device)).flatten()
 
 
+def pages_needed(page_size: int, start: int, n: int) -> int:
+    """New pages positions [start, start + n) of a request take: those past the page holding
+    position start - 1 (a request fills its last page first)."""
+    return -(-(start + n) // page_size) - -(-start // page_size)
+
+
 def slot_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """The pages of slots that are whole pages listed in order (page_slots' inverse)."""
     return slots if page_size == 1 else slots[::page_size] // page_size

@@ -52,3 +52,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return len(self.output_ids) >= self.max_new_tokens
+
+    def extra_states(self, start: int, proposals: int) -> tuple[list[int], list[int]]:
+        """The states a hybrid request's forward from position `start` writes besides its running
+        one, and their lengths: its checkpoint, or in a decode of `proposals` + 1 positions its
+        rollback states (the last `proposals` of rollback_slots, allocated for it)."""
+        if self.checkpoint:
+            return [self.checkpoint[0]], [self.checkpoint[1]]
+        slots = self.rollback_slots[len(self.rollback_slots) - proposals:] if proposals else []
+        return slots, [start + j for j in range(1, len(slots) + 1)]

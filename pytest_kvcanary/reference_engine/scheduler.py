@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from .config import EngineConfig
-from .kv_pool import KVPools, ReqToTokenPool, page_slots
+from .kv_pool import KVPools, ReqToTokenPool, page_slots, pages_needed
 from .radix_cache import MatchResult, RadixCache
 from .request import Request
 from .state_pool import StatePool
@@ -179,7 +179,7 @@ class Scheduler:
         if self.rows_held >= self.config.max_running:
             return None
         states = self._alloc_states(1)
-        pages = None if states is None else self._alloc(self._pages_needed(0, req.kv_len))
+        pages = None if states is None else self._alloc(pages_needed(self.pools.page_size, 0, req.kv_len))
         if pages is None:
             if states:
                 self.states.free(states, "transferred request could not be admitted")
@@ -246,7 +246,8 @@ class Scheduler:
             checkpoint_len = self._checkpoint_len(match.slots.numel(), len(tokens))
             load = self.states is not None and bool(match.slots.numel()) and match.node.state is None
             states = self._alloc_states(1 + bool(checkpoint_len) + load)
-            pages = None if states is None else self._alloc(self._pages_needed(match.slots.numel(), extend))
+            pages = None if states is None else self._alloc(
+                pages_needed(self.pools.page_size, match.slots.numel(), extend))
             if pages is None:
                 if states:
                     self.states.free(states, "request could not be admitted")
@@ -380,13 +381,8 @@ class Scheduler:
 
     def _decode_pages(self, rollback: dict[Request, list[int]]) -> list[int]:
         """New pages each decoding request's decode needs."""
-        return [self._pages_needed(r.launched_len, n) for r, n in zip(self._decoding(), self._decode_lens(rollback))]
-
-    def _pages_needed(self, start: int, n: int) -> int:
-        """New pages positions [start, start + n) of a request take: those past the page holding
-        position start - 1 (a request fills its last page first)."""
-        ps = self.pools.page_size
-        return -(-(start + n) // ps) - -(-start // ps)
+        return [pages_needed(self.pools.page_size, r.launched_len, n)
+                for r, n in zip(self._decoding(), self._decode_lens(rollback))]
 
     def _slots(self, req: Request, n: int, pages: torch.Tensor) -> torch.Tensor:
         """The slots of positions [launched_len, launched_len + n) of a running request: the rest of
@@ -418,7 +414,7 @@ class Scheduler:
             known = req.token_ids[start:start + loc.numel()]
             ids.extend(known + [UNKNOWN_TOKEN] * (loc.numel() - len(known)))
             positions.append(torch.arange(start, start + loc.numel()))
-        extras = ([self._extra_states(r, start, 0 if is_prefill else loc.numel() - 1)
+        extras = ([r.extra_states(start, 0 if is_prefill else loc.numel() - 1)
                    for r, start, loc in zip(reqs, starts, locs)] if self.states is not None else [])
         for req, loc in zip(reqs, locs):
             req.ahead += loc.numel()
@@ -426,16 +422,6 @@ class Scheduler:
                      torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(locs),
                      [r.state_slot for r in reqs] if self.states is not None else [],
                      [e[0] for e in extras], [e[1] for e in extras], [r.row for r in reqs])
-
-    @staticmethod
-    def _extra_states(req: Request, start: int, proposals: int) -> tuple[list[int], list[int]]:
-        """The states a hybrid request's forward from position `start` writes besides its running
-        one, and their lengths: its checkpoint, or in a decode of `proposals` + 1 positions its
-        rollback states (the last `proposals` of rollback_slots, allocated for it)."""
-        if req.checkpoint:
-            return [req.checkpoint[0]], [req.checkpoint[1]]
-        slots = req.rollback_slots[len(req.rollback_slots) - proposals:] if proposals else []
-        return slots, [start + j for j in range(1, len(slots) + 1)]
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         """n FULL (+ SWA) pages, evicting the radix cache for what the free lists lack."""
