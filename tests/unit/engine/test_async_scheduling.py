@@ -149,12 +149,8 @@ def test_an_abort_while_its_step_is_in_flight_releases_it_once_that_step_is_proc
     assert not engine.scheduler.has_work and req.row == -1 and req.output_ids == kept
 
 
-class TokenTableAtTail:
-    """Forward hooks that note, at after_forward (where TAIL reads them), each written token's entry
-    in the view's token table next to the input id the forward embedded there."""
-
-    def __init__(self) -> None:
-        self.pairs: list[tuple[int, int]] = []
+class QuietHooks:
+    """Forward hooks that do nothing: a test's hooks override what they watch."""
 
     def before_forward(self, view) -> None:
         pass
@@ -163,17 +159,28 @@ class TokenTableAtTail:
         pass
 
     def after_forward(self, view) -> None:
-        t = 0
-        for row, prefix, extend in zip(view.rows.tolist(), view.prefix_lens.tolist(), view.extend_lens.tolist()):
-            for j in range(extend):
-                self.pairs.append((int(view.token_table[row, prefix + j]), int(view.input_ids[t + j])))
-            t += extend
+        pass
 
     def states_copied(self, src, dst) -> None:
         pass
 
     def end_forward(self, device_work=None) -> None:
         pass
+
+
+class TokenTableAtTail(QuietHooks):
+    """Forward hooks that note, at after_forward (where TAIL reads them), each written token's entry
+    in the view's token table next to the input id the forward embedded there."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[int, int]] = []
+
+    def after_forward(self, view) -> None:
+        t = 0
+        for row, prefix, extend in zip(view.rows.tolist(), view.prefix_lens.tolist(), view.extend_lens.tolist()):
+            for j in range(extend):
+                self.pairs.append((int(view.token_table[row, prefix + j]), int(view.input_ids[t + j])))
+            t += extend
 
 
 @pytest.mark.parametrize(("decode_mode", "at_launch"), [("eager", True), ("padded", True), ("eager", False)])
@@ -207,7 +214,7 @@ def test_a_step_that_gathers_another_request_s_token_is_a_write_token_at_its_tai
     assert {(v.phase, v.reasons[0]) for v in runtime.log.violations if v.step == first} == {("TAIL", "write_token")}
 
 
-class RaiseAt:
+class RaiseAt(QuietHooks):
     """Forward hooks that raise in before_forward of the n-th forward."""
 
     def __init__(self, n: int) -> None:
@@ -217,18 +224,6 @@ class RaiseAt:
         self.seen += 1
         if self.seen == self.n:
             raise RuntimeError("hook failed")
-
-    def kv_stored(self, kind, layer, k, v) -> None:
-        pass
-
-    def after_forward(self, view) -> None:
-        pass
-
-    def states_copied(self, src, dst) -> None:
-        pass
-
-    def end_forward(self, device_work=None) -> None:
-        pass
 
 
 @pytest.mark.parametrize("at_launch", [False, True])
@@ -348,7 +343,7 @@ def test_speculative_decoding_under_async_scheduling_equals_the_sync_engine_with
     assert not engine.scheduler.has_work and not engine._async.launched
 
 
-class FreedUnderLaunchedSteps:
+class FreedUnderLaunchedSteps(QuietHooks):
     """Forward hooks and a free listener that fail the step at once where a slot some launched,
     unprocessed step writes (mapping(row, prefix_len + j) of its view) is freed: at the free if the
     step ran already, else when it runs. Forwards run in launch order: the k-th runs batches[k]."""
@@ -369,18 +364,6 @@ class FreedUnderLaunchedSteps:
         self.written[id(batch)] = set(torch.cat([table.read(r, p, p + e) for r, p, e in zip(
             view.rows.tolist(), view.prefix_lens.tolist(), view.extend_lens.tolist())]).tolist())
         assert not self.written[id(batch)] & self.freed.get(id(batch), set()), "freed before its step ran"
-
-    def kv_stored(self, kind, layer, k, v) -> None:
-        pass
-
-    def after_forward(self, view) -> None:
-        pass
-
-    def states_copied(self, src, dst) -> None:
-        pass
-
-    def end_forward(self, device_work=None) -> None:
-        pass
 
 
 @pytest.mark.parametrize("at_launch", [False, True])
