@@ -138,9 +138,7 @@ class Scheduler:
             kept = extend if batch.is_prefill else len(tokens)
             self._roll_back(req, kept, extend)
             if not batch.is_prefill and self.states is not None and (n := len(batch.checkpoint_slots[i])):
-                later, req.rollback_slots = req.rollback_slots[n:], req.rollback_slots[:n]  # a decode's in flight
-                self._roll_back_state(req, kept)
-                req.rollback_slots = later
+                self._roll_back_state(req, kept, n)
             req.kv_len += kept
             req.ahead -= extend
             if req in self.retiring:
@@ -369,15 +367,16 @@ class Scheduler:
                 req.rollback_slots = req.rollback_slots + slots
         return rollback
 
-    def _roll_back_state(self, req: Request, kept: int) -> None:
-        """After a hybrid model's speculative decode that kept `kept` of its positions (its rollback
-        states in rollback_slots): the request's state becomes the one after them (its running slot
-        when all were kept, else the rollback slot of that length, where a decode launched after it
-        started from: AsyncSteps._follow); the other slots are freed."""
-        states = [req.state_slot, *req.rollback_slots]
+    def _roll_back_state(self, req: Request, kept: int, n: int) -> None:
+        """After a hybrid model's speculative decode that kept `kept` of its positions (its n rollback
+        states first in rollback_slots, a decode in flight's after them): the request's state becomes
+        the one after them (its running slot when all were kept, else the rollback slot of that
+        length, where a decode launched after it started from: AsyncSteps._follow); the decode's
+        other slots are freed."""
+        states = [req.state_slot, *req.rollback_slots[:n]]
         keep = states[kept % len(states)]
         self.states.free([s for s in states if s != keep], "speculative state rolled back")
-        req.state_slot, req.rollback_slots = keep, []
+        req.state_slot, req.rollback_slots = keep, req.rollback_slots[n:]
 
     def _decode_pages(self, rollback: dict[Request, list[int]]) -> list[int]:
         """New pages each decoding request's decode needs."""

@@ -225,9 +225,9 @@ def test_a_speculative_decode_that_keeps_the_state_after_every_proposal(monkeypa
     frees the rollback states but keeps the running one, the state after every proposal, rejected
     ones included. The next forward starts from a state of a longer prefix, with tokens the
     request never had."""
-    def keep_everything(self, req, kept):
-        self.states.free(req.rollback_slots, "speculative state rolled back")
-        req.rollback_slots = []
+    def keep_everything(self, req, kept, n):
+        self.states.free(req.rollback_slots[:n], "speculative state rolled back")
+        req.rollback_slots = req.rollback_slots[n:]
 
     monkeypatch.setattr(Scheduler, "_roll_back_state", keep_everything)
     engine, runtime, (again,) = SCENARIOS["speculate until a rejection"].run()
