@@ -13,6 +13,7 @@ runnable on a CPU).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -84,31 +85,36 @@ class DecodeStep:
 
         self.size, self.model, self.pools, self.table, self.states = size, model, pools, table, states
         self.spin = spin
-        state = None if states is None else StateInputs(zeros(), zeros(), zeros())  # a decode writes no checkpoint
-        self.view = ForwardView(rows=zeros(), prefix_lens=zeros(), extend_lens=zeros(), input_ids=zeros(),
-                                positions=zeros(), token_table=token_table, context_keys=zeros(), state=state,
+        # What fill() copies from the host, one row each, in one buffer (one copy a step): rows,
+        # prefix_lens, positions, context_keys, extend_lens, and a hybrid model's state slots.
+        self._filled = torch.zeros((5 if states is None else 6, size), dtype=torch.int64, device=device)
+        rows, prefix_lens, positions, context_keys, extend_lens = self._filled[:5]
+        state = None if states is None else StateInputs(self._filled[5], zeros(), zeros())  # a decode writes no checkpoint
+        self.view = ForwardView(rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens, input_ids=zeros(),
+                                positions=positions, token_table=token_table, context_keys=context_keys, state=state,
                                 scales=model.kv_scales)
         self.next_tokens = zeros()
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._side: torch.cuda.Stream | None = None  # after_forward's stream (CUDA), made at the first fork
 
     def fill(self, rows: list[int], prefix_lens: list[int], input_ids: torch.Tensor, positions: list[int],
              context_keys: list[int], state_slots: list[int]) -> None:
         """Refill the static buffers in place (copies in stream order; input_ids, on the host or the
         device, never read by the host)."""
-        pad = self.size - len(rows)
+        pad = [0] * (self.size - len(rows))  # padding rows: zeros
         v = self.view
         v.input_ids[len(rows):].zero_()
         v.input_ids[:len(rows)].copy_(input_ids, non_blocking=True)
-        filled = [(v.rows, rows), (v.prefix_lens, prefix_lens), (v.positions, positions),
-                  (v.context_keys, context_keys), (v.extend_lens, [1] * len(rows))]
+        filled = [rows, prefix_lens, positions, context_keys, [1] * len(rows)]
         if v.state is not None:
-            filled.append((v.state.slots, state_slots))
-        for dst, values in filled:  # padding rows: zeros
-            dst.copy_(torch.tensor(values + [0] * pad, dtype=torch.int64), non_blocking=True)
+            filled.append(state_slots)
+        self._filled.copy_(torch.tensor([values + pad for values in filled], dtype=torch.int64), non_blocking=True)
 
     def forward(self, hooks: ForwardHooks | None) -> None:
         """before_forward, the model, after_forward, greedy tokens into next_tokens (no end_forward);
-        spin() at the four spin points around them (jitter.py)."""
+        spin() at the four spin points around them (jitter.py). On CUDA, after_forward (with the
+        two spins around it) runs on a side stream forked after the model and joined after the
+        tokens: it reads and stamps KV the logits never touch, so the two overlap."""
         v = self.view
         self.spin()
         if hooks is not None:
@@ -118,11 +124,24 @@ class DecodeStep:
                             None if hooks is None else hooks.kv_stored, self.model.kv_codec, v.scales)
         states = None if self.states is None else PaddedDecodeState(self.states, v.state.slots, v.extend_lens)
         hidden = self.model(v.input_ids, v.positions, kv, v.context_keys, states)
-        self.spin()
-        if hooks is not None:
-            hooks.after_forward(v)
-        self.spin()
+        tail = None if hooks is None else self._fork()
+        with contextlib.nullcontext() if tail is None else torch.cuda.stream(tail):
+            self.spin()
+            if hooks is not None:
+                hooks.after_forward(v)
+            self.spin()
         self.next_tokens.copy_(self.model.compute_logits(hidden).argmax(-1))
+        if tail is not None:
+            torch.cuda.current_stream().wait_stream(tail)  # joined before the step ends
+
+    def _fork(self) -> torch.cuda.Stream | None:
+        """On CUDA, the side stream, made to wait for the current one's work so far; None elsewhere."""
+        if self.next_tokens.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.next_tokens.device)
+        self._side.wait_stream(torch.cuda.current_stream())
+        return self._side
 
     def run_and_capture(self, hooks: ForwardHooks | None) -> None:
         """Run this step eagerly on a side stream (which compiles and allocates what the step

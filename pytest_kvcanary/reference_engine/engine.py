@@ -39,6 +39,7 @@ from .sparse import PagedSparseKV, empty_selection
 from .speculative import Drafter
 from .state_access import PooledState
 from .state_pool import StatePool
+from .token_notes import TokenNotes
 from .tokenizer import ByteTokenizer
 from .weights import load_weights
 
@@ -97,6 +98,8 @@ class Engine:
             self.model, self.pools, self.req_to_token_pool.table, self.token_table, config.max_running,
             self.device, use_graphs=config.decode_mode == "graph", states=self.states,
             spin=lambda: self.jitter.spin_at(self.device))
+        self._token_notes = TokenNotes(self.token_table, incremental=self.drafter is None
+                                       and not config.async_scheduling)
         self._async = AsyncSteps(self.scheduler, self.token_table, lambda batch: self._forward(batch, on_device=True),
                                  self._account, self.jitter) if config.async_scheduling else None
 
@@ -214,6 +217,7 @@ class Engine:
             self.states.restart()
         self.req_to_token_pool.restart()
         self.token_table.fill_(-1)
+        self._token_notes.clear()
         self._steps = 0
         self._finished = 0
         self._row_owners.clear()
@@ -376,11 +380,13 @@ class Engine:
         token_table: the tokens the host knows, -1 past them (a speculative decode's proposals stay
         -1 until the draft proposes them), but an async step's input, which the step before it
         sampled and wrote there on the device."""
-        for req, row, prefix, extend in zip(batch.reqs, batch.rows, batch.prefix_lens, batch.extend_lens):
+        known = [req.token_ids[:prefix + extend] for req, prefix, extend in
+                 zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
+        for req, row in zip(batch.reqs, batch.rows):
             self._row_owners.note(row, self._steps, req)
-            known = req.token_ids[:prefix + extend]
-            self.token_table[row, :len(known)] = torch.tensor(known, dtype=torch.int64)
-            self.token_table[row, prefix + extend if self._async is not None else len(known):] = -1
+        ends = ([p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)] if self._async is not None
+                else [len(ids) for ids in known])
+        self._token_notes.note(batch.rows, batch.reqs, known, ends)
 
     def _view(self, batch: Batch) -> ForwardView:
         """The batch on the engine's device. Its input_ids and positions are the tensors the

@@ -11,7 +11,7 @@ CPU int64 tensors; the buffers, the SWA map and the req_to_token table live on t
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -268,14 +268,20 @@ class ReqToTokenPool:
         """Map positions [start, start + len(slots)) to slots (each in the page its position's
         column then names). With pages, a slot's offset in its page must be its position's: one
         that is not would be written in one place and read from another, a bug that asserts."""
-        ps = self.page_size
-        if ps == 1:
-            self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
+        self.write_rows([row], [start], [slots])
+
+    def write_rows(self, rows: Sequence[int], starts: Sequence[int], slots: Sequence[torch.Tensor]) -> None:
+        """``write`` of each (row, start, slots), in one copy to the table's device."""
+        counts = [s.numel() for s in slots]
+        if not sum(counts):
             return
-        positions = torch.arange(start, start + slots.numel())
-        assert torch.equal(slots.cpu() % ps, positions % ps), "slot misaligned in its page"
-        columns = positions // ps
-        self.table[row, columns.to(self.table.device)] = (slots // ps).to(self.table.device)
+        ps = self.page_size
+        positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, counts)])
+        flat = torch.cat([s.cpu() for s in slots])
+        assert ps == 1 or torch.equal(flat % ps, positions % ps), "slot misaligned in its page"
+        row_ids = torch.tensor(rows, dtype=torch.int64).repeat_interleave(torch.tensor(counts))
+        at = torch.stack([row_ids, positions // ps, flat // ps]).to(self.table.device)
+        self.table[at[0], at[1]] = at[2]
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end): a CPU copy, unaffected by later writes to the row."""

@@ -387,9 +387,10 @@ class Scheduler:
         """The slots of positions [launched_len, launched_len + n) of a running request: the rest of
         its last page, then the new pages'."""
         ps, start = self.pools.page_size, req.launched_len
-        rest = (-start) % ps
-        tail = self.req_to_token.read(req.row, start, start + min(rest, n))  # empty when rest is 0
-        return torch.cat([tail, page_slots(pages, ps)])[:n]
+        rest = min((-start) % ps, n)
+        if not rest:
+            return page_slots(pages, ps)[:n]
+        return torch.cat([self.req_to_token.read(req.row, start, start + rest), page_slots(pages, ps)])[:n]
 
     def _roll_back(self, req: Request, kept: int, written: int) -> None:
         """Free the pages of the positions [kv_len + kept, kv_len + written) a speculative decode
@@ -408,8 +409,8 @@ class Scheduler:
         """The batch writing positions [launched_len, launched_len + len(loc)) of each request
         (the slots locs, written to its row), which it counts as ahead from now on."""
         ids, positions, starts = [], [], [r.launched_len for r in reqs]
+        self.req_to_token.write_rows([r.row for r in reqs], starts, locs)
         for req, loc, start in zip(reqs, locs, starts):
-            self.req_to_token.write(req.row, start, loc)
             known = req.token_ids[start:start + loc.numel()]
             ids.extend(known + [UNKNOWN_TOKEN] * (loc.numel() - len(known)))
             positions.append(torch.arange(start, start + loc.numel()))

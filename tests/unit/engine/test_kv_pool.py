@@ -67,3 +67,14 @@ def test_req_to_token_rows_and_reads_are_copies():
     with pytest.raises(AssertionError):
         table.free(r0)
     assert table.alloc() == r0
+
+
+def test_rows_written_together_map_as_each_written_alone_and_misaligned_slots_assert():
+    one, many = (ReqToTokenPool(3, 12, torch.device("cpu"), page_size=4) for _ in range(2))
+    writes = [(0, 0, torch.tensor([8, 9, 10, 11, 20])), (2, 6, torch.tensor([14, 15, 28])), (1, 3, torch.tensor([]))]
+    for row, start, slots in writes:
+        one.write(row, start, slots.long())
+    many.write_rows(*zip(*[(row, start, slots.long()) for row, start, slots in writes]))
+    assert torch.equal(one.table, many.table) and many.read(2, 6, 9).tolist() == [14, 15, 28]
+    with pytest.raises(AssertionError, match="misaligned"):
+        many.write_rows([0, 1], [0, 1], [torch.tensor([4]), torch.tensor([4])])
