@@ -121,6 +121,7 @@ class StepTimer:
         self.processor._generation_step = self
         self.decode: list[float] = []
         self.host: list[dict[str, float]] = []  # per decode step: host seconds per phase
+        self.other: list[dict[str, float]] = []  # per other step (synchronous batching: a prefill's forwards)
         self._phases: dict[str, float] = {}
         self._async = bool(engine._io.pairs)
         self._decoding_since: float | None = None  # async: when the decode step in flight started
@@ -159,6 +160,8 @@ class StepTimer:
         elif decoding:
             self.decode.append(time.perf_counter() - start)
             self.host.append(self._phases)
+        else:
+            self.other.append(self._phases)
 
     def generation_done(self) -> None:
         self._decoding_since = None
@@ -223,21 +226,31 @@ def time_to_first_token(engine: TransformersEngine, batch: int, prompt: int, see
 
 
 def measure_prefill(engine: TransformersEngine, batch: int, prompt: int, real_data: str, kernels: str,
-                    run: int) -> tuple[float, float]:
+                    run: int, breakdown: bool = False) -> tuple[float, float, dict[str, float]]:
     """One run: (off ms, on ms) to the first token, each after its warm-up (the module docstring);
-    even runs measure off first, odd runs on first."""
+    even runs measure off first, odd runs on first. breakdown: and the host us the canary-on
+    prefill spent in each of PHASES (summed over its forwards; "forwards": how many), else {}."""
+    host: dict[str, float] = {}
+
     def warmed_ms(handle: EngineHandle | None) -> float:
         if handle is None:  # an empty cache, as the handle's reset leaves it (the sides' prompts are the same)
             engine.reset()
         time_to_first_token(engine, 2, min(prompt, PREFILL_CHUNK), seed=-1 - run)
         if handle is not None:
             handle.side.runtime.sweep()
-        return 1e3 * time_to_first_token(engine, batch, prompt, seed=run)
+        timer = StepTimer(engine, batch) if breakdown and handle is not None else None
+        ms = 1e3 * time_to_first_token(engine, batch, prompt, seed=run)
+        if timer is not None:
+            timer.close()
+            host.update({phase: 1e6 * sum(step.get(phase, 0.0) for step in timer.other) for phase in PHASES},
+                        forwards=len(timer.other))
+        return ms
 
     if run % 2:
         on = with_canary(engine, real_data, kernels, warmed_ms)
-        return warmed_ms(None), on
-    return warmed_ms(None), with_canary(engine, real_data, kernels, warmed_ms)
+        return warmed_ms(None), on, host
+    off = warmed_ms(None)
+    return off, with_canary(engine, real_data, kernels, warmed_ms), host
 
 
 def synchronize(device: torch.device) -> None:
@@ -275,17 +288,21 @@ def decode_engine(model: Any, tokenizer: Any, batch: int, prompt: int, new: int,
 def prefill_rows(model: Any, tokenizer: Any, cells: list[tuple[int, int]], real_datas: list[str], kernels: str,
                  runs: int) -> None:
     """The prefill table (see the module docstring): per cell and real_data, the median of `runs`."""
-    print("| prefill batch x prompt | real_data | canary off ms | canary on ms | cost ms | cost % | cost % min..max |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("| prefill batch x prompt | real_data | canary off ms | canary on ms | cost ms | cost % | cost % min..max "
+          "| forwards | canary host ms, by phase (" + ", ".join(PHASES) + "; median over runs) |")
+    print("|---|---|---:|---:|---:|---:|---|---:|---|")
     for batch, prompt in cells:
         engine = prefill_engine(model, tokenizer, batch, prompt)
         for real_data in real_datas:
-            measured = [measure_prefill(engine, batch, prompt, real_data, kernels, run) for run in range(runs)]
-            costs = sorted(100 * (on - off) / off for off, on in measured)
-            off, on = (statistics.median(column) for column in zip(*measured))
-            paired_ms = statistics.median(on_ms - off_ms for off_ms, on_ms in measured)
+            measured = [measure_prefill(engine, batch, prompt, real_data, kernels, run, breakdown=True)
+                        for run in range(runs)]
+            costs = sorted(100 * (on - off) / off for off, on, _ in measured)
+            off, on = (statistics.median(column) for column in list(zip(*measured))[:2])
+            paired_ms = statistics.median(on_ms - off_ms for off_ms, on_ms, _ in measured)
+            phases = ", ".join(f"{statistics.median(host[p] for _, _, host in measured) / 1e3:.2f}" for p in PHASES)
             print(f"| {batch}x{prompt} | {real_data} | {off:.1f} | {on:.1f} | {paired_ms:.1f} | "
-                  f"{statistics.median(costs):.2f}% | {costs[0]:.2f}..{costs[-1]:.2f}% |", flush=True)
+                  f"{statistics.median(costs):.2f}% | {costs[0]:.2f}..{costs[-1]:.2f}% | "
+                  f"{measured[0][2]['forwards']:.0f} | {phases} |", flush=True)
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

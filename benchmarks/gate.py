@@ -7,6 +7,7 @@ a 95% interval and held to a budget.
     python benchmarks/gate.py --smoke --rows reference-b1       # tiny shapes on the CPU: checks the script
     python benchmarks/gate.py --rows ... --json gpu0.jsonl      # each row's reading kept as it ends
     python benchmarks/gate.py --table gpu0.jsonl gpu1.jsonl     # the table of readings made apart
+    python benchmarks/gate.py --claim DIR --json gpuN.jsonl     # one of several processes sharing the rows
 
 A row is one measurement of the committed benchmarks, canary off versus on in one process:
 transformers continuous batching with CUDA graphs (bench_transformers.py: a decode step's median
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -109,7 +111,7 @@ def transformers(shape: str, batch: int, prefill: int | None = None) -> Callable
             engine = bench.prefill_engine(model, tokenizer, rows, prompt)
 
             def pair(i: int) -> tuple[float, float]:
-                return bench.measure_prefill(engine, rows, prompt, "partial", kernels, i)
+                return bench.measure_prefill(engine, rows, prompt, "partial", kernels, i)[:2]
         else:
             rows, (prompt, new) = (2 if smoke else batch), ((24, 8) if smoke else (bench.PROMPT, DECODE_NEW))
             engine = bench.decode_engine(model, tokenizer, rows, prompt, new, not smoke, "sync")
@@ -134,24 +136,42 @@ def transformers(shape: str, batch: int, prefill: int | None = None) -> Callable
     return open_row
 
 
-ROWS: dict[str, Row] = {  # in an order that deals the rows out to GPUs evenly (gpu_run.sh's gate step)
+def decode(shape: str, batch: int, budget: float) -> Row:
+    return Row(budget, f"transformers, {shape} shape, CUDA graphs: decode step at batch {batch}", transformers(shape, batch))
+
+
+ROWS: dict[str, Row] = {  # the longest to read first: processes sharing the rows (--claim) end close together
     "prefill-tinyllama-32x16384": Row(1.0, "transformers, TinyLlama shape: time to first token of 32 x 16384",
                                       transformers("tinyllama", 32, 16384)),
+    "decode-llama3-8b-b128": decode("llama3-8b", 128, 0.5),
     "prefill-llama3-8b-8x16384": Row(1.0, "transformers, Llama-3-8B shape: time to first token of 8 x 16384",
                                      transformers("llama3-8b", 8, 16384)),
-    **{f"decode-{shape}-b{batch}": Row(budget, f"transformers, {shape} shape, CUDA graphs: decode step at batch {batch}",
-                                        transformers(shape, batch))
-       for batch, budget in ((128, 0.5), (64, 0.5), (1, 1.5)) for shape in ("tinyllama", "llama3-8b")},
+    "decode-llama3-8b-b64": decode("llama3-8b", 64, 0.5),
     "reference-b1": Row(2.0, "reference engine, graph decode at batch 1", reference("mha", 1)),
-    "reference-b32": Row(2.0, "reference engine, graph decode at batch 32", reference("mha", 32)),
     "reference-hybrid-b32": Row(2.0, "reference engine, hybrid model, graph decode at batch 32",
                                 reference("hybrid", 32)),
     "reference-hybrid-b1": Row(3.0, "reference engine, hybrid model, graph decode at batch 1", reference("hybrid", 1)),
+    "reference-b32": Row(2.0, "reference engine, graph decode at batch 32", reference("mha", 32)),
     "reference-fp8-b1": Row(3.0, "reference engine, KV in FP8 (e4m3), graph decode at batch 1",
                             reference("mha", 1, "fp8_e4m3")),
     "reference-fp8-b32": Row(2.0, "reference engine, KV in FP8 (e4m3), graph decode at batch 32",
                              reference("mha", 32, "fp8_e4m3")),
+    "decode-llama3-8b-b1": decode("llama3-8b", 1, 1.5),
+    "decode-tinyllama-b128": decode("tinyllama", 128, 0.5),
+    "decode-tinyllama-b64": decode("tinyllama", 64, 0.5),
+    "decode-tinyllama-b1": decode("tinyllama", 1, 1.5),
 }
+
+
+def claim(folder: Path, name: str) -> bool:
+    """True for the one process among those sharing ``folder`` that claims the row first (it
+    creates the row's file there, atomically); False for the others."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 @dataclass
@@ -233,6 +253,9 @@ def main() -> None:
     parser.add_argument("--max-pairs", type=int, default=41)
     parser.add_argument("--seconds", type=float, default=300.0, help="at most this long a row")
     parser.add_argument("--prefill-seconds", type=float, help="at most this long a prefill row (default: --seconds)")
+    parser.add_argument("--claim", metavar="DIR",
+                        help="read a row only if no other process given the same DIR has claimed it (a file a row): "
+                             "processes on several GPUs, each given every row, share them out as each comes free")
     parser.add_argument("--json", metavar="PATH", help="append each row's reading to PATH as a JSON line as it ends")
     parser.add_argument("--table", nargs="+", metavar="PATH",
                         help="print the table of the readings --json wrote to these files (every row expected), "
@@ -256,14 +279,17 @@ def main() -> None:
         finish(load(args.table), args.rows)
     if args.smoke:
         args.min_pairs = args.max_pairs = 2
-    readings = []
+    readings, mine = [], []
     for name in args.rows:
+        if args.claim and not claim(Path(args.claim), name):
+            continue  # another process reads it
+        mine.append(name)
         seconds = args.prefill_seconds if name.startswith("prefill-") and args.prefill_seconds else args.seconds
         readings.append(read(name, ROWS[name], args.smoke, args.min_pairs, args.max_pairs, seconds))
         if args.json:
             with open(args.json, "a") as out:
                 out.write(json.dumps(asdict(readings[-1])) + "\n")
-    finish(readings, args.rows)
+    finish(readings, mine)
 
 
 if __name__ == "__main__":

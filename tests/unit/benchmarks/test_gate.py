@@ -83,3 +83,15 @@ def test_a_slow_row_gets_its_minimum_pairs_whatever_the_seconds_and_no_pair_afte
     row = gate.Row(2.0, "a slow row", lambda smoke: ((lambda i: (100.0, 100.0 + next(noisy))), lambda: None))
     reading = gate.read("slow", row, smoke=True, min_pairs=3, max_pairs=9, seconds=0)
     assert len(reading.costs) == 3 and reading.verdict == gate.UNREADABLE
+
+
+def test_processes_sharing_a_claim_folder_read_each_row_once(tmp_path):
+    claims = tmp_path / "claims"
+    assert gate.claim(claims, "reference-b1") and not gate.claim(claims, "reference-b1")
+    readings = tmp_path / "gpu1.jsonl"
+    other = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--rows", "reference-b1", "reference-b32",
+                            "--claim", str(claims), "--json", str(readings)], capture_output=True, text=True)
+    assert "reference-b1:" not in other.stdout and "| reference-b32 |" in other.stdout, other.stdout + other.stderr
+    assert "not read" not in other.stdout  # a row another process claimed is its to read
+    assert [gate.json.loads(line)["name"] for line in readings.read_text().splitlines()] == ["reference-b32"]
+    assert sorted(p.name for p in claims.iterdir()) == ["reference-b1", "reference-b32"]
