@@ -271,17 +271,22 @@ class ReqToTokenPool:
         self.write_rows([row], [start], [slots])
 
     def write_rows(self, rows: Sequence[int], starts: Sequence[int], slots: Sequence[torch.Tensor]) -> None:
-        """``write`` of each (row, start, slots), in one copy to the table's device."""
-        counts = [s.numel() for s in slots]
-        if not sum(counts):
-            return
+        """``write`` of each (row, start, slots), in one copy to the table's device (the indices
+        built on the host as lists: a handful of torch calls a step, whatever the batch)."""
         ps = self.page_size
-        positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, counts)])
-        flat = torch.cat([s.cpu() for s in slots])
-        assert ps == 1 or torch.equal(flat % ps, positions % ps), "slot misaligned in its page"
-        row_ids = torch.tensor(rows, dtype=torch.int64).repeat_interleave(torch.tensor(counts))
-        at = torch.stack([row_ids, positions // ps, flat // ps]).to(self.table.device)
-        self.table[at[0], at[1]] = at[2]
+        at_rows: list[int] = []
+        columns: list[int] = []
+        pages: list[int] = []
+        for row, start, row_slots in zip(rows, starts, slots):
+            values = row_slots.tolist()
+            positions = range(start, start + len(values))
+            assert ps == 1 or all(v % ps == p % ps for v, p in zip(values, positions)), "slot misaligned in its page"
+            at_rows += [row] * len(values)
+            columns += [p // ps for p in positions]
+            pages += [v // ps for v in values]
+        if pages:
+            at = torch.tensor([at_rows, columns, pages], dtype=torch.int64).to(self.table.device)
+            self.table[at[0], at[1]] = at[2]
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end): a CPU copy, unaffected by later writes to the row."""
