@@ -45,7 +45,10 @@ on, chunked as transformers chunks prompts into forwards of at most PREFILL_CHUN
 engines run prefill (CUDA graphs capture decode steps). One short generation warms each up, then,
 with the canary, one sweep (the first plans, compiles and captures: once an engine). A run measures
 off then on, the next on then off (a drift over the runs lands on both sides); the cost is paired:
-the median over runs of each run's on minus its off (ms and %), with the spread of the %.
+the median over runs of each run's on minus its off (ms and %), with the spread of the %. Where
+the host time goes: each side's prefill forwards timed by phase (PHASES, as for a decode step),
+the canary's addition on minus off, summed over the prefill; a forward's wait for the device lands
+in map on both sides (the step ends by synchronising), so map's difference is mostly the device's.
 """
 
 from __future__ import annotations
@@ -228,9 +231,10 @@ def time_to_first_token(engine: TransformersEngine, batch: int, prompt: int, see
 def measure_prefill(engine: TransformersEngine, batch: int, prompt: int, real_data: str, kernels: str,
                     run: int, breakdown: bool = False) -> tuple[float, float, dict[str, float]]:
     """One run: (off ms, on ms) to the first token, each after its warm-up (the module docstring);
-    even runs measure off first, odd runs on first. breakdown: and the host us the canary-on
-    prefill spent in each of PHASES (summed over its forwards; "forwards": how many), else {}."""
-    host: dict[str, float] = {}
+    even runs measure off first, odd runs on first. breakdown: and the host us the canary adds to
+    the prefill in each of PHASES (on minus off, summed over its forwards; "forwards": how many
+    the on side ran), else {}."""
+    host: dict[bool, dict[str, float]] = {}
 
     def warmed_ms(handle: EngineHandle | None) -> float:
         if handle is None:  # an empty cache, as the handle's reset leaves it (the sides' prompts are the same)
@@ -238,19 +242,23 @@ def measure_prefill(engine: TransformersEngine, batch: int, prompt: int, real_da
         time_to_first_token(engine, 2, min(prompt, PREFILL_CHUNK), seed=-1 - run)
         if handle is not None:
             handle.side.runtime.sweep()
-        timer = StepTimer(engine, batch) if breakdown and handle is not None else None
+        timer = StepTimer(engine, batch) if breakdown else None
         ms = 1e3 * time_to_first_token(engine, batch, prompt, seed=run)
         if timer is not None:
             timer.close()
-            host.update({phase: 1e6 * sum(step.get(phase, 0.0) for step in timer.other) for phase in PHASES},
-                        forwards=len(timer.other))
+            host[handle is not None] = {phase: 1e6 * sum(step.get(phase, 0.0) for step in timer.other)
+                                        for phase in PHASES} | {"forwards": len(timer.other)}
         return ms
 
     if run % 2:
         on = with_canary(engine, real_data, kernels, warmed_ms)
-        return warmed_ms(None), on, host
-    off = warmed_ms(None)
-    return off, with_canary(engine, real_data, kernels, warmed_ms), host
+        off = warmed_ms(None)
+    else:
+        off = warmed_ms(None)
+        on = with_canary(engine, real_data, kernels, warmed_ms)
+    added = {} if not host else {phase: host[True][phase] - host[False][phase] for phase in PHASES} | {
+        "forwards": host[True]["forwards"]}
+    return off, on, added
 
 
 def synchronize(device: torch.device) -> None:
@@ -289,7 +297,7 @@ def prefill_rows(model: Any, tokenizer: Any, cells: list[tuple[int, int]], real_
                  runs: int) -> None:
     """The prefill table (see the module docstring): per cell and real_data, the median of `runs`."""
     print("| prefill batch x prompt | real_data | canary off ms | canary on ms | cost ms | cost % | cost % min..max "
-          "| forwards | canary host ms, by phase (" + ", ".join(PHASES) + "; median over runs) |")
+          "| forwards | host ms the canary adds, by phase (" + ", ".join(PHASES) + "; on - off, median over runs) |")
     print("|---|---|---:|---:|---:|---:|---|---:|---|")
     for batch, prompt in cells:
         engine = prefill_engine(model, tokenizer, batch, prompt)
