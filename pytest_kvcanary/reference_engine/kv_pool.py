@@ -39,6 +39,14 @@ def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return (pages[:, None] * page_size + torch.arange(page_size, device=pages.device)).flatten()
 
 
+def put_from_host(table: torch.Tensor, rows: list[int], columns: list[int], values: list[int]) -> None:
+    """``table[rows[i], columns[i]] = values[i]`` for every i, the three lists in one copy to the
+    table's device (nothing when they are empty)."""
+    if values:
+        at = torch.tensor([rows, columns, values], dtype=torch.int64).to(table.device)
+        table[at[0], at[1]] = at[2]
+
+
 def pages_needed(page_size: int, start: int, n: int) -> int:
     """New pages positions [start, start + n) of a request take: those past the page holding
     position start - 1 (a request fills its last page first)."""
@@ -284,9 +292,7 @@ class ReqToTokenPool:
             at_rows += [row] * len(values)
             columns += [p // ps for p in positions]
             pages += [v // ps for v in values]
-        if pages:
-            at = torch.tensor([at_rows, columns, pages], dtype=torch.int64).to(self.table.device)
-            self.table[at[0], at[1]] = at[2]
+        put_from_host(self.table, at_rows, columns, pages)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end): a CPU copy, unaffected by later writes to the row."""

@@ -6,6 +6,8 @@ from typing import Sequence
 
 import torch
 
+from .kv_pool import put_from_host
+
 
 class TokenNotes:
     """Writes each forward's rows into ``table`` ([rows, max_context] int64 on the engine's
@@ -34,9 +36,7 @@ class TokenNotes:
             at_positions += range(start, len(ids))
             tokens += ids[start:]
             self._held[row] = (owner, len(ids))
-        if tokens:
-            at = torch.tensor([at_rows, at_positions, tokens], dtype=torch.int64).to(self.table.device)
-            self.table[at[0], at[1]] = at[2]
+        put_from_host(self.table, at_rows, at_positions, tokens)
 
     def clear(self) -> None:
         self._held.clear()
