@@ -280,18 +280,20 @@ class ReqToTokenPool:
 
     def write_rows(self, rows: Sequence[int], starts: Sequence[int], slots: Sequence[torch.Tensor]) -> None:
         """``write`` of each (row, start, slots), in one copy to the table's device (the indices
-        built on the host as lists: a handful of torch calls a step, whatever the batch)."""
+        built on the host as lists: a handful of torch calls a step whatever the batch, and host work
+        in proportion to the slots written)."""
         ps = self.page_size
         at_rows: list[int] = []
         columns: list[int] = []
         pages: list[int] = []
         for row, start, row_slots in zip(rows, starts, slots):
-            values = row_slots.tolist()
-            positions = range(start, start + len(values))
-            assert ps == 1 or all(v % ps == p % ps for v, p in zip(values, positions)), "slot misaligned in its page"
+            values, positions = row_slots.tolist(), range(start, start + row_slots.numel())
+            if ps > 1:  # the page each slot is in, at its position's column
+                assert all(v % ps == p % ps for v, p in zip(values, positions)), "slot misaligned in its page"
+                values, positions = [v // ps for v in values], [p // ps for p in positions]
             at_rows += [row] * len(values)
-            columns += [p // ps for p in positions]
-            pages += [v // ps for v in values]
+            columns += positions
+            pages += values
         put_from_host(self.table, at_rows, columns, pages)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
