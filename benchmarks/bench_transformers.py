@@ -207,13 +207,16 @@ def measure(engine: TransformersEngine, batch: int, real_data: str, kernels: str
 
 
 def with_canary(engine: TransformersEngine, real_data: str, kernels: str, work: Callable[[EngineHandle], T]) -> T:
-    """work(handle)'s result with the canary attached to the engine around it; it must report nothing."""
+    """work(handle)'s result with the canary attached to the engine around it, then detached (the
+    engine stays open: a handle's close() would close it). The canary must have seen the work's
+    forwards and report nothing."""
     handle = EngineHandle(engine, CanaryConfig(real_data=real_data, sweep_interval=SWEEP, kernels=kernels))
     handle.reset(0, ())
     result = work(handle)
     handle.side.runtime.drain()
+    engine.set_forward_hooks(None)
     assert not handle.violations(), handle.violations()[:3]
-    handle.close()
+    assert handle.side.runtime.stats().forwards > 0, "the canary saw none of the forwards it was timed on"
     return result
 
 

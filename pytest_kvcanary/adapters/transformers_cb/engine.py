@@ -89,6 +89,7 @@ class TransformersEngine:
         self._free_listeners: list[FreeListener] = []
         self._held_frees: list[tuple[GroupKind, list[int], str]] | None = None  # announced after an offload
         self._patches = Patches()
+        self._closed = False
         self.layout.install(self._patches, self._on_free, self._on_marked)
         self._prefix_hits = 0
         self._counts_hits = count_prefix_hits(self._patches, self.processor, self._hit)
@@ -111,8 +112,16 @@ class TransformersEngine:
         self._prompts: dict[str, str] = {}
 
     def close(self) -> None:
-        """Undo every patch of transformers the engine installed; the engine is not used after."""
+        """Undo every patch of transformers the engine installed; the engine is not used after:
+        attaching hooks or running requests then raises (its forwards would run unguarded)."""
         self._patches.uninstall()
+        self._closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} on a closed TransformersEngine: close() (which a handle's close() calls) "
+                               "undid its patches of transformers, so a canary would see none of its forwards; "
+                               "build a new engine, or detach with set_forward_hooks(None) instead of closing")
 
     # ----------------------------------------------------------------------------- GuardedEngine
     def canary_groups(self) -> Sequence[PoolGroup]:
@@ -152,6 +161,8 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------------ EngineUnderTest
     def set_forward_hooks(self, hooks: ForwardHooks | None) -> None:
+        if hooks is not None:
+            self._check_open("set_forward_hooks")
         self._forward.set_hooks(hooks)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -159,6 +170,7 @@ class TransformersEngine:
         forward raises (a hook, say), every request is dropped and the error propagates."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a sequence of prompts (str or token ids), not one bare string")
+        self._check_open("generate")
         check_int("max_new_tokens", max_new_tokens, 1)
         encoded = [self.encode_request(p, max_new_tokens) for p in prompts]
         request_ids = [self._submit(prompt, ids, max_new_tokens) for prompt, ids in zip(prompts, encoded)]
@@ -169,6 +181,7 @@ class TransformersEngine:
         """Greedy output ids per arrival: each added once this call ran `at_forward` forwards (at
         once when nothing is left to run), cancelled `abort_after` forwards after that (keeping the
         tokens transformers had handed over); runs until every request is done or cancelled."""
+        self._check_open("serve")
         encoded = [self.encode_request(list(a.prompt), a.max_new_tokens) for a in arrivals]
         order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].at_forward)
         request_ids: list[str] = [""] * len(arrivals)

@@ -51,3 +51,19 @@ def test_the_hooks_leave_the_model_with_the_engine():
     del engine
     gc.collect()
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_a_closed_engine_refuses_a_canary_and_requests():
+    """close() (a handle's close calls it) takes the hooks off the model: a canary attached after
+    would see no forward, so attaching one, or running requests, raises instead."""
+    handle = make_handle("mha")
+    engine, runtime = handle.engine, handle.side.runtime
+    handle.close()
+    assert not engine.model._forward_pre_hooks and not engine.model._forward_hooks
+    with pytest.raises(RuntimeError, match="set_forward_hooks on a closed TransformersEngine"):
+        engine.set_forward_hooks(runtime)
+    with pytest.raises(RuntimeError, match="generate on a closed TransformersEngine"):
+        engine.generate([PROMPT], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="serve on a closed TransformersEngine"):
+        engine.serve([])
+    engine.set_forward_hooks(None)  # detaching stays allowed

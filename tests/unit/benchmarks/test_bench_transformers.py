@@ -1,5 +1,6 @@
 """bench_transformers.py's prefill breakdown times each side's prefill forwards by phase and
-reports what the canary adds: HEAD and TAIL's host time shows up, in their phases."""
+reports what the canary adds: HEAD and TAIL's host time shows up, in their phases, on every run of
+one engine (the canary is detached between runs, not closed with the engine)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,25 @@ bench = sys.modules["bench_transformers_script"] = importlib.util.module_from_sp
 spec.loader.exec_module(bench)
 
 
-def test_a_prefill_breakdown_puts_the_canarys_host_time_in_head_and_tail():
+def test_a_prefill_breakdown_puts_the_canarys_host_time_in_head_and_tail_on_every_run():
     model, tokenizer = bench.random_model("cpu", "tinyllama", smoke=True)
     engine = bench.prefill_engine(model, tokenizer, 2, 24)
     try:
-        off, on, added = bench.measure_prefill(engine, 2, 24, "partial", "torch", 1, breakdown=True)
-        assert off > 0 and on > 0 and added["forwards"] >= 1
-        assert added["head"] > 0 and added["tail"] > 0  # no canary on the off side: its phases are empty
+        for run in (1, 0, 1):  # on first, off first, then on first after an on side detached
+            off, on, added = bench.measure_prefill(engine, 2, 24, "partial", "torch", run, breakdown=True)
+            assert off > 0 and on > 0 and added["forwards"] >= 1
+            assert added["head"] > 0 and added["tail"] > 0, (run, added)  # the off side's phases are empty
         assert bench.measure_prefill(engine, 2, 24, "partial", "torch", 0)[2] == {}
+    finally:
+        engine.close()
+
+
+def test_with_canary_refuses_work_the_canary_did_not_see():
+    model, tokenizer = bench.random_model("cpu", "tinyllama", smoke=True)
+    engine = bench.prefill_engine(model, tokenizer, 2, 24)
+    try:
+        with pytest.raises(AssertionError, match="saw none of the forwards"):
+            bench.with_canary(engine, "partial", "torch", lambda handle: None)
+        assert engine._forward.hooks is None  # detached either way
     finally:
         engine.close()
