@@ -66,7 +66,7 @@ fi
 wants kernels && step kernels 150 python3 benchmarks/bench_kernels.py
 wants overhead && step overhead 300 python3 benchmarks/bench_overhead.py
 if wants examples; then
-  step examples 150 python3 -m pytest --kv-canary examples/ -n 2 -p no:cacheprovider -rA \
+  step examples 240 python3 -m pytest --kv-canary examples/ -n 2 -p no:cacheprovider -rA \
     --kv-canary-report "$OUT/examples-report.json"
   python3 - "$OUT/examples-report.json" <<'PY'
 import json, sys
