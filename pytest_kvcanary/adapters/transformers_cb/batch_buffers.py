@@ -35,9 +35,12 @@ class BatchBuffers:
     (eager, before the forward); then, in the forward,
     ``upload`` and ``apply_tokens``, and once it sampled, ``put_tokens``."""
 
-    def __init__(self, capacities: Capacities, lanes: int, device: torch.device, pairs: int) -> None:
+    def __init__(self, capacities: Capacities, lanes: int, device: torch.device, pairs: int,
+                 fused: bool = False) -> None:
+        """fused: apply_tokens by a Triton kernel that reads only the entries staged (view_kernels.py;
+        CUDA, or the Triton interpreter), else by one scatter of every entry."""
         b, t = capacities.max_batch, capacities.max_tokens
-        shapes = {"batch": (1, 2), "lanes": (1, b), "tokens": (3, t)}
+        shapes = {"batch": (1, 3), "lanes": (1, b), "tokens": (3, t)}  # batch: size, sampled, entries staged
         total = sum(rows * cols for rows, cols in shapes.values())
         cuda = device.type == "cuda"
         self.device_flat = torch.zeros(total, dtype=torch.int64, device=device)
@@ -53,9 +56,10 @@ class BatchBuffers:
         self.scratch_row = lanes
         for host in self._hosts:
             host["tokens"][0] = lanes  # every entry unused: the scratch row
-        self._table = torch.full((lanes + 1, capacities.max_context), UNKNOWN, dtype=torch.int64, device=device)
-        self.token_table = self._table[:lanes]
-        self.batch, self.sampled = self.device_views["batch"][0, :1], self.device_views["batch"][0, 1:]
+        self.scratch_table = torch.full((lanes + 1, capacities.max_context), UNKNOWN, dtype=torch.int64, device=device)
+        self.token_table = self.scratch_table[:lanes]  # the view's; scratch_table's last row is scratch_row
+        self.batch, self.sampled = self.device_views["batch"][0, :1], self.device_views["batch"][0, 1:2]
+        self._fused = fused
         self._sample_numbers = torch.arange(b, device=device)
         self.lanes = self.device_views["lanes"][0]
         self._pair = 0  # the pair whose staging buffer is filled now
@@ -78,7 +82,7 @@ class BatchBuffers:
         tokens it samples (its leading logits indices)."""
         counts = (size, sampled)
         if self._sizes[self._pair] != counts:
-            self.host["batch"][0] = self._sizes[self._pair] = counts
+            self.host["batch"][0, :2] = self._sizes[self._pair] = counts
 
     def set_lanes(self, lanes: Sequence[int]) -> None:
         """Batch row r's request holds lane lanes[r]."""
@@ -112,7 +116,7 @@ class BatchBuffers:
                 self._spill = table[:, m:]
         if m < held:
             entries[0, m:held] = self.scratch_row
-        self._entries[self._pair] = m
+        self._entries[self._pair] = self.host["batch"][0, 2] = m
 
     def has_direct_writes(self) -> bool:
         """Whether this forward needs ``write_direct``: lanes to clear, or entries past the
@@ -125,18 +129,18 @@ class BatchBuffers:
         memory: a pageable copy would wait for the forward the device still runs (async
         batching) before the host could go on."""
         if self._cleared:
-            self._table.index_fill_(0, self._to_device(np.asarray(self._cleared, dtype=np.int64)), UNKNOWN)
+            self.scratch_table.index_fill_(0, self._to_device(np.asarray(self._cleared, dtype=np.int64)), UNKNOWN)
             self._cleared = ()
         if self._spill is not None:
             rows, positions, tokens = self._to_device(self._spill)
-            self._table.index_put_((rows, positions), tokens)
+            self.scratch_table.index_put_((rows, positions), tokens)
             self._spill = None
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(array)
-        if self._table.is_cuda:
+        if self.scratch_table.is_cuda:
             host = host.pin_memory()
-        return host.to(self._table.device, non_blocking=True)
+        return host.to(self.scratch_table.device, non_blocking=True)
 
     def upload(self) -> None:
         """Copy the selected pair's staging buffer to the device (device work; a copy node when
@@ -145,16 +149,21 @@ class BatchBuffers:
 
     def apply_tokens(self) -> None:
         """token_table[row, position] = token for this forward's entries (device work only)."""
+        if self._fused:
+            from .view_kernels import apply_entries
+
+            apply_entries(self.device_views["tokens"], self.device_views["batch"][0, 2:], self.scratch_table)
+            return
         rows, positions, tokens = self.device_views["tokens"]
-        self._table.index_put_((rows, positions), tokens)
+        self.scratch_table.index_put_((rows, positions), tokens)
 
     def put_tokens(self, lanes: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """token_table[lanes[i], positions[i]] = tokens[i] for the forward's sampled tokens (device
         work only; the entries past them, or past the table, go to the scratch row)."""
         n = lanes.shape[0]
-        valid = (self._sample_numbers[:n] < self.sampled) & (positions < self._table.shape[1])
-        self._table.index_put_((torch.where(valid, lanes, self.scratch_row), torch.where(valid, positions, 0)),
+        valid = (self._sample_numbers[:n] < self.sampled) & (positions < self.scratch_table.shape[1])
+        self.scratch_table.index_put_((torch.where(valid, lanes, self.scratch_row), torch.where(valid, positions, 0)),
                                tokens[:n].long())
 
     def reset(self) -> None:
-        self._table.fill_(UNKNOWN)
+        self.scratch_table.fill_(UNKNOWN)

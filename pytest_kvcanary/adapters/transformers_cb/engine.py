@@ -100,7 +100,8 @@ class TransformersEngine:
             max_batch=resolved.max_requests_per_batch, max_tokens=self.processor.cache.max_batch_tokens,
             max_context=min(max_context, model.config.max_position_embeddings))
         self._io = IOPairs(self.processor, use_async_batching)
-        buffers = BatchBuffers(self.capacities, 2 * self.capacities.max_batch, self.device, len(self._io.device_ios))
+        buffers = BatchBuffers(self.capacities, 2 * self.capacities.max_batch, self.device, len(self._io.device_ios),
+                               fused=self.device.type == "cuda")
         self._hashed_writes = HashedBlockWrites(self.layout, page_size)
         self._staging = BatchStaging(buffers, self.capacities.max_batch, self._hashed_writes)
         self._forward = GuardedForward(model, self.processor, self._io, self._staging, self.layout, self.capacities,

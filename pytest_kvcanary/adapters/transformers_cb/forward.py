@@ -54,7 +54,7 @@ class GuardedForward:
         buffers, groups = staging.buffers, layout.groups
         self.tables = empty_tables(groups, capacities, buffers.token_table.shape[0], device)
         self.view = empty_view(capacities, buffers.lanes, buffers.token_table)
-        self.derived = [DerivedView(d, capacities, buffers.batch, self.view, groups, self.tables)
+        self.derived = [DerivedView(d, capacities, buffers.batch, self.view, groups, self.tables, device.type == "cuda")
                         for d in io.device_ios]
         self.hooks: ForwardHooks | None = None
         self.steps = 0
@@ -145,7 +145,7 @@ class GuardedForward:
     def _put_sampled(self, pair: int, batch_data: dict[str, Any], output_ids: torch.Tensor) -> None:
         """The forward's sampled tokens (output_ids row 0, in the order of its logits_indices) into
         the token table, each at the position its request decodes next (device work)."""
-        self.staging.buffers.put_tokens(*self.derived[pair].sampled_at(batch_data["logits_indices"]), output_ids[0])
+        self.derived[pair].put_sampled(batch_data["logits_indices"], output_ids[0], self.staging.buffers)
 
     def _head(self, hooks: ForwardHooks, pair: int, inputs: dict[str, Any]) -> None:
         """What the host staged for this forward onto the device, the view's lengths and block
