@@ -5,7 +5,7 @@
 #   OUT=/some/dir bash benchmarks/gpu_run.sh                       # every step
 #   STEPS="tests overhead" OUT=/some/dir bash benchmarks/gpu_run.sh  # some of them
 #
-# Steps: tests (the GPU-relevant tests: kernels, runtime, graph decode, bug scenarios, and the Triton
+# Steps: tests (the GPU-relevant tests: kernels (the canary's and the transformers adapter's), runtime, graph decode, bug scenarios, and the Triton
 # fault and soak cases CPU CI leaves to this pass), kernels (bench_kernels.py), overhead
 # (bench_overhead.py), examples (the example suite under two xdist workers), transformers (the example
 # suite on the transformers engine, eager and with CUDA graphs), tf-bench (bench_transformers.py with
@@ -58,6 +58,7 @@ if wants tests; then  # kernel compiles dominate: spread them over workers when 
     tests/unit/engine/test_jitter.py tests/unit/engine/test_async_scheduling.py \
     tests/unit/scenarios tests/adapters/transformers/test_cuda_graphs.py \
     tests/adapters/transformers/test_forward_inputs.py tests/adapters/transformers/test_faults.py \
+    tests/adapters/transformers/test_view_kernels.py \
     tests/adapters/transformers/test_async_batching.py tests/adapters/transformers/test_model_hooks.py \
     tests/adapters/transformers/test_engine_defects.py tests/unit/soak \
     tests/unit/perturb/test_modes.py::test_triton_kernels_detect_every_fault \
