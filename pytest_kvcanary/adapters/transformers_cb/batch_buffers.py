@@ -162,8 +162,8 @@ class BatchBuffers:
         work only; the entries past them, or past the table, go to the scratch row)."""
         n = lanes.shape[0]
         valid = (self._sample_numbers[:n] < self.sampled) & (positions < self.scratch_table.shape[1])
-        self.scratch_table.index_put_((torch.where(valid, lanes, self.scratch_row), torch.where(valid, positions, 0)),
-                               tokens[:n].long())
+        at = (torch.where(valid, lanes, self.scratch_row), torch.where(valid, positions, 0))
+        self.scratch_table.index_put_(at, tokens[:n].long())
 
     def reset(self) -> None:
         self.scratch_table.fill_(UNKNOWN)

@@ -89,7 +89,8 @@ def _apply_entries_kernel(entries_ptr, count_ptr, n_entries, table_ptr, table_st
     tl.store(table_ptr + lane * table_stride + position, token, mask=used)
 
 
-def copy_inputs(ids: torch.Tensor, positions: torch.Tensor, view_ids: torch.Tensor, view_positions: torch.Tensor) -> None:
+def copy_inputs(ids: torch.Tensor, positions: torch.Tensor, view_ids: torch.Tensor,
+                view_positions: torch.Tensor) -> None:
     """view_ids[:] = ids and view_positions[:] = positions, one launch (see _copy_inputs_kernel)."""
     n, block = view_ids.shape[0], 1024
     _copy_inputs_kernel[(triton.cdiv(n, block),)](ids, positions, view_ids, view_positions, n, BLOCK=block)

@@ -48,7 +48,8 @@ def random_forward(rng: random.Random, dtype: torch.dtype, cached: bool) -> tupl
 
     def index(length: int) -> torch.Tensor:
         values = [rng.randrange(32) * 4 + rng.randrange(4) for _ in range(length)]
-        return torch.tensor([v if rng.random() > 0.05 else -1 for v in values], dtype=dtype, device=DEVICE)  # -1: padding
+        padded = [v if rng.random() > 0.05 else -1 for v in values]  # -1: padding
+        return torch.tensor(padded, dtype=dtype, device=DEVICE)
 
     reads = [index(sum(totals)) if cached else index(0) for _ in range(2)]
     writes = [index(max(sum(extends), 1)) for _ in range(2)]
@@ -62,7 +63,8 @@ def derived_pair(io: SimpleNamespace, groups: list[GroupCache], batch: torch.Ten
     for fused in (False, True):
         rows = torch.zeros(CAPACITIES.max_batch, dtype=torch.int64, device=DEVICE)
         rows[:len(lanes)] = torch.tensor(lanes, dtype=torch.int64)
-        view = empty_view(CAPACITIES, rows, torch.zeros(LANES, CAPACITIES.max_context, dtype=torch.int64, device=DEVICE))
+        token_table = torch.zeros(LANES, CAPACITIES.max_context, dtype=torch.int64, device=DEVICE)
+        view = empty_view(CAPACITIES, rows, token_table)
         tables = empty_tables(groups, CAPACITIES, LANES, torch.device(DEVICE))
         for table in tables.values():
             table.copy_(torch.arange(table.numel()).view_as(table) % 7)
