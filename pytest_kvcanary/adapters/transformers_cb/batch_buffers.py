@@ -20,6 +20,7 @@ batching: the forward before that, the last one of the same pair)."""
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Sequence
 
 import numpy as np
@@ -59,7 +60,7 @@ class BatchBuffers:
         self.scratch_table = torch.full((lanes + 1, capacities.max_context), UNKNOWN, dtype=torch.int64, device=device)
         self.token_table = self.scratch_table[:lanes]  # the view's; scratch_table's last row is scratch_row
         self.batch, self.sampled = self.device_views["batch"][0, :1], self.device_views["batch"][0, 1:2]
-        self._fused = fused
+        self._kernels = import_module(".view_kernels", __package__) if fused else None  # triton, when fused
         self._sample_numbers = torch.arange(b, device=device)
         self.lanes = self.device_views["lanes"][0]
         self._pair = 0  # the pair whose staging buffer is filled now
@@ -149,10 +150,9 @@ class BatchBuffers:
 
     def apply_tokens(self) -> None:
         """token_table[row, position] = token for this forward's entries (device work only)."""
-        if self._fused:
-            from .view_kernels import apply_entries
-
-            apply_entries(self.device_views["tokens"], self.device_views["batch"][0, 2:], self.scratch_table)
+        if self._kernels is not None:
+            entries, count = self.device_views["tokens"], self.device_views["batch"][0, 2:]
+            self._kernels.apply_entries(entries, count, self.scratch_table)
             return
         rows, positions, tokens = self.device_views["tokens"]
         self.scratch_table.index_put_((rows, positions), tokens)

@@ -54,8 +54,8 @@ class GuardedForward:
         buffers, groups = staging.buffers, layout.groups
         self.tables = empty_tables(groups, capacities, buffers.token_table.shape[0], device)
         self.view = empty_view(capacities, buffers.lanes, buffers.token_table)
-        self.derived = [DerivedView(d, capacities, buffers.batch, self.view, groups, self.tables, device.type == "cuda")
-                        for d in io.device_ios]
+        self.derived = [DerivedView(d, capacities, buffers.batch, self.view, groups, self.tables,
+                                    fused=device.type == "cuda") for d in io.device_ios]
         self.hooks: ForwardHooks | None = None
         self.steps = 0
         self.view_staging = LaunchReplay(device, device.type == "cuda")

@@ -30,6 +30,7 @@ on persistent buffers (capturable in a CUDA graph); the buffers are refilled in 
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -87,45 +88,40 @@ class DerivedView:
         sliding = io.cumulative_seqlens_k.get(SLIDING_ATTENTION)
         self.cu_k_sliding = None if sliding is None else sliding[:b + 1]
         self._ring = {g.kind: torch.arange(g.ring, dtype=torch.int64, device=device) for g in groups if g.ring}
-        self._fused = fused
+        self._full = [g for g in groups if not g.ring]
+        self._sliding = [g for g in groups if g.ring]
+        self._kernels = import_module(".view_kernels", __package__) if fused else None  # triton, when fused
 
     def derive(self, read_index: Sequence[torch.Tensor], write_index: Sequence[torch.Tensor]) -> None:
         """The view's lengths, then each group's table rows of this forward's lanes from the
         indices its cache updates get (`read_index`, `write_index`: per group, in transformers'
         order)."""
-        if self._fused:
-            self._derive_fused([g for g in self.groups if not g.ring], read_index, write_index)
-            if all(not g.ring for g in self.groups):
+        if self._kernels is not None:
+            self._derive_fused(read_index, write_index)
+            if not self._sliding:
                 return
         live = self._row_numbers < self.batch
-        if not self._fused:
+        lanes = torch.where(live, self.view.rows, self._scratch)
+        if self._kernels is None:
             extend = torch.diff(self.cu_q) * live
             self.view.extend_lens.copy_(extend)
             self.view.prefix_lens.copy_(torch.diff(self.cu_k) * live - extend)
-        lanes = torch.where(live, self.view.rows, self._scratch)
-        for group in self.groups:
-            reads, writes = read_index[group.io_index], write_index[group.io_index]
-            if group.ring:
-                self._sliding_table(group, live, lanes, reads, writes)
-            elif not self._fused:
-                self._full_table(group, lanes, reads, writes)
+            for group in self._full:
+                self._full_table(group, lanes, read_index[group.io_index], write_index[group.io_index])
+        for group in self._sliding:
+            self._sliding_table(group, live, lanes, read_index[group.io_index], write_index[group.io_index])
 
-    def _derive_fused(self, full: Sequence[GroupCache], read_index: Sequence[torch.Tensor],
-                      write_index: Sequence[torch.Tensor]) -> None:
+    def _derive_fused(self, read_index: Sequence[torch.Tensor], write_index: Sequence[torch.Tensor]) -> None:
         """derive's lengths and full-attention tables, a kernel launch a full group (one for the
         lengths alone without one)."""
-        from .view_kernels import derive_full
-
-        view = self.view
-        for group in full or [None]:
-            index = starts = table = None
-            if group is not None:
-                reads, writes = read_index[group.io_index], write_index[group.io_index]
-                index, starts = (reads, self.cu_k) if reads.numel() else (writes, self.cu_q)
-                table = self.tables[group.kind]
-            derive_full(self.cu_q, self.cu_k, self.batch, view.rows, view.prefix_lens, view.extend_lens, index,
-                        starts, table, group.page_size if group else 1, group.index_stride if group else 1,
-                        self._scratch)
+        lengths = (self.cu_q, self.cu_k, self.batch, self.view.rows, self.view.prefix_lens, self.view.extend_lens)
+        if not self._full:
+            self._kernels.derive_full(*lengths)
+        for group in self._full:
+            reads, writes = read_index[group.io_index], write_index[group.io_index]
+            index, starts = (reads, self.cu_k) if reads.numel() else (writes, self.cu_q)
+            self._kernels.derive_full(*lengths, index, starts, self.tables[group.kind], group.page_size,
+                                      group.index_stride, self._scratch)
 
     def _full_table(self, group: GroupCache, lanes: torch.Tensor, reads: torch.Tensor, writes: torch.Tensor) -> None:
         view, block_starts = self.view, self._block_starts[group.kind]
@@ -166,19 +162,15 @@ class DerivedView:
     def put_sampled(self, logits_indices: torch.Tensor, tokens: torch.Tensor, buffers: BatchBuffers) -> None:
         """buffers.put_tokens of the tokens sampled from the logits at `logits_indices`, at
         sampled_at's lanes and positions (device work; fused: one kernel launch)."""
-        if not self._fused:
+        if self._kernels is None:
             buffers.put_tokens(*self.sampled_at(logits_indices), tokens)
             return
-        from .view_kernels import put_sampled
-
-        put_sampled(logits_indices, self.cu_q, self.batch, buffers.sampled, self.view.rows, self.position_ids, tokens,
-                    buffers.scratch_table, buffers.scratch_row)
+        self._kernels.put_sampled(logits_indices, self.cu_q, self.batch, buffers.sampled, self.view.rows,
+                                  self.position_ids, tokens, buffers.scratch_table, buffers.scratch_row)
 
     def copy_inputs(self) -> None:
-        if self._fused:
-            from .view_kernels import copy_inputs
-
-            copy_inputs(self.input_ids, self.position_ids, self.view.input_ids, self.view.positions)
+        if self._kernels is not None:
+            self._kernels.copy_inputs(self.input_ids, self.position_ids, self.view.input_ids, self.view.positions)
             return
         self.view.input_ids.copy_(self.input_ids)
         self.view.positions.copy_(self.position_ids)

@@ -103,9 +103,9 @@ def apply_entries(entries: torch.Tensor, count: torch.Tensor, table: torch.Tenso
 
 
 def derive_full(cu_q: torch.Tensor, cu_k: torch.Tensor, batch: torch.Tensor, rows: torch.Tensor,
-                prefix_lens: torch.Tensor, extend_lens: torch.Tensor, index: torch.Tensor | None,
-                starts: torch.Tensor | None, table: torch.Tensor | None, page_size: int, index_stride: int,
-                scratch: int) -> None:
+                prefix_lens: torch.Tensor, extend_lens: torch.Tensor, index: torch.Tensor | None = None,
+                starts: torch.Tensor | None = None, table: torch.Tensor | None = None, page_size: int = 1,
+                index_stride: int = 1, scratch: int = 0) -> None:
     """The view's lengths of every row of cu_q; with a table (and its index and the rows' starts in
     it), that table's rows too (see _derive_full_kernel)."""
     n_rows = cu_q.shape[0] - 1
