@@ -85,15 +85,7 @@ class DecodeRun:
         engine.set_forward_hooks(None if hooks is None else timed)
         engine.reset()
         side.runtime.reset()
-        vocab = engine.config.model.vocab_size
-        gen = torch.Generator().manual_seed(self.seed)
-        for _ in range(self.batch):
-            engine.submit(torch.randint(1, vocab, (self.prompt,), generator=gen).tolist(),
-                          self.warmup + self.steps + 2)
-        while engine.scheduler.waiting:  # the prefill forwards
-            engine.step()
-        for _ in range(self.warmup):  # captures the graphs
-            engine.step()
+        start_run(engine, self.batch, self.prompt, self.warmup, self.steps, self.seed)
         times = []
         profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     if self.breakdown == "kernels" else contextlib.nullcontext())
@@ -102,12 +94,8 @@ class DecodeRun:
         with profiler, (timed_replays(replays) if self.breakdown == "graphs" else contextlib.nullcontext()), \
                 (phases or contextlib.nullcontext()):
             for _ in range(self.steps):
-                synchronize(engine.device)
                 timed.seconds = 0.0
-                start = time.perf_counter()
-                engine.step()
-                synchronize(engine.device)
-                times.append((1e3 * (time.perf_counter() - start), 1e6 * timed.seconds))
+                times.append((timed_step(engine), 1e6 * timed.seconds))
                 if phases is not None:
                     phases.end_step(times[-1][0] * 1e3, times[-1][1])
         if phases is not None:
@@ -262,6 +250,29 @@ def interval_text(values: list[float]) -> str:
     return f"{low:+.1f}..{high:+.1f}%"
 
 
+def start_run(engine: Engine, batch: int, prompt: int, warmup: int, steps: int, seed: int) -> None:
+    """On an engine just reset: `batch` prompts of `prompt` random tokens (seeded) submitted for
+    warmup + steps + 2 new tokens each, prefilled, and `warmup` decode steps run (they capture the
+    decode graphs the engine holds none of)."""
+    vocab = engine.config.model.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(batch):
+        engine.submit(torch.randint(1, vocab, (prompt,), generator=gen).tolist(), warmup + steps + 2)
+    while engine.scheduler.waiting:  # the prefill forwards
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+
+
+def timed_step(engine: Engine) -> float:
+    """One engine.step(), the device synchronised before and after: its wall ms."""
+    synchronize(engine.device)
+    start = time.perf_counter()
+    engine.step()
+    synchronize(engine.device)
+    return 1e3 * (time.perf_counter() - start)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -281,6 +292,39 @@ class OneEngine:
 
     def close(self) -> None:
         self.handle.close()
+
+
+class SideBySide:
+    """tp=1: two engines of one configuration in this process, the canary off on one and on the
+    other (attached once: each keeps its decode graphs from run to run). A run (``pair``) starts both
+    alike and times their decode steps in turn, which one goes first alternating step by step, so
+    a change in the host's pace lands on both sides of the pair."""
+
+    def __init__(self, engine: EngineConfig, canary: CanaryConfig) -> None:
+        self.off = Engine(engine)
+        self.on = OneEngine(engine, canary)
+
+    def pair(self, batch: int, prompt: int, warmup: int, steps: int, seed: int) -> tuple[float, float]:
+        """One run: (off, on) median ms of a decode step over `steps` steps each; the canary must
+        report nothing and count every launch it owes."""
+        engines, runtime = (self.off, self.on.engine), self.on.handle.side.runtime
+        for engine in engines:
+            engine.reset()
+        runtime.reset()
+        for engine in engines:
+            start_run(engine, batch, prompt, warmup, steps, seed)
+        times: tuple[list[float], list[float]] = ([], [])
+        for step in range(steps):
+            for side in ((0, 1) if (step + seed) % 2 == 0 else (1, 0)):
+                times[side].append(timed_step(engines[side]))
+        assert all(len(engine.running) == batch for engine in engines), "a request finished or was retracted"
+        runtime.drain()
+        assert not runtime.log.violations and not runtime.health_problems(), runtime.health_problems()
+        assert runtime.forwards >= steps, "the canary saw none of the steps it was timed on"
+        return statistics.median(times[0]), statistics.median(times[1])
+
+    def close(self) -> None:
+        self.on.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

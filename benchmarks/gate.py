@@ -12,8 +12,11 @@ a 95% interval and held to a budget.
 A row is one measurement of the committed benchmarks, canary off versus on in one process:
 transformers continuous batching with CUDA graphs (bench_transformers.py: a decode step's median
 time at a batch size, or the time to first token of a prefill), or the reference engine's graph
-decode (bench_reference.py: a decode step's median time). A pair is one off run and one on run
-(the order alternates, so a drift lands on both sides); its cost is (on - off) / off.
+decode (bench_reference.py: a decode step's median time). A transformers pair is one off run and
+one on run of one engine (the order alternates, so a drift lands on both sides); a reference pair
+is one run of two engines side by side, the canary off on one and on on the other, their decode
+steps timed in turn (bench_reference.SideBySide: the host's pace moves between runs by more than
+the canary costs, and within a run both sides share it). Its cost is (on - off) / off.
 
 Per row, pairs are measured until the 95% interval of the median cost (a seeded bootstrap over
 the pairs, at least --min-pairs of them) is decided against the row's budget: entirely at or
@@ -21,8 +24,9 @@ under it (within), entirely over it (over). A row whose interval still straddles
 --max-pairs pairs or --seconds (--prefill-seconds for a prefill row; no new pair starts past them,
 but the first --min-pairs always run) reads "unreadable": its spread is wider than its margin, and it
 gates nothing. Each pair prints a progress line; the table comes
-last. A decode row's side of a pair is one generation of DECODE_NEW tokens, its median step (the
-row's engine warmed once a mode when it opens); a prefill row's, one warmed prefill.
+last. A transformers decode row's side of a pair is one generation of DECODE_NEW tokens, its median
+step (the row's engine warmed once a mode when it opens); a prefill row's, one warmed prefill; a
+reference row's, the median of its engine's timed steps in the run.
 
 Exit status: 0 when every row is within its budget, 1 when a row is over, 2 when none is over
 but a row could not be read (with --table: or was not read at all).
@@ -84,14 +88,9 @@ def reference(attention: str, batch: int, kv_dtype: str = "auto") -> Callable[[b
         from pytest_kvcanary.config import CanaryConfig
 
         args = bench.parse_args(["--attention", attention, "--kv-dtype", kv_dtype] + (["--smoke"] if smoke else []))
-        one = bench.OneEngine(bench.engine_config(args, batch),
-                              CanaryConfig(real_data="partial", sweep_interval=args.sweep_interval, kernels=args.kernels))
-
-        def step_ms(i: int, canary: bool) -> float:
-            run = bench.DecodeRun("canary" if canary else "off", batch, args.prompt, args.warmup, args.steps, i)
-            return statistics.median(step for step, _ in one.call(run)[0])
-
-        return (lambda i: alternate(i, lambda canary: step_ms(i, canary))), one.close
+        engines = bench.SideBySide(bench.engine_config(args, batch), CanaryConfig(
+            real_data="partial", sweep_interval=args.sweep_interval, kernels=args.kernels))
+        return (lambda i: engines.pair(batch, args.prompt, args.warmup, args.steps, i)), engines.close
 
     return open_row
 

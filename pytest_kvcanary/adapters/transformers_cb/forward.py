@@ -10,6 +10,7 @@ how each part is guarded.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ...canary.launch_replay import LaunchReplay, buffers_key
-from ...canary.seam import Capacities, ForwardHooks
+from ...canary.seam import Capacities, ForwardHooks, ForwardView
 from .forward_view import DerivedView, empty_tables, empty_view
 from ..patches import Patches
 from .staging import BatchStaging
@@ -25,6 +26,9 @@ from .versions import (
     BlockManagerLayout, IOPairs, SectorLayout, StoreReport, UnsupportedModel, guard_compute, record_sampled,
     report_cache_stores,
 )
+
+
+MIN_SPAN = 64  # the shortest token span of the views handed to the canary (token_view)
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
@@ -54,6 +58,8 @@ class GuardedForward:
         buffers, groups = staging.buffers, layout.groups
         self.tables = empty_tables(groups, capacities, buffers.token_table.shape[0], device)
         self.view = empty_view(capacities, buffers.lanes, buffers.token_table)
+        self._token_views: dict[int, ForwardView] = {}  # the view's token arrays cut to a span (token_view)
+        self._pair_views = [self.view] * len(io.device_ios)  # the view each pair's forward in flight was handed
         self.derived = [DerivedView(d, capacities, buffers.batch, self.view, groups, self.tables,
                                     fused=device.type == "cuda") for d in io.device_ios]
         self.hooks: ForwardHooks | None = None
@@ -156,19 +162,37 @@ class GuardedForward:
             raise UnsupportedModel("transformers runs this batch on its block-table decode path (flash attention "
                                    "with a KV cache); the canary reads the read and write indices of the SDPA path")
         reads, writes = inputs["read_index"], inputs["write_index"]
-        self.view_staging.run((pair, buffers_key([*reads, *writes])), lambda: self._stage_view(pair, reads, writes))
+        view = self._pair_views[pair] = self.token_view(inputs["input_ids"].shape[-1])
+        self.view_staging.run((pair, view.input_ids.shape[0], buffers_key([*reads, *writes])),
+                              lambda: self._stage_view(pair, view, reads, writes))
         self._head_pair = pair
-        hooks.before_forward(self.view)
+        hooks.before_forward(view)
 
-    def _stage_view(self, pair: int, read_index: Sequence[torch.Tensor], write_index: Sequence[torch.Tensor]) -> None:
+    def token_view(self, tokens: int) -> ForwardView:
+        """The view with its token arrays cut to the first span of MIN_SPAN * 4^k tokens that holds a
+        forward of `tokens` (capped at max_tokens; the same object for the same span): the canary's
+        launches for a decode step span its padded tokens, not the buffers' capacity, and a few
+        spans keep their replays few."""
+        capacity, span = self.view.input_ids.shape[0], MIN_SPAN
+        while span < tokens:
+            span *= 4
+        span = min(span, capacity)
+        view = self._token_views.get(span)
+        if view is None:
+            view = self._token_views[span] = dataclasses.replace(
+                self.view, input_ids=self.view.input_ids[:span], positions=self.view.positions[:span])
+        return view
+
+    def _stage_view(self, pair: int, view: ForwardView, read_index: Sequence[torch.Tensor],
+                    write_index: Sequence[torch.Tensor]) -> None:
         """The staged buffer uploaded and its token entries applied, the view derived and its inputs
-        copied (device work only, the same launches for the same pair and index buffers: an eager
-        forward's are replayed from a CUDA graph once they repeat, launch_replay.py)."""
+        copied into `view` (device work only, the same launches for the same pair, span and index
+        buffers: an eager forward's are replayed from a CUDA graph once they repeat, launch_replay.py)."""
         self.staging.buffers.upload()
         self.staging.buffers.apply_tokens()
         derived = self.derived[pair]
         derived.derive(read_index, write_index)
-        derived.copy_inputs()
+        derived.copy_inputs(view)
 
     def feed_token(self, view: Any, index: int, token: int) -> None:
         """`token` at view token `index` of the forward about to run (TransformersEngine.feed_token)."""
@@ -177,8 +201,9 @@ class GuardedForward:
 
     def _tail(self, hooks: ForwardHooks, pair: int) -> None:
         """The inputs as the forward left them into the view, then RECHECK and TAIL (device work)."""
-        self.derived[pair].copy_inputs()
-        hooks.after_forward(self.view)
+        view = self._pair_views[pair]
+        self.derived[pair].copy_inputs(view)
+        hooks.after_forward(view)
 
     def _store_report(self) -> StoreReport | None:
         """Where the paged cache's update hands a layer's computed K/V rows ([T, H, D], view token

@@ -168,9 +168,12 @@ class DerivedView:
         self._kernels.put_sampled(logits_indices, self.cu_q, self.batch, buffers.sampled, self.view.rows,
                                   self.position_ids, tokens, buffers.scratch_table, buffers.scratch_row)
 
-    def copy_inputs(self) -> None:
+    def copy_inputs(self, view: ForwardView) -> None:
+        """The forward's input ids and positions into `view`'s token arrays (the view's, cut to a
+        span: as many tokens as they hold)."""
+        n = view.input_ids.shape[0]
         if self._kernels is not None:
-            self._kernels.copy_inputs(self.input_ids, self.position_ids, self.view.input_ids, self.view.positions)
+            self._kernels.copy_inputs(self.input_ids[:n], self.position_ids[:n], view.input_ids, view.positions)
             return
-        self.view.input_ids.copy_(self.input_ids)
-        self.view.positions.copy_(self.position_ids)
+        view.input_ids.copy_(self.input_ids[:n])
+        view.positions.copy_(self.position_ids[:n])

@@ -84,3 +84,32 @@ def test_without_the_fault_nothing_is_reported(placement):
     handle.generate([PROMPT], max_new_tokens=6)
     handle.side.runtime.drain()
     assert handle.violations() == []
+
+
+def test_the_canary_is_handed_a_view_spanning_the_forwards_tokens():
+    """Each forward's view holds the forward's tokens in the shortest span of 64 * 4^k that fits them
+    (capped at max_tokens), the same view for the same span: a decode step's launches span its
+    padded tokens, not the input buffers' capacity. A prompt of 100 tokens prefills in one forward.
+    Eager: a replayed forward calls no hook (the span is chosen when its graph is captured)."""
+    handle = make_handle("mha", max_batch_tokens=512)
+    engine, hooks = handle.engine, handle.side.runtime
+    spans: list[tuple[int, int]] = []  # per forward: the view's span and the view's id
+    consumed: list[int] = []  # per forward: the tokens its model embedded
+    before_forward = hooks.before_forward
+
+    def recording(view):
+        spans.append((view.input_ids.shape[0], id(view)))
+        before_forward(view)
+
+    hooks.before_forward = recording
+    counting = engine.model.register_forward_pre_hook(
+        lambda _, args, kwargs: consumed.append(kwargs["input_ids"].shape[-1]), with_kwargs=True)
+    try:
+        handle.generate([[40 + i % 150 for i in range(100)]], max_new_tokens=4)
+    finally:
+        counting.remove()
+    assert [span for span, _ in spans] == [256, 64, 64, 64]
+    assert len(consumed) == 4 and consumed[0] >= 100 and all(n <= span for n, (span, _) in zip(consumed, spans))
+    assert len({view for span, view in spans if span == 64}) == 1
+    handle.side.runtime.drain()
+    assert handle.violations() == []

@@ -4,6 +4,7 @@ table rows (DerivedView.derive), and the sampled tokens in the token table (put_
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -119,13 +120,21 @@ def test_put_sampled_by_the_kernel_matches_the_torch_form(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_copy_inputs_by_the_kernel_matches_the_torch_form(seed):
+    """Into the whole view (even seeds) or one cut to a span (odd): as many tokens as it holds, the
+    view's tokens past the span untouched."""
     io, _, _, n = random_forward(random.Random(seed), (torch.int32, torch.int64)[seed % 2], cached=True)
     torch_form, kernel = derived_pair(io, [group(GroupKind.FULL, 0, 4)], torch.tensor([n], device=DEVICE), [])
+    span = CAPACITIES.max_tokens if seed % 2 == 0 else 16 + seed
     for derived in (torch_form, kernel):
-        derived.copy_inputs()
+        derived.view.input_ids.fill_(-7)
+        cut = dataclasses.replace(derived.view, input_ids=derived.view.input_ids[:span],
+                                  positions=derived.view.positions[:span])
+        derived.copy_inputs(cut)
     assert torch.equal(kernel.view.input_ids, torch_form.view.input_ids)
     assert torch.equal(kernel.view.positions, torch_form.view.positions)
-    assert torch.equal(kernel.view.positions, io.position_ids.long()) and bool(kernel.view.positions.any())
+    assert torch.equal(kernel.view.positions[:span], io.position_ids[:span].long())
+    assert torch.equal(kernel.view.input_ids[:span], io.input_ids[:span].long())
+    assert bool((kernel.view.input_ids[span:] == -7).all()) and bool(kernel.view.positions.any())
 
 
 @pytest.mark.parametrize("seed", range(4))
