@@ -5,6 +5,7 @@
     python benchmarks/bench_transformers.py --model /path/to/checkpoint --batches 8 32
     python benchmarks/bench_transformers.py --batching async --graphs on --batches 1 32 --runs 3
     python benchmarks/bench_transformers.py --shape llama3-8b --batches 64 128 --prefill 8x16384 --runs 3
+    python benchmarks/bench_transformers.py --shape llama3-8b --graphs on --batches 32 --real-data partial all --kernel-times
     python benchmarks/bench_transformers.py --smoke             # tiny model, any device (checks the script)
 
 The engine is pytest-kvcanary's transformers adapter (SDPA attention, synchronous batching, or
@@ -38,6 +39,12 @@ its time moves between runs by more than the canary costs (benchmarks/RESULTS.md
 graph rows. Under async batching a step returns before the device finishes it (the host prepares
 the next batch meanwhile), so a decode step's time is the interval from its start to the next
 step's start, the pace the loop settles at.
+
+--kernel-times: after each decode row, each kernel the canary adds a decode step, its device time
+and launches (a generation of NEW tokens minus one of NEW / 8 under torch.profiler, each after one that
+warms up and captures; canary off and on; with CUDA graphs the replayed kernels are counted, not the
+gaps between them). Kernel time is steadier than a step's wall time, so it compares real_data modes
+where step times cannot (on a CPU, --smoke: each op's own CPU time).
 
 Prefill (--prefill BxP): the time to first token of B fresh prompts of P tokens submitted together
 (a generation of one new token each, from submitting to the last token read back), canary off and
@@ -198,6 +205,59 @@ def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: 
     return 1e3 * statistics.median(timer.decode), host
 
 
+def per_step(short: dict[str, list[float]], long: dict[str, list[float]], steps: int
+             ) -> dict[str, tuple[float, float]]:
+    """Per kernel name: (us, launches) a step of the `steps` decode steps a long generation runs past
+    a short one, from each one's kernel durations by name."""
+    return {name: ((sum(long.get(name, ())) - sum(short.get(name, ()))) / steps,
+                   (len(long.get(name, ())) - len(short.get(name, ()))) / steps) for name in {*short, *long}}
+
+
+def kernel_steps(engine: TransformersEngine, batch: int, prompt: int, new: int) -> dict[str, tuple[float, float]]:
+    """Per kernel name, (device us, launches) a decode step: a generation of `new` tokens minus one of
+    new // 8, each profiled (torch.profiler; a CUDA graph's kernels included) after one of each that
+    warms up (captures). On a CPU: each op's own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    prompts = torch.randint(0, 256, (batch, prompt), generator=torch.Generator().manual_seed(batch)).tolist()
+
+    def durations(tokens: int) -> dict[str, list[float]]:
+        synchronize(engine.device)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as profiler:
+            engine.generate(prompts, max_new_tokens=tokens)
+            synchronize(engine.device)
+        found: dict[str, list[float]] = {}
+        for event in profiler.events():
+            if cuda == (event.device_type == torch.autograd.DeviceType.CUDA):
+                found.setdefault(event.name, []).append(event.device_time if cuda else event.self_cpu_time_total)
+        return found
+
+    short = max(1, new // 8)
+    for tokens in (short, new):
+        engine.generate(prompts, max_new_tokens=tokens)
+    return per_step(durations(short), durations(new), new - short)
+
+
+def added(off: dict[str, tuple[float, float]], on: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Per kernel name, on minus off (a name one side lacks counts 0 there)."""
+    none = (0.0, 0.0)
+    return {name: (on.get(name, none)[0] - off.get(name, none)[0], on.get(name, none)[1] - off.get(name, none)[1])
+            for name in {*off, *on}}
+
+
+def print_kernel_times(by_kernel: dict[str, tuple[float, float]], what: str, rows: int = 16) -> None:
+    """The kernels the canary adds a decode step (``added``), largest first; the total over those
+    that move by at least 0.5 us or 0.05 launches a step."""
+    shown = sorted(((us, n, name) for name, (us, n) in by_kernel.items() if abs(us) >= 0.5 or abs(n) >= 0.05),
+                   reverse=True)
+    print(f"kernels the canary adds a decode step, {what}: {sum(us for us, _, _ in shown):+.1f} us, "
+          f"{sum(n for _, n, _ in shown):+.1f} launches")
+    print("| kernel | us a step | launches a step |\n|---|---:|---:|")
+    for us, n, name in shown[:rows]:
+        print(f"| {name[:80]} | {us:+.1f} | {n:+.1f} |")
+
+
 def measure(engine: TransformersEngine, batch: int, real_data: str, kernels: str, prompt: int, new: int,
             repeats: int) -> tuple[float, float, dict[str, float]]:
     """One run: (off ms, on ms, canary host us by phase) per decode step."""
@@ -332,6 +392,9 @@ def main() -> None:
                         help="transformers' synchronous or async batching (async: CUDA only)")
     parser.add_argument("--runs", type=int, default=1, help="measurements per configuration (spread shown)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per measurement")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="after each decode row, the device time and launches of each kernel the canary adds "
+                             "a decode step (torch.profiler, canary off and on)")
     parser.add_argument("--smoke", action="store_true", help="tiny random model, 1 repeat, any device")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -373,6 +436,12 @@ def main() -> None:
                       f"{sum(phases.values()):.0f} | {hosts[0]:.0f}..{hosts[-1]:.0f} | "
                       + " | ".join(f"{phases[p]:.0f}" for p in PHASES) + " |",
                       flush=True)
+                if args.kernel_times:
+                    off_kernels = kernel_steps(engine, batch, prompt, new)
+                    on_kernels = with_canary(engine, real_data, kernels,
+                                             lambda _: kernel_steps(engine, batch, prompt, new))
+                    print_kernel_times(added(off_kernels, on_kernels),
+                                       f"batch {batch}, graphs {'on' if use_cuda_graph else 'off'}, {real_data}")
             del engine
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -40,3 +40,25 @@ def test_with_canary_refuses_work_the_canary_did_not_see():
         assert engine._forward.hooks is None  # detached either way
     finally:
         engine.close()
+
+
+def test_kernel_times_are_the_steps_past_the_short_generation_on_minus_off():
+    short, long = {"a": [1.0, 1.0], "b": [2.0]}, {"a": [1.0] * 6, "c": [4.0, 4.0]}
+    assert bench.per_step(short, long, 2) == {"a": (2.0, 2.0), "b": (-1.0, -0.5), "c": (4.0, 1.0)}
+    assert bench.added({"a": (1.0, 1.0)}, {"a": (3.0, 1.0), "k": (2.0, 1.0)}) == {"a": (2.0, 0.0), "k": (2.0, 1.0)}
+
+
+def test_kernel_times_of_a_decode_step_include_the_canarys_work():
+    """On a CPU the profiler's ops stand in for kernels: the canary's HEAD and TAIL add ops to every
+    decode step on its side, and none when it is detached."""
+    model, tokenizer = bench.random_model("cpu", "tinyllama", smoke=True)
+    engine = bench.decode_engine(model, tokenizer, 2, 24, 16, False, "sync")
+    try:
+        off = bench.kernel_steps(engine, 2, 24, 16)
+        on = bench.with_canary(engine, "partial", "torch", lambda _: bench.kernel_steps(engine, 2, 24, 16))
+        again = bench.kernel_steps(engine, 2, 24, 16)
+        launches = lambda by_kernel: sum(n for _, n in by_kernel.values())  # noqa: E731
+        assert launches(bench.added(off, on)) > 50  # a step's HEAD, RECHECK and TAIL in torch ops
+        assert abs(launches(bench.added(off, again))) < 1
+    finally:
+        engine.close()
