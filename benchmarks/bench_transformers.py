@@ -23,8 +23,9 @@ every SWEEP steps, the violation log drained as the runtime's drain_interval say
 graphs the canary's per-forward work is captured inside transformers' own graphs and replays with
 them, canary_graphs=True). Host us is the host wall time the canary adds to a decode step, the
 mean over steps, and where it goes (PHASES): map (the model runner's compute_batch, which the
-engine wraps, less the forward and the end_forward inside: the batch's bookkeeping into the staged
-buffer and the rest of the wrapper), head (the view's derivation and HEAD launched from the model's
+engine wraps, less the forward, the end_forward and the defect notes inside: the batch's bookkeeping
+into the staged buffer and the rest of the wrapper), defect notes (transformers 5.17: the slots each
+forward writes in blocks it hashed, noted as the engine's defect; nothing from 5.18), head (the view's derivation and HEAD launched from the model's
 forward pre-hook: 0 in a replayed forward), tail (the forward's inputs, RECHECK and TAIL,
 likewise), end_forward (counting, the sweep every SWEEP steps, the log drain; the engine calls it
 right after launching the forward, so with CUDA graphs it overlaps the device's work, but it is
@@ -112,14 +113,14 @@ def blocks(batch: int, tokens: int) -> int:
     return batch * (-(-tokens // 64) + 2) + 16
 
 
-PHASES = ("map", "head", "tail", "end_forward", "block log")
+PHASES = ("map", "defect notes", "head", "tail", "end_forward", "block log")
 
 
 class StepTimer:
     """Wraps the processor's generation step: wall seconds of each decode step, and where the host
     seconds the canary adds to that step go (PHASES): map (the model runner's compute_batch, which
-    the engine wraps, less the forward and the end_forward it runs: mapping the batch into the
-    staged buffer and what else the wrapper does), the view's derivation and HEAD launched from
+    the engine wraps, less the forward, the end_forward and the defect notes it runs: mapping the
+    batch into the staged buffer and what else the wrapper does), the defect notes (5.17), the view's derivation and HEAD launched from
     the model's forward (_head; not called in a replayed forward), the forward's inputs, RECHECK
     and TAIL (_tail), the runtime's end_forward (counting, the sweep every SWEEP steps, the log
     drain), and the block log noting hashed blocks and forgetting freed ones (in update_batch after
@@ -141,6 +142,8 @@ class StepTimer:
         self._wrapped = [(runner, "compute_batch", "map"), (forward, "_compute", "map", -1), (forward, "_head", "head"),
                          (forward, "_tail", "tail"), (engine.block_log, "note", "block log"),
                          (engine.block_log, "forget", "block log")]
+        notes = forward.staging.hashed_writes  # called inside compute_batch too
+        self._wrapped += [(notes, "note", "map", -1), (notes, "note", "defect notes")]
         if hooks is not None:  # called inside compute_batch: out of map, into its own phase
             self._wrapped += [(hooks, "end_forward", "map", -1), (hooks, "end_forward", "end_forward")]
         self._saved = {(id(obj), name): (obj, name, vars(obj).get(name))  # instance attributes
