@@ -25,8 +25,8 @@ them, canary_graphs=True). Host us is the host wall time the canary adds to a de
 mean over steps, and where it goes (PHASES): map (the model runner's compute_batch, which the
 engine wraps, less the forward, the end_forward and the defect notes inside: the batch's bookkeeping
 into the staged buffer and the rest of the wrapper), defect notes (transformers 5.17: the slots each
-forward writes in blocks it hashed, noted as the engine's defect; nothing from 5.18), head (the view's derivation and HEAD launched from the model's
-forward pre-hook: 0 in a replayed forward), tail (the forward's inputs, RECHECK and TAIL,
+forward writes in blocks it hashed, noted as the engine's defect; nothing from 5.18), head (the
+view's derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed forward), tail (the forward's inputs, RECHECK and TAIL,
 likewise), end_forward (counting, the sweep every SWEEP steps, the log drain; the engine calls it
 right after launching the forward, so with CUDA graphs it overlaps the device's work, but it is
 counted in full) and block log (noting hashed blocks and forgetting freed ones, in update_batch
@@ -120,8 +120,9 @@ class StepTimer:
     """Wraps the processor's generation step: wall seconds of each decode step, and where the host
     seconds the canary adds to that step go (PHASES): map (the model runner's compute_batch, which
     the engine wraps, less the forward, the end_forward and the defect notes it runs: mapping the
-    batch into the staged buffer and what else the wrapper does), the defect notes (5.17), the view's derivation and HEAD launched from
-    the model's forward (_head; not called in a replayed forward), the forward's inputs, RECHECK
+    batch into the staged buffer and what else the wrapper does), the defect notes (5.17), the
+    view's derivation and HEAD launched from the model's forward (_head; not called in a replayed
+    forward), the forward's inputs, RECHECK
     and TAIL (_tail), the runtime's end_forward (counting, the sweep every SWEEP steps, the log
     drain), and the block log noting hashed blocks and forgetting freed ones (in update_batch after
     the step and in the next batch's preparation; counted with the step)."""
