@@ -26,8 +26,8 @@ mean over steps, and where it goes (PHASES): map (the model runner's compute_bat
 engine wraps, less the forward, the end_forward and the defect notes inside: the batch's bookkeeping
 into the staged buffer and the rest of the wrapper), defect notes (transformers 5.17: the slots each
 forward writes in blocks it hashed, noted as the engine's defect; nothing from 5.18), head (the
-view's derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed forward), tail (the forward's inputs, RECHECK and TAIL,
-likewise), end_forward (counting, the sweep every SWEEP steps, the log drain; the engine calls it
+view's derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed forward),
+tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the sweep every SWEEP steps, the log drain; the engine calls it
 right after launching the forward, so with CUDA graphs it overlaps the device's work, but it is
 counted in full) and block log (noting hashed blocks and forgetting freed ones, in update_batch
 after the step and in the next batch's preparation). The KV cache is sized
