@@ -16,30 +16,30 @@ Per batch size B: B requests of a PROMPT-token prompt each generate NEW tokens t
 decode step is a forward whose B rows all decode one token.
 
 Per (B, use_cuda_graph, real_data): the median wall time of a decode step (transformers'
-_generation_step, which ends by synchronising with the device, so the time covers the device
-work) with the canary off (no hooks) and on (the CanaryRuntime with the Triton kernels: HEAD,
-RECHECK and TAIL every step over the FULL group, real_data as given, token checks on, the sweep
-every SWEEP steps, the violation log drained as the runtime's drain_interval says; with CUDA
-graphs the canary's per-forward work is captured inside transformers' own graphs and replays with
-them, canary_graphs=True). Host us is the host wall time the canary adds to a decode step, the
-mean over steps, and where it goes (PHASES): map (the model runner's compute_batch, which the
-engine wraps, less the forward, the end_forward and the defect notes inside: the batch's bookkeeping
-into the staged buffer and the rest of the wrapper), defect notes (transformers 5.17: the slots each
-forward writes in blocks it hashed, noted as the engine's defect; nothing from 5.18), head (the
-view's derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed forward),
-tail (the forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the sweep every SWEEP steps, the log drain; the engine calls it
-right after launching the forward, so with CUDA graphs it overlaps the device's work, but it is
-counted in full) and block log (noting hashed blocks and forgetting freed ones, in update_batch
-after the step and in the next batch's preparation). The KV cache is sized
-for B requests to decode together (the bench stops when transformers split most of the batch's
-decode steps). Each configuration is measured `--runs` times (off, then on, each after one warm-up
-generation, over `--repeats` generations); the table shows the median run and the spread
+_generation_step, which ends by synchronising with the device, so the time covers the device work)
+with the canary off (no hooks) and on (the CanaryRuntime with the Triton kernels: HEAD, RECHECK and
+TAIL every step over the FULL group, real_data as given, token checks on, the sweep every SWEEP
+steps, the violation log drained as the runtime's drain_interval says; with CUDA graphs the canary's
+per-forward work is captured inside transformers' own graphs and replays with them,
+canary_graphs=True). Host us is the host wall time the canary adds to a decode step, the mean over
+steps, and where it goes (PHASES): map (the model runner's compute_batch, which the engine wraps,
+less the forward, the end_forward and the defect notes inside: the batch's bookkeeping into the
+staged buffer and the rest of the wrapper), defect notes (transformers 5.17: the slots each forward
+writes in blocks it hashed, noted as the engine's defect; nothing from 5.18), head (the view's
+derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed forward), tail (the
+forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the sweep every SWEEP steps,
+the log drain; the engine calls it right after launching the forward, so with CUDA graphs it
+overlaps the device's work, but it is counted in full) and block log (noting hashed blocks and
+forgetting freed ones, in update_batch after the step and in the next batch's preparation). The KV
+cache is sized for B requests to decode together (the bench stops when transformers split most of
+the batch's decode steps). Each configuration is measured `--runs` times (off, then on, each after
+one warm-up generation, over `--repeats` generations); the table shows the median run and the spread
 (min..max) over runs of the cost and of the host time (its phases: each phase's median). The
-canary-on runs must report no violation. Without CUDA graphs the step is host-bound Python and
-its time moves between runs by more than the canary costs (benchmarks/RESULTS.md): compare the
-graph rows. Under async batching a step returns before the device finishes it (the host prepares
-the next batch meanwhile), so a decode step's time is the interval from its start to the next
-step's start, the pace the loop settles at.
+canary-on runs must report no violation. Without CUDA graphs the step is host-bound Python and its
+time moves between runs by more than the canary costs (benchmarks/RESULTS.md): compare the graph
+rows. Under async batching a step returns before the device finishes it (the host prepares the next
+batch meanwhile), so a decode step's time is the interval from its start to the next step's start,
+the pace the loop settles at.
 
 --kernel-times: after each decode row, each kernel the canary adds a decode step, its device time
 and launches (a generation of NEW tokens minus one of NEW / 8 under torch.profiler, each after one that
