@@ -153,9 +153,9 @@ class StepTimer:
             setattr(obj, name, self._timed(getattr(obj, name), phase, *sign))
 
     def _timed(self, work: Any, phase: str, sign: int = 1) -> Any:
-        def timed(*args: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            result = work(*args)
+            result = work(*args, **kwargs)
             self._phases[phase] = self._phases.get(phase, 0.0) + sign * (time.perf_counter() - start)
             return result
         return timed

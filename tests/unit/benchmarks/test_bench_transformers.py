@@ -62,3 +62,17 @@ def test_kernel_times_of_a_decode_step_include_the_canarys_work():
         assert abs(launches(bench.added(off, again))) < 1
     finally:
         engine.close()
+
+
+def test_the_step_timer_passes_keyword_arguments_to_what_it_times():
+    """transformers 5.17's defect notes are called with every_row= inside the forward: timed, they
+    still run and their time lands in their own phase."""
+    model, tokenizer = bench.random_model("cpu", "tinyllama", smoke=True)
+    engine = bench.decode_engine(model, tokenizer, 2, 24, 16, False, "sync")
+    timer = bench.StepTimer(engine, 2)
+    try:
+        engine._forward.staging.hashed_writes.note([], 0, every_row=True)
+        assert timer._phases["defect notes"] > 0
+    finally:
+        timer.close()
+        engine.close()
