@@ -103,7 +103,8 @@ def test_a_pair_launched_by_torchrun(tmp_path):
 
     prompts = [f"{i} torchrun {i * 7} tokens" for i in range(3)]
     others = [f"{i} other prompt {i * 7}" for i in range(3)]  # stale bytes of the same prompt would be right
-    job = {"spec": {"attention": "mha", "seed": 0, "canary": {"kernels": KERNELS}},
+    ranks_on_gpus = torch.cuda.device_count() >= 2  # torchrun's ranks take a GPU each, else both the CPU
+    job = {"spec": {"attention": "mha", "seed": 0, "canary": {"kernels": "triton" if ranks_on_gpus else "torch"}},
            "commands": [["reset", 0], ["generate", prompts, 4], ["reset", 0], ["fault", "stale_bytes", 0],
                         ["generate", others, 4], ["collect"]]}
     (tmp_path / "job.json").write_text(json.dumps(job))

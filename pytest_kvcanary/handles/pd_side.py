@@ -23,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from kvcanary_kernels.records import RECORD_WIDTH, GroupKind
 from ..adapters.reference import reference_config
 from ..canary.seam import UnsupportedAttention
 from ..config import CanaryConfig, PerturbSpec
+from ..gpu import TRUTHY
 from ..perturb.ledger import Ledger
 from ..reference_engine.config import EngineConfig
 from ..reference_engine.engine import Engine
@@ -360,6 +361,16 @@ def _job_commands(job: dict[str, Any]) -> Iterator[tuple]:
             yield (name,)
 
 
+def cpu_kernels_problem(kernels: str, device: str, env: Mapping[str, str] = os.environ) -> str | None:
+    """Why a rank on `device` cannot run the canary's `kernels`, or None: Triton kernels on the CPU
+    need Triton's interpreter (TRITON_INTERPRET=1 before Triton loads)."""
+    if kernels != "triton" or torch.device(device).type != "cpu" or env.get("TRITON_INTERPRET", "").lower() in TRUTHY:
+        return None
+    return (f"spec.canary.kernels is 'triton' and this rank runs on the CPU ({device}; torchrun gives each local "
+            f"rank a GPU only when there are as many GPUs as local ranks): set spec.canary.kernels to 'torch', "
+            f"name GPUs in spec.devices, or set TRITON_INTERPRET=1")
+
+
 def torchrun_main(argv: list[str]) -> None:
     """The entry point under torchrun (env://, two processes: RANK 0 decodes, RANK 1 prefills).
     --job: a JSON file of {"spec": {attention, seed, canary?, model?, engine?, devices?},
@@ -380,6 +391,9 @@ def torchrun_main(argv: list[str]) -> None:
     own = f"cuda:{local}" if torch.cuda.device_count() >= here else "cpu"  # a GPU each, or the CPU
     spec = PairSpec(fields["attention"], fields.get("seed", 0), CanaryConfig(**fields.get("canary", {})),
                     tuple(fields.get("devices") or (own, own)), fields.get("model"), fields.get("engine", {}))
+    problem = cpu_kernels_problem(spec.canary.kernels, spec.device(ROLES[rank]))
+    if problem:
+        raise SystemExit(f"rank {rank} ({ROLES[rank]}): {problem}")
     backend = rank_process._backend(torch.device(spec.device(ROLES[rank])), 2, one_host=here == 2)
     server, control = _join(spec, rank, backend, None)
 
