@@ -77,8 +77,8 @@ print("examples: worker -> device:", "; ".join(f"{w} {d}" for w, d in pairs))
 PY
 fi
 if wants transformers; then
-  step tf-eager 150 python3 -m pytest --kv-canary --kv-canary-engine transformers examples/ -p no:cacheprovider -q
-  KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 step tf-graphs 150 python3 -m pytest --kv-canary \
+  step tf-eager 240 python3 -m pytest --kv-canary --kv-canary-engine transformers examples/ -p no:cacheprovider -q
+  KVCANARY_TRANSFORMERS_CUDA_GRAPHS=1 step tf-graphs 240 python3 -m pytest --kv-canary \
     --kv-canary-engine transformers examples/ -p no:cacheprovider -q
 fi
 if wants tf-bench; then  # decode B1..B128 and a long prefill per shape (prefill cells fit an 80 GB card)
