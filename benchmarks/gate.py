@@ -139,13 +139,12 @@ def decode(shape: str, batch: int, budget: float) -> Row:
     return Row(budget, f"transformers, {shape} shape, CUDA graphs: decode step at batch {batch}", transformers(shape, batch))
 
 
-ROWS: dict[str, Row] = {  # the longest to read first: processes sharing the rows (--claim) end close together
+# The order processes sharing the rows (--claim) take them in: the TinyLlama prefill first, beside the
+# reference rows (its pairs spread widest beside another process's Llama-3-8B rows), then the longest
+# first, so the processes end close together.
+ROWS: dict[str, Row] = {
     "prefill-tinyllama-32x16384": Row(1.0, "transformers, TinyLlama shape: time to first token of 32 x 16384",
                                       transformers("tinyllama", 32, 16384)),
-    "decode-llama3-8b-b128": decode("llama3-8b", 128, 0.5),
-    "prefill-llama3-8b-8x16384": Row(1.0, "transformers, Llama-3-8B shape: time to first token of 8 x 16384",
-                                     transformers("llama3-8b", 8, 16384)),
-    "decode-llama3-8b-b64": decode("llama3-8b", 64, 0.5),
     "reference-b1": Row(2.0, "reference engine, graph decode at batch 1", reference("mha", 1)),
     "reference-hybrid-b32": Row(2.0, "reference engine, hybrid model, graph decode at batch 32",
                                 reference("hybrid", 32)),
@@ -155,9 +154,13 @@ ROWS: dict[str, Row] = {  # the longest to read first: processes sharing the row
                             reference("mha", 1, "fp8_e4m3")),
     "reference-fp8-b32": Row(2.0, "reference engine, KV in FP8 (e4m3), graph decode at batch 32",
                              reference("mha", 32, "fp8_e4m3")),
-    "decode-llama3-8b-b1": decode("llama3-8b", 1, 1.5),
+    "decode-llama3-8b-b128": decode("llama3-8b", 128, 0.5),
+    "prefill-llama3-8b-8x16384": Row(1.0, "transformers, Llama-3-8B shape: time to first token of 8 x 16384",
+                                     transformers("llama3-8b", 8, 16384)),
+    "decode-llama3-8b-b64": decode("llama3-8b", 64, 0.5),
     "decode-tinyllama-b128": decode("tinyllama", 128, 0.5),
     "decode-tinyllama-b64": decode("tinyllama", 64, 0.5),
+    "decode-llama3-8b-b1": decode("llama3-8b", 1, 1.5),
     "decode-tinyllama-b1": decode("tinyllama", 1, 1.5),
 }
 
