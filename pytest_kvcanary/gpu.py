@@ -83,13 +83,18 @@ def cuda_build_problem() -> str | None:
 TRUTHY = ("1", "true", "yes", "on", "y")  # what Triton reads as on in TRITON_INTERPRET
 
 
+def interpreter_on(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether TRITON_INTERPRET switches Triton's interpreter on."""
+    return env.get("TRITON_INTERPRET", "").strip().lower() in TRUTHY
+
+
 def interpreter_problem(setting: str, env: Mapping[str, str] = os.environ,
                         gpu_count: Callable[[], int] = count_gpus) -> str | None:
     """Why the user's TRITON_INTERPRET cannot serve a canary under this --kv-canary-device
     setting, or None: switched off (Triton would compile for a GPU) where the engines run on the
     CPU."""
     value = env.get("TRITON_INTERPRET")
-    if value is None or value.strip().lower() in TRUTHY or not runs_on_cpu(setting, gpu_count):
+    if value is None or interpreter_on(env) or not runs_on_cpu(setting, gpu_count):
         return None
     where = "--kv-canary-device=cpu" if setting == "cpu" else "no GPU is visible"
     return (f"TRITON_INTERPRET={value!r} makes Triton compile the canary's kernels for a GPU, and the engines run on "

@@ -32,7 +32,7 @@ from kvcanary_kernels.records import RECORD_WIDTH, GroupKind
 from ..adapters.reference import reference_config
 from ..canary.seam import UnsupportedAttention
 from ..config import CanaryConfig, PerturbSpec
-from ..gpu import TRUTHY
+from ..gpu import interpreter_on
 from ..perturb.ledger import Ledger
 from ..reference_engine.config import EngineConfig
 from ..reference_engine.engine import Engine
@@ -364,7 +364,7 @@ def _job_commands(job: dict[str, Any]) -> Iterator[tuple]:
 def cpu_kernels_problem(kernels: str, device: str, env: Mapping[str, str] = os.environ) -> str | None:
     """Why a rank on `device` cannot run the canary's `kernels`, or None: Triton kernels on the CPU
     need Triton's interpreter (TRITON_INTERPRET=1 before Triton loads)."""
-    if kernels != "triton" or torch.device(device).type != "cpu" or env.get("TRITON_INTERPRET", "").lower() in TRUTHY:
+    if kernels != "triton" or torch.device(device).type != "cpu" or interpreter_on(env):
         return None
     return (f"spec.canary.kernels is 'triton' and this rank runs on the CPU ({device}; torchrun gives each local "
             f"rank a GPU only when there are as many GPUs as local ranks): set spec.canary.kernels to 'torch', "
