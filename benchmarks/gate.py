@@ -23,7 +23,7 @@ the pairs, at least --min-pairs of them) is decided against the row's budget: en
 under it (within), entirely over it (over). A row whose interval still straddles its budget after
 --max-pairs pairs or --seconds (--prefill-seconds for a prefill row; no new pair starts past them,
 but the first --min-pairs always run) reads "unreadable": its spread is wider than its margin, and it
-gates nothing. Each pair prints a progress line; the table comes
+gates nothing. Each pair prints a progress line (the clock time, its cost, both sides); the table comes
 last. A transformers decode row's side of a pair is one generation of DECODE_NEW tokens, its median
 step (the row's engine warmed once a mode when it opens); a prefill row's, one warmed prefill; a
 reference row's, the median of its engine's timed steps in the run.
@@ -201,7 +201,8 @@ def read(name: str, row: Row, smoke: bool, min_pairs: int, max_pairs: int, secon
             ons.append(on)
             costs.append(100 * (on - off) / off)
             decided = verdict(costs, row.budget, min_pairs)
-            print(f"{name}: pair {len(costs)}: {costs[-1]:+.2f}% (median {statistics.median(costs):+.2f}%)"
+            print(f"{time.strftime('%H:%M:%S')} {name}: pair {len(costs)}: {costs[-1]:+.2f}% "
+                  f"(off {off:.3f} ms, on {on:.3f} ms; median {statistics.median(costs):+.2f}%)"
                   + (f", {decided}" if decided else ""), flush=True)
     finally:
         close()
