@@ -20,7 +20,7 @@
 # SOAK_SEED the first seed, SOAK_ROUNDS rounds a seed, SOAK_EXTRA more configurations such as
 # reference-mha-graph; NAME*3 runs three copies on seeds 100 apart; processes take the GPUs in turn),
 # gate (benchmarks/gate.py: the rows GATE_ROWS names, default all, each held to its budget; a gate process
-# a GPU, each on its own share of the CPU cores with one OpenMP thread, taking the next row none has claimed; GATE_SECONDS for each process, GATE_ARGS more of gate.py's
+# a GPU, each on its own share of the CPU cores, taking the next row none has claimed; GATE_SECONDS for each process, GATE_ARGS more of gate.py's
 # options such as --seconds; one table from the readings; not in the default steps). Wheels the machine lacks (pytest-xdist, execnet) may be placed
 # in .whl/ beforehand.
 set -uo pipefail
@@ -97,9 +97,7 @@ if wants gate; then  # a gate process a GPU side by side, each taking the next r
   for ((gpu = 0; gpu < gpus && gpu < ${#names[@]}; gpu++)); do
     pin=() && command -v taskset >/dev/null && ((share > 0)) && pin=(taskset -c "$((gpu * share))-$((gpu * share + share - 1))")
     # shellcheck disable=SC2086  # GATE_ARGS: more of gate.py's options, word-split on purpose
-    # one OpenMP thread, as vLLM gives its workers: the rows' host work is Python and small tensors, and
-    # with a thread a core the TinyLlama prefill's pairs spread wider (RESULTS.md, stop 69)
-    CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=1 timeout "${GATE_SECONDS:-580}" "${pin[@]}" \
+    CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=$((share > 0 ? share : 1)) timeout "${GATE_SECONDS:-580}" "${pin[@]}" \
       python3 benchmarks/gate.py --rows "${names[@]}" --claim "$claims" --json "$OUT/gate-$gpu.jsonl" ${GATE_ARGS:-} \
       >"$OUT/gate-$gpu.log" 2>&1 &
   done
