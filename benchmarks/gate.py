@@ -8,6 +8,7 @@ a 95% interval and held to a budget.
     python benchmarks/gate.py --rows ... --json gpu0.jsonl      # each row's reading kept as it ends
     python benchmarks/gate.py --table gpu0.jsonl gpu1.jsonl     # the table of readings made apart
     python benchmarks/gate.py --claim DIR --json gpuN.jsonl     # one of several processes sharing the rows
+    python benchmarks/gate.py --claim DIR --pool ROW ...        # ... and reading ROW together, its pairs pooled
 
 A row is one measurement of the committed benchmarks, canary off versus on in one process:
 transformers continuous batching with CUDA graphs (bench_transformers.py: a decode step's median
@@ -27,6 +28,12 @@ gates nothing. Each pair prints a progress line (the clock time, its cost, both 
 last. A transformers decode row's side of a pair is one generation of DECODE_NEW tokens, its median
 step (the row's engine warmed once a mode when it opens); a prefill row's, one warmed prefill; a
 reference row's, the median of its engine's timed steps in the run.
+
+Processes sharing a claim folder read the rows --pool names together (each on its own GPU, before
+the rows they share out): each appends its pairs to the row's file in the folder and decides on
+all the pairs there, so a row whose spread needs more pairs than one GPU makes in its time gets
+them from every GPU. A pair is still one process's off and on runs. --table pools every reading of
+a row it is given and reads the row's verdict from all their pairs.
 
 Exit status: 0 when every row is within its budget, 1 when a row is over, 2 when none is over
 but a row could not be read (with --table: or was not read at all).
@@ -139,9 +146,9 @@ def decode(shape: str, batch: int, budget: float) -> Row:
     return Row(budget, f"transformers, {shape} shape, CUDA graphs: decode step at batch {batch}", transformers(shape, batch))
 
 
-# The order processes sharing the rows (--claim) take them in: the TinyLlama prefill first, beside the
-# reference rows (its pairs spread widest beside another process's Llama-3-8B rows), then the longest
-# first, so the processes end close together.
+# The order processes sharing the rows (--claim) take them in (after the rows they --pool): the reference
+# rows after the TinyLlama prefill (pooled by gpu_run.sh), then the longest first, so the processes end
+# close together.
 ROWS: dict[str, Row] = {
     "prefill-tinyllama-32x16384": Row(1.0, "transformers, TinyLlama shape: time to first token of 32 x 16384",
                                       transformers("tinyllama", 32, 16384)),
@@ -186,9 +193,20 @@ class Reading:
     seconds: float
 
 
-def read(name: str, row: Row, smoke: bool, min_pairs: int, max_pairs: int, seconds: float) -> Reading:
+def pooled(shared: Path, off: float, on: float) -> list[float]:
+    """Append this pair to `shared` (one line, one write: processes append side by side) and return
+    the costs of every pair there."""
+    with open(shared, "a") as out:
+        out.write(f"{off!r} {on!r}\n")
+    pairs = [tuple(map(float, line.split())) for line in shared.read_text().split("\n")[:-1]]  # whole lines
+    return [100 * (on - off) / off for off, on in pairs]
+
+
+def read(name: str, row: Row, smoke: bool, min_pairs: int, max_pairs: int, seconds: float,
+         shared: Path | None = None) -> Reading:
     """Pairs until the row's verdict is decided, or the pairs or seconds run out (unreadable); the
-    first min_pairs pairs whatever the seconds (nothing is decided on fewer)."""
+    first min_pairs pairs whatever the seconds (nothing is decided on fewer). shared: the file the
+    processes reading the row together pool their pairs in (the verdict is read from them all)."""
     start = time.perf_counter()
     pair, close = row.open(smoke)
     costs, offs, ons = [], [], []
@@ -200,10 +218,11 @@ def read(name: str, row: Row, smoke: bool, min_pairs: int, max_pairs: int, secon
             offs.append(off)
             ons.append(on)
             costs.append(100 * (on - off) / off)
-            decided = verdict(costs, row.budget, min_pairs)
+            every = costs if shared is None else pooled(shared, off, on)
+            decided = verdict(every, row.budget, min_pairs)
             print(f"{time.strftime('%H:%M:%S')} {name}: pair {len(costs)}: {costs[-1]:+.2f}% "
-                  f"(off {off:.3f} ms, on {on:.3f} ms; median {statistics.median(costs):+.2f}%)"
-                  + (f", {decided}" if decided else ""), flush=True)
+                  f"(off {off:.3f} ms, on {on:.3f} ms; median {statistics.median(every):+.2f}%"
+                  + (f" of {len(every)} pooled)" if shared else ")") + (f", {decided}" if decided else ""), flush=True)
     finally:
         close()
     return Reading(name, costs, offs, ons, decided or UNREADABLE, time.perf_counter() - start)
@@ -225,8 +244,10 @@ def table(readings: list[Reading]) -> str:
     return "\n".join(lines)
 
 
-def load(paths: Sequence[str]) -> list[Reading]:
-    """The readings --json wrote to these files, in ROWS' order (a row read twice: its last)."""
+def load(paths: Sequence[str], min_pairs: int) -> list[Reading]:
+    """The readings --json wrote to these files, in ROWS' order; a row read more than once (by
+    processes reading it together, or in several runs) pooled: its pairs together, its verdict
+    read from them all, its time the longest reading's."""
     readings: dict[str, Reading] = {}
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -234,6 +255,12 @@ def load(paths: Sequence[str]) -> list[Reading]:
             if reading.name not in ROWS:
                 raise SystemExit(f"--table: {path} holds a reading of {reading.name!r}, which is no row; the rows are "
                                  f"{', '.join(ROWS)}")
+            before = readings.get(reading.name)
+            if before is not None:
+                costs = before.costs + reading.costs
+                reading = Reading(reading.name, costs, before.off_ms + reading.off_ms, before.on_ms + reading.on_ms,
+                                  verdict(costs, ROWS[reading.name].budget, min_pairs) or UNREADABLE,
+                                  max(before.seconds, reading.seconds))
             readings[reading.name] = reading
     return [readings[name] for name in ROWS if name in readings]
 
@@ -259,15 +286,21 @@ def main() -> None:
     parser.add_argument("--claim", metavar="DIR",
                         help="read a row only if no other process given the same DIR has claimed it (a file a row): "
                              "processes on several GPUs, each given every row, share them out as each comes free")
+    parser.add_argument("--pool", nargs="+", default=[], metavar="ROW",
+                        help="with --claim: rows every process given the same DIR reads at once, before the rows "
+                             "they share out, deciding on the pairs of them all")
     parser.add_argument("--json", metavar="PATH", help="append each row's reading to PATH as a JSON line as it ends")
     parser.add_argument("--table", nargs="+", metavar="PATH",
                         help="print the table of the readings --json wrote to these files (every row expected), "
                              "exit with the gate's status, and read nothing")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, 2 pairs a row: checks the script")
     args = parser.parse_args()
-    unknown = [name for name in args.rows if name not in ROWS]
-    if unknown:
-        parser.error(f"--rows: unknown {', '.join(unknown)}; the rows are {', '.join(ROWS)}")
+    for option, names in (("--rows", args.rows), ("--pool", args.pool)):
+        unknown = [name for name in names if name not in ROWS]
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(unknown)}; the rows are {', '.join(ROWS)}")
+    if args.pool and not args.claim:
+        parser.error("--pool needs --claim DIR: the folder the processes reading the rows together share")
     if args.min_pairs < 2 or args.max_pairs < args.min_pairs:
         parser.error(f"--min-pairs must be at least 2 and --max-pairs at least --min-pairs; got "
                      f"{args.min_pairs} and {args.max_pairs}")
@@ -275,20 +308,24 @@ def main() -> None:
         for name, row in ROWS.items():
             print(f"{name}: <= {row.budget:.1f}%  ({row.what})")
         return
+    if args.smoke:
+        args.min_pairs = args.max_pairs = 2
     if args.table:
         missing = [path for path in args.table if not Path(path).is_file()]
         if missing:
             parser.error(f"--table: no such file: {', '.join(missing)}")
-        finish(load(args.table), args.rows)
-    if args.smoke:
-        args.min_pairs = args.max_pairs = 2
+        finish(load(args.table, args.min_pairs), args.rows)
     readings, mine = [], []
-    for name in args.rows:
-        if args.claim and not claim(Path(args.claim), name):
+    if args.claim:
+        Path(args.claim).mkdir(parents=True, exist_ok=True)
+    pool = [name for name in args.rows if name in args.pool]
+    for name in pool + [name for name in args.rows if name not in pool]:
+        if args.claim and name not in pool and not claim(Path(args.claim), name):
             continue  # another process reads it
         mine.append(name)
         seconds = args.prefill_seconds if name.startswith("prefill-") and args.prefill_seconds else args.seconds
-        readings.append(read(name, ROWS[name], args.smoke, args.min_pairs, args.max_pairs, seconds))
+        shared = Path(args.claim) / f"{name}.pairs" if name in pool else None
+        readings.append(read(name, ROWS[name], args.smoke, args.min_pairs, args.max_pairs, seconds, shared))
         if args.json:
             with open(args.json, "a") as out:
                 out.write(json.dumps(asdict(readings[-1])) + "\n")

@@ -20,7 +20,8 @@
 # SOAK_SEED the first seed, SOAK_ROUNDS rounds a seed, SOAK_EXTRA more configurations such as
 # reference-mha-graph; NAME*3 runs three copies on seeds 100 apart; processes take the GPUs in turn),
 # gate (benchmarks/gate.py: the rows GATE_ROWS names, default all, each held to its budget; a gate process
-# a GPU, each on its own share of the CPU cores, taking the next row none has claimed; GATE_SECONDS for each process, GATE_ARGS more of gate.py's
+# a GPU, each on its own share of the CPU cores, first reading the rows GATE_POOL names together (default the TinyLlama
+# prefill, its pairs pooled), then taking the next row none has claimed; GATE_SECONDS for each process, GATE_ARGS more of gate.py's
 # options such as --seconds; one table from the readings; not in the default steps). Wheels the machine lacks (pytest-xdist, execnet) may be placed
 # in .whl/ beforehand.
 set -uo pipefail
@@ -91,18 +92,22 @@ if wants tf-bench; then  # decode B1..B128 and a long prefill per shape (prefill
 fi
 if wants gate; then  # a gate process a GPU side by side, each taking the next row no other has claimed; one table
   read -ra names <<<"${GATE_ROWS:-$(python3 benchmarks/gate.py --list | cut -d: -f1 | tr "\n" " ")}"
+  pooled=() pool=()  # the rows of GATE_POOL among them: every process reads them at once, first, their pairs pooled
+  for name in ${GATE_POOL-prefill-tinyllama-32x16384}; do [[ " ${names[*]} " == *" $name "* ]] && pooled+=("$name"); done
+  ((${#pooled[@]})) && pool=(--pool "${pooled[@]}")
   gpus=$(nvidia-smi -L | wc -l) start=$SECONDS claims=$(mktemp -d)
   share=$(($(nproc) / gpus))  # each process its own CPU cores: the rows' host work does not contend
   rm -f "$OUT"/gate-*.jsonl
-  for ((gpu = 0; gpu < gpus && gpu < ${#names[@]}; gpu++)); do
+  for ((gpu = 0; gpu < gpus && (gpu < ${#names[@]} || ${#pooled[@]}); gpu++)); do
     pin=() && command -v taskset >/dev/null && ((share > 0)) && pin=(taskset -c "$((gpu * share))-$((gpu * share + share - 1))")
     # shellcheck disable=SC2086  # GATE_ARGS: more of gate.py's options, word-split on purpose
     CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=$((share > 0 ? share : 1)) timeout "${GATE_SECONDS:-580}" "${pin[@]}" \
-      python3 benchmarks/gate.py --rows "${names[@]}" --claim "$claims" --json "$OUT/gate-$gpu.jsonl" ${GATE_ARGS:-} \
+      python3 benchmarks/gate.py --rows "${names[@]}" "${pool[@]}" --claim "$claims" --json "$OUT/gate-$gpu.jsonl" ${GATE_ARGS:-} \
       >"$OUT/gate-$gpu.log" 2>&1 &
   done
   wait
-  python3 benchmarks/gate.py --table "$OUT"/gate-*.jsonl --rows "${names[@]}" >"$OUT/gate.log" 2>&1
+  # shellcheck disable=SC2086
+  python3 benchmarks/gate.py --table "$OUT"/gate-*.jsonl --rows "${names[@]}" ${GATE_ARGS:-} >"$OUT/gate.log" 2>&1
   printf '| gate | %s | %ss | %s |\n' "$?" "$((SECONDS - start))" "$(grep -c '| within |' "$OUT/gate.log") of \
 ${#names[@]} rows within" >>"$summary"
 fi

@@ -1,6 +1,7 @@
 """benchmarks/gate.py decides a row only when the 95% interval of its median cost lies on one side
-of the budget, reads the rest as unreadable, exits by the worst verdict, and refuses rows it does
-not know by name."""
+of the budget, reads the rest as unreadable, exits by the worst verdict, pools a row's pairs over
+the processes reading it together and the readings a table is given, and refuses rows it does not
+know by name."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def test_a_row_that_stays_undecided_reads_unreadable_and_the_worst_verdict_sets_
 @pytest.mark.parametrize("argv, message", [
     (["--rows", "decode-b3"], "--rows: unknown decode-b3; the rows are prefill-tinyllama-32x16384"),
     (["--min-pairs", "9", "--max-pairs", "5"], "--max-pairs at least --min-pairs; got 9 and 5"),
+    (["--pool", "reference-b1"], "--pool needs --claim DIR"),
+    (["--pool", "prefill-b3", "--claim", "x"], "--pool: unknown prefill-b3; the rows are"),
 ])
 def test_bad_arguments_are_refused_by_name(argv, message):
     result = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True)
@@ -95,3 +98,28 @@ def test_processes_sharing_a_claim_folder_read_each_row_once(tmp_path):
     assert "not read" not in other.stdout  # a row another process claimed is its to read
     assert [gate.json.loads(line)["name"] for line in readings.read_text().splitlines()] == ["reference-b32"]
     assert sorted(p.name for p in claims.iterdir()) == ["reference-b1", "reference-b32"]
+
+
+def test_a_pooled_row_decides_on_the_pairs_every_process_appended(tmp_path):
+    shared = tmp_path / "prefill.pairs"
+    shared.write_text("100.0 100.5\n" * 6)  # another process's six pairs
+    row = gate.Row(1.0, "a pooled row", lambda smoke: ((lambda i: (100.0, 100.5)), lambda: None))
+    reading = gate.read("pooled", row, smoke=True, min_pairs=7, max_pairs=9, seconds=60, shared=shared)
+    assert len(reading.costs) == 1 and reading.verdict == gate.WITHIN  # its one pair made seven
+    assert shared.read_text().splitlines()[-1].split() == ["100.0", "100.5"] and len(shared.read_text().split()) == 14
+    alone = gate.read("alone", row, smoke=True, min_pairs=7, max_pairs=9, seconds=60)
+    assert len(alone.costs) == 7
+
+
+def test_a_table_pools_the_readings_of_one_row_and_reads_its_verdict_from_all_their_pairs(tmp_path):
+    first, second = tmp_path / "gpu0.jsonl", tmp_path / "gpu1.jsonl"
+    first.write_text(_reading("prefill-tinyllama-32x16384", [0.4, 0.5, 0.3, 0.6], gate.UNREADABLE) + "\n")
+    second.write_text(_reading("prefill-tinyllama-32x16384", [0.5, 0.4, 0.5, 0.4], gate.UNREADABLE) + "\n")
+    rows = ["prefill-tinyllama-32x16384"]
+    both = subprocess.run([sys.executable, str(SCRIPT), "--table", str(first), str(second), "--rows", *rows],
+                          capture_output=True, text=True)
+    line = next(line for line in both.stdout.splitlines() if line.startswith("| prefill"))
+    assert both.returncode == 0 and line.split("|")[3].strip() == "8" and "| within |" in line, both.stdout
+    one = subprocess.run([sys.executable, str(SCRIPT), "--table", str(first), "--rows", *rows],
+                         capture_output=True, text=True)
+    assert one.returncode == 2 and "| unreadable |" in one.stdout  # four pairs decide nothing
