@@ -50,8 +50,9 @@ where step times cannot (on a CPU, --smoke: each op's own CPU time).
 Prefill (--prefill BxP): the time to first token of B fresh prompts of P tokens submitted together
 (a generation of one new token each, from submitting to the last token read back), canary off and
 on, chunked as transformers chunks prompts into forwards of at most PREFILL_CHUNK tokens; eager, as
-engines run prefill (CUDA graphs capture decode steps). One short generation warms each up, then,
-with the canary, one sweep (the first plans, compiles and captures: once an engine). A run measures
+engines run prefill (CUDA graphs capture decode steps). A cell's engine first runs one unmeasured
+run at its full shape (warm_prefill). One short generation warms each side up, then, with the
+canary, one sweep (the first plans, compiles and captures: once an engine). A run measures
 off then on, the next on then off (a drift over the runs lands on both sides); the cost is paired:
 the median over runs of each run's on minus its off (ms and %), with the spread of the %. Where
 the host time goes: each side's prefill forwards timed by phase (PHASES, as for a decode step),
@@ -328,6 +329,13 @@ def measure_prefill(engine: TransformersEngine, batch: int, prompt: int, real_da
     return off, on, added
 
 
+def warm_prefill(engine: TransformersEngine, batch: int, prompt: int, kernels: str) -> None:
+    """One unmeasured run of measure_prefill at the full shape, a prefill a mode: each side's own
+    warm-up prefills one chunk a prompt, and the first prefill reading past it ran its forwards
+    slower (the pair it opened read low)."""
+    measure_prefill(engine, batch, prompt, "partial", kernels, -1)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -368,6 +376,7 @@ def prefill_rows(model: Any, tokenizer: Any, cells: list[tuple[int, int]], real_
     print("|---|---|---:|---:|---:|---:|---|---:|---|")
     for batch, prompt in cells:
         engine = prefill_engine(model, tokenizer, batch, prompt)
+        warm_prefill(engine, batch, prompt, kernels)
         for real_data in real_datas:
             measured = [measure_prefill(engine, batch, prompt, real_data, kernels, run, breakdown=True)
                         for run in range(runs)]

@@ -26,7 +26,8 @@ under it (within), entirely over it (over). A row whose interval still straddles
 but the first --min-pairs always run) reads "unreadable": its spread is wider than its margin, and it
 gates nothing. Each pair prints a progress line (the clock time, its cost, both sides); the table comes
 last. A transformers decode row's side of a pair is one generation of DECODE_NEW tokens, its median
-step (the row's engine warmed once a mode when it opens); a prefill row's, one warmed prefill; a
+step (the row's engine warmed once a mode when it opens); a prefill row's, one warmed prefill (the
+row's engine run once a mode at its full shape when it opens); a
 reference row's, the median of its engine's timed steps in the run.
 
 Processes sharing a claim folder read the rows --pool names together (each on its own GPU, before
@@ -115,6 +116,7 @@ def transformers(shape: str, batch: int, prefill: int | None = None) -> Callable
         if prefill is not None:
             rows, prompt = (2, 24) if smoke else (batch, prefill)
             engine = bench.prefill_engine(model, tokenizer, rows, prompt)
+            bench.warm_prefill(engine, rows, prompt, kernels)
 
             def pair(i: int) -> tuple[float, float]:
                 return bench.measure_prefill(engine, rows, prompt, "partial", kernels, i)[:2]

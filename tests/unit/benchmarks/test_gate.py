@@ -1,7 +1,7 @@
 """benchmarks/gate.py decides a row only when the 95% interval of its median cost lies on one side
 of the budget, reads the rest as unreadable, exits by the worst verdict, pools a row's pairs over
-the processes reading it together and the readings a table is given, and refuses rows it does not
-know by name."""
+the processes reading it together and the readings a table is given, opens a prefill row with an
+unmeasured run at its full shape, and refuses rows it does not know by name."""
 
 from __future__ import annotations
 
@@ -123,3 +123,24 @@ def test_a_table_pools_the_readings_of_one_row_and_reads_its_verdict_from_all_th
     one = subprocess.run([sys.executable, str(SCRIPT), "--table", str(first), "--rows", *rows],
                          capture_output=True, text=True)
     assert one.returncode == 2 and "| unreadable |" in one.stdout  # four pairs decide nothing
+
+
+def test_a_prefill_row_runs_once_at_its_full_shape_before_its_first_pair(monkeypatch):
+    pytest.importorskip("transformers")
+    import bench_transformers  # gate.py put benchmarks/ on the path
+
+    runs = []
+    measure = bench_transformers.measure_prefill
+
+    def recorded(engine, batch, prompt, real_data, kernels, run, breakdown=False):
+        runs.append((batch, prompt, run))
+        return measure(engine, batch, prompt, real_data, kernels, run, breakdown)
+
+    monkeypatch.setattr(bench_transformers, "measure_prefill", recorded)
+    pair, close = gate.ROWS["prefill-tinyllama-32x16384"].open(True)
+    try:
+        assert runs == [(2, 24, -1)]  # unmeasured: no pair has been asked for
+        pair(0)
+        assert runs == [(2, 24, -1), (2, 24, 0)]
+    finally:
+        close()
