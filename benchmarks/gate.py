@@ -195,13 +195,18 @@ class Reading:
     seconds: float
 
 
+def cost(off: float, on: float) -> float:
+    """A pair's cost: percent of its off time."""
+    return 100 * (on - off) / off
+
+
 def pooled(shared: Path, off: float, on: float) -> list[float]:
     """Append this pair to `shared` (one line, one write: processes append side by side) and return
     the costs of every pair there."""
     with open(shared, "a") as out:
         out.write(f"{off!r} {on!r}\n")
     pairs = [tuple(map(float, line.split())) for line in shared.read_text().split("\n")[:-1]]  # whole lines
-    return [100 * (on - off) / off for off, on in pairs]
+    return [cost(off, on) for off, on in pairs]
 
 
 def read(name: str, row: Row, smoke: bool, min_pairs: int, max_pairs: int, seconds: float,
@@ -219,7 +224,7 @@ def read(name: str, row: Row, smoke: bool, min_pairs: int, max_pairs: int, secon
             off, on = pair(len(costs))
             offs.append(off)
             ons.append(on)
-            costs.append(100 * (on - off) / off)
+            costs.append(cost(off, on))
             every = costs if shared is None else pooled(shared, off, on)
             decided = verdict(every, row.budget, min_pairs)
             print(f"{time.strftime('%H:%M:%S')} {name}: pair {len(costs)}: {costs[-1]:+.2f}% "
