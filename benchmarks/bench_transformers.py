@@ -29,7 +29,8 @@ writes in blocks it hashed, noted as the engine's defect; nothing from 5.18), he
 derivation and HEAD launched from the model's forward pre-hook: 0 in a replayed forward), tail (the
 forward's inputs, RECHECK and TAIL, likewise), end_forward (counting, the sweep every SWEEP steps,
 the log drain; the engine calls it right after launching the forward, so with CUDA graphs it
-overlaps the device's work, but it is counted in full) and block log (noting hashed blocks and
+overlaps the device's work, but it is counted in full), prompts ahead (the next forwards' prompt
+tokens converted once the forward is launched, likewise) and block log (noting hashed blocks and
 forgetting freed ones, in update_batch after the step and in the next batch's preparation). The KV
 cache is sized for B requests to decode together (the bench stops when transformers split most of
 the batch's decode steps). Each configuration is measured `--runs` times (off, then on, each after
@@ -114,7 +115,7 @@ def blocks(batch: int, tokens: int) -> int:
     return batch * (-(-tokens // 64) + 2) + 16
 
 
-PHASES = ("map", "defect notes", "head", "tail", "end_forward", "block log")
+PHASES = ("map", "defect notes", "head", "tail", "end_forward", "prompts ahead", "block log")
 
 
 class StepTimer:
@@ -125,7 +126,7 @@ class StepTimer:
     view's derivation and HEAD launched from the model's forward (_head; not called in a replayed
     forward), the forward's inputs, RECHECK
     and TAIL (_tail), the runtime's end_forward (counting, the sweep every SWEEP steps, the log
-    drain), and the block log noting hashed blocks and forgetting freed ones (in update_batch after
+    drain), the prompts converted ahead after it, and the block log noting hashed blocks and forgetting freed ones (in update_batch after
     the step and in the next batch's preparation; counted with the step)."""
 
     def __init__(self, engine: TransformersEngine, batch: int) -> None:
@@ -148,6 +149,7 @@ class StepTimer:
         self._wrapped += [(notes, "note", "map", -1), (notes, "note", "defect notes")]
         if hooks is not None:  # called inside compute_batch: out of map, into its own phase
             self._wrapped += [(hooks, "end_forward", "map", -1), (hooks, "end_forward", "end_forward")]
+        self._wrapped += [(forward.staging, "ahead", "map", -1), (forward.staging, "ahead", "prompts ahead")]
         self._saved = {(id(obj), name): (obj, name, vars(obj).get(name))  # instance attributes
                        for obj, name, *_ in self._wrapped}.values()
         for obj, name, phase, *sign in self._wrapped:

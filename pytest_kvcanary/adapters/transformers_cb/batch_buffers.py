@@ -9,8 +9,8 @@ next.
 
 Token entries are fixed-size (max_tokens): unused ones go to a scratch row past the view's rows,
 so applying them is one fixed-shape scatter. The host hands them over as runs (a lane, its first
-position, the tokens from there on), so a run costs the host a few list operations and the tokens
-one conversion to numpy, whatever its length. A forward that adds more (a request starting on a
+position, the tokens from there on), so a run costs the host a few numpy operations and the tokens
+one copy, whatever its length (a prompt's tokens are int64 already: prompt_arrays.py). A forward that adds more (a request starting on a
 cached prefix adds its whole sequence) has the rest written before the forward, as are the rows
 of lanes handed to another request, set to UNKNOWN (``write_direct``). With async batching the host fills one pair's buffer while the device may still
 run the other pair's forward. A pair's buffer is refilled only once the forward that last read it
@@ -95,9 +95,10 @@ class BatchBuffers:
         self._cleared = lanes
 
     def set_entries(self, lanes: Sequence[int], starts: Sequence[int], counts: Sequence[int],
-                    tokens: Sequence[int]) -> None:
+                    tokens: np.ndarray | Sequence[int]) -> None:
         """This forward's new token-table entries, in runs: run i puts the next counts[i] of
-        `tokens` at positions starts[i], starts[i] + 1, ... of lane lanes[i]."""
+        `tokens` (int64 as Lanes.token_entries gives them; a list is converted) at positions
+        starts[i], starts[i] + 1, ... of lane lanes[i]."""
         n, held = len(tokens), self._entries[self._pair]
         self._spill = None
         if n == held == 0:  # none, as in the forward before
@@ -111,7 +112,7 @@ class BatchBuffers:
             table[0] = np.repeat(np.asarray(lanes, dtype=np.int64), run_counts)
             table[1] = np.repeat(np.asarray(starts, dtype=np.int64) - firsts, run_counts)
             table[1] += np.arange(n)
-            table[2] = np.fromiter(tokens, dtype=np.int64, count=n)  # the one conversion of a list as long as the entries
+            table[2] = tokens
             if m < n:
                 entries[:, :m] = table[:, :m]
                 self._spill = table[:, m:]

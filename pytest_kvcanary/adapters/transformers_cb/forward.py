@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from ..patches import Patches
 from .staging import BatchStaging
 from .versions import (
     BlockManagerLayout, IOPairs, SectorLayout, StoreReport, UnsupportedModel, guard_compute, record_sampled,
-    report_cache_stores,
+    report_cache_stores, waiting_requests,
 )
 
 
@@ -55,6 +56,7 @@ class GuardedForward:
                  use_cuda_graph: bool, canary_graphs: bool, write_through: bool) -> None:
         self.device = device = model.device
         self.io, self.staging = io, staging
+        self._waiting = partial(waiting_requests, processor)  # transformers' requests not scheduled yet
         buffers, groups = staging.buffers, layout.groups
         self.tables = empty_tables(groups, capacities, buffers.token_table.shape[0], device)
         self.view = empty_view(capacities, buffers.lanes, buffers.token_table)
@@ -93,8 +95,8 @@ class GuardedForward:
         self.steps = 0
 
     def _guarded_compute(self, model: Any, batch_data: dict[str, Any]) -> None:
-        """The forward with the canary's work around it (see the module docstring), then
-        hooks.end_forward as soon as the forward is launched."""
+        """The forward with the canary's work around it (see the module docstring), then, as soon
+        as the forward is launched, hooks.end_forward and the next forwards' prompts converted."""
         hooks = self.hooks
         if hooks is None:
             self._compute(model, batch_data)
@@ -118,6 +120,7 @@ class GuardedForward:
                 self._tail(hooks, pair)
                 self._put_sampled(pair, batch_data, self.io.device_ios[pair].output_ids)
         hooks.end_forward(self._on_compute_stream)
+        self.staging.ahead(self._waiting())  # while the device computes the forward
         self.steps += 1
 
     @torch.compiler.disable

@@ -14,7 +14,10 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import numpy as np
+
 from ...canary.seam import RowOwners
+from .prompt_arrays import PromptArrays
 
 
 class Lanes:
@@ -73,19 +76,22 @@ class Lanes:
         self.rows_mapped = len(states)
         self.version += 1
 
-    def token_entries(self, states: list[Any]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    def token_entries(self, states: list[Any], prompts: PromptArrays
+                      ) -> tuple[list[int], list[int], list[int], list[int], np.ndarray]:
         """(cleared, lanes, starts, counts, tokens): the lanes to clear and the token-table entries
         this forward adds, a run a row (BatchBuffers.set_entries): the positions its request
         advanced past since its lane last heard of it whose token the host has (the others are
         left to the tokens the device sampled, and sent once the host has them). A lane that
         changed hands is cleared first (UNKNOWN everywhere: no position of its request may be
-        checked against the tokens of the lane's previous request)."""
+        checked against the tokens of the lane's previous request). Prompt tokens come from
+        `prompts` (int64, converted once a request), generated ones from the request's list."""
         known, row_lanes = self.row_known, self.row_lanes
         cleared: list[int] = []
         lanes: list[int] = []
         starts: list[int] = []
         counts: list[int] = []
-        tokens: list[int] = []
+        pieces: list[Any] = []  # the runs' tokens: prompt slices (int64) and lists of generated tokens
+        generated_run: list[int] = []  # generated tokens since the last prompt slice
         for row, state in enumerate(states):
             length, start = state.position_offset, known[row]  # advanced past this forward's tokens
             if length <= start:
@@ -101,6 +107,13 @@ class Lanes:
             starts.append(start)
             counts.append(have - start)
             if start < n:
-                tokens += state.initial_tokens[start:have]
-            tokens += generated[max(start - n, 0):max(have - n, 0)]
-        return cleared, lanes, starts, counts, tokens
+                if generated_run:
+                    pieces.append(generated_run)
+                    generated_run = []
+                pieces.append(prompts.of(state)[start:have])
+            generated_run += generated[max(start - n, 0):max(have - n, 0)]
+        if generated_run:
+            pieces.append(generated_run)
+        if len(pieces) > 1:
+            return cleared, lanes, starts, counts, np.concatenate(pieces, dtype=np.int64)
+        return cleared, lanes, starts, counts, np.asarray(pieces[0] if pieces else (), dtype=np.int64)

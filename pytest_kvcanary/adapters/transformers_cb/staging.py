@@ -1,30 +1,36 @@
 """BatchStaging: what the host stages for each forward from the batch transformers prepared, in the
 IO pair's staging buffer (batch_buffers.py): its size, its rows' lanes (lanes.py) and the
-token-table entries it adds; under transformers 5.17 also the hashed blocks it writes
-(defects.py)."""
+token-table entries it adds (prompt tokens converted ahead: prompt_arrays.py); under transformers
+5.17 also the hashed blocks it writes (defects.py)."""
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Iterable
+
+import numpy as np
 
 from .batch_buffers import BatchBuffers
 from .defects import HashedBlockWrites
 from .lanes import Lanes
+from .prompt_arrays import PromptArrays
 
-_NO_ENTRIES: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+_NO_ENTRIES: tuple[list[int], list[int], list[int], np.ndarray] = ([], [], [], np.empty(0, dtype=np.int64))
 _STATE = operator.attrgetter("state")  # a FutureRequestState's RequestState
 
 
 class BatchStaging:
     """Fills `buffers` per forward (``map``) for batches of up to `max_batch` requests; ``lanes``
-    says which lane each request holds."""
+    says which lane each request holds; ``ahead`` converts upcoming prompts once a forward is
+    launched."""
 
     def __init__(self, buffers: BatchBuffers, max_batch: int, hashed_writes: HashedBlockWrites) -> None:
         self.buffers = buffers
         self.max_batch = max_batch
         self.hashed_writes = hashed_writes
         self.lanes = Lanes(buffers.token_table.shape[0], max_batch)
+        self.prompts = PromptArrays(buffers.host["tokens"].shape[1])  # a forward's entries a call
+        self._states: list[Any] = []  # the last mapped batch's requests
         self._staged = [-1] * len(buffers.staging)  # the lanes version each pair's staged lanes are of
 
     def map(self, io: Any, pair: int, step: int) -> None:
@@ -39,7 +45,7 @@ class BatchStaging:
         buffers, lanes = self.buffers, self.lanes
         buffers.select(pair)
         buffers.set_batch(size, len(io.req_id_to_new_token_position))
-        states = list(map(_STATE, batch))
+        states = self._states = list(map(_STATE, batch))
         reassigned = lanes.changed(states)
         if reassigned:
             lanes.assign(states, step)
@@ -49,7 +55,7 @@ class BatchStaging:
             self._staged[pair] = lanes.version
         every_row = reassigned or io.total_seqlen_q != size  # another batch, or not one token a row
         if every_row:
-            cleared, *entries = lanes.token_entries(states)
+            cleared, *entries = lanes.token_entries(states, self.prompts)
             buffers.clear_lanes(cleared)
             buffers.set_entries(*entries)
         else:  # a decode step of the same batch: its tokens are the ones the device sampled
@@ -57,9 +63,17 @@ class BatchStaging:
         if self.hashed_writes.layout.writes_hashed_blocks:
             self.hashed_writes.note(batch, step, every_row=every_row)
 
+    def ahead(self, waiting: Iterable[Any]) -> None:
+        """Convert the prompts the next forwards will stage (the last mapped batch's, then those of
+        `waiting`, transformers' waiting requests in its order): call it once a forward is launched,
+        while the device computes it (PromptArrays.ahead)."""
+        self.prompts.ahead(self._states, waiting)
+
     def reset(self) -> None:
         """Every lane free and unknown (UNKNOWN in the token table): the next forward re-sends each
         lane it uses."""
         self.buffers.reset()
         self.lanes = Lanes(self.lanes.count, self.max_batch)
+        self.prompts.clear()
+        self._states = []
         self._staged = [-1] * len(self.buffers.staging)

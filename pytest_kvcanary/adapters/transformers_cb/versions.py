@@ -22,7 +22,7 @@ prefix hits the soak's liveness gate counts), each through the engine's ``Patche
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -170,6 +170,11 @@ def report_cache_stores(patches: Patches, processor: Any, reporter: Callable[[],
         return reporting_update
 
     patches.wrap(cache, "update", make)
+
+
+def waiting_requests(processor: Any) -> Iterable[Any]:
+    """The RequestStates the scheduler holds but has not scheduled yet, in the order they came."""
+    return processor.scheduler.waiting_requests.values()
 
 
 def has_cpu_swap_pool(processor: Any) -> bool:
