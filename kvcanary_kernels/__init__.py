@@ -24,6 +24,7 @@ _LAZY = {
     "mix_torch": "hashing",
     "to_signed": "hashing",
     "default_tiling": "launch",
+    "interpreted": "interpreter",
     "Tiling": "launch",
     "MAX_SOURCES": "sources",
     "RealDataMode": "inputs",

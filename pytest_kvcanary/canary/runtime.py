@@ -106,6 +106,11 @@ class CanaryRuntime:
         pools = list(host.canary_groups())
         self.capacities = host.canary_capacities()
         self.device = torch.device(device) if device is not None else pools[0].k_layers[0].device
+        if config.kernels == "triton" and self.device.type == "cpu" and not K.interpreted():
+            raise ValueError(
+                f"CanaryConfig.kernels is 'triton' and {type(host).__name__}'s KV is on the CPU, where Triton runs "
+                f"the kernels only in its interpreter: set TRITON_INTERPRET=1 before triton is first imported "
+                f"(pytest --kv-canary does on a CPU), or set kernels to 'torch' (allowed: 'triton', 'torch')")
         mode = K.RealDataMode(config.real_data)  # the one conversion (CanaryConfig checked it)
         self.groups = [GroupState.create(pool, mode, self.device, self.capacities, recheck=config.recheck)
                        for pool in pools if pool.kind not in (GroupKind.STATE, GroupKind.SCALES)]

@@ -1,4 +1,7 @@
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -330,3 +333,20 @@ def test_triton_kernels_report_what_the_references_report(make_host, page, windo
     reference = run("torch")
     assert len({v[4] for v in reference}) >= 3
     assert run("triton") == reference
+
+
+def test_triton_kernels_on_a_cpu_without_the_interpreter_are_refused_naming_the_option():
+    # A fresh process without TRITON_INTERPRET (the test process runs the interpreter): Triton would
+    # compile for a GPU and fail deep in its driver at the first launch.
+    script = (
+        "from pytest_kvcanary.canary.runtime import CanaryRuntime\n"
+        "from pytest_kvcanary.config import CanaryConfig\n"
+        "from pytest_kvcanary.reference_engine import Engine, EngineConfig, ModelConfig\n"
+        "engine = Engine(EngineConfig(model=ModelConfig(max_context=64), device='cpu'))\n"
+        "CanaryRuntime(CanaryConfig(kernels='triton'), engine)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "ValueError: CanaryConfig.kernels is 'triton'" in done.stderr and "TRITON_INTERPRET=1" in done.stderr, \
+        done.stderr[-2000:]
