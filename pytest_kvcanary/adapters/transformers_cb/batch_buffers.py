@@ -10,9 +10,10 @@ next.
 Token entries are fixed-size (max_tokens): unused ones go to a scratch row past the view's rows,
 so applying them is one fixed-shape scatter. The host hands them over as runs (a lane, its first
 position, the tokens from there on), so a run costs the host a few numpy operations and the tokens
-one copy, whatever its length (a prompt's tokens are int64 already: prompt_arrays.py). A forward that adds more (a request starting on a
-cached prefix adds its whole sequence) has the rest written before the forward, as are the rows
-of lanes handed to another request, set to UNKNOWN (``write_direct``). With async batching the host fills one pair's buffer while the device may still
+one copy, whatever its length (a prompt's tokens are int64 already: prompt_arrays.py). A forward
+that adds more (a request starting on a cached prefix adds its whole sequence) has the rest written
+before the forward, as are the rows of lanes handed to another request, set to UNKNOWN
+(``write_direct``). With async batching the host fills one pair's buffer while the device may still
 run the other pair's forward. A pair's buffer is refilled only once the forward that last read it
 is over, which the engine's loop guarantees without a wait: it refills a buffer only after
 update_batch has read that forward's tokens (synchronous batching: the forward just before; async
