@@ -126,8 +126,9 @@ class StepTimer:
     view's derivation and HEAD launched from the model's forward (_head; not called in a replayed
     forward), the forward's inputs, RECHECK
     and TAIL (_tail), the runtime's end_forward (counting, the sweep every SWEEP steps, the log
-    drain), the prompts converted ahead after it, and the block log noting hashed blocks and forgetting freed ones (in update_batch after
-    the step and in the next batch's preparation; counted with the step)."""
+    drain), the prompts converted ahead after it, and the block log noting hashed blocks and
+    forgetting freed ones (in update_batch after the step and in the next batch's preparation;
+    counted with the step)."""
 
     def __init__(self, engine: TransformersEngine, batch: int) -> None:
         self.engine, self.processor, self.batch = engine, engine.processor, batch

@@ -29,29 +29,34 @@ class PromptArrays:
 
     def of(self, state: Any) -> np.ndarray:
         """`state`'s prompt as int64 (converted now if it was not ahead)."""
-        held = self._held.get(state.request_id)
-        if held is not None and held[0] is state:
-            return held[1]
-        prompt = self._held[state.request_id] = (state, _converted(state))
-        return prompt[1]
+        prompt = self._held_for(state)
+        if prompt is None:
+            prompt = _converted(state)
+            self._held[state.request_id] = (state, prompt)
+        return prompt
 
     def ahead(self, batch: Iterable[Any], waiting: Iterable[Any]) -> None:
         """Convert the prompts of the requests in `batch`, then `waiting`, that still have prompt
         tokens to stage (position_offset short of the prompt), in that order, until `budget` tokens
         were converted; hold only those met on the way (the others were staged whole, finished or
         cancelled, or lie past this call's budget: converted when staged)."""
-        held, kept, converted = self._held, {}, 0
+        kept, converted = {}, 0
         for state in chain(batch, waiting):
             if state.position_offset >= len(state.initial_tokens):
                 continue
-            entry = held.get(state.request_id)
-            if entry is None or entry[0] is not state:
+            prompt = self._held_for(state)
+            if prompt is None:
                 if converted >= self.budget:
                     break
-                entry = (state, _converted(state))
-                converted += len(entry[1])
-            kept[state.request_id] = entry
+                prompt = _converted(state)
+                converted += len(prompt)
+            kept[state.request_id] = (state, prompt)
         self._held = kept
+
+    def _held_for(self, state: Any) -> np.ndarray | None:
+        """The prompt held for this very state, if any."""
+        held = self._held.get(state.request_id)
+        return held[1] if held is not None and held[0] is state else None
 
     def clear(self) -> None:
         self._held = {}

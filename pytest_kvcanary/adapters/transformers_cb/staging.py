@@ -30,7 +30,7 @@ class BatchStaging:
         self.hashed_writes = hashed_writes
         self.lanes = Lanes(buffers.token_table.shape[0], max_batch)
         self.prompts = PromptArrays(buffers.host["tokens"].shape[1])  # a forward's entries a call
-        self._states: list[Any] = []  # the last mapped batch's requests
+        self._staging_states: list[Any] = []  # the last forward's requests if it staged entries, else none
         self._staged = [-1] * len(buffers.staging)  # the lanes version each pair's staged lanes are of
 
     def map(self, io: Any, pair: int, step: int) -> None:
@@ -45,7 +45,7 @@ class BatchStaging:
         buffers, lanes = self.buffers, self.lanes
         buffers.select(pair)
         buffers.set_batch(size, len(io.req_id_to_new_token_position))
-        states = self._states = list(map(_STATE, batch))
+        states = list(map(_STATE, batch))
         reassigned = lanes.changed(states)
         if reassigned:
             lanes.assign(states, step)
@@ -54,6 +54,7 @@ class BatchStaging:
             buffers.set_lanes(lanes.mapped())
             self._staged[pair] = lanes.version
         every_row = reassigned or io.total_seqlen_q != size  # another batch, or not one token a row
+        self._staging_states = states if every_row else []
         if every_row:
             cleared, *entries = lanes.token_entries(states, self.prompts)
             buffers.clear_lanes(cleared)
@@ -64,10 +65,11 @@ class BatchStaging:
             self.hashed_writes.note(batch, step, every_row=every_row)
 
     def ahead(self, waiting: Iterable[Any]) -> None:
-        """Convert the prompts the next forwards will stage (the last mapped batch's, then those of
-        `waiting`, transformers' waiting requests in its order): call it once a forward is launched,
-        while the device computes it (PromptArrays.ahead)."""
-        self.prompts.ahead(self._states, waiting)
+        """Convert the prompts the next forwards will stage (the last forward's requests, unless it
+        was a decode step of the same batch, which stages none; then those of `waiting`,
+        transformers' waiting requests in its order): call it once a forward is launched, while the
+        device computes it (PromptArrays.ahead)."""
+        self.prompts.ahead(self._staging_states, waiting)
 
     def reset(self) -> None:
         """Every lane free and unknown (UNKNOWN in the token table): the next forward re-sends each
@@ -75,5 +77,5 @@ class BatchStaging:
         self.buffers.reset()
         self.lanes = Lanes(self.lanes.count, self.max_batch)
         self.prompts.clear()
-        self._states = []
+        self._staging_states = []
         self._staged = [-1] * len(self.buffers.staging)
