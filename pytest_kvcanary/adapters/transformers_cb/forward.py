@@ -43,6 +43,22 @@ def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     return call
 
 
+def last_decoder_layer(model: Any) -> torch.nn.Module | None:
+    """The last of the model's decoder layers (``get_decoder().layers``), None where the model has
+    no such list."""
+    get_decoder = getattr(model, "get_decoder", None)
+    layers = getattr(get_decoder() if callable(get_decoder) else None, "layers", None)
+    return layers[-1] if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
+
+
+def _sharded() -> bool:
+    """Whether this process is one rank of several: a rank's TAIL may run collectives, which must
+    not run beside the forward's own."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class GuardedForward:
     """The forwards of one processor under the canary's ``hooks`` (None: they run unguarded).
     ``steps``: forwards since the last reset (the step a canary's violations name); ``tables``: per
@@ -73,9 +89,19 @@ class GuardedForward:
         self._forward_pair: int | None = None  # the IO pair of the forward the wrapper runs now
         self._head_pair = 0  # the IO pair of the forward whose HEAD ran last
         self._store_targets = {layer: layout.store_target(layer) for g in groups for layer in g.layers}
+        # Under canary_graphs (one rank), TAIL forks off the captured forward after its last decoder
+        # layer and joins it at the model's end: its nodes run beside the final norm and the LM
+        # head instead of after them (_fork_tail).
+        self._last_layer = last_decoder_layer(model) if canary_graphs and not _sharded() else None
+        self._tail_stream = torch.cuda.Stream(device) if self._last_layer is not None else None
+        self._tail_events = (torch.cuda.Event(), torch.cuda.Event()) if self._last_layer is not None else ()
+        self._tail_forked = False  # TAIL forked in the capture now running, not yet joined
         if self._in_forward:  # the model outlives the engine: its hooks hold this weakly
-            for handle in (model.register_forward_pre_hook(_weakly(self._head_in_forward), with_kwargs=True),
-                           model.register_forward_hook(_weakly(self._tail_in_forward), with_kwargs=True)):
+            handles = [model.register_forward_pre_hook(_weakly(self._head_in_forward), with_kwargs=True),
+                       model.register_forward_hook(_weakly(self._tail_in_forward), with_kwargs=True)]
+            if self._last_layer is not None:
+                handles.append(self._last_layer.register_forward_hook(_weakly(self._fork_tail)))
+            for handle in handles:
                 weakref.finalize(self, handle.remove)
                 patches.on_uninstall(handle.remove)
         if write_through and not canary_graphs:
@@ -138,10 +164,33 @@ class GuardedForward:
 
     @torch.compiler.disable
     def _tail_in_forward(self, model: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-        """The model's forward hook: RECHECK and TAIL inside the forward."""
+        """The model's forward hook: RECHECK and TAIL inside the forward, or, where they were forked
+        after the last decoder layer (``_fork_tail``), the forward joined with them."""
+        if self._tail_forked:
+            self._tail_forked = False
+            torch.cuda.current_stream().wait_event(self._tail_events[1])
+            return
         pair, hooks = self._forward_pair, self.hooks
         if pair is not None and hooks is not None:
             self._tail(hooks, pair)
+
+    @torch.compiler.disable
+    def _fork_tail(self, layer: Any, args: tuple, output: Any) -> None:
+        """The last decoder layer's forward hook, in a forward being captured: RECHECK and TAIL on
+        a stream forked from the forward's (every KV read and write of the forward is done; what
+        is left reads no KV), joined again by the model's forward hook. Outside a capture (eager
+        forwards, the warm-up before one) TAIL stays in the model's forward hook."""
+        pair, hooks = self._forward_pair, self.hooks
+        if pair is None or hooks is None or not torch.cuda.is_current_stream_capturing():
+            return
+        fork, join = self._tail_events
+        side = self._tail_stream
+        fork.record(torch.cuda.current_stream())
+        side.wait_event(fork)
+        with torch.cuda.stream(side):
+            self._tail(hooks, pair)
+        join.record(side)
+        self._tail_forked = True
 
     @torch.compiler.disable
     def _record_sampled(self, batch_data: dict[str, Any], output_ids: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from .support import INSTALL, make_engine, python_tails
 pytest.importorskip("transformers", reason=INSTALL)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
-from kvcanary_kernels.records import GroupKind  # noqa: E402
+from kvcanary_kernels.records import GroupKind, Half  # noqa: E402
 from pytest_kvcanary.config import CanaryConfig  # noqa: E402
 from pytest_kvcanary.handles.single import EngineHandle  # noqa: E402
 
@@ -77,6 +77,46 @@ def test_damage_between_decode_steps_is_reported_by_the_replayed_head():
     assert_replayed_inside_transformers_graphs(handle, python_steps)
     found = [v for v in handle.violations() if v.phase == "HEAD" and v.slot == damaged[0]]
     assert found and found[0].step == 4 and "verify_real_kv_hash" in found[0].reasons, handle.violations()[:3]
+
+
+def test_tail_is_captured_on_its_own_stream_and_rechecks_kv_damaged_after_the_last_layer():
+    """TAIL is captured on the stream forked after the last decoder layer, and its RECHECK still
+    comes after everything the forward did before the fork: K bytes of the layer RECHECK re-reads,
+    damaged by a captured hook right after the last layer (slot 3 of every block, in every
+    replay), are reported by RECHECK there."""
+    handle = graph_handle()
+    engine, runtime = handle.engine, handle.side.runtime
+    forward = engine._forward
+    after_forward, captured_on = runtime.after_forward, []
+
+    def recording(view):
+        if torch.cuda.is_current_stream_capturing():
+            captured_on.append(torch.cuda.current_stream())
+        after_forward(view)
+
+    runtime.after_forward = recording
+    handle.generate(PROMPTS, max_new_tokens=8)
+    runtime.drain()
+    assert handle.violations() == []
+    assert captured_on and all(s == forward._tail_stream for s in captured_on)
+
+    full = next(g for g in engine.groups if g.kind is GroupKind.FULL)
+    last_source = runtime.group(GroupKind.FULL).halves[Half.K].source_layers[-1]  # what RECHECK re-reads
+
+    def damaging(layer, args, output):  # captured before _fork_tail's hook: every replay damages
+        if torch.cuda.is_current_stream_capturing():
+            full.k_layers[last_source][:, 3] += 1.0
+
+    hook = forward._last_layer.register_forward_hook(damaging, prepend=True)
+    engine._io.drop_graphs()
+    try:
+        handle.generate(PROMPTS, max_new_tokens=8)
+    finally:
+        hook.remove()
+    runtime.drain()
+    rechecked = [v for v in handle.violations() if v.phase == "RECHECK"]
+    assert rechecked and all(v.slot % full.page_size == 3 for v in rechecked), handle.violations()[:3]
+    assert all("verify_real_kv_hash" in v.reasons for v in rechecked)
 
 
 def test_changing_the_hooks_drops_the_graphs_captured_under_the_old_ones():

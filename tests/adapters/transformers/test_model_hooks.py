@@ -67,3 +67,15 @@ def test_a_closed_engine_refuses_a_canary_and_requests():
     with pytest.raises(RuntimeError, match="serve on a closed TransformersEngine"):
         engine.serve([])
     engine.set_forward_hooks(None)  # detaching stays allowed
+
+
+def test_the_last_decoder_layer_is_the_one_tail_forks_after():
+    from torch import nn
+
+    from pytest_kvcanary.adapters.transformers_cb.forward import last_decoder_layer
+
+    for attention in ("mha", "swa"):
+        model, _ = load(random_checkpoint(attention, 0), DEVICE)
+        layers = model.get_decoder().layers
+        assert len(layers) > 1 and last_decoder_layer(model) is layers[-1]
+    assert last_decoder_layer(nn.Linear(2, 2)) is None  # no decoder: TAIL stays at the model's end
