@@ -110,7 +110,7 @@ class TransformersEngine:
         self._use_cuda_graph = use_cuda_graph
         self._in_flight = False  # async batching: a launched batch is not updated yet
         self._next_request = 0
-        self._prompts: dict[str, str] = {}
+        self._prompts: dict[str, str | list[int]] = {}  # request id -> its prompt (text, or the ids)
 
     def close(self) -> None:
         """Undo every patch of transformers the engine installed; the engine is not used after:
@@ -256,7 +256,7 @@ class TransformersEngine:
     def _submit(self, prompt: str | Sequence[int], ids: list[int], max_new_tokens: int) -> str:
         request_id = f"kvcanary-{self._next_request}"
         self._next_request += 1
-        self._prompts[request_id] = prompt if isinstance(prompt, str) else repr(list(prompt))
+        self._prompts[request_id] = prompt if isinstance(prompt, str) else ids  # formatted when a report asks
         self.manager.add_request(ids, request_id=request_id, max_new_tokens=max_new_tokens,
                                  eos_token_id=self.eos_token_id)
         return request_id
@@ -300,7 +300,10 @@ class TransformersEngine:
         """The request (id, prompt text) that held lane `row` at forward `step` since the last
         reset; None when none did."""
         owner = self._staging.lanes.owners.at(row, step)
-        return None if owner is None else (owner, self._prompts.get(owner, ""))
+        if owner is None:
+            return None
+        prompt = self._prompts.get(owner, "")
+        return owner, prompt if isinstance(prompt, str) else repr(prompt)
 
     def feed_token(self, view: Any, index: int, token: int) -> None:
         """The forward about to run embeds `token` at view token `index` (optional GuardedEngine extra,
@@ -362,12 +365,13 @@ class TransformersEngine:
         engine has no contexts: context_key must be 0)."""
         if context_key != 0:
             raise ValueError(f"engine 'transformers' has no request contexts: context_key must be 0; got {context_key}")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(map(int, prompt))
         vocab = self.model.config.vocab_size
         if not ids:
             raise ValueError("prompt is empty")
-        if bad := [t for t in ids if not 0 <= t < vocab]:
-            raise ValueError(f"prompt token ids must be in [0, vocab_size={vocab}); got {bad[0]}")
+        if min(ids) < 0 or max(ids) >= vocab:  # (C loops: a long prompt's ids are checked in microseconds)
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token ids must be in [0, vocab_size={vocab}); got {bad}")
         total = len(ids) + max_new_tokens
         if total > self.capacities.max_context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "

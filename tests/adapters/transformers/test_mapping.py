@@ -166,6 +166,19 @@ def test_request_at_names_the_request_of_each_row_and_forward():
     assert engine.request_at(0, 0) == ("kvcanary-0", "first prompt")
     assert engine.request_at(1, 0) == ("kvcanary-1", "second prompt")
     assert engine.request_at(2, 0) is None
+    ids = (7, 8, 9)  # a prompt of token ids is named by its ids
+    engine.generate([ids], max_new_tokens=1)
+    last = engine._forward.steps - 1
+    held = {engine.request_at(lane, last) for lane in range(engine._staging.lanes.count)}
+    assert ("kvcanary-2", "[7, 8, 9]") in held
+
+
+def test_a_prompt_of_token_ids_outside_the_vocabulary_is_refused_naming_the_first():
+    engine = make_engine("mha")
+    vocab = engine.model.config.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=rf"prompt token ids must be in \[0, vocab_size={vocab}\); got {bad}$"):
+            engine.generate([[1] * 300 + [bad, vocab + 5]], max_new_tokens=1)
 
 
 class TableChecker(Passive):
