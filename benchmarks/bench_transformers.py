@@ -128,9 +128,10 @@ class StepTimer:
     and TAIL (_tail), the runtime's end_forward (counting, the sweep every SWEEP steps, the log
     drain), the prompts converted ahead after it, and the block log noting hashed blocks and
     forgetting freed ones (in update_batch after the step and in the next batch's preparation;
-    counted with the step)."""
+    counted with the step). phases False: the step's time only (nothing inside it wrapped, so
+    the canary-on side pays for no timer of its own)."""
 
-    def __init__(self, engine: TransformersEngine, batch: int) -> None:
+    def __init__(self, engine: TransformersEngine, batch: int, phases: bool = True) -> None:
         self.engine, self.processor, self.batch = engine, engine.processor, batch
         self.step = self.processor._generation_step
         self.processor._generation_step = self
@@ -151,6 +152,8 @@ class StepTimer:
         if hooks is not None:  # called inside compute_batch: out of map, into its own phase
             self._wrapped += [(hooks, "end_forward", "map", -1), (hooks, "end_forward", "end_forward")]
         self._wrapped += [(forward.staging, "ahead", "map", -1), (forward.staging, "ahead", "prompts ahead")]
+        if not phases:
+            self._wrapped = []
         self._saved = {(id(obj), name): (obj, name, vars(obj).get(name))  # instance attributes
                        for obj, name, *_ in self._wrapped}.values()
         for obj, name, phase, *sign in self._wrapped:
@@ -194,10 +197,11 @@ class StepTimer:
 
 
 def run(engine: TransformersEngine, batch: int, prompt: int, new: int, repeats: int,
-        warmup: bool = True) -> tuple[float, dict[str, float]]:
+        warmup: bool = True, phases: bool = True) -> tuple[float, dict[str, float]]:
     """(median decode-step ms, mean canary host us per decode step by phase) over `repeats`
-    generations of `batch` fresh prompts, after one that warms up (none with warmup False)."""
-    timer = StepTimer(engine, batch)
+    generations of `batch` fresh prompts, after one that warms up (none with warmup False);
+    phases False: no phase timed (StepTimer), the host times all 0."""
+    timer = StepTimer(engine, batch, phases)
     gen = torch.Generator().manual_seed(batch)
     for repeat in range(repeats + warmup):
         if repeat == 1 and warmup:

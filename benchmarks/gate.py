@@ -126,7 +126,7 @@ def transformers(shape: str, batch: int, prefill: int | None = None) -> Callable
 
             def step_ms(canary: bool) -> float:
                 def work(_: object = None) -> float:
-                    return bench.run(engine, rows, prompt, new, 1, warmup=False)[0]
+                    return bench.run(engine, rows, prompt, new, 1, warmup=False, phases=False)[0]
                 return bench.with_canary(engine, "partial", kernels, work) if canary else work()
 
             step_ms(False), step_ms(True)  # the compiles and the engine's graph captures, once a mode
