@@ -139,8 +139,8 @@ class GuardedForward:
         self._forward_pair = pair
         try:
             self._compute(model, batch_data)
-        finally:
-            self._forward_pair = None
+        finally:  # a fork left unjoined (the forward raised after it) is not the next forward's
+            self._forward_pair, self._tail_forked = None, False
         if not self._in_forward:  # after the replay, which sampled too
             with self._on_compute_stream():
                 self._tail(hooks, pair)
